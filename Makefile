@@ -1,0 +1,32 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+WORLD_SIZE ?= 4
+
+.PHONY: setup test lint demo bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): $(PY) requirements-dev.txt pyproject.toml
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE)
+
+bench: setup
+	$(PY) benchmarks/padding.py
+	$(PY) benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
