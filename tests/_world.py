@@ -9,6 +9,7 @@ is a test failure rather than a stuck CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -111,10 +112,8 @@ class World:
     def close(self) -> None:
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     q.put(None)
-                except (OSError, ValueError):
-                    pass
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():

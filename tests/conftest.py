@@ -4,9 +4,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-
 from _world import WorldPool  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",

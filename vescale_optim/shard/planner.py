@@ -106,36 +106,55 @@ _SCAN = 32  # bottom-up candidates tried after the bisection ...
 _SCAN_WORK = 20_000  # ... fewer for large buckets, bounding the tensor placements spent
 
 
-def _search(order, sizes, units, world_size: int, align: int, lo: int, hi: int):
-    """Smallest feasible S in [lo, hi] (multiples of align) for this order, by galloping
-    up from lo and then bisecting; `hi` must be feasible."""
-    best = (hi, _fits(order, sizes, units, world_size, hi, align))
-    step, prev = align, lo - align
-    s = lo
-    while s < hi:
-        offsets = _fits(order, sizes, units, world_size, s, align)
+def _candidates(sizes, units, align: int, lo: int) -> list[int]:
+    """Shard sizes just above `lo` that are multiples of a unit (or of all units).
+
+    A tensor that spans two rank boundaries needs `S` to be a multiple of its unit,
+    so for buckets of large row-unit tensors the feasible sizes cluster there, where
+    bisection over a non-monotone predicate can miss them.
+    """
+    distinct = sorted({g for e, g in zip(sizes, units) if e})
+    steps = {math.lcm(align, g) for g in distinct}
+    combined = math.lcm(align, *distinct)
+    if combined <= max(lo, 1):
+        steps.add(combined)
+    return sorted({-(-lo // m) * m for m in steps})
+
+
+def _search(order, sizes, units, world_size: int, align: int, lo: int, hi: int, candidates):
+    """Smallest feasible S in [lo, hi] (multiples of align) found for this order.
+
+    Feasibility is not monotone in S, so the search combines the unit-multiple
+    candidates, galloping up from `lo` and bisecting, and a short scan from the bottom.
+    """
+    fits = lambda s: _fits(order, sizes, units, world_size, s, align)  # noqa: E731
+    best = (hi, fits(hi))
+    for s in candidates:
+        if s >= best[0]:
+            break
+        offsets = fits(s)
+        if offsets is not None:
+            best = (s, offsets)
+            break
+    step, prev, s = align, lo - align, lo
+    while s < best[0]:
+        offsets = fits(s)
         if offsets is not None:
             best = (s, offsets)
             break
         prev, s = s, s + step
         step *= 2
-    else:
-        s = hi
-    left, right = prev + align, best[0] - align  # bisect over (prev, best)
+    left, right = prev + align, best[0] - align
     while left <= right:
-        mid = (left + right) // 2 // align * align
-        if mid < left:
-            mid = left
-        offsets = _fits(order, sizes, units, world_size, mid, align)
+        mid = max(left, (left + right) // 2 // align * align)
+        offsets = fits(mid)
         if offsets is not None:
             best, right = (mid, offsets), mid - align
         else:
             left = mid + align
-    # Feasibility is not monotone in S (a smaller S can align with a unit where a larger
-    # one does not), so also try the first few candidates from the bottom.
     scan = max(1, min(_SCAN, _SCAN_WORK // max(len(order), 1)))
     for s in range(lo, min(best[0], lo + scan * align), align):
-        offsets = _fits(order, sizes, units, world_size, s, align)
+        offsets = fits(s)
         if offsets is not None:
             return s, offsets
     return best
@@ -174,12 +193,39 @@ def plan_layout(
     for order in (by_unit, by_size):
         if order not in orders:
             orders.append(order)
+    candidates = _candidates(sizes, units, align, lo)
     best = None
     for order in orders:
-        shard, offsets = _search(order, sizes, units, world_size, align, lo, hi)
+        shard, offsets = _search(order, sizes, units, world_size, align, lo, hi, candidates)
         if offsets is not None and (best is None or shard < best[0]):
             best = (shard, offsets)
             hi = shard
         if shard == lo:
             break
     return Layout(world_size, best[0], sizes, units, tuple(best[1]))
+
+
+def bucket_indices(numels: Sequence[int], keys: Sequence[object], cap: int) -> list[list[int]]:
+    """Group tensors into buckets to be planned separately.
+
+    Tensors share a bucket only if their `keys` are equal (e.g. dtype and param
+    group); a bucket is closed when adding the next tensor would pass `cap` elements
+    (a tensor larger than `cap` gets a bucket of its own). Model order is kept inside
+    each bucket, and buckets are ordered by their first tensor.
+    """
+    if len(numels) != len(keys):
+        raise ValueError(f"{len(numels)} sizes but {len(keys)} keys")
+    if cap < 1:
+        raise ValueError(f"bucket cap must be >= 1 element; got {cap}")
+    open_buckets: dict[object, list[int]] = {}
+    filled: dict[object, int] = {}
+    buckets: list[list[int]] = []
+    for i, (n, key) in enumerate(zip(numels, keys)):
+        bucket = open_buckets.get(key)
+        if bucket is None or filled[key] + n > cap:
+            bucket = open_buckets[key] = []
+            filled[key] = 0
+            buckets.append(bucket)
+        bucket.append(i)
+        filled[key] += n
+    return buckets

@@ -1,0 +1,99 @@
+"""Flat buffers: one `W*S` tensor per bucket and role, with every tensor a view into it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .planner import Layout
+from .spec import RaggedShard, Shape
+
+
+class FlatBuffer:
+    """The global buffer of a planned bucket, seen from `rank`.
+
+    `view(i)` is tensor `i` shaped like itself, `local` is the rank's slice
+    `[rank*S, (rank+1)*S)` and `local_piece(i)` the flat part of tensor `i` inside it;
+    all are views of `data`, so collectives on `data`/`local` move the tensors
+    themselves.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shapes: Sequence[Shape],
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shapes = [tuple(s) for s in shapes]
+        if [math.prod(s) for s in shapes] != list(layout.sizes):
+            raise ValueError("shapes do not match the layout's sizes")
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
+        self.layout, self.shapes, self.rank = layout, shapes, rank
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+
+    @property
+    def shard_size(self) -> int:
+        return self.layout.shard_size
+
+    @property
+    def local(self) -> torch.Tensor:
+        s = self.layout.shard_size
+        return self.data[self.rank * s : (self.rank + 1) * s]
+
+    def view(self, i: int) -> torch.Tensor:
+        start = self.layout.offsets[i]
+        return self.data[start : start + self.layout.sizes[i]].view(self.shapes[i])
+
+    def local_range(self, i: int) -> tuple[int, int]:
+        """Where tensor `i`'s piece lies in the local slice, as [start, stop)."""
+        start, stop = self.layout.rank_range(i, self.rank)
+        base = self.rank * self.layout.shard_size
+        return start - base, stop - base
+
+    def tensor_range(self, i: int) -> tuple[int, int]:
+        """Which flat elements of tensor `i` this rank holds, as [start, stop)."""
+        start, stop = self.layout.rank_range(i, self.rank)
+        return start - self.layout.offsets[i], stop - self.layout.offsets[i]
+
+    def local_piece(self, i: int) -> torch.Tensor:
+        start, stop = self.local_range(i)
+        return self.local[start:stop]
+
+    def placement(self, i: int) -> RaggedShard:
+        return self.layout.placement(i, self.shapes[i])
+
+
+def bind_parameters(
+    params: Sequence[torch.nn.Parameter], layout: Layout, rank: int
+) -> tuple[FlatBuffer, FlatBuffer]:
+    """Move `params` into a parameter buffer and give them gradient views of a second one.
+
+    Values are kept (an existing `.grad` is copied too); afterwards `p.data` and
+    `p.grad` are views of the buffers, and autograd accumulates into the gradient
+    buffer in place.
+    """
+    if not params:
+        raise ValueError("cannot bind an empty list of parameters")
+    dtype, device = params[0].dtype, params[0].device
+    for p in params:
+        if p.dtype != dtype or p.device != device:
+            raise ValueError(
+                f"a bucket holds one dtype and device; got {p.dtype}/{p.device} "
+                f"beside {dtype}/{device}"
+            )
+    shapes = [tuple(p.shape) for p in params]
+    pbuf = FlatBuffer(layout, shapes, rank, dtype, device)
+    gbuf = FlatBuffer(layout, shapes, rank, dtype, device)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            pbuf.view(i).copy_(p.detach())
+            p.data = pbuf.view(i)
+            if p.grad is not None:
+                gbuf.view(i).copy_(p.grad)
+            p.grad = gbuf.view(i)
+    return pbuf, gbuf

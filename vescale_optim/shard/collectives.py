@@ -1,0 +1,227 @@
+"""The one place that moves data with `torch.distributed`.
+
+Every call works on a process group, on world size 1, and with no process group at
+all (one process). Backend quirks are hidden here: gloo cannot send fp8 (data
+movement sends a uint8 view instead), and gathers of uneven pieces are padded.
+Calls with `async_op=True` return a `Handle`; `wait()` finishes any unpacking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buffer import FlatBuffer
+from .plan import Plan, RankProgram, plan_redistribute
+from .spec import RaggedShard, Shape
+
+_BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+class Comm:
+    """Rank, size and group of a process group; one process when none is initialised."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not self.distributed:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+
+    @property
+    def active(self) -> bool:
+        """Whether calls need to talk to other processes."""
+        return self.distributed and self.world_size > 1
+
+
+class Handle:
+    """Completion of an asynchronous collective; `wait()` is idempotent."""
+
+    def __init__(self, work=None, finish: Callable[[], None] | None = None):
+        self._work, self._finish, self._done = work, finish, False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _BYTE_VIEW else t
+
+
+def _scale(splits: Sequence[int], t: torch.Tensor) -> list[int]:
+    k = t.element_size() if t.dtype in _BYTE_VIEW else 1
+    return [s * k for s in splits]
+
+
+def _op(op: str):
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(_OPS)}")
+    return _OPS[op]
+
+
+def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False) -> Handle:
+    """Fill the whole buffer from every rank's local slice, in place (no copies)."""
+    if not comm.active:
+        return Handle()
+    work = dist.all_gather_into_tensor(
+        _movable(buf.data), _movable(buf.local), group=comm.group, async_op=async_op
+    )
+    return Handle(work)
+
+
+def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: bool = False) -> Handle:
+    """Reduce the whole buffer over ranks into each rank's local slice, in place.
+
+    Only the local slice is meaningful afterwards; the rest of the buffer keeps this
+    rank's own contribution.
+    """
+    reduce_op = _op(op)
+    if not comm.active:
+        return Handle()
+    work = dist.reduce_scatter_tensor(
+        buf.local, buf.data, op=reduce_op, group=comm.group, async_op=async_op
+    )
+    return Handle(work)
+
+
+def all_reduce_(tensor: torch.Tensor, comm: Comm, op: str = "sum", async_op: bool = False) -> Handle:
+    reduce_op = _op(op)
+    if not comm.active:
+        return Handle()
+    return Handle(dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=async_op))
+
+
+def run_plan(
+    plan: Plan,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    comm: Comm,
+    program: RankProgram | None = None,
+    async_op: bool = False,
+) -> Handle:
+    """Execute `plan` from this rank's flat `src` into its flat `dst` with one
+    `all_to_all_single`. Runs of contiguous, in-order intervals are sent and received
+    in place; only scattered intervals are packed or unpacked."""
+    if plan.world_size != comm.world_size:
+        raise ValueError(f"plan for {plan.world_size} ranks run on a world of {comm.world_size}")
+    prog = program or plan.program(comm.rank)
+    if not comm.active:
+        for (so, n), (do, _) in zip(prog.sends, prog.recvs):
+            if src.data_ptr() != dst.data_ptr() or so != do:
+                dst[do : do + n].copy_(src[so : so + n])
+        return Handle()
+    if prog.send_range is not None:
+        send = src[prog.send_range[0] : prog.send_range[1]]
+    else:
+        send = torch.cat([src[o : o + n] for o, n in prog.sends])
+    if prog.recv_range is not None:
+        recv, finish = dst[prog.recv_range[0] : prog.recv_range[1]], None
+    else:
+        recv = torch.empty(sum(prog.recv_splits), dtype=dst.dtype, device=dst.device)
+
+        def finish() -> None:
+            pos = 0
+            for o, n in prog.recvs:
+                dst[o : o + n].copy_(recv[pos : pos + n])
+                pos += n
+
+    work = dist.all_to_all_single(
+        _movable(recv),
+        _movable(send),
+        _scale(prog.recv_splits, recv),
+        _scale(prog.send_splits, send),
+        group=comm.group,
+        async_op=async_op,
+    )
+    handle = Handle(work, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def full_tensor(
+    local: torch.Tensor, shape: Shape, placement: RaggedShard, comm: Comm, async_op: bool = False
+) -> tuple[torch.Tensor, Handle]:
+    """Ragged -> replicated: every rank gets the whole tensor from the ranks' pieces.
+
+    Equal pieces are gathered straight into the result; uneven ones are padded to
+    the largest piece (gloo cannot gather uneven lists) and unpadded afterwards.
+    """
+    shape = tuple(shape)
+    placement.check(shape, comm.world_size)
+    ranges = placement.ranges(shape)
+    local = local.reshape(-1)
+    if local.numel() != ranges[comm.rank][1] - ranges[comm.rank][0]:
+        raise ValueError(
+            f"rank {comm.rank} holds {local.numel()} elements but its piece of {shape} "
+            f"under {placement} has {ranges[comm.rank][1] - ranges[comm.rank][0]}"
+        )
+    out = torch.empty(shape, dtype=local.dtype, device=local.device)
+    if not comm.active:
+        out.view(-1).copy_(local)
+        return out, Handle()
+    lengths = [b - a for a, b in ranges]
+    width = max(lengths)
+    if width == 0:
+        return out, Handle()
+    if all(n == width for n in lengths):
+        work = dist.all_gather_into_tensor(
+            _movable(out.view(-1)), _movable(local), group=comm.group, async_op=async_op
+        )
+        handle = Handle(work)
+    else:
+        padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+        padded[: local.numel()].copy_(local)
+        gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
+        work = dist.all_gather_into_tensor(
+            _movable(gathered), _movable(padded), group=comm.group, async_op=async_op
+        )
+
+        def unpad() -> None:
+            flat = out.view(-1)
+            for r, (a, b) in enumerate(ranges):
+                flat[a:b].copy_(gathered[r * width : r * width + b - a])
+
+        handle = Handle(work, unpad)
+    if not async_op:
+        handle.wait()
+    return out, handle
+
+
+def redistribute(
+    local: torch.Tensor, shape: Shape, src: RaggedShard, dst: RaggedShard, comm: Comm,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, Handle]:
+    """Ragged -> ragged between any two placements of one tensor (one `all_to_all_single`).
+
+    Returns this rank's new piece, shaped by `dst.local_shape`.
+    """
+    plan = plan_redistribute(tuple(shape), src, dst)
+    out = torch.empty(plan.dst_numel[comm.rank], dtype=local.dtype, device=local.device)
+    handle = run_plan(plan, local.reshape(-1), out, comm, async_op=async_op)
+    return out.view(dst.local_shape(shape, comm.rank)), handle
+
+
+def local_slice(full: torch.Tensor, placement: RaggedShard, rank: int) -> torch.Tensor:
+    """Replicated -> ragged: this rank's piece of a full tensor, as a flat view."""
+    start, stop = placement.local_range(tuple(full.shape), rank)
+    return full.reshape(-1)[start:stop]
+
+
+def all_gather_object(obj, comm: Comm) -> list:
+    """Every rank's `obj` (for construction-time checks, not for tensors)."""
+    if not comm.active:
+        return [obj]
+    out = [None] * comm.world_size
+    dist.all_gather_object(out, obj, group=comm.group)
+    return out
