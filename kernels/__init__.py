@@ -1,0 +1,11 @@
+"""Kernels with torch reference implementations: Newton–Schulz and block-wise 8-bit
+quantization with a fused 8-bit AdamW update.
+
+Every function takes ``backend="auto" | "torch" | "triton"``; ``"auto"`` runs Triton
+on CUDA tensors and the torch reference elsewhere. Triton is imported only when used.
+"""
+
+from .newton_schulz import newton_schulz
+from .quant import adamw8bit_update_, dequantize_blockwise, quantize_blockwise
+
+__all__ = ["adamw8bit_update_", "dequantize_blockwise", "newton_schulz", "quantize_blockwise"]

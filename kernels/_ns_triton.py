@@ -1,0 +1,204 @@
+"""Triton kernels for Newton–Schulz: symmetric ``X Xᵀ`` and the fused polynomial step.
+
+One iteration ``X <- a X + (b A + c A²) X`` with ``A = X Xᵀ`` is three launches over
+a stack of equal-shape matrices (grid axis 1 is the matrix index):
+
+1. ``A = X Xᵀ`` — symmetric, so only tiles ``i <= j`` are computed and each off-diagonal
+   tile is also stored transposed (about half the FLOPs of a plain matmul);
+2. ``B = b A + c A Aᵀ`` — the same symmetric kernel (``A`` is symmetric, so
+   ``A² = A Aᵀ``) with the ``b A`` term fused into its epilogue;
+3. ``X' = a X + B X`` — a tiled matmul with the ``a X`` term fused into its epilogue;
+   the last step writes straight into the output, transposed back if the input was tall.
+
+Inputs are bf16 and accumulation is fp32, like cuBLAS, so each launch rounds to bf16
+exactly where the torch reference does. The Triton interpreter mis-computes bf16
+arithmetic and truncates fp32 -> bf16 casts, so under ``TRITON_INTERPRET=1`` operands
+are upcast to fp32 right after loading (exact: bf16 values are fp32 values and
+products of two bf16 are exact in fp32) and results are rounded to nearest-even by
+hand before the cast; compiled kernels feed bf16 to the tensor cores and round in
+hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._triton_common import INTERPRET, cast_rne
+from .newton_schulz import as_stack
+
+__all__ = ["INTERPRET", "newton_schulz_triton", "poly", "syrk"]
+
+@triton.jit
+def _syrk_kernel(
+    l_ptr, c_ptr, out_ptr, tiles_ptr, P, K,
+    stride_lb, stride_lr, stride_lk,
+    stride_cb, stride_cr, stride_cc,
+    stride_ob, stride_or, stride_oc,
+    alpha, beta,
+    HAS_C: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT = alpha * L Lᵀ (+ beta * C) for a symmetric C; tiles (i <= j) from ``tiles_ptr``."""
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    ti = tl.load(tiles_ptr + 2 * pid)
+    tj = tl.load(tiles_ptr + 2 * pid + 1)
+    ri = ti * BLOCK + tl.arange(0, BLOCK)
+    rj = tj * BLOCK + tl.arange(0, BLOCK)
+    rk = tl.arange(0, BLOCK_K)
+    l_ptr += bid * stride_lb
+    a_ptrs = l_ptr + ri[:, None] * stride_lr + rk[None, :] * stride_lk
+    b_ptrs = l_ptr + rj[None, :] * stride_lr + rk[:, None] * stride_lk
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(ri[:, None] < P) & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rj[None, :] < P) & (rk[:, None] < k_left), other=0.0)
+        if INTERPRETED:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_lk
+        b_ptrs += BLOCK_K * stride_lk
+    mask = (ri[:, None] < P) & (rj[None, :] < P)
+    out = alpha * acc
+    if HAS_C:
+        c_ptr += bid * stride_cb
+        c = tl.load(c_ptr + ri[:, None] * stride_cr + rj[None, :] * stride_cc, mask=mask)
+        out += beta * c.to(tl.float32)
+    out = cast_rne(out, tl.bfloat16, INTERPRETED)
+    out_ptr += bid * stride_ob
+    tl.store(out_ptr + ri[:, None] * stride_or + rj[None, :] * stride_oc, out, mask=mask)
+    mirror = out_ptr + ri[:, None] * stride_oc + rj[None, :] * stride_or
+    tl.store(mirror, out, mask=mask & (ti != tj))
+
+
+@triton.jit
+def _poly_kernel(
+    b_ptr, x_ptr, out_ptr, P, Q,
+    stride_bb, stride_br, stride_bc,
+    stride_xb, stride_xr, stride_xc,
+    stride_ob, stride_or, stride_oc,
+    a_coef,
+    INTERPRETED: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """OUT = a * X + B X for B of shape (P, P) and X of shape (P, Q)."""
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    num_m = tl.cdiv(P, BLOCK_M)
+    num_n = tl.cdiv(Q, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    b_ptr += bid * stride_bb
+    x_ptr += bid * stride_xb
+    b_ptrs = b_ptr + rm[:, None] * stride_br + rk[None, :] * stride_bc
+    x_ptrs = x_ptr + rk[:, None] * stride_xr + rn[None, :] * stride_xc
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(P, BLOCK_K)):
+        k_left = P - k * BLOCK_K
+        b = tl.load(b_ptrs, mask=(rm[:, None] < P) & (rk[None, :] < k_left), other=0.0)
+        x = tl.load(x_ptrs, mask=(rk[:, None] < k_left) & (rn[None, :] < Q), other=0.0)
+        if INTERPRETED:
+            b = b.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(b, x, acc)
+        b_ptrs += BLOCK_K * stride_bc
+        x_ptrs += BLOCK_K * stride_xr
+    mask = (rm[:, None] < P) & (rn[None, :] < Q)
+    x = tl.load(x_ptr + rm[:, None] * stride_xr + rn[None, :] * stride_xc, mask=mask)
+    out = a_coef * x.to(tl.float32) + acc
+    out_ptr += bid * stride_ob
+    out_ptrs = out_ptr + rm[:, None] * stride_or + rn[None, :] * stride_oc
+    tl.store(out_ptrs, cast_rne(out, tl.bfloat16, INTERPRETED), mask=mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _upper_tiles(num_tiles: int, device: torch.device) -> Tensor:
+    """Interleaved (i, j) pairs of the tiles with i <= j, row by row."""
+    return torch.triu_indices(num_tiles, num_tiles, device=device).T.contiguous().int()
+
+
+def _pow2_clamp(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+def syrk(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
+         C: Tensor | None = None, block: int | None = None, block_k: int | None = None) -> Tensor:
+    """``out = alpha * L Lᵀ (+ beta * C)`` for stacks ``L (B, P, K)``, symmetric ``C (B, P, P)``."""
+    nb, P, K = L.shape
+    block = block or _pow2_clamp(P, 16, 128)
+    block_k = block_k or _pow2_clamp(K, 16, 64)
+    tiles = _upper_tiles(triton.cdiv(P, block), L.device)
+    c = out if C is None else C
+    _syrk_kernel[(tiles.shape[0], nb)](
+        L, c, out, tiles, P, K,
+        *L.stride(), *c.stride(), *out.stride(),
+        alpha, beta,
+        HAS_C=C is not None, INTERPRETED=INTERPRET, BLOCK=block, BLOCK_K=block_k,
+        num_warps=8 if block >= 128 else 4, num_stages=3,
+    )
+    return out
+
+
+def poly(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = None,
+         block_n: int | None = None, block_k: int | None = None) -> Tensor:
+    """``out = a * X + B X`` for stacks ``B (B, P, P)`` and ``X (B, P, Q)``; ``out`` may be
+    any strided view of shape ``(B, P, Q)`` that does not overlap ``X``."""
+    nb, P, Q = X.shape
+    block_m = block_m or _pow2_clamp(P, 16, 128)
+    block_n = block_n or _pow2_clamp(Q, 16, 128)
+    block_k = block_k or _pow2_clamp(P, 16, 64)
+    grid = (triton.cdiv(P, block_m) * triton.cdiv(Q, block_n), nb)
+    _poly_kernel[grid](
+        B, X, out, P, Q,
+        *B.stride(), *X.stride(), *out.stride(),
+        a,
+        INTERPRETED=INTERPRET, GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3,
+    )
+    return out
+
+
+def newton_schulz_triton(
+    x: Tensor,
+    steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    *,
+    block: int | None = None,
+    block_k: int | None = None,
+) -> Tensor:
+    """Newton–Schulz on a ``(..., m, n)`` tensor with the Triton kernels; returns bf16.
+
+    ``block`` and ``block_k`` override the tile sizes (tests use small tiles to exercise
+    masks and the mirrored stores on small matrices).
+    """
+    a, b, c = coefficients
+    X, tall = as_stack(x, eps)
+    X = X.contiguous()
+    nb, P, Q = X.shape
+    out = torch.empty((nb, *x.shape[-2:]), dtype=torch.bfloat16, device=x.device)
+    final = out.mT if tall else out
+    A = torch.empty((nb, P, P), dtype=torch.bfloat16, device=x.device)
+    Bm = torch.empty_like(A)
+    spare = torch.empty_like(X) if steps > 1 else None
+    tiles = dict(block_m=block, block_n=block, block_k=block_k)
+    for step in range(steps):
+        syrk(X, A, block=block, block_k=block_k)
+        syrk(A, Bm, alpha=c, beta=b, C=A, block=block, block_k=block_k)
+        dest = final if step == steps - 1 else spare
+        poly(Bm, X, dest, a=a, **tiles)
+        X, spare = dest, X
+    return out.reshape(x.shape)

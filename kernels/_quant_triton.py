@@ -1,0 +1,142 @@
+"""Triton kernels for block-wise int8 quantization and the fused 8-bit AdamW update.
+
+Each program owns ``ROWS`` whole blocks, laid out as a ``(ROWS, BLOCK)`` tile
+(``BLOCK`` is ``block_size`` rounded up to a power of two; the padding and a partial
+last block are masked and read as zero). A block's absmax is a row reduction, so the
+scale never needs a second pass. The arithmetic mirrors ``quant``'s torch reference
+op for op, with correctly rounded division and square root (``div_rn``, ``sqrt_rn``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._triton_common import INTERPRET, cast_rne
+
+__all__ = ["INTERPRET", "adamw8bit", "dequantize", "quantize"]
+
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _rint(y):
+    """Round to nearest, ties to even (``torch.round``), exact for ``|y| < 2**22``."""
+    r = tl.floor(y)
+    d = y - r
+    odd = (r - 2.0 * tl.floor(0.5 * r)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _quantize_rows(x, NONZERO: tl.constexpr):
+    """Codes (fp32, in [-127, 127]) and scales of each row of an fp32 tile."""
+    absmax = tl.max(tl.abs(x), axis=1)
+    scale = tl.div_rn(absmax, 127.0)
+    scale = (scale.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
+    divisor = tl.where(scale > 0.0, scale, 1.0)
+    q = _rint(tl.div_rn(x, divisor[:, None]))
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    if NONZERO:
+        q = tl.where((q == 0.0) & (x > 0.0), 1.0, q)
+    return q, scale
+
+
+@triton.jit
+def _tile(n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    offs = rows[:, None] * block_size + cols[None, :]
+    mask = (cols[None, :] < block_size) & (offs < n)
+    return rows, offs, mask, rows < nblocks
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_rows(x, False)
+    tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
+                       INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
+    scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+    x = cast_rne(q * scale[:, None], out_ptr.dtype.element_ty, INTERPRETED)
+    tl.store(out_ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _adamw8bit_kernel(
+    p_ptr, g_ptr, qm_ptr, sm_ptr, qv_ptr, sv_ptr, n, nblocks, block_size,
+    decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+    MAXIMIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    grad = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        grad = -grad
+    sm = tl.load(sm_ptr + rows, mask=row_mask, other=0.0)
+    sv = tl.load(sv_ptr + rows, mask=row_mask, other=0.0)
+    exp_avg = tl.load(qm_ptr + offs, mask=mask, other=0).to(tl.float32) * sm[:, None]
+    root = tl.load(qv_ptr + offs, mask=mask, other=0).to(tl.float32) * sv[:, None]
+    exp_avg = exp_avg + w1 * (grad - exp_avg)
+    exp_avg_sq = root * root * beta2 + w2 * grad * grad
+    root = tl.sqrt_rn(exp_avg_sq)
+    denom = tl.div_rn(root, bc2_sqrt) + eps
+    param = tl.load(p_ptr + offs, mask=mask, other=0.0) * decay
+    param = param + tl.div_rn(-step_size * exp_avg, denom)
+    tl.store(p_ptr + offs, param, mask=mask)
+    q, scale = _quantize_rows(exp_avg, False)
+    tl.store(qm_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(sm_ptr + rows, scale, mask=row_mask)
+    q, scale = _quantize_rows(root, True)
+    tl.store(qv_ptr + offs, q.to(tl.int8), mask=mask)
+    tl.store(sv_ptr + rows, scale, mask=row_mask)
+
+
+def _launch(block_size: int, n: int) -> tuple[tuple[int], int, dict]:
+    block = triton.next_power_of_2(block_size)
+    rows = max(1, _TILE_ELEMENTS // block)
+    nblocks = triton.cdiv(n, block_size)
+    meta = dict(ROWS=rows, BLOCK=block, num_warps=4 if rows * block <= 2048 else 8)
+    return (triton.cdiv(nblocks, rows),), nblocks, meta
+
+
+def quantize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Triton ``quantize_blockwise`` of a contiguous flat tensor."""
+    n = flat.numel()
+    grid, nblocks, meta = _launch(block_size, n)
+    q = torch.empty(n, dtype=torch.int8, device=flat.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
+    _quantize_kernel[grid](flat, q, scales, n, nblocks, block_size, **meta)
+    return q, scales
+
+
+def dequantize(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
+    """Triton ``dequantize_blockwise`` of contiguous flat codes into a new ``dtype`` tensor."""
+    n = q.numel()
+    grid, nblocks, meta = _launch(block_size, n)
+    out = torch.empty(n, dtype=dtype, device=q.device)
+    _dequantize_kernel[grid](q, scales, out, n, nblocks, block_size, INTERPRETED=INTERPRET, **meta)
+    return out
+
+
+def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
+              block_size: int, *, decay: float, w1: float, beta2: float, w2: float,
+              step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> None:
+    """Triton ``adamw8bit_update_``: one fused pass, each block read and written once."""
+    n = p.numel()
+    grid, nblocks, meta = _launch(block_size, n)
+    _adamw8bit_kernel[grid](
+        p, g, qm, sm, qv, sv, n, nblocks, block_size,
+        decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+        MAXIMIZE=maximize, **meta,
+    )
