@@ -1,6 +1,7 @@
 """vescale_optim: structure-aware distributed optimizers over RaggedShard layouts."""
 
+from .optim import AdamW, ShardedOptimizer
 from .shard import Layout, RaggedShard, plan_layout
 
-__all__ = ["Layout", "RaggedShard", "plan_layout"]
+__all__ = ["AdamW", "Layout", "RaggedShard", "ShardedOptimizer", "plan_layout"]
 __version__ = "0.1.0"

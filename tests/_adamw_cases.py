@@ -1,0 +1,43 @@
+"""Deterministic parameters and per-rank gradients shared by the AdamW tests and their reference."""
+
+import torch
+
+SHAPES = [(5, 7), (13,), (3, 4, 5), (1,), (17, 3), (2, 9)]
+
+
+def make_params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def groups(params, amsgrad=True, maximize=True):
+    return [
+        {"params": params[:3], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0, "amsgrad": amsgrad, "maximize": maximize},
+    ]
+
+
+def grad(step, rank, i, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + i)
+    return (torch.randn(SHAPES[i], generator=g) * (1 + rank)).to(dtype)
+
+
+def set_grads(params, step, rank, dtype=torch.float32, skip=()):
+    for i, p in enumerate(params):
+        if i in skip:
+            p.grad = None  # no gradient this step: counts as zero
+        else:
+            p.grad = grad(step, rank, i, dtype)
+
+
+def mean_grads(step, world, dtype=torch.float32, skip=()):
+    return [
+        torch.zeros(SHAPES[i])
+        if i in skip
+        else torch.stack([grad(step, r, i, dtype).float() for r in range(world)]).mean(0)
+        for i in range(len(SHAPES))
+    ]
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t)

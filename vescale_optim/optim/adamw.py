@@ -1,0 +1,109 @@
+"""Sharded AdamW: torch.optim.AdamW's math on each rank's flat slice of every bucket."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Bucket, ShardedOptimizer
+
+
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: torch.Tensor | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+) -> None:
+    """One AdamW step on flat tensors, in place (decoupled weight decay, bias correction).
+
+    p <- p * (1 - lr*wd);  m <- b1*m + (1-b1)*g;  v <- b2*v + (1-b2)*g^2
+    p <- p - lr/(1-b1^t) * m / (sqrt(max(v))/sqrt(1-b2^t) + eps)
+    """
+    if maximize:
+        grad = -grad
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    second = exp_avg_sq
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        second = max_exp_avg_sq
+    step_size = lr / (1 - beta1**step)
+    denom = (second.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class AdamW(ShardedOptimizer):
+    """AdamW with parameters, gradients and moments ragged-sharded over the process group.
+
+    Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
+    gradients with one reduce-scatter per bucket, updates the rank's flat slice in a
+    single call per bucket and all-gathers the parameters. bf16/fp16 parameters get
+    an fp32 master of the local slice only; moments are fp32.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        process_group=None,
+        skip_nonfinite: bool = False,
+        bucket_cap_numel: int = 64 * 1024 * 1024,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        )
+        super().__init__(
+            params,
+            defaults,
+            process_group=process_group,
+            skip_nonfinite=skip_nonfinite,
+            bucket_cap_numel=bucket_cap_numel,
+        )
+
+    def _state_names(self, bucket: Bucket) -> list[str]:
+        names = ["exp_avg", "exp_avg_sq"]
+        return [*names, "max_exp_avg_sq"] if bucket.group["amsgrad"] else names
+
+    def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
+        g = bucket.group
+        beta1, beta2 = g["betas"]
+        adamw_update_(
+            bucket.local_params,
+            grads,
+            bucket.state["exp_avg"],
+            bucket.state["exp_avg_sq"],
+            bucket.state.get("max_exp_avg_sq"),
+            step=bucket.step,
+            lr=float(g["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=g["eps"],
+            weight_decay=g["weight_decay"],
+            maximize=g["maximize"],
+        )
