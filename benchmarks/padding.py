@@ -1,0 +1,492 @@
+"""Padding of the ragged layout planner on real model shapes, against peer layouts.
+
+One bucket per transformer block (the embedding and the head are buckets too), for
+world sizes W and three unit granularities:
+
+* `1 row`    - unit = one row (`shape[-1]` elements): row-wise state, Muon/Shampoo rows;
+* `32 rows`  - unit = 32 rows: 32x32 block quantization, Shampoo tiles of 32;
+* `128 rows` - unit = 128 rows: 128x128 block quantization (DeepSeek-style FP8).
+
+Units are chosen per tensor like this (the DESIGN table, made concrete):
+
+* a matrix `[..., R, C]` uses `k*C` elements when `k` divides `R`, the number of rows of
+  one matrix. For a fused 3-D expert tensor `[E, R, C]` that is `R` (a tile must not
+  straddle two experts), not `E*R`.
+* when `k` does not divide `R`, the last k x k tile of every matrix is ragged, and equal
+  units cannot follow it, so the unit becomes the whole matrix `R*C` (one expert of a
+  3-D tensor): the matrix lives on one rank. Smaller units (`gcd(k, R)` rows) would cut
+  the ragged tiles.
+* vectors - 1-D tensors (norm gains, biases, attention sinks) and GPT-OSS's 2-D stacks
+  of per-expert biases - use 1 element: no optimizer treats them as matrices, and
+  block quantizers keep small tensors unquantized or use flat blocks, so element-wise
+  is the structure they have.
+
+Columns, each summed over all blocks of the model (padding % = padding / parameters):
+
+* `ours %`     - `plan_layout` (`align=1`);
+* `ref %`      - an independent cross-check: walk the shard sizes that pass the bound's
+  conditions upward and place tensors greedily (earliest valid start, three orders);
+  `ref % < ours %` proves the planner missed a better layout (`planner misses` counts
+  such blocks);
+* `bound %`    - a lower bound no layout can beat: `S >= ceil(total/W)`, `S >=` the
+  largest unit, and every tensor longer than `2S` holds two rank boundaries wherever it
+  sits, which forces `S` to be a multiple of its unit;
+* `FSDP2 %`    - per-parameter `Shard(0)`: every tensor padded until dim 0 divides by W;
+  `FSDP2 cuts` - how many units its `ceil(dim0/W)`-row chunks split (rows stay whole,
+  but 32- and 128-row tiles are cut when the chunk is not a multiple of the tile);
+* `LCM %`      - a Megatron-FSDP-style rule: tensors packed in model order, each start
+  rounded up to a multiple of its unit, and the per-rank shard a multiple of the lcm
+  of all units in the bucket (then no rank boundary can cut a unit);
+* `flat cuts`  - a structure-blind flat split (concatenate, cut into W pieces of
+  `ceil(total/W)`): how many units its cuts split (its padding is < W elements);
+* `plan s` / `max ms` - planner wall time: sum over distinct buckets, and the slowest
+  bucket. Identical blocks give identical layouts, so each distinct block is planned
+  once and counted as many times as it occurs.
+* `goal` - the 3 % goal applies to buckets whose ideal shard `ceil(total/W)` holds at
+  least 64 of the bucket's largest units: `ok n/n` when all such buckets meet it,
+  `miss k/n (bound)` when the bound itself is above 3 % on the missed ones, `PLANNER`
+  when the cross-check found a layout within 3 %. `n/a`: no bucket qualifies.
+
+A second table lists every block above 3 % and why.
+
+Every layout is checked as it is produced (no overlap, inside `[0, W*S)`, no rank
+boundary inside a unit, `placement()` consistent with the offsets), so the benchmark
+doubles as a planner test on real shapes.
+
+    python benchmarks/padding.py            # all models, W in 8..1024, three units
+    python benchmarks/padding.py --quick    # W in {8, 1024}, two units
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._report import environment, save_json, save_png, table  # noqa: E402
+from benchmarks.model_shapes import MODELS, Block, Shape, is_vector, numel  # noqa: E402
+from vescale_optim.shard import plan_layout  # noqa: E402
+
+UNITS = {"1 row": 1, "32 rows": 32, "128 rows": 128}
+WORLD_SIZES = (8, 64, 256, 1024)
+GOAL = 0.03
+MIN_UNITS_PER_RANK = 64
+
+
+def unit_of(name: str, shape: Shape, rows: int) -> int:
+    """Unit in elements of parameter `name` for `rows`-row granularity (see module doc)."""
+    if is_vector(name, shape):
+        return 1
+    r, c = shape[-2], shape[-1]
+    return rows * c if r % rows == 0 else r * c
+
+
+@dataclass
+class Bucket:
+    label: str
+    count: int  # identical blocks this bucket stands for
+    shapes: tuple[Shape, ...]
+    sizes: tuple[int, ...]
+    units: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def _block_label(block: Block) -> str:
+    m = re.match(r"model\.layers\.(\d+)\.", block[0][0])
+    if m:
+        return m.group(1)
+    return "embed" if "embed" in block[0][0] else "head"
+
+
+def distinct_buckets(blocks: list[Block], rows: int) -> list[Bucket]:
+    """The model's blocks as buckets, identical ones merged (same shapes and units)."""
+    seen: dict[tuple, Bucket] = {}
+    labels: dict[tuple, list[str]] = {}
+    for block in blocks:
+        shapes = tuple(s for _, s in block)
+        units = tuple(unit_of(n, s, rows) for n, s in block)
+        key = (shapes, units)
+        if key in seen:
+            seen[key].count += 1
+        else:
+            seen[key] = Bucket("", 1, shapes, tuple(numel(s) for s in shapes), units)
+        labels.setdefault(key, []).append(_block_label(block))
+    for key, bucket in seen.items():
+        names = labels[key]
+        if names[0].isdigit():
+            lo, hi = names[0], names[-1]
+            bucket.label = f"layer {lo}" if lo == hi else f"layers {lo}-{hi} ({len(names)})"
+        else:
+            bucket.label = names[0]
+    return list(seen.values())
+
+
+# ------------------------------------------------------------------ invariant check
+
+
+def verify(layout, bucket: Bucket, world_size: int) -> None:
+    """Raise AssertionError unless the layout is a valid ragged layout of the bucket."""
+    sizes, units, S = bucket.sizes, bucket.units, layout.shard_size
+    W, total = world_size, bucket.total
+    assert layout.world_size == W and tuple(layout.sizes) == sizes
+    assert total <= S * W and -(-total // W) <= S, (S, total, W)
+    assert layout.padding == S * W - total
+    offsets = layout.offsets
+    end = 0
+    for i in sorted(range(len(sizes)), key=lambda i: offsets[i]):
+        e, g, lo = sizes[i], units[i], offsets[i]
+        if e == 0:
+            continue
+        assert lo >= end, f"tensor {i} at {lo} overlaps the previous one ending at {end}"
+        end = lo + e
+        assert end <= W * S, f"tensor {i} ends at {end} > W*S = {W * S}"
+        b = (lo // S + 1) * S  # first rank boundary after the start
+        if b < end:
+            assert (b - lo) % g == 0, f"tensor {i}: boundary {b} splits a unit of {g}"
+            if b + S < end:
+                assert S % g == 0, f"tensor {i}: S={S} spans boundaries but is not a multiple of {g}"
+        local = layout.local_units(i)
+        assert sum(local) * g == e, (i, local, g, e)
+        placement = layout.placement(i, bucket.shapes[i])
+        placement.check(bucket.shapes[i], W)
+        # the placement's pieces must be where the offsets put the tensor's rank pieces
+        for r in (lo // S, (end - 1) // S):
+            start, stop = layout.rank_range(i, r)
+            assert placement.local_range(bucket.shapes[i], r) == (start - lo, stop - lo)
+
+
+# ----------------------------------------------------------------- other layouts
+
+
+def next_candidate(sizes, units, s: int) -> tuple[int, int]:
+    """Smallest S' >= s that passes the necessary condition "S is a multiple of the unit
+    of every tensor longer than 2S" (such a tensor holds at least two rank boundaries
+    wherever it sits, and two consecutive boundaries both fall on its unit grid only
+    when S is a multiple of its unit). Returns (S', lcm of the units that bind there)."""
+    while True:
+        spanning = [(e, g) for e, g in zip(sizes, units) if e > 2 * s]
+        if not spanning:
+            return s, 1
+        lcm = math.lcm(*(g for _, g in spanning))
+        cand = -(-s // lcm) * lcm
+        # {t : e_t > 2S} is the same for S in [s, nxt) and only shrinks after
+        nxt = min((e - 1) // 2 + 1 for e, _ in spanning)
+        if cand < nxt:
+            return cand, lcm
+        s = nxt
+
+
+def lower_bound_shard(sizes, units, world_size: int) -> tuple[int, int]:
+    """A lower bound on S for any valid layout: at least ceil(total/W), at least the
+    largest unit, and passing `next_candidate`'s condition. Returns (S, binding lcm)."""
+    s = max(-(-sum(sizes) // world_size), max((g for e, g in zip(sizes, units) if e), default=1))
+    return next_candidate(sizes, units, s)
+
+
+def _earliest(cursor: int, size: int, unit: int, shard: int, limit: int) -> int | None:
+    """Earliest start >= cursor at which every rank boundary inside the tensor falls on
+    its unit grid (an independent re-implementation of the planner's greedy step)."""
+    start = cursor
+    while start + size <= limit:
+        b = (start // shard + 1) * shard
+        if b >= start + size:
+            return start
+        if (b - start) % unit:
+            start += (b - start) % unit
+        elif b + shard >= start + size or shard % unit == 0:
+            return start
+        else:
+            start = b
+    return None
+
+
+def reference_shard(sizes, units, world_size: int, stop: int, tries: int = 64) -> int | None:
+    """Smallest S < stop found by walking the lattice of `next_candidate` sizes upward
+    from the lower bound and placing tensors greedily (model order, then by unit, then
+    by size); None if none of the first `tries` candidates fits. A cross-check of the
+    planner's search: a result below the planner's S is a planner miss."""
+    n = len(sizes)
+    orders = [
+        range(n),
+        sorted(range(n), key=lambda i: (-units[i], -sizes[i])),
+        sorted(range(n), key=lambda i: (-sizes[i], -units[i])),
+    ]
+    s, _ = lower_bound_shard(sizes, units, world_size)
+    for _ in range(tries):
+        if s >= stop:
+            return None
+        for order in orders:
+            cursor = 0
+            for i in order:
+                if sizes[i]:
+                    start = _earliest(cursor, sizes[i], units[i], s, world_size * s)
+                    if start is None:
+                        break
+                    cursor = start + sizes[i]
+            else:
+                return s
+        s, _ = next_candidate(sizes, units, s + 1)
+    return None
+
+
+def fsdp2_padding(shapes, world_size: int) -> int:
+    """Per-parameter dim-0 sharding: pad dim 0 of each tensor to a multiple of W."""
+    return sum((-(-s[0] // world_size) * world_size - s[0]) * (numel(s) // s[0]) for s in shapes if s[0])
+
+
+def fsdp2_cuts(shapes, units, world_size: int) -> int:
+    """Units split by per-parameter dim-0 sharding (chunks of ceil(dim0/W) along dim 0)."""
+    cuts = 0
+    for shape, g in zip(shapes, units):
+        row = numel(shape[1:])  # elements per dim-0 slice
+        if not shape[0] or g % row:  # a unit inside one dim-0 slice is never cut
+            continue
+        u, chunk = g // row, -(-shape[0] // world_size)
+        cuts += sum(1 for b in range(chunk, shape[0], chunk) if b % u)
+    return cuts
+
+
+def lcm_padding(sizes, units, world_size: int) -> int:
+    """Megatron-FSDP-style: unit-aligned contiguous packing, shard a multiple of lcm(units)."""
+    cursor = 0
+    for e, g in zip(sizes, units):
+        cursor = -(-cursor // g) * g + e
+    lcm = math.lcm(*units)
+    ideal = -(-cursor // world_size)
+    shard = -(-ideal // lcm) * lcm
+    return world_size * shard - sum(sizes)
+
+
+def flat_cuts(sizes, units, world_size: int) -> int:
+    """Units split by a structure-blind flat split into W pieces of ceil(total/W)."""
+    starts = [0, *accumulate(sizes)]
+    piece = -(-starts[-1] // world_size)
+    cut = set()
+    for k in range(1, world_size):
+        b = k * piece
+        t = bisect_right(starts, b) - 1
+        if t >= len(sizes):
+            break
+        pos = b - starts[t]
+        if 0 < pos < sizes[t] and pos % units[t]:
+            cut.add((t, pos // units[t]))
+    return len(cut)
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def measure(bucket: Bucket, world_size: int) -> dict:
+    W = world_size
+    t0 = time.perf_counter()
+    layout = plan_layout(bucket.sizes, bucket.units, W)
+    seconds = time.perf_counter() - t0
+    verify(layout, bucket, W)
+    total, gmax = bucket.total, max(bucket.units)
+    ideal = -(-total // W)
+    bound, _ = lower_bound_shard(bucket.sizes, bucket.units, W)
+    start = max(ideal, gmax)
+    lcm = math.lcm(*(g for e, g in zip(bucket.sizes, bucket.units) if e > 2 * start))
+    assert layout.shard_size >= bound, (layout.shard_size, bound)
+    ref = layout.shard_size
+    if ref > bound:
+        ref = reference_shard(bucket.sizes, bucket.units, W, stop=ref) or ref
+    return {
+        "block": bucket.label,
+        "count": bucket.count,
+        "tensors": len(bucket.sizes),
+        "numel": total,
+        "max_unit": gmax,
+        "ideal_shard": ideal,
+        "largest_units_per_rank": ideal / gmax,
+        "shard": layout.shard_size,
+        "padding": layout.padding,
+        "ref_padding": W * ref - total,
+        "bound_shard": bound,
+        "bound_padding": W * bound - total,
+        "spanning_lcm": lcm,  # at S = max(ideal shard, largest unit)
+        "fsdp2_padding": fsdp2_padding(bucket.shapes, W),
+        "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.units, W),
+        "lcm_padding": lcm_padding(bucket.sizes, bucket.units, W),
+        "flat_cuts": flat_cuts(bucket.sizes, bucket.units, W),
+        "plan_s": seconds,
+        "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax,
+    }
+
+
+def explain(b: dict) -> str:
+    """Why a bucket's padding exceeds the goal."""
+    pct = lambda x: f"{100 * x / b['numel']:.1f}%"  # noqa: E731
+    if b["padding"] > b["ref_padding"]:
+        return (
+            f"PLANNER MISS: a valid layout with {pct(b['ref_padding'])} exists "
+            f"(bound {pct(b['bound_padding'])})"
+        )
+    if b["max_unit"] > b["ideal_shard"]:
+        why = f"a unit of {b['max_unit']:,} elements exceeds the ideal shard {b['ideal_shard']:,}"
+    else:
+        why = (
+            f"S must be a multiple of {b['spanning_lcm']:,}, the lcm of the units of tensors "
+            f"longer than 2S; the ideal shard is {b['ideal_shard'] / b['spanning_lcm']:.2f} of it"
+        )
+        rounded = -(-b["ideal_shard"] // b["spanning_lcm"]) * b["spanning_lcm"]
+        if b["bound_shard"] < rounded:
+            why += ", or at least half the longest such tensor (which then crosses one boundary)"
+    if b["padding"] > b["bound_padding"]:
+        return f"{why}; bound {pct(b['bound_padding'])}, nothing better found"
+    return f"{why}: optimal"
+
+
+def run(models, units, world_sizes) -> tuple[list[dict], list[dict], list[dict]]:
+    rows, misses, details = [], [], []
+    for model in models:
+        blocks = MODELS[model]()
+        for unit_name in units:
+            buckets = distinct_buckets(blocks, UNITS[unit_name])
+            for W in world_sizes:
+                res = [measure(b, W) for b in buckets]
+
+                def n(key, res=res):
+                    return sum(r[key] * r["count"] for r in res)
+
+                total = n("numel")
+                qual = [r for r in res if r["qualifies"]]
+                missed = [r for r in qual if r["padding"] > GOAL * r["numel"]]
+                n_qual, n_missed = sum(r["count"] for r in qual), sum(r["count"] for r in missed)
+                if not n_qual:
+                    goal = "n/a"
+                elif n_missed:
+                    # PLANNER: a layout within the goal exists; bound: none can exist
+                    if any(r["ref_padding"] <= GOAL * r["numel"] for r in missed):
+                        why = "PLANNER"
+                    elif all(r["bound_padding"] > GOAL * r["numel"] for r in missed):
+                        why = "(bound)"
+                    else:
+                        why = "(open)"
+                    goal = f"miss {n_missed}/{n_qual} {why}"
+                else:
+                    goal = f"ok {n_qual}/{n_qual}"
+                over = [r for r in res if r["padding"] > GOAL * r["numel"]]
+                rows.append(
+                    {
+                        "model": model,
+                        "unit": unit_name,
+                        "W": W,
+                        "ours %": 100 * n("padding") / total,
+                        "ref %": 100 * n("ref_padding") / total,
+                        "bound %": 100 * n("bound_padding") / total,
+                        "FSDP2 %": 100 * n("fsdp2_padding") / total,
+                        "FSDP2 cuts": n("fsdp2_cuts"),
+                        "LCM %": 100 * n("lcm_padding") / total,
+                        "flat cuts": n("flat_cuts"),
+                        "plan s": sum(r["plan_s"] for r in res),
+                        "max ms": 1e3 * max(r["plan_s"] for r in res),
+                        "goal": goal,
+                        ">3% blocks": sum(r["count"] for r in over),
+                        "planner misses": sum(r["count"] for r in res if r["padding"] > r["ref_padding"]),
+                        "blocks": sum(r["count"] for r in res),
+                    }
+                )
+                for r in over:
+                    misses.append(
+                        {
+                            "model": model,
+                            "unit": unit_name,
+                            "W": W,
+                            "block": r["block"],
+                            "ours %": 100 * r["padding"] / r["numel"],
+                            "ref %": 100 * r["ref_padding"] / r["numel"],
+                            "bound %": 100 * r["bound_padding"] / r["numel"],
+                            "units/rank": r["largest_units_per_rank"],
+                            "why": explain(r),
+                        }
+                    )
+                details += [{"model": model, "unit": unit_name, "W": W, **r} for r in res]
+                print(
+                    f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets "
+                    f"in {sum(r['plan_s'] for r in res):.2f}s",
+                    file=sys.stderr,
+                )
+    return rows, misses, details
+
+
+def plot(rows, name: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    units = list(dict.fromkeys(r["unit"] for r in rows))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(units), figsize=(5 * len(units), 4), sharey=True, squeeze=False)
+    for ax, unit in zip(axes[0], units):
+        for color, model in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], models):
+            sel = [r for r in rows if r["unit"] == unit and r["model"] == model]
+            ws = [r["W"] for r in sel]
+            for key, style in (("ours %", "-o"), ("FSDP2 %", "--"), ("LCM %", ":")):
+                ax.plot(
+                    ws,
+                    [r[key] for r in sel],
+                    style,
+                    color=color,
+                    label=f"{model} {key[:-2]}" if unit == units[0] else None,
+                )
+        ax.axhline(100 * GOAL, color="k", lw=0.5)
+        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set(xscale="log", title=f"unit = {unit}", xlabel="world size W")
+        ax.set_xticks(sorted({r["W"] for r in rows}), [str(w) for w in sorted({r["W"] for r in rows})])
+    axes[0][0].set_ylabel("padding % of parameters")
+    fig.legend(loc="upper center", ncol=len(models), fontsize=7, bbox_to_anchor=(0.5, 1.12))
+    return save_png(name, fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, units 1 and 128 rows")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--world-sizes", nargs="+", type=int, default=None)
+    args = ap.parse_args(argv)
+    units = ["1 row", "128 rows"] if args.quick else list(UNITS)
+    world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
+    name = "padding_quick" if args.quick else "padding"
+
+    t0 = time.perf_counter()
+    rows, misses, details = run(args.models, units, world_sizes)
+    wall = time.perf_counter() - t0
+
+    print(table(rows, floatfmt=".2f"))
+    print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
+    print(table(misses, floatfmt=".2f") if misses else "(none)")
+    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
+    path = save_json(
+        name,
+        {
+            "env": environment(),
+            "goal": GOAL,
+            "min_units_per_rank": MIN_UNITS_PER_RANK,
+            "wall_s": wall,
+            "rows": rows,
+            "misses": misses,
+            "buckets": details,
+        },
+    )
+    png = plot(rows, name)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()
