@@ -2,5 +2,6 @@
 
 from .adamw import AdamW, adamw_update_
 from .base import ShardedOptimizer
+from .shampoo import Shampoo
 
-__all__ = ["AdamW", "ShardedOptimizer", "adamw_update_"]
+__all__ = ["AdamW", "ShardedOptimizer", "Shampoo", "adamw_update_"]

@@ -13,15 +13,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from ..shard.collectives import all_gather_flat
 from ..shard.spec import flat_range_boxes
-
-
-def _gather_flat(local: torch.Tensor, comm) -> torch.Tensor:
-    if not comm.active:
-        return local
-    full = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(full, local, group=comm.group)
-    return full
 
 
 class CheckpointMixin:
@@ -59,7 +52,7 @@ class CheckpointMixin:
         """torch.optim format with full tensors and torch's state names (collective)."""
         state = {}
         for b in self._buckets:
-            flat = {name: _gather_flat(t, self._comm) for name, t in b.state.items()}
+            flat = {name: all_gather_flat(t, self._comm) for name, t in b.state.items()}
             if b.step == 0:
                 continue
             for i, index in enumerate(b.indices):

@@ -18,6 +18,9 @@ from .plan import Plan, RankProgram, plan_redistribute
 from .spec import RaggedShard, Shape
 
 _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
@@ -73,7 +76,7 @@ def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False) -> Handle:
     """Fill the whole buffer from every rank's local slice, in place (no copies)."""
     if not comm.active:
         return Handle()
-    work = dist.all_gather_into_tensor(
+    work = _all_gather_single(
         _movable(buf.data), _movable(buf.local), group=comm.group, async_op=async_op
     )
     return Handle(work)
@@ -88,7 +91,7 @@ def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: boo
     reduce_op = _op(op)
     if not comm.active:
         return Handle()
-    work = dist.reduce_scatter_tensor(
+    work = _reduce_scatter_single(
         buf.local, buf.data, op=reduce_op, group=comm.group, async_op=async_op
     )
     return Handle(work)
@@ -175,7 +178,7 @@ def full_tensor(
     if width == 0:
         return out, Handle()
     if all(n == width for n in lengths):
-        work = dist.all_gather_into_tensor(
+        work = _all_gather_single(
             _movable(out.view(-1)), _movable(local), group=comm.group, async_op=async_op
         )
         handle = Handle(work)
@@ -183,7 +186,7 @@ def full_tensor(
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = dist.all_gather_into_tensor(
+        work = _all_gather_single(
             _movable(gathered), _movable(padded), group=comm.group, async_op=async_op
         )
 
@@ -210,6 +213,15 @@ def redistribute(
     out = torch.empty(plan.dst_numel[comm.rank], dtype=local.dtype, device=local.device)
     handle = run_plan(plan, local.reshape(-1), out, comm, async_op=async_op)
     return out.view(dst.local_shape(shape, comm.rank)), handle
+
+
+def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Every rank's equal-sized flat `local`, concatenated in rank order."""
+    if not comm.active:
+        return local
+    out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
+    _all_gather_single(_movable(out), _movable(local.reshape(-1)), group=comm.group)
+    return out
 
 
 def local_slice(full: torch.Tensor, placement: RaggedShard, rank: int) -> torch.Tensor:

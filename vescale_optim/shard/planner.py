@@ -102,61 +102,81 @@ def _fits(order: Sequence[int], sizes, units, world_size: int, shard: int, align
     return offsets
 
 
-_SCAN = 32  # bottom-up candidates tried after the bisection ...
-_SCAN_WORK = 20_000  # ... fewer for large buckets, bounding the tensor placements spent
+_WALK_WORK = 60_000  # tensor placements spent walking candidate sizes one by one
 
 
-def _candidates(sizes, units, align: int, lo: int) -> list[int]:
-    """Shard sizes just above `lo` that are multiples of a unit (or of all units).
+def _next_candidate(sizes, units, align: int, s: int) -> int:
+    """Smallest S' >= s, a multiple of `align`, that is a multiple of the unit of every
+    tensor longer than 2*S'.
 
-    A tensor that spans two rank boundaries needs `S` to be a multiple of its unit,
-    so for buckets of large row-unit tensors the feasible sizes cluster there, where
-    bisection over a non-monotone predicate can miss them.
+    Such a tensor holds two rank boundaries wherever it sits, and both fall on its
+    unit grid only if S' is a multiple of its unit; so no smaller S' can be feasible.
     """
-    distinct = sorted({g for e, g in zip(sizes, units) if e})
-    steps = {math.lcm(align, g) for g in distinct}
-    combined = math.lcm(align, *distinct)
-    if combined <= max(lo, 1):
-        steps.add(combined)
-    return sorted({-(-lo // m) * m for m in steps})
+    while True:
+        spanning = [(e, g) for e, g in zip(sizes, units) if e > 2 * s]
+        step = math.lcm(align, *(g for _, g in spanning))
+        cand = -(-s // step) * step
+        if not spanning:
+            return cand
+        shrinks_at = min((e - 1) // 2 + 1 for e, _ in spanning)  # first S where the set shrinks
+        if cand < shrinks_at:
+            return cand
+        s = shrinks_at
 
 
-def _search(order, sizes, units, world_size: int, align: int, lo: int, hi: int, candidates):
-    """Smallest feasible S in [lo, hi] (multiples of align) found for this order.
+def _search(orders, sizes, units, world_size: int, align: int, lo: int, hi: int):
+    """Smallest feasible S found, with the offsets of the first order that fits it.
 
-    Feasibility is not monotone in S, so the search combines the unit-multiple
-    candidates, galloping up from `lo` and bisecting, and a short scan from the bottom.
+    Feasibility is not monotone in S, so the search walks the candidate sizes upward
+    from the lower bound one by one for a while, then gallops and bisects over them;
+    `hi` (everything on rank 0) always fits.
     """
-    fits = lambda s: _fits(order, sizes, units, world_size, s, align)  # noqa: E731
+
+    def fits(s):
+        for order in orders:
+            offsets = _fits(order, sizes, units, world_size, s, align)
+            if offsets is not None:
+                return offsets
+        return None
+
+    # Sizes that are multiples of a unit often fit where their neighbours do not: a
+    # cheap first upper bound.
+    for g in sorted({g for e, g in zip(sizes, units) if e}):
+        s = _next_candidate(sizes, units, align, -(-lo // math.lcm(align, g)) * math.lcm(align, g))
+        if s < hi:
+            offsets = fits(s)
+            if offsets is not None:
+                hi = s
+                break
+    walk = max(4, min(32, _WALK_WORK // max(1, len(sizes) * len(orders))))
+    s = _next_candidate(sizes, units, align, lo)
+    for _ in range(walk):
+        if s >= hi:
+            return hi, fits(hi)
+        offsets = fits(s)
+        if offsets is not None:
+            return s, offsets
+        s = _next_candidate(sizes, units, align, s + align)
+    prev, step = s, align
     best = (hi, fits(hi))
-    for s in candidates:
-        if s >= best[0]:
-            break
+    while s < hi:
         offsets = fits(s)
         if offsets is not None:
             best = (s, offsets)
             break
-    step, prev, s = align, lo - align, lo
-    while s < best[0]:
-        offsets = fits(s)
-        if offsets is not None:
-            best = (s, offsets)
-            break
-        prev, s = s, s + step
+        prev, s = s, _next_candidate(sizes, units, align, s + step)
         step *= 2
     left, right = prev + align, best[0] - align
     while left <= right:
-        mid = max(left, (left + right) // 2 // align * align)
+        mid = _next_candidate(sizes, units, align, max(left, (left + right) // 2 // align * align))
+        if mid >= best[0]:
+            right = (left + right) // 2 // align * align - align
+            continue
         offsets = fits(mid)
         if offsets is not None:
             best, right = (mid, offsets), mid - align
         else:
             left = mid + align
-    scan = max(1, min(_SCAN, _SCAN_WORK // max(len(order), 1)))
-    for s in range(lo, min(best[0], lo + scan * align), align):
-        offsets = fits(s)
-        if offsets is not None:
-            return s, offsets
     return best
 
 
@@ -184,25 +204,19 @@ def plan_layout(
     if total == 0:
         return Layout(world_size, 0, sizes, units, (0,) * len(sizes))
     round_up = lambda x: -(-x // align) * align  # noqa: E731
-    lo = round_up(-(-total // world_size))
+    # No valid S is below the even share, nor (with two or more ranks) below the
+    # largest unit: a unit longer than S always holds a rank boundary.
+    largest_unit = max(g for e, g in zip(sizes, units) if e) if world_size > 1 else 0
+    lo = round_up(max(-(-total // world_size), largest_unit))
     hi = round_up(sum(round_up(e) for e in sizes))  # everything on rank 0 always fits
     n = len(sizes)
-    orders = [list(range(n))]
-    by_unit = sorted(range(n), key=lambda i: (-units[i], -sizes[i]))
-    by_size = sorted(range(n), key=lambda i: (-sizes[i], -units[i]))
-    for order in (by_unit, by_size):
+    orders = [list(range(n))]  # model order first: it keeps layers together
+    for key in (lambda i: (-units[i], -sizes[i]), lambda i: (-sizes[i], -units[i])):
+        order = sorted(range(n), key=key)
         if order not in orders:
             orders.append(order)
-    candidates = _candidates(sizes, units, align, lo)
-    best = None
-    for order in orders:
-        shard, offsets = _search(order, sizes, units, world_size, align, lo, hi, candidates)
-        if offsets is not None and (best is None or shard < best[0]):
-            best = (shard, offsets)
-            hi = shard
-        if shard == lo:
-            break
-    return Layout(world_size, best[0], sizes, units, tuple(best[1]))
+    shard, offsets = _search(orders, sizes, units, world_size, align, lo, max(hi, lo))
+    return Layout(world_size, shard, sizes, units, tuple(offsets))
 
 
 def bucket_indices(numels: Sequence[int], keys: Sequence[object], cap: int) -> list[list[int]]:

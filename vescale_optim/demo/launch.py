@@ -1,0 +1,72 @@
+"""Start the demo's ranks: spawned gloo CPU ranks, torchrun ranks, or one plain process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .train import TrainConfig, train
+
+_TIMEOUT = timedelta(minutes=10)
+
+
+def _threads_per_rank(world_size: int) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // world_size)
+
+
+def _worker(rank: int, world_size: int, init_file: str, cfg: TrainConfig, launch_time: float) -> None:
+    """One spawned CPU rank: join the gloo group through the shared file, train, leave."""
+    torch.set_num_threads(_threads_per_rank(world_size))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_TIMEOUT
+    )
+    try:
+        train(cfg, launch_time)
+    finally:
+        dist.destroy_process_group()
+
+
+def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
+    """One torchrun rank: env:// init, NCCL on the local GPU when there is one."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", timeout=_TIMEOUT)
+    try:
+        train(cfg, launch_time)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: TrainConfig, world_size: int, launch_time: float | None = None) -> None:
+    """Train on `world_size` spawned gloo ranks, in this process for 1, or as a torchrun rank.
+
+    Under torchrun (RANK and WORLD_SIZE set) `world_size` is ignored: this process is one
+    rank of torchrun's group, on NCCL when CUDA is available.
+    """
+    launch_time = time.time() if launch_time is None else launch_time
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _torchrun(cfg, launch_time)
+    elif world_size == 1:
+        train(cfg, launch_time)
+    else:
+        # The fork server imports torch and the demo once; every rank forks from it.
+        multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
+        with tempfile.TemporaryDirectory(prefix="vo_demo_") as tmp:
+            mp.start_processes(
+                _worker,
+                args=(world_size, os.path.join(tmp, "store"), cfg, launch_time),
+                nprocs=world_size,
+                join=True,
+                start_method="forkserver",
+            )

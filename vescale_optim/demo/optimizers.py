@@ -1,0 +1,58 @@
+"""The optimizers the demo can train with, by name, and the shared LR schedule.
+
+Register a new one by adding a factory to `OPTIMIZERS`: it gets the model (already
+on its device) and the run's `TrainConfig` and returns the optimizer. `cfg.lr` is
+None unless the user passed `--lr`; use the optimizer's own tuned default then.
+Every optimizer gets the same warmup + cosine multiplier (`make_scheduler`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+import vescale_optim as vo
+
+if TYPE_CHECKING:
+    from .train import TrainConfig
+
+OptimizerFactory = Callable[[nn.Module, "TrainConfig"], torch.optim.Optimizer]
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two param groups: `nn.Linear` weights decay; norms, biases and embeddings do not."""
+    decay = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
+        {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
+    ]
+
+
+def make_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Sharded AdamW, betas (0.9, 0.95), weight decay 0.1 on matrices only."""
+    lr = cfg.lr if cfg.lr is not None else 3e-3
+    return vo.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "adamw": make_adamw,
+}
+
+
+def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup to 1 over `warmup` steps, then cosine decay to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    """Warmup + cosine on every group's own base LR, stepped once per optimizer step."""
+    warmup = max(1, min(cfg.warmup, cfg.steps // 2))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, warmup, cfg.steps))

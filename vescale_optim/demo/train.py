@@ -1,0 +1,267 @@
+"""The demo's training loop: every rank trains the same model on its own batches.
+
+`train(cfg)` runs on each rank of an initialised process group, or alone with none.
+Rank 0 shows the progress bar, prints the tables and writes `summary.json` and
+`loss.png` into `cfg.out`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from .data import batch_generator, get_batch, load_corpus, stdlib_files, val_windows
+from .model import GPT, GPTConfig
+from .optimizers import OPTIMIZERS, make_scheduler
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default."""
+
+    optimizer: str = "adamw"
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    lr: float | None = None
+    warmup: int = 20
+    grad_clip: float = 1.0
+    val_tokens: int = 16384
+    seed: int = 0
+    out: str = "demo_out"
+    progress: bool = True
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(
+            seq_len=self.seq_len, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads
+        )
+
+    def optimizer_names(self) -> list[str]:
+        if self.optimizer == "all":
+            return list(OPTIMIZERS)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}")
+        return [self.optimizer]
+
+
+class _World:
+    """Rank, size and device of this process; collectives are no-ops for one process."""
+
+    def __init__(self) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.size = dist.get_world_size() if self.distributed else 1
+        self.backend = dist.get_backend() if self.distributed else "none"
+        on_gpu = torch.cuda.is_available() and self.backend in ("nccl", "none")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+    def gather(self, obj: object) -> list:
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def peak_memory(device: torch.device) -> dict[str, float | None]:
+    """This process's peak RSS and (on GPU) max CUDA memory allocated, in MiB, and its CPU seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss_bytes = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+    cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return {
+        "rss_mib": rss_bytes / 2**20,
+        "cuda_max_allocated_mib": cuda,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+    }
+
+
+@torch.no_grad()
+def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> float:
+    """Mean loss over fixed validation windows, split across ranks."""
+    model.eval()
+    x, y = val_windows(val, cfg.seq_len, cfg.val_tokens)
+    x, y = x[world.rank :: world.size], y[world.rank :: world.size]
+    total = torch.zeros(2, dtype=torch.float64, device=world.device)
+    for i in range(0, x.shape[0], 32):
+        xb, yb = x[i : i + 32].to(world.device), y[i : i + 32].to(world.device)
+        with _autocast(world.device):
+            total[0] += model.loss(xb, yb).double() * yb.numel()
+        total[1] += yb.numel()
+    model.train()
+    total = world.sum(total)
+    return (total[0] / total[1]).item()
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train_one(
+    name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: _World
+) -> dict:
+    """Train a fresh model (same seed, so the same initial weights) with optimizer `name`."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config()).to(world.device)
+    opt = OPTIMIZERS[name](model, cfg)
+    sched = make_scheduler(opt, cfg)
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(world.device)
+    losses: list[float] = []
+    bar = tqdm(range(cfg.steps), desc=name, disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in bar:
+        x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, batch_generator(cfg.seed, world.rank, step))
+        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+        with _autocast(world.device):
+            loss = model.loss(x, y)
+        loss.backward()
+        if hasattr(opt, "clip_grad_norm_"):
+            opt.clip_grad_norm_(cfg.grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(world.sum(loss.detach().float().reshape(1)).item() / world.size)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    train_time = time.perf_counter() - start
+    bar.close()
+    val_loss = evaluate(model, val_data, cfg, world)
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * world.size
+    tail = losses[-min(10, len(losses)) :]
+    result = {
+        "loss": losses,
+        "final_loss": sum(tail) / len(tail),
+        "val_loss": val_loss,
+        "tokens_per_s": tokens / train_time,
+        "train_time_s": train_time,
+        "peak_memory": [{"rank": r, **m} for r, m in enumerate(world.gather(peak_memory(world.device)))],
+    }
+    del model, opt, sched
+    gc.collect()
+    return result
+
+
+def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
+    """Train every requested optimizer in turn; rank 0 reports and writes `cfg.out`.
+
+    Returns the summary (the same dict on every rank). `launch_time` (`time.time()`)
+    is when the command started, for the reported wall time.
+    """
+    launch_time = time.time() if launch_time is None else launch_time
+    names = cfg.optimizer_names()
+    world = _World()
+    train_data, val_data = load_corpus()
+    n_params = sum(p.numel() for p in GPT(cfg.model_config()).parameters())
+    if world.rank == 0:
+        print(
+            f"byte-level GPT, {n_params / 1e6:.2f}M params, on {len(stdlib_files())} stdlib files "
+            f"({train_data.numel() / 1e6:.2f} MB train, {val_data.numel() / 1e6:.2f} MB val); "
+            f"{world.size} rank(s), {world.backend} on {world.device.type}; {cfg.steps} steps of "
+            f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens",
+            flush=True,
+        )
+    runs = {name: train_one(name, cfg, train_data, val_data, world) for name in names}
+    summary = {
+        "config": asdict(cfg),
+        "model": asdict(cfg.model_config()),
+        "n_params": n_params,
+        "world_size": world.size,
+        "backend": world.backend,
+        "device": world.device.type,
+        "corpus": {
+            "files": [f.name for f in stdlib_files()],
+            "train_bytes": train_data.numel(),
+            "val_bytes": val_data.numel(),
+        },
+        "runs": runs,
+        "wall_time_s": time.time() - launch_time,
+    }
+    if world.rank == 0:
+        write_report(summary, Path(cfg.out))
+    return summary
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain, right-aligned text table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def write_report(summary: dict, out: Path) -> None:
+    """Print the result and memory tables; write `summary.json` and `loss.png` into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = summary["runs"]
+    rows = [
+        [
+            name,
+            f"{r['final_loss']:.3f}",
+            f"{r['val_loss']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['train_time_s']:.1f}",
+        ]
+        for name, r in runs.items()
+    ]
+    print(format_table(["optimizer", "train loss", "val loss", "tokens/s", "train s"], rows))
+    on_gpu = summary["device"] == "cuda"
+    headers = ["optimizer", "rank", "peak RSS MiB"] + (["CUDA max alloc MiB"] if on_gpu else []) + ["CPU s"]
+    rows = []
+    for name, r in runs.items():
+        for m in r["peak_memory"]:
+            cuda = [f"{m['cuda_max_allocated_mib']:.0f}"] if on_gpu else []
+            rows.append([name, str(m["rank"]), f"{m['rss_mib']:.0f}", *cuda, f"{m['cpu_s']:.1f}"])
+    print(format_table(headers, rows))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_losses(summary, out / "loss.png")
+    print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'}")
+
+
+def plot_losses(summary: dict, path: Path) -> None:
+    """Training loss per step of every optimizer, with its validation loss marked at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in summary["runs"].items():
+        (line,) = ax.plot(range(1, len(r["loss"]) + 1), r["loss"], lw=1.2, label=f"{name} train")
+        ax.plot(
+            [len(r["loss"])],
+            [r["val_loss"]],
+            "o",
+            color=line.get_color(),
+            label=f"{name} val {r['val_loss']:.3f}",
+        )
+    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform (ln 256)")
+    ax.set(
+        xlabel="step",
+        ylabel="loss (nats / byte)",
+        title=f"byte-level GPT on stdlib source, {summary['world_size']} rank(s)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

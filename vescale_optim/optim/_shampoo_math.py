@@ -1,0 +1,198 @@
+"""Shampoo's functional core: the global tiling, tile ownership, and the math on flat
+tensors and on stacks of equal-shaped tiles. No processes, no optimizer state objects."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+GRAFTINGS = ("adam", "adagrad", "sgd", None)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Rows `[r0, r1)` and columns `[c0, c1)` of parameter `param` seen as `[shape[0], rest]`."""
+
+    param: int
+    bi: int
+    bj: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    @property
+    def h(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def w(self) -> int:
+        return self.c1 - self.c0
+
+    @property
+    def cost(self) -> int:
+        """Root work: one eigendecomposition per factor, ~ side^3."""
+        return self.h**3 + self.w**3
+
+    @property
+    def key(self) -> str:
+        return f"{self.bi}_{self.bj}"
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
+    """`(shape[0], prod(shape[1:]))` for a tensor Shampoo preconditions, else None."""
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return None
+    return shape[0], math.prod(shape[1:])
+
+
+def tiles_of(shape: Sequence[int], max_dim: int, param: int = 0) -> list[Tile]:
+    """Row-major tiles of at most `max_dim` per side: blocks of `max_dim`, the last shorter."""
+    ms = matrix_shape(shape)
+    if ms is None:
+        return []
+    m, n = ms
+    return [
+        Tile(param, bi, bj, r0, min(r0 + max_dim, m), c0, min(c0 + max_dim, n))
+        for bi, r0 in enumerate(range(0, m, max_dim))
+        for bj, c0 in enumerate(range(0, n, max_dim))
+    ]
+
+
+def stripe_unit(shape: Sequence[int], max_dim: int) -> int:
+    """Layout unit of a parameter: a stripe of `max_dim` rows when stripes divide the rows
+    (the whole matrix when it has at most `max_dim` rows), else `gcd(rows, max_dim)` rows,
+    so rank boundaries still fall on stripe boundaries when they can."""
+    ms = matrix_shape(shape)
+    if ms is None:
+        return 1
+    m, n = ms
+    return m * n if m <= max_dim else math.gcd(m, max_dim) * n
+
+
+def balance(
+    costs: Sequence[int], owners: Sequence[int], world_size: int, trigger: float = 1.2, target: float = 1.1
+) -> list[int]:
+    """Move tiles between ranks when the busiest rank has more than `trigger` times the mean
+    work, until it has at most `target` times (or no move helps). Each move takes the tile of
+    the busiest rank that best evens it with the idlest one; deterministic."""
+    owners = list(owners)
+    loads = [0] * world_size
+    mine: list[list[int]] = [[] for _ in range(world_size)]
+    for t, (c, o) in enumerate(zip(costs, owners)):
+        loads[o] += c
+        mine[o].append(t)
+    mean = sum(loads) / world_size
+    if mean == 0 or max(loads) <= trigger * mean:
+        return owners
+    for _ in range(len(costs)):
+        hi = max(range(world_size), key=lambda r: (loads[r], -r))
+        lo = min(range(world_size), key=lambda r: (loads[r], r))
+        if loads[hi] <= target * mean:
+            break
+        gap = loads[hi] - loads[lo]
+        fits = [t for t in mine[hi] if 0 < costs[t] < gap]
+        if not fits:
+            break
+        t = min(fits, key=lambda t: (abs(2 * costs[t] - gap), t))
+        mine[hi].remove(t)
+        mine[lo].append(t)
+        owners[t] = lo
+        loads[hi] -= costs[t]
+        loads[lo] += costs[t]
+    return owners
+
+
+def _ema_weight(beta: float) -> float:
+    return 1.0 if beta == 1 else 1.0 - beta
+
+
+def _bias_correction(beta: float, step: int) -> float:
+    return 1.0 if beta == 1 else 1.0 - beta**step
+
+
+def grafting_step_(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    second: torch.Tensor | None,
+    mhat: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    step: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grafting: str | None,
+) -> None:
+    """Element-wise part of a step on flat tensors, in place.
+
+    m <- b1*m + (1-b1)*g;  mhat = m / (1 - b1^t)  (written to `mhat`)
+    adam:    v <- b2*v + (1-b2)*g^2 (v + g^2 if b2 == 1);  out = mhat / (sqrt(v)/sqrt(1-b2^t) + eps)
+    adagrad: v <- v + g^2;  out = mhat / (sqrt(v) + eps)
+    sgd / None: out = mhat
+    """
+    exp_avg.lerp_(grad, 1 - beta1)
+    torch.div(exp_avg, _bias_correction(beta1, step), out=mhat)
+    if grafting in ("adam", "adagrad"):
+        if grafting == "adam" and beta2 != 1:
+            second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        else:
+            second.addcmul_(grad, grad)
+        bc = _bias_correction(beta2, step) if grafting == "adam" else 1.0
+        denom = (second.sqrt() / math.sqrt(bc)).add_(eps)
+        torch.div(mhat, denom, out=out)
+    else:
+        out.copy_(mhat)
+
+
+def update_factors_(left: torch.Tensor, right: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
+    """L <- b2*L + (1-b2)*G@G.T and R <- b2*R + (1-b2)*G.T@G on stacks `[K, h, w]`
+    (plain sums when b2 == 1)."""
+    beta, alpha = (1.0, 1.0) if beta2 == 1 else (beta2, 1.0 - beta2)
+    left.baddbmm_(grad, grad.mT, beta=beta, alpha=alpha)
+    right.baddbmm_(grad.mT, grad, beta=beta, alpha=alpha)
+
+
+def _inverse_fourth_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
+    lam, q = torch.linalg.eigh(factor.to(dtype))
+    lam = lam.clamp_min(0).add_(epsilon).pow_(-0.25)
+    return ((q * lam.unsqueeze(-2)) @ q.mT).to(factor.dtype)
+
+
+def inverse_roots_(
+    roots: torch.Tensor, factors: torch.Tensor, *, step: int, beta2: float, epsilon: float, dtype: torch.dtype
+) -> None:
+    """roots <- (F/(1-b2^t))^(-1/4) for a stack `[K, d, d]`, by `torch.linalg.eigh` in `dtype`:
+    F = Q diag(lam) Q.T,  root = Q diag((max(lam, 0) + epsilon)^(-1/4)) Q.T.
+
+    A tile whose factor is not finite, or whose eigendecomposition fails, keeps its root."""
+    scaled = factors / _bias_correction(beta2, step)
+    ok = torch.isfinite(scaled).flatten(1).all(1)
+    if bool(ok.all()):
+        try:
+            roots.copy_(_inverse_fourth_root(scaled, epsilon, dtype))
+            return
+        except torch.linalg.LinAlgError:
+            pass
+    for k in ok.nonzero().flatten().tolist():
+        try:
+            roots[k].copy_(_inverse_fourth_root(scaled[k], epsilon, dtype))
+        except torch.linalg.LinAlgError:
+            continue
+
+
+def precondition(
+    left_root: torch.Tensor, mhat: torch.Tensor, right_root: torch.Tensor, graft: torch.Tensor | None
+) -> torch.Tensor:
+    """D = L^(-1/4) @ mhat @ R^(-1/4) per tile; with a grafting update A, D * |A|_F / |D|_F
+    (zero where D is zero)."""
+    d = left_root @ mhat @ right_root
+    if graft is None:
+        return d
+    dn = torch.linalg.vector_norm(d.flatten(1), dim=1)
+    an = torch.linalg.vector_norm(graft.flatten(1), dim=1)
+    scale = torch.where(dn > 0, an / dn.clamp_min(torch.finfo(d.dtype).tiny), torch.zeros_like(dn))
+    return d * scale[:, None, None]
