@@ -187,7 +187,7 @@ def newton_schulz_triton(
     """
     a, b, c = coefficients
     X, tall = as_stack(x, eps)
-    X = X.contiguous()
+    X = X.reshape(-1, *X.shape[-2:]).contiguous()
     nb, P, Q = X.shape
     out = torch.empty((nb, *x.shape[-2:]), dtype=torch.bfloat16, device=x.device)
     final = out.mT if tall else out

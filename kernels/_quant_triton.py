@@ -31,15 +31,34 @@ def _rint(y):
 
 
 @triton.jit
-def _quantize_rows(x, NONZERO: tl.constexpr):
-    """Codes (fp32, in [-127, 127]) and scales of each row of an fp32 tile."""
+def _dither(block_scales, salt, BLOCK: tl.constexpr):
+    """Offsets in [0, 1): murmur3 finalizer of (column, block scale bits, step salt)."""
+    cols = tl.arange(0, BLOCK).to(tl.uint32)
+    key = block_scales.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)
+    h = (cols[None, :] * 0x9E3779B1) ^ key[:, None]
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _quantize_rows(x, dither, STOCHASTIC: tl.constexpr):
+    """Codes (fp32, in [-127, 127]) and scales of each row of an fp32 tile; see
+    ``quant._quantize_rows`` for the ``STOCHASTIC`` (second-moment) rules."""
     absmax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(absmax, 127.0)
     scale = (scale.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
     divisor = tl.where(scale > 0.0, scale, 1.0)
-    q = _rint(tl.div_rn(x, divisor[:, None]))
+    y = tl.div_rn(x, divisor[:, None])
+    if STOCHASTIC:
+        q = tl.floor(y + dither)
+    else:
+        q = _rint(y)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-    if NONZERO:
+    if STOCHASTIC:
         q = tl.where((q == 0.0) & (x > 0.0), 1.0, q)
     return q, scale
 
@@ -58,7 +77,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_rows(x, False)
+    q, scale = _quantize_rows(x, 0.0, False)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_mask)
 
@@ -76,7 +95,7 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
 @triton.jit
 def _adamw8bit_kernel(
     p_ptr, g_ptr, qm_ptr, sm_ptr, qv_ptr, sv_ptr, n, nblocks, block_size,
-    decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+    salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
     MAXIMIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
@@ -85,6 +104,7 @@ def _adamw8bit_kernel(
         grad = -grad
     sm = tl.load(sm_ptr + rows, mask=row_mask, other=0.0)
     sv = tl.load(sv_ptr + rows, mask=row_mask, other=0.0)
+    dither = _dither(sv, salt, BLOCK)
     exp_avg = tl.load(qm_ptr + offs, mask=mask, other=0).to(tl.float32) * sm[:, None]
     root = tl.load(qv_ptr + offs, mask=mask, other=0).to(tl.float32) * sv[:, None]
     exp_avg = exp_avg + w1 * (grad - exp_avg)
@@ -94,10 +114,10 @@ def _adamw8bit_kernel(
     param = tl.load(p_ptr + offs, mask=mask, other=0.0) * decay
     param = param + tl.div_rn(-step_size * exp_avg, denom)
     tl.store(p_ptr + offs, param, mask=mask)
-    q, scale = _quantize_rows(exp_avg, False)
+    q, scale = _quantize_rows(exp_avg, 0.0, False)
     tl.store(qm_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(sm_ptr + rows, scale, mask=row_mask)
-    q, scale = _quantize_rows(root, True)
+    q, scale = _quantize_rows(root, dither, True)
     tl.store(qv_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(sv_ptr + rows, scale, mask=row_mask)
 
@@ -130,13 +150,13 @@ def dequantize(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -
 
 
 def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
-              block_size: int, *, decay: float, w1: float, beta2: float, w2: float,
-              step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> None:
+              block_size: int, *, salt: int, decay: float, w1: float, beta2: float,
+              w2: float, step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> None:
     """Triton ``adamw8bit_update_``: one fused pass, each block read and written once."""
     n = p.numel()
     grid, nblocks, meta = _launch(block_size, n)
     _adamw8bit_kernel[grid](
         p, g, qm, sm, qv, sv, n, nblocks, block_size,
-        decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+        salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
         MAXIMIZE=maximize, **meta,
     )

@@ -54,10 +54,10 @@ def newton_schulz(
 
 
 def as_stack(x: Tensor, eps: float) -> tuple[Tensor, bool]:
-    """Shared prologue: a normalized bf16 stack ``(B, p, q)`` with ``p <= q``, and whether
-    the matrices were transposed to get there."""
+    """Shared prologue: the normalized bf16 matrix ``(p, q)`` or stack ``(B, p, q)`` with
+    ``p <= q``, and whether the matrices were transposed to get there."""
     m, n = x.shape[-2:]
-    X = x.reshape(-1, m, n).bfloat16()
+    X = x.bfloat16() if x.ndim <= 3 else x.reshape(-1, m, n).bfloat16()
     tall = m > n
     if tall:
         X = X.mT
@@ -70,10 +70,11 @@ def _newton_schulz_torch(
 ) -> Tensor:
     a, b, c = coefficients
     X, tall = as_stack(x, eps)
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        B = addmm(A, A, A, beta=b, alpha=c)
+        X = addmm(X, B, X, beta=a)
     if tall:
         X = X.mT
     return X.reshape(x.shape)

@@ -26,6 +26,8 @@ __all__ = ["adamw8bit_update_", "dequantize_blockwise", "quantize_blockwise"]
 QMAX = 127
 MAX_TRITON_BLOCK = 8192
 _CHUNK_ELEMENTS = 1 << 20
+_MASK32 = 0xFFFFFFFF
+_COL_MIX, _STEP_MIX, _FMIX1, _FMIX2 = 0x9E3779B1, 0x27D4EB2F, 0x85EBCA6B, 0xC2B2AE35
 
 
 def quantize_blockwise(
@@ -99,12 +101,20 @@ def adamw8bit_update_(
     (1 for the first), as in torch's bias corrections.
 
     The first moment is stored as ``quantize_blockwise(m)``. The second moment is
-    stored as ``sqrt(v)`` in the same format (its codes are in ``[0, 127]``), so
-    ``v = (q * s)²``: quantizing the square root spans a ``127²`` range of ``v`` per
-    block instead of ``127``, and the error lands directly on Adam's denominator
-    ``sqrt(v)``. A non-zero ``sqrt(v)`` is never stored as code 0 (it is rounded up
-    to one step): a zero denominator would turn a small, surviving ``m`` into a
-    ``m / eps`` blow-up, and over-estimating a tiny ``v`` only shrinks that update.
+    stored as ``sqrt(v)`` in the same format (codes in ``[0, 127]``), so
+    ``v = (q * s)²``: the square root spans a ``127²`` range of ``v`` per block instead
+    of ``127`` (absmax int8 on ``v`` itself zeroes most of a block and blows up
+    ``m / sqrt(v)``), and its error lands directly on Adam's denominator. Two rounding
+    rules apply to ``sqrt(v)`` only:
+
+    - it is rounded stochastically (unbiased): ``v`` moves by about ``(1 - β2)`` per
+      step, far less than one code, so round-to-nearest would freeze it. The dither is
+      a hash of the step, the position inside the block and the block's previous
+      scale — deterministic, identical in the torch reference and the Triton kernel,
+      and independent of where the block sits in memory (so of the sharding);
+    - a positive ``sqrt(v)`` never gets code 0 (it takes one step instead): a zero
+      denominator would turn a small surviving ``m`` into an ``m / eps`` blow-up,
+      while over-estimating a tiny ``v`` only shrinks that element's update.
     """
     _check_block_size(block_size)
     n = param_fp32.numel()
@@ -131,6 +141,7 @@ def adamw8bit_update_(
     if n == 0:
         return
     hyper = dict(
+        salt=(step * _STEP_MIX) & 0x7FFFFFFF,
         decay=1.0 - lr * weight_decay,
         w1=1.0 - beta1,
         beta2=beta2,
@@ -150,7 +161,7 @@ def adamw8bit_update_(
 def _adamw8bit_torch(
     p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor, block_size: int, *,
     decay: float, w1: float, beta2: float, w2: float, step_size: float, bc2_sqrt: float,
-    eps: float, maximize: bool,
+    eps: float, maximize: bool, salt: int,
 ) -> None:
     """Reference: torch.optim.AdamW's single-tensor ops, a chunk of blocks at a time."""
     n, bs = p.numel(), block_size
@@ -162,6 +173,7 @@ def _adamw8bit_torch(
         if maximize:
             grad = -grad
         exp_avg = _as_rows(qm[lo:hi], bs).float() * sm[b0:b1, None]
+        dither = _dither(sv[b0:b1], bs, salt)
         exp_avg_sq = (_as_rows(qv[lo:hi], bs).float() * sv[b0:b1, None]).square_()
         exp_avg.lerp_(grad, w1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=w2)
@@ -172,7 +184,7 @@ def _adamw8bit_torch(
         param.addcdiv_(_unpad(exp_avg, hi - lo), _unpad(denom, hi - lo), value=-step_size)
         q, sm[b0:b1] = _quantize_rows(exp_avg)
         qm[lo:hi] = _unpad(q, hi - lo)
-        q, sv[b0:b1] = _quantize_rows(root, nonzero=True)
+        q, sv[b0:b1] = _quantize_rows(root, dither)
         qv[lo:hi] = _unpad(q, hi - lo)
 
 
@@ -181,15 +193,36 @@ def _scale(absmax: Tensor) -> Tensor:
     return (absmax / QMAX).view(torch.int32).bitwise_and_(-256).view(torch.float32)
 
 
-def _quantize_rows(rows: Tensor, nonzero: bool = False) -> tuple[Tensor, Tensor]:
-    """Quantize each row of a ``(blocks, block_size)`` fp32 tensor; ``nonzero`` keeps
-    positive values off code 0."""
+def _quantize_rows(rows: Tensor, dither: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Quantize each row of a ``(blocks, block_size)`` fp32 tensor to nearest; with a
+    ``dither`` in ``[0, 1)``, round ``floor(y + dither)`` and keep positive values off
+    code 0 (the ``sqrt(v)`` rules of ``adamw8bit_update_``)."""
     scales = _scale(rows.abs().amax(dim=1))
     y = rows / torch.where(scales > 0, scales, 1.0)[:, None]
-    q = y.round_().clamp_(-QMAX, QMAX)
-    if nonzero:
+    q = y.round_() if dither is None else y.add_(dither).floor_()
+    q = q.clamp_(-QMAX, QMAX)
+    if dither is not None:
         q = torch.where((q == 0) & (rows > 0), 1.0, q)
     return q.to(torch.int8), scales
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """``h * c mod 2**32`` for int64 ``h`` in ``[0, 2**32)``, without int64 overflow."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _dither(scales: Tensor, block_size: int, salt: int) -> Tensor:
+    """Offsets in ``[0, 1)`` for stochastic rounding: a murmur3 finalizer of the column,
+    the block's scale bits and the step ``salt``."""
+    cols = torch.arange(block_size, dtype=torch.int64, device=scales.device)
+    key = (scales.view(torch.int32).to(torch.int64) & _MASK32) ^ salt
+    h = _mul32(cols, _COL_MIX)[None, :] ^ key[:, None]
+    h ^= h >> 16
+    h = _mul32(h, _FMIX1)
+    h ^= h >> 13
+    h = _mul32(h, _FMIX2)
+    h ^= h >> 16
+    return (h >> 8).float() * 2.0**-24
 
 
 def _as_rows(flat: Tensor, block_size: int) -> Tensor:
