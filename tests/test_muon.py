@@ -1,0 +1,216 @@
+"""Distributed Muon equals torch.optim.Muon (and AdamW for its aux group) at any world size."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import vescale_optim as vo
+from vescale_optim.optim.owners import assign_owners, imbalance, ns_flops
+
+# tall, wide, square, tiny, a 3-D stack of 3 wide matrices, a 4-D conv, and two repeats
+MUON_SHAPES = [(12, 5), (4, 10), (8, 8), (2, 3), (3, 4, 6), (6, 2, 3, 3), (8, 8), (12, 5)]
+ADAM_SHAPES = [(7,), (5, 3)]
+STEPS = 3
+
+
+def make_params():
+    g = torch.Generator().manual_seed(0)
+    muon = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
+    adam = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ADAM_SHAPES]
+    return muon, adam
+
+
+def grad(shape, step, rank, i):
+    g = torch.Generator().manual_seed(7919 * step + 101 * rank + i)
+    return torch.randn(shape, generator=g) * (1 + rank)
+
+
+def mean_grad(shape, step, world, i):
+    return torch.stack([grad(shape, step, r, i) for r in range(world)]).mean(0)
+
+
+def hyper(adjust, nesterov):
+    return dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
+
+
+def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
+    rank = dist.get_rank()
+    muon, adam = make_params()
+    opt = vo.Muon(
+        [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01, "weight_decay": 0.05}],
+        bucket_cap_numel=cap,
+        **hyper(adjust, nesterov),
+    )
+    counts = []
+    for t in range(steps):
+        opt.zero_grad()
+        for i, p in enumerate(muon + adam):
+            p.grad.copy_(grad(p.shape, t, rank, i))
+        opt.step()
+        counts.append(opt.orthogonalized)
+    out = {"params": [p.detach().clone() for p in muon + adam], "counts": counts}
+    if state:
+        out["state"] = opt.state_dict()
+    return out
+
+
+def reference(world, adjust, nesterov, steps=STEPS):
+    """torch.optim.Muon on every matrix (3-D stacks slice by slice, 4-D viewed as 2-D)."""
+    muon, adam = make_params()
+    mats, owners = [], []
+    for i, p in enumerate(muon):
+        if p.ndim == 3:
+            for s in range(p.shape[0]):
+                mats.append(torch.nn.Parameter(p.detach()[s].clone()))
+                owners.append((i, s))
+        else:
+            mats.append(torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()))
+            owners.append((i, None))
+    adam = [torch.nn.Parameter(p.detach().clone()) for p in adam]
+    mopt = torch.optim.Muon(mats, **hyper(adjust, nesterov))
+    aopt = torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
+    for t in range(steps):
+        full = [mean_grad(p.shape, t, world, i) for i, p in enumerate(muon)]
+        for m, (i, s) in zip(mats, owners):
+            m.grad = (full[i][s] if s is not None else full[i].reshape(m.shape)).clone()
+        for j, p in enumerate(adam):
+            p.grad = mean_grad(p.shape, t, world, len(muon) + j)
+        mopt.step()
+        aopt.step()
+    out = []
+    for i, p in enumerate(muon):
+        pieces = [m.detach() for m, (k, _) in zip(mats, owners) if k == i]
+        out.append(torch.stack(pieces) if p.ndim == 3 else pieces[0].reshape(p.shape))
+    return out + [p.detach() for p in adam], mopt
+
+
+def n_matrices():
+    return sum(s[0] if len(s) == 3 else 1 for s in MUON_SHAPES)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("adjust, nesterov", [(None, True), ("match_rms_adamw", False)])
+def test_equals_torch_muon(world, world_size, adjust, nesterov):
+    results = world(world_size).run(_train, adjust, nesterov)
+    want, _ = reference(world_size, adjust, nesterov)
+    for res in results:
+        for got, ref in zip(res["params"], want):
+            # Newton-Schulz runs in bf16; batching equal shapes may round differently.
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
+    # every matrix is orthogonalized exactly once per step, across all ranks
+    assert [sum(r["counts"][t] for r in results) for t in range(STEPS)] == [n_matrices()] * STEPS
+
+
+def test_owned_and_gathered_layouts_agree(world):
+    # a tiny bucket cap puts each parameter in its own bucket, so matrices straddle ranks
+    gathered = world(3).run(_train, None, True, cap=1)[0]["params"]
+    owned = world(3).run(_train, None, True)[0]["params"]
+    want, _ = reference(3, None, True)
+    for a, b, c in zip(gathered, owned, want):
+        torch.testing.assert_close(a, c, rtol=0, atol=2e-4)
+        torch.testing.assert_close(b, c, rtol=0, atol=2e-4)
+
+
+def test_load_balance_and_no_gather_when_owned():
+    costs = [ns_flops(m, n) for m, n in [(64, 64)] * 12 + [(64, 256)] * 4]
+    assert imbalance(costs, assign_owners(costs, 4), 4) <= 1.1
+    homes = [i % 4 for i in range(8)]
+    assert assign_owners([1.0] * 8, 4, homes) == homes  # balanced homes: nothing moves
+    assert imbalance([1.0] * 8, assign_owners([1.0] * 8, 4, [0] * 8), 4) == 1.0
+
+
+def test_state_dict_cross_loads_with_torch_muon():
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 4), (3, 5)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours, theirs = vo.Muon(ps, lr=0.05), torch.optim.Muon(twins, lr=0.05)
+    for t in range(4):
+        for p, q in zip(ps, twins):
+            gr = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = gr.clone(), gr.clone()
+        (ours if t < 2 else theirs).step()
+        if t == 1:
+            theirs.load_state_dict(ours.state_dict())
+            for p, q in zip(ps, twins):
+                q.data.copy_(p.detach())
+    ours.load_state_dict(theirs.state_dict())
+    for i, st in theirs.state_dict()["state"].items():
+        torch.testing.assert_close(ours.state_dict()["state"][i]["momentum_buffer"], st["momentum_buffer"])
+
+
+def _dcp(path, mode, values=None):
+    """Every rank uses the same gradients, so runs at different world sizes are comparable."""
+    muon, adam = make_params()
+    if values is not None:
+        with torch.no_grad():
+            for p, v in zip(muon + adam, values):
+                p.copy_(v)
+    opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False}], lr=0.02)
+    steps = range(2) if mode == "save" else range(2, 4)
+    if mode == "load":
+        sd = opt.sharded_state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        opt.load_sharded_state_dict(sd)
+    for t in steps if mode != "straight" else range(4):
+        opt.zero_grad()
+        for i, p in enumerate(muon + adam):
+            p.grad.copy_(mean_grad(p.shape, t, 4, i))
+        opt.step()
+    if mode == "save":
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    return [p.detach().clone() for p in muon + adam]
+
+
+def test_dcp_save_at_4_load_at_3_continues_exactly(world, tmp_path):
+    path = str(tmp_path / "muon")
+    values = world(4).run(_dcp, path, "save")[0]
+    resumed = world(3).run(_dcp, path, "load", values)[0]
+    straight = world(4).run(_dcp, path, "straight")[0]
+    for a, b in zip(resumed, straight):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"params": [torch.nn.Parameter(torch.zeros(5))]},
+            r"shape \(5,\); put it in a group with use_muon=False",
+        ),
+        ({"adjust_lr_fn": "sqrt"}, "unknown adjust_lr_fn 'sqrt'"),
+        ({"ns_steps": 0}, "ns_steps must be an integer >= 1"),
+        ({"lr": -1.0}, "Learning rate"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    kwargs = {"params": [torch.nn.Parameter(torch.zeros(3, 4))], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        vo.Muon(kwargs.pop("params"), **kwargs)
+
+
+def test_one_dim_param_named_in_error():
+    model = torch.nn.Linear(3, 4)
+    with pytest.raises(ValueError, match="'bias'"):
+        vo.Muon(model.named_parameters())
+
+
+def test_muon_param_groups_split_a_model():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.block = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+
+    model = Tiny()
+    muon, adam = vo.muon_param_groups(model, lr=0.01)
+    assert [p.shape for p in muon["params"]] == [torch.Size([4, 4])]
+    assert len(adam["params"]) == 5 and adam["use_muon"] is False
+    model.lm_head.weight = model.embed.weight  # tied head
+    muon, adam = vo.muon_param_groups(model)
+    assert len(muon["params"]) == 1 and len(adam["params"]) == 4
+    assert math.isclose(vo.Muon([muon, adam]).param_groups[1]["eps"], 1e-8)

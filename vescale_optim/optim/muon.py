@@ -1,0 +1,277 @@
+"""Distributed Muon: momentum on local pieces, each matrix orthogonalized once by its owner."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import newton_schulz
+from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
+from ..shard.plan import owner_offsets
+from .adamw import adamw_update_
+from .base import Bucket, ShardedOptimizer
+from .owners import assign_owners, ns_flops
+
+_ADJUST = (None, "original", "match_rms_adamw")
+_ADAMW_EPS = 1e-8
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's per-matrix learning-rate scaling."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST}")
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(count, rows, cols): a 2-D weight is one matrix, a 3-D stack `count` of them, and a
+    4-D convolution weight one `[out, in*kh*kw]` matrix."""
+    if len(shape) == 2:
+        return 1, shape[0], shape[1]
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    param: int  # index in the bucket
+    start: int  # offset of the matrix in the bucket's global buffer
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+class _MuonPlan:
+    """Per-bucket matrices, owners, gather/scatter plans and this rank's batches."""
+
+    def __init__(self, bucket: Bucket, rank: int, world: int, ns_steps: int):
+        layout = bucket.layout
+        self.matrices: list[_Matrix] = []
+        for i, p in enumerate(bucket.params):
+            count, rows, cols = matrix_view(tuple(p.shape))
+            for s in range(count):
+                self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
+        shard = layout.shard_size
+        holders = []
+        pieces: list[Piece] = []
+        for t, m in enumerate(self.matrices):
+            held = []
+            for r in range(world):
+                lo, hi = max(m.start, r * shard), min(m.start + m.numel, (r + 1) * shard)
+                if lo < hi:
+                    held.append(r)
+                    pieces.append(Piece(r, t, lo - r * shard, lo - m.start, hi - m.start))
+            holders.append(held[0] if len(held) == 1 else None)
+        costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
+        self.owners = assign_owners(costs, world, holders)
+        self.costs = costs
+        # Matrices whose owner already holds all of them are orthogonalized in place.
+        self.in_place = [t for t, (h, o) in enumerate(zip(holders, self.owners)) if h == o]
+        moved = [t for t in range(len(self.matrices)) if holders[t] != self.owners[t]]
+        moved_pieces = [p for p in pieces if p.tensor in set(moved)]
+        numels = [m.numel if t in set(moved) else 0 for t, m in enumerate(self.matrices)]
+        sizes = [shard] * world
+        self.gather = plan_gather_to_owner(moved_pieces, numels, self.owners, world, sizes)
+        self.scatter = plan_scatter_from_owner(moved_pieces, numels, self.owners, world, sizes)
+        self.gather_program = self.gather.program(rank)
+        self.scatter_program = self.scatter.program(rank)
+        offsets, _ = owner_offsets(numels, self.owners, world)
+        # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)].
+        self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
+        for t, m in enumerate(self.matrices):
+            if self.owners[t] != rank:
+                continue
+            if t in self.in_place:
+                entry = (False, m.start - rank * shard)
+            else:
+                entry = (True, offsets[t])
+            self.batches.setdefault((m.rows, m.cols), []).append(entry)
+
+    def lr_ratio(self, bucket: Bucket, rank: int, adjust_lr_fn) -> torch.Tensor:
+        """Per-element learning-rate adjustment over the local slice (0 on padding)."""
+        shard = bucket.layout.shard_size
+        ratio = torch.zeros(shard, dtype=torch.float32, device=bucket.pbuf.data.device)
+        for m in self.matrices:
+            lo, hi = max(m.start, rank * shard), min(m.start + m.numel, (rank + 1) * shard)
+            if lo < hi:
+                ratio[lo - rank * shard : hi - rank * shard] = adjusted_lr(1.0, adjust_lr_fn, m.rows, m.cols)
+        return ratio
+
+
+class Muon(ShardedOptimizer):
+    """Muon with ragged-sharded parameters, gradients and momentum.
+
+    Same arguments, defaults and math as `torch.optim.Muon`, per matrix:
+    `B <- mu*B + (1-mu)*g`; `U = g + mu*(B - g)` if nesterov else `B`;
+    `O = NS(U)` (bf16 Newton–Schulz); `p <- p*(1 - lr*wd) - adjusted_lr*O`.
+    3-D parameters are stacks of matrices, 4-D ones `[out, in*kh*kw]` matrices.
+
+    Each step, momentum runs on the whole local slice; every matrix is sent (in bf16,
+    as torch's iteration starts by casting to bf16) to one owner chosen by balancing
+    Newton–Schulz FLOPs, orthogonalized there once — batched over equal shapes — and
+    sent back; matrices that already lie whole on their owner are not moved. Groups
+    with `use_muon=False` take AdamW steps with their `lr`, `betas` (0.9, 0.95), `eps`
+    (1e-8) and `weight_decay`.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        betas: tuple[float, float] = (0.9, 0.95),
+        process_group=None,
+        skip_nonfinite: bool = False,
+        bucket_cap_numel: int = 64 * 1024 * 1024,
+        ns_backend: str = "auto",
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not momentum >= 0.0:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if adjust_lr_fn not in _ADJUST:
+            raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST}")
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+            raise ValueError(f"ns_steps must be an integer >= 1; got {ns_steps!r}")
+        self.ns_backend = ns_backend
+        self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            use_muon=True, betas=betas,
+        )  # fmt: skip
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            # An AdamW group's eps defaults to AdamW's 1e-8, not to Newton–Schulz's 1e-7.
+            params = [g if g.get("use_muon", True) else {"eps": _ADAMW_EPS, **g} for g in params]
+        super().__init__(
+            params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
+            bucket_cap_numel=bucket_cap_numel,
+        )  # fmt: skip
+        self._plans: dict[int, _MuonPlan] = {}
+        self._ratios: dict[int, torch.Tensor] = {}
+        for k, b in enumerate(self._buckets):
+            if b.group["use_muon"]:
+                self._plans[k] = _MuonPlan(b, self.rank, self.world_size, b.group["ns_steps"])
+                self._ratios[k] = self._plans[k].lr_ratio(b, self.rank, b.group["adjust_lr_fn"])
+
+    def _check_params(self, params):
+        super()._check_params(params)
+        for gi, g in enumerate(self.param_groups):
+            if not g.get("use_muon", True):
+                continue
+            names = g.get("param_names")
+            for j, p in enumerate(g["params"]):
+                if p.ndim not in (2, 3, 4):
+                    name = f"'{names[j]}' " if names else ""
+                    raise ValueError(
+                        f"Muon orthogonalizes matrices, but parameter {name}#{j} of param group {gi} has "
+                        f"shape {tuple(p.shape)}; put it in a group with use_muon=False (AdamW)"
+                    )
+
+    def _unit(self, p: torch.Tensor, group: dict) -> int:
+        return p.shape[-1] if group["use_muon"] else 1
+
+    def _state_names(self, bucket: Bucket) -> list[str]:
+        return ["momentum_buffer"] if bucket.group["use_muon"] else ["exp_avg", "exp_avg_sq"]
+
+    def _step_buckets(self) -> None:
+        muon, pending = [], []
+        self.orthogonalized = 0
+        for k, b in enumerate(self._buckets):
+            b.step += 1
+            if k not in self._plans:
+                g = b.group
+                adamw_update_(
+                    b.local_params, b.local_grads(), b.state["exp_avg"], b.state["exp_avg_sq"], None,
+                    step=b.step, lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1],
+                    eps=g["eps"], weight_decay=g["weight_decay"],
+                )  # fmt: skip
+                continue
+            update = self._momentum(b)
+            received = torch.empty(self._plans[k].gather.dst_numel[self.rank], dtype=torch.bfloat16,
+                                   device=update.device)  # fmt: skip
+            plan = self._plans[k]
+            handle = run_plan(plan.gather, update, received, self._comm, plan.gather_program, async_op=True)
+            muon.append((k, b, update, received, handle))
+        for k, b, update, received, handle in muon:
+            handle.wait()
+            self._orthogonalize(self._plans[k], b.group, update, received)
+            plan = self._plans[k]
+            pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
+        for h in pending:
+            h.wait()
+        for k, b, update, _, _ in muon:
+            g = b.group
+            params = b.local_params
+            params.mul_(1 - float(g["lr"]) * g["weight_decay"])
+            params.addcmul_(self._ratios[k] * float(g["lr"]), update, value=-1.0)
+        self._gather_params()
+
+    def _momentum(self, b: Bucket) -> torch.Tensor:
+        """Momentum on the local slice; returns the (nesterov) update in bf16."""
+        g = b.group
+        grad, buf = b.local_grads(), b.state["momentum_buffer"]
+        buf.lerp_(grad, 1 - g["momentum"])
+        update = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+        return update.bfloat16()
+
+    def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
+        """Newton–Schulz on every matrix this rank owns, batched by shape, in place."""
+        for (rows, cols), entries in plan.batches.items():
+            n = rows * cols
+            views = [(received if moved else local)[o : o + n].view(rows, cols) for moved, o in entries]
+            out = newton_schulz(
+                torch.stack(views), group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend
+            )
+            for view, o in zip(views, out):
+                view.copy_(o)
+            self.orthogonalized += len(views)
+
+
+def muon_param_groups(
+    model: torch.nn.Module,
+    *,
+    lr: float = 0.02,
+    weight_decay: float = 0.1,
+    adamw_lr: float = 3e-4,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_weight_decay: float = 0.0,
+    head_names: tuple[str, ...] = ("lm_head", "head", "output", "classifier"),
+    **muon_kwargs,
+) -> list[dict]:
+    """Split `model`'s trainable parameters into a Muon group (hidden matrices) and an
+    AdamW group (`use_muon=False`): embeddings, the output head (tied or not), norms,
+    biases and anything else with fewer than two dimensions."""
+    adam_ids = set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) or leaf in head_names:
+            adam_ids.update(id(p) for p in module.parameters(recurse=False))
+    muon, adam = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (adam if id(p) in adam_ids or p.ndim < 2 else muon).append(p)
+    return [
+        {"params": muon, "lr": lr, "weight_decay": weight_decay, "use_muon": True, **muon_kwargs},
+        {"params": adam, "lr": adamw_lr, "betas": adamw_betas, "weight_decay": adamw_weight_decay,
+         "use_muon": False},
+    ]  # fmt: skip
