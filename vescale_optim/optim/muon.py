@@ -52,7 +52,7 @@ class _Matrix:
 class _MuonPlan:
     """Per-bucket matrices, owners, gather/scatter plans and this rank's batches."""
 
-    def __init__(self, bucket: Bucket, rank: int, world: int, ns_steps: int):
+    def __init__(self, bucket: Bucket, rank: int, world: int, ns_steps: int, load: list[float]):
         layout = bucket.layout
         self.matrices: list[_Matrix] = []
         for i, p in enumerate(bucket.params):
@@ -71,7 +71,7 @@ class _MuonPlan:
                     pieces.append(Piece(r, t, lo - r * shard, lo - m.start, hi - m.start))
             holders.append(held[0] if len(held) == 1 else None)
         costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
-        self.owners = assign_owners(costs, world, holders)
+        self.owners = assign_owners(costs, world, holders, load=load)
         self.costs = costs
         # Matrices whose owner already holds all of them are orthogonalized in place.
         self.in_place = [t for t, (h, o) in enumerate(zip(holders, self.owners)) if h == o]
@@ -167,9 +167,10 @@ class Muon(ShardedOptimizer):
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}
         self._ratios: dict[int, torch.Tensor] = {}
+        self.ns_load = [0.0] * self.world_size  # Newton–Schulz FLOPs per rank per step
         for k, b in enumerate(self._buckets):
             if b.group["use_muon"]:
-                self._plans[k] = _MuonPlan(b, self.rank, self.world_size, b.group["ns_steps"])
+                self._plans[k] = _MuonPlan(b, self.rank, self.world_size, b.group["ns_steps"], self.ns_load)
                 self._ratios[k] = self._plans[k].lr_ratio(b, self.rank, b.group["adjust_lr_fn"])
 
     def _check_params(self, params):

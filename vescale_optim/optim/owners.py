@@ -20,17 +20,20 @@ def assign_owners(
     world_size: int,
     homes: Sequence[int | None] | None = None,
     slack: float = 0.05,
+    load: list[float] | None = None,
 ) -> list[int]:
     """Greedy longest-processing-time assignment with home affinity.
 
     Matrices are taken by decreasing cost. One whose data already lies on a single rank
     (`homes[i]`) stays there while that rank's load stays within `1 + slack` of the
     ideal mean; every other matrix goes to the least-loaded rank (ties: lowest rank).
-    Deterministic, so every rank computes the same answer.
+    `load` (per rank, updated in place) carries earlier buckets' work, so a step's
+    total is balanced, not each bucket alone. Deterministic: every rank computes the
+    same answer.
     """
     homes = list(homes) if homes is not None else [None] * len(costs)
-    target = (1 + slack) * sum(costs) / max(world_size, 1)
-    load = [0.0] * world_size
+    load = load if load is not None else [0.0] * world_size
+    target = (1 + slack) * (sum(costs) + sum(load)) / max(world_size, 1)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         home = homes[i]
