@@ -151,6 +151,7 @@ def train_one(
     tail = losses[-min(10, len(losses)) :]
     result = {
         "loss": losses,
+        "peak_lr": sched.base_lrs[0],
         "final_loss": sum(tail) / len(tail),
         "val_loss": val_loss,
         "tokens_per_s": tokens / train_time,
@@ -223,7 +224,7 @@ def write_report(summary: dict, out: Path) -> None:
         ]
         for name, r in runs.items()
     ]
-    print(format_table(["optimizer", "train loss", "val loss", "tokens/s", "train s"], rows))
+    print(format_table(["optimizer", "train loss", "val loss", "tokens/s (global)", "train s"], rows))
     on_gpu = summary["device"] == "cuda"
     headers = ["optimizer", "rank", "peak RSS MiB"] + (["CUDA max alloc MiB"] if on_gpu else []) + ["CPU s"]
     rows = []

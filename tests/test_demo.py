@@ -1,0 +1,92 @@
+"""Smoke tests of the demo: in-process training at world size 1, and a 2-rank CLI run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from vescale_optim.demo.data import batch_generator, get_batch, load_corpus, val_windows
+from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier
+from vescale_optim.demo.train import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = TrainConfig(batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3, val_tokens=1024)
+TINY_FLAGS = ["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
+
+
+@pytest.fixture
+def one_thread():
+    """Train on one thread (fast and steady on a busy machine); restore afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _check_outputs(out: Path, names: list[str], steps: int, world_size: int) -> dict:
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == world_size
+    assert list(summary["runs"]) == names
+    for run in summary["runs"].values():
+        assert len(run["loss"]) == steps
+        assert all(math.isfinite(x) for x in run["loss"])
+        assert math.isfinite(run["val_loss"]) and run["tokens_per_s"] > 0
+        assert [m["rank"] for m in run["peak_memory"]] == list(range(world_size))
+        assert all(m["rss_mib"] > 0 for m in run["peak_memory"])
+    return summary
+
+
+def test_batches_and_schedule():
+    train_data, val_data = load_corpus()
+    assert train_data.numel() > 500_000 and val_data.numel() > 50_000
+    x, y = get_batch(train_data, 4, 16, batch_generator(0, rank=1, step=7))
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    x2, _ = get_batch(train_data, 4, 16, batch_generator(0, rank=0, step=7))
+    assert not torch.equal(x, x2), "ranks must read different batches"
+    vx, vy = val_windows(val_data, 16, 256)
+    assert vx.shape == (16, 16) and torch.equal(vx[:, 1:], vy[:, :-1])
+    assert lr_multiplier(9, 10, 100) == 1.0
+    assert lr_multiplier(100, 10, 100) == pytest.approx(0.1)
+
+
+@pytest.mark.timeout(60)
+def test_train_in_process_loss_decreases(tmp_path, one_thread):
+    cfg = replace(TINY, steps=30, lr=1e-2, out=str(tmp_path), progress=False)
+    summary = train(cfg)
+    _check_outputs(tmp_path, ["adamw"], 30, 1)
+    loss = summary["runs"]["adamw"]["loss"]
+    assert loss[0] == pytest.approx(math.log(256), abs=0.3)
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 1.0
+    assert summary["runs"]["adamw"]["val_loss"] < loss[0] - 1.0
+
+
+@pytest.mark.timeout(60)
+def test_all_optimizers_start_from_the_same_weights(tmp_path, one_thread):
+    summary = train(replace(TINY, optimizer="all", steps=2, out=str(tmp_path), progress=False))
+    _check_outputs(tmp_path, list(OPTIMIZERS), 2, 1)
+    first = {name: run["loss"][0] for name, run in summary["runs"].items()}
+    assert len(set(first.values())) == 1, first
+
+
+@pytest.mark.timeout(180)
+def test_cli_two_ranks(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "vescale_optim.demo", "--world-size", "2", "--steps", "5"]
+    proc = subprocess.run(
+        [*cmd, *TINY_FLAGS, "--val-tokens", "512", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_outputs(out, ["adamw"], 5, 2)
+    assert "val loss" in proc.stdout and "peak RSS" in proc.stdout
