@@ -31,17 +31,21 @@ def _rint(y):
 
 
 @triton.jit
-def _dither(block_scales, salt, BLOCK: tl.constexpr):
-    """Offsets in [0, 1): murmur3 finalizer of (column, block scale bits, step salt)."""
-    cols = tl.arange(0, BLOCK).to(tl.uint32)
-    key = block_scales.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32)
-    h = (cols[None, :] * 0x9E3779B1) ^ key[:, None]
+def _fmix24(h):
     h ^= h >> 16
     h *= 0x85EBCA6B
     h ^= h >> 13
     h *= 0xC2B2AE35
     h ^= h >> 16
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return h >> 8
+
+
+@triton.jit
+def _dither(block_scales, salt, BLOCK: tl.constexpr):
+    """Offsets in [0, 1): hashed column offset + hashed (block scale, step) offset, mod 1."""
+    cols = _fmix24(tl.arange(0, BLOCK).to(tl.uint32) * 0x9E3779B1)
+    rows = _fmix24(block_scales.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32))
+    return ((rows[:, None] + cols[None, :]) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
 
 
 @triton.jit

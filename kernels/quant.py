@@ -108,10 +108,10 @@ def adamw8bit_update_(
     rules apply to ``sqrt(v)`` only:
 
     - it is rounded stochastically (unbiased): ``v`` moves by about ``(1 - β2)`` per
-      step, far less than one code, so round-to-nearest would freeze it. The dither is
-      a hash of the step, the position inside the block and the block's previous
-      scale — deterministic, identical in the torch reference and the Triton kernel,
-      and independent of where the block sits in memory (so of the sharding);
+      step, far less than one code, so round-to-nearest would freeze it. The dither
+      hashes the step, the position inside the block and the block's previous scale:
+      deterministic, identical in the torch reference and the Triton kernel, and
+      independent of where the block sits in memory (so of the sharding);
     - a positive ``sqrt(v)`` never gets code 0 (it takes one step instead): a zero
       denominator would turn a small surviving ``m`` into an ``m / eps`` blow-up,
       while over-estimating a tiny ``v`` only shrinks that element's update.
@@ -211,18 +211,24 @@ def _mul32(h: Tensor, c: int) -> Tensor:
     return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
-def _dither(scales: Tensor, block_size: int, salt: int) -> Tensor:
-    """Offsets in ``[0, 1)`` for stochastic rounding: a murmur3 finalizer of the column,
-    the block's scale bits and the step ``salt``."""
-    cols = torch.arange(block_size, dtype=torch.int64, device=scales.device)
-    key = (scales.view(torch.int32).to(torch.int64) & _MASK32) ^ salt
-    h = _mul32(cols, _COL_MIX)[None, :] ^ key[:, None]
-    h ^= h >> 16
+def _fmix24(h: Tensor) -> Tensor:
+    """murmur3's 32-bit finalizer on int64 ``h`` in ``[0, 2**32)``; the top 24 bits."""
+    h = h ^ (h >> 16)
     h = _mul32(h, _FMIX1)
     h ^= h >> 13
     h = _mul32(h, _FMIX2)
     h ^= h >> 16
-    return (h >> 8).float() * 2.0**-24
+    return h >> 8
+
+
+def _dither(scales: Tensor, block_size: int, salt: int) -> Tensor:
+    """Offsets in ``[0, 1)`` for stochastic rounding, one row per block: a hashed
+    per-column offset plus a hashed offset of (block scale bits, step ``salt``), mod 1.
+    For a fixed element the offset is uniform and changes every step; hashing only
+    columns and blocks keeps the per-element cost at an add."""
+    cols = _fmix24(_mul32(torch.arange(block_size, device=scales.device), _COL_MIX))
+    rows = _fmix24((scales.view(torch.int32).to(torch.int64) & _MASK32) ^ salt)
+    return ((rows[:, None] + cols[None, :]) & 0xFFFFFF).float() * 2.0**-24
 
 
 def _as_rows(flat: Tensor, block_size: int) -> Tensor:

@@ -213,7 +213,7 @@ def _least_squares_curve(eight_bit: bool, steps: int = 200) -> torch.Tensor:
 
 def test_8bit_adamw_tracks_fp32_on_least_squares():
     """200 steps on a 64x32 least-squares problem: the 8-bit loss stays within 5 % of
-    fp32 AdamW's at every step (measured: within 1.8 %, final loss 1.2 % lower)."""
+    fp32 AdamW's at every step (measured: within 1.7 %, final loss 0.8 % lower)."""
     fp32, eight_bit = _least_squares_curve(False), _least_squares_curve(True)
     assert fp32[-1] < 0.05 * fp32[0]
     ratio = eight_bit / fp32
