@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..kernels import adamw8bit_update_
+from . import lowbit
 from .base import Bucket, ShardedOptimizer
 
 
@@ -50,7 +52,14 @@ class AdamW(ShardedOptimizer):
     Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
     gradients with one reduce-scatter per bucket, updates the rank's flat slice in a
     single call per bucket and all-gathers the parameters. bf16/fp16 parameters get
-    an fp32 master of the local slice only; moments are fp32.
+    an fp32 master of the local slice only.
+
+    `state_bits` picks the moments' storage for tensors of at least 4096 elements:
+    32 (fp32), 16 (bf16, rounded to nearest) or 8 (int8 codes with an fp32 absmax
+    scale per 256-element block counted from each tensor's start; updated by the
+    fused `kernels.adamw8bit_update_`). Blocks never straddle ranks, so 8-bit state
+    is the same at every world size. `state_dict()` exports fp32 moments under
+    torch's names; loading re-encodes them (8-bit: within half a step of each block).
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class AdamW(ShardedOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        state_bits: int = 32,
         process_group=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
@@ -75,6 +85,10 @@ class AdamW(ShardedOptimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if not weight_decay >= 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        lowbit.check_state_bits(state_bits)
+        if amsgrad and state_bits != 32:
+            raise ValueError("amsgrad keeps an extra fp32 moment; use it with state_bits=32")
+        self.state_bits = state_bits
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
         )
@@ -86,24 +100,56 @@ class AdamW(ShardedOptimizer):
             bucket_cap_numel=bucket_cap_numel,
         )
 
+    def _bucket_key(self, p: torch.Tensor, group: dict) -> object:
+        return lowbit.tier(p, self.state_bits)
+
+    def _unit(self, p: torch.Tensor, group: dict) -> int:
+        return lowbit.q8_unit(p) if lowbit.tier(p, self.state_bits) == "q8" else 1
+
+    def _align(self, p: torch.Tensor, group: dict) -> int:
+        return lowbit.BLOCK if lowbit.tier(p, self.state_bits) == "q8" else 1
+
+    def _kind(self, bucket: Bucket) -> str:
+        return lowbit.tier(bucket.params[0], self.state_bits)
+
     def _state_names(self, bucket: Bucket) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]
         return [*names, "max_exp_avg_sq"] if bucket.group["amsgrad"] else names
 
+    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        names, n = self._state_names(bucket), bucket.layout.shard_size
+        return lowbit.new_state(names, self._kind(bucket), n, bucket.local_params.device)
+
+    def _export_names(self, bucket: Bucket) -> list[str]:
+        return self._state_names(bucket)
+
+    def _export_locals(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        kind = self._kind(bucket)
+        return {
+            name: lowbit.decode(bucket.state, name, kind, sqrt=name == "exp_avg_sq")
+            for name in self._state_names(bucket)
+        }
+
+    def _commit_locals(self, bucket: Bucket, local: dict[str, torch.Tensor]) -> None:
+        kind = self._kind(bucket)
+        for name, x in local.items():
+            lowbit.encode_(bucket.state, name, kind, x, sqrt=name == "exp_avg_sq")
+
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        g = bucket.group
+        g, st = bucket.group, bucket.state
         beta1, beta2 = g["betas"]
-        adamw_update_(
-            bucket.local_params,
-            grads,
-            bucket.state["exp_avg"],
-            bucket.state["exp_avg_sq"],
-            bucket.state.get("max_exp_avg_sq"),
-            step=bucket.step,
-            lr=float(g["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-            maximize=g["maximize"],
-        )
+        hyper = dict(
+            step=bucket.step, lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
+            weight_decay=g["weight_decay"], maximize=g["maximize"],
+        )  # fmt: skip
+        kind = self._kind(bucket)
+        if kind == "q8":
+            adamw8bit_update_(
+                bucket.local_params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
+                st["exp_avg_sq.scales"], block_size=lowbit.BLOCK, **hyper,
+            )  # fmt: skip
+            return
+        m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
+        adamw_update_(bucket.local_params, grads, m, v, st.get("max_exp_avg_sq"), **hyper)
+        lowbit.encode_(st, "exp_avg", kind, m)
+        lowbit.encode_(st, "exp_avg_sq", kind, v)

@@ -84,10 +84,10 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             params = [trainable[i][0] for i in idx]
             group = self.param_groups[trainable[idx[0]][1]]
             units = [self._unit(p, group) for p in params]
-            layout = plan_layout([p.numel() for p in params], units, self._comm.world_size, align)
+            bucket_align = math.lcm(align, *(self._align(p, group) for p in params))
+            layout = plan_layout([p.numel() for p in params], units, self._comm.world_size, bucket_align)
             bucket = Bucket(params, [index[id(p)] for p in params], group, layout, self._comm)
-            for name in self._state_names(bucket):
-                bucket.state[name] = torch.zeros_like(bucket.local_params)
+            bucket.state = self._init_state(bucket)
             buckets.append(bucket)
         self._buckets = buckets
 
@@ -97,6 +97,10 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """Elements per unit: rank boundaries inside `p` fall on multiples of this."""
         return 1
 
+    def _align(self, p: torch.Tensor, group: dict) -> int:
+        """Offsets and the shard size of `p`'s bucket are multiples of this."""
+        return 1
+
     def _bucket_key(self, p: torch.Tensor, group: dict) -> object:
         """Extra key: parameters with different keys never share a bucket."""
         return None
@@ -104,6 +108,10 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def _state_names(self, bucket: Bucket) -> list[str]:
         """Names of the element-wise state tensors kept for a bucket's local slice."""
         return []
+
+    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        """The bucket's local state tensors: by default zeros like the local slice."""
+        return {name: torch.zeros_like(bucket.local_params) for name in self._state_names(bucket)}
 
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
         """Update `bucket.local_params` (and state) from the averaged local `grads`."""
@@ -298,11 +306,17 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
 
     def local_state_numel(self) -> int:
         """Elements of optimizer state (masters included) held by this rank."""
-        n = 0
+        return sum(t.numel() for t in self._local_state_tensors())
+
+    def local_state_bytes(self) -> int:
+        """Bytes of optimizer state (masters included) held by this rank."""
+        return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
+
+    def _local_state_tensors(self):
         for b in self._buckets:
-            n += sum(t.numel() for t in b.state.values())
-            n += b.master.numel() if b.master is not None else 0
-        return n
+            yield from b.state.values()
+            if b.master is not None:
+                yield b.master
 
 
 __all__ = ["Bucket", "ShardedOptimizer"]

@@ -34,7 +34,22 @@ class CheckpointMixin:
     def _expected_state(self, bucket, i: int) -> dict[str, tuple[int, ...]]:
         """The state keys a parameter must carry on load, with their shapes."""
         shape = tuple(bucket.params[i].shape)
-        return {name: shape for name in bucket.state}
+        return {name: shape for name in self._export_names(bucket)}
+
+    def _export_names(self, bucket) -> list[str]:
+        return list(bucket.state)
+
+    def _export_locals(self, bucket) -> dict[str, torch.Tensor]:
+        """Local flat state under torch's names, one element per local-slice element.
+
+        By default the state tensors themselves (so loading writes them in place); a
+        subclass storing state differently (quantized, say) returns decoded copies and
+        re-encodes them in `_commit_locals`.
+        """
+        return dict(bucket.state)
+
+    def _commit_locals(self, bucket, local: dict[str, torch.Tensor]) -> None:
+        """Store values written into `_export_locals`' tensors back into the state."""
 
     # --- full format --------------------------------------------------------------
 
@@ -52,7 +67,7 @@ class CheckpointMixin:
         """torch.optim format with full tensors and torch's state names (collective)."""
         state = {}
         for b in self._buckets:
-            flat = {name: all_gather_flat(t, self._comm) for name, t in b.state.items()}
+            flat = {name: all_gather_flat(t, self._comm) for name, t in self._export_locals(b).items()}
             if b.step == 0:
                 continue
             for i, index in enumerate(b.indices):
@@ -115,15 +130,17 @@ class CheckpointMixin:
                     t.zero_()
                 continue
             b.step = int(float(by_index[b.indices[0]].get("step", 0)))
+            local = self._export_locals(b)
             for i, index in enumerate(b.indices):
-                self._load_param_state(b, i, by_index[index])
+                self._load_param_state(b, i, by_index[index], local)
+            self._commit_locals(b, local)
 
-    def _load_param_state(self, bucket, i: int, state: dict) -> None:
+    def _load_param_state(self, bucket, i: int, state: dict, local: dict[str, torch.Tensor]) -> None:
         start, stop = bucket.pbuf.tensor_range(i)
         lo, hi = bucket.pbuf.local_range(i)
-        for name, local in bucket.state.items():
+        for name, flat in local.items():
             full = torch.as_tensor(state[name]).reshape(-1)
-            local[lo:hi].copy_(full[start:stop])
+            flat[lo:hi].copy_(full[start:stop])
 
     # --- sharded format (torch.distributed.checkpoint) ----------------------------
 
@@ -167,8 +184,9 @@ class CheckpointMixin:
         `load_sharded_state_dict` with it.
         """
         state = {}
-        for b in self._buckets:
-            tensors = dict(b.state)
+        self._staged = {}
+        for k, b in enumerate(self._buckets):
+            tensors = self._staged[k] = self._export_locals(b)
             if b.master is not None:
                 tensors["master"] = b.master
             for i, index in enumerate(b.indices):
@@ -181,11 +199,15 @@ class CheckpointMixin:
     @torch.no_grad()
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Finish a DCP load: tensors were filled in place; restore steps and masters."""
-        for b in self._buckets:
+        for k, b in enumerate(self._buckets):
             steps = {float(state_dict["state"][str(index)]["step"]) for index in b.indices}
             if len(steps) != 1:
                 raise ValueError(f"parameters {b.indices} share a bucket but have steps {sorted(steps)}")
             b.step = int(steps.pop())
+            staged = getattr(self, "_staged", {}).get(k)
+            if staged is None:
+                raise RuntimeError("call sharded_state_dict() before load_sharded_state_dict()")
+            self._commit_locals(b, {n: t for n, t in staged.items() if n != "master"})
             if b.master is not None:
                 b.pbuf.local.copy_(b.master)
         self._gather_params()
