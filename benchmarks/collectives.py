@@ -1,0 +1,658 @@
+"""Parameter all-gather and gradient reduce-scatter: flat ragged buckets against FSDP2, on gloo.
+
+A local gloo world (default 4 ranks, `torch.multiprocessing` spawn) holds a GPT-like
+parameter set of ~46 M fp32 elements: embedding 8192 x 512, 12 blocks of
+[qkv 1536 x 512, o 512 x 512, fc 2048 x 512, proj 512 x 2048, two norms 512], a final
+norm and an untied head 8192 x 512.
+
+Paths (each its own copy of the model, all alive at once so runs can interleave):
+
+* `ours, 13 buckets` - one flat bucket per FSDP2 group (each block; embedding + final norm
+  + head), so the number and sizes of the collectives match FSDP2's. Layouts come from
+  `plan_layout` (unit = one row, `shape[-1]`; align 16) and `bind_parameters`; parameter
+  sync is one `all_gather_` per bucket, gradient sync one `reduce_scatter_(op="mean")`.
+* `ours, 1 bucket` (`--one-bucket`) - every parameter in one bucket: one all-gather, one
+  reduce-scatter of 46 M elements. Off by default because it doubles the run time: gloo
+  over loopback TCP costs ~3x more per element for a 46 M-element collective than for
+  3-8 M-element ones, so on gloo this path is *slower* than FSDP2 despite copying nothing.
+* `FSDP2` - `fully_shard` on every block and on the root, `reshard_after_forward=False`
+  (so backward never all-gathers again).
+
+Steps: step 0 is unmeasured (FSDP2's lazy init, first touch of every buffer) and checks
+the results (each rank's slice lands in place; gradients reduce to their mean, and ours
+stay views of the bucket); step 1 is the warm-up and is profiled on rank 0 to count
+copies; then `--warmup` more unmeasured steps (default 0) and `--runs` timed ones.
+
+Ops timed (wall clock of the slowest rank, after a barrier; median over `--runs` runs; the
+paths are interleaved inside every run):
+
+* `param all-gather`: ours = `all_gather_` on every bucket; FSDP2 = `unshard()` on every
+  FSDP module, then `reshard()` on every one (copy-in, all-gather, copy-out, free).
+* `grad reduce-scatter`: ours = `reduce_scatter_` on every bucket after backward; FSDP2 =
+  the time spent inside its `foreach_reduce` during backward (copy-in, reduce-scatter,
+  views of the sharded gradients), measured by wrapping that internal function. It is
+  FSDP2's private API: if it moves, the row is left empty.
+* `backward + grad RS`: `loss.backward()` (+ ours' reduce-scatter); the forward, which
+  FSDP2 uses to all-gather, runs before the clock starts. The loss is a sum of one term
+  per parameter whose backward hands autograd a fresh, contiguous gradient filled with a
+  constant, as a real layer does, so the backward costs little besides gradient
+  accumulation: FSDP2's autograd steals the fresh tensor, ours adds it into the bucket
+  in place (`.grad` is a view of the gradient buffer).
+
+`ratio` is ours / FSDP2 for the same op: the median over runs of the per-run ratio.
+
+Copies: rank 0 runs step 1 of every path under `torch.profiler` (CPU activities, with
+shapes and Python stacks) and counts the *outermost* copy ops (an `aten::copy_`
+inside `aten::clone` counts once, as `aten::clone`) whose time falls in the op's window:
+
+* `copies` - made by the framework: our shard layer, FSDP2's copy-in/copy-out, autograd;
+* `c10d copies` - made inside `torch.distributed` itself: under a `c10d::` op, in a
+  `distributed_c10d.py` frame (e.g. `work.wait()`), or on a gloo worker thread. The
+  profiler sees these because gloo's `all_gather_into_tensor` and `reduce_scatter_tensor`
+  are built from ATen ops (gloo stages the gathered output and then copies it into place;
+  it runs `reduce_scatter_tensor` as a clone, a full all-reduce and a copy of the own
+  chunk). Copying inside gloo's own C++ (its TCP pairs) is invisible to the profiler.
+  NCCL implements both collectives natively, without these ATen staging copies (not
+  measured here).
+
+Copies of a single element (gloo converting the AVG divisor) are not counted; `M el.`
+is the number of elements the counted copies write, in millions. Everything a counted
+copy was and where it ran goes to the JSON (`copy_events`).
+
+Each rank runs `max(1, cpus // world_size)` intra-op threads, the CPUs being those this
+process may run on, so the ranks share the machine fairly.
+
+    python benchmarks/collectives.py                 # 4 ranks, ~46 M parameters
+    python benchmarks/collectives.py --one-bucket    # ... and the single-bucket path
+    python benchmarks/collectives.py --quick         # tiny model, 3 runs
+    python benchmarks/collectives.py --world-size 2 --runs 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from benchmarks._report import environment, save_json, table  # noqa: E402
+from vescale_optim.shard import Comm, all_gather_, bind_parameters, plan_layout, reduce_scatter_  # noqa: E402
+
+ALIGN = 16
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::_foreach_copy_",
+        "aten::clone",
+        "aten::_to_copy",
+        "aten::contiguous",
+        "aten::cat",
+        "aten::stack",
+        "aten::_chunk_cat",
+        "aten::chunk_cat",
+        "aten::split_with_sizes_copy",
+        "aten::narrow_copy",
+        "aten::index_select",
+        "fsdp::all_gather_copy_in",
+        "fsdp::split_with_sizes_copy",
+        "fsdp::chunk_cat",
+    }
+)
+OPS = ("param all-gather", "grad reduce-scatter", "backward + grad RS")
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int
+    dim: int
+    blocks: int
+
+
+FULL = Config(vocab=8192, dim=512, blocks=12)
+QUICK = Config(vocab=512, dim=64, blocks=2)
+
+
+def _ours_paths(cfg: Config, one_bucket: bool) -> dict[str, bool]:
+    """Our paths: name -> whether it has one bucket per FSDP2 group."""
+    paths = {f"ours, {cfg.blocks + 1} buckets": True}
+    return {"ours, 1 bucket": False, **paths} if one_bucket else paths
+
+
+class _Probe(torch.autograd.Function):
+    """A zero loss term for `p` whose backward returns a fresh gradient filled with the
+    incoming scalar: what autograd gets from a real layer, at the cost of one fill."""
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.shape = p.shape
+        return p.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full(ctx.shape, grad.item(), dtype=grad.dtype, device=grad.device)
+
+
+def _probe(*params: torch.Tensor) -> torch.Tensor:
+    total = _Probe.apply(params[0])
+    for p in params[1:]:
+        total = total + _Probe.apply(p)
+    return total
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv, self.o = _param(3 * d, d), _param(d, d)
+        self.fc, self.proj = _param(4 * d, d), _param(d, 4 * d)
+        self.norm1, self.norm2 = _param(d), _param(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _probe(*self.parameters())
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed = _param(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg.dim) for _ in range(cfg.blocks))
+        self.norm = _param(cfg.dim)
+        self.head = _param(cfg.vocab, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + _probe(self.embed)
+        for block in self.blocks:
+            x = block(x)
+        return x + _probe(self.norm, self.head)
+
+    def groups(self) -> list[list[nn.Parameter]]:
+        """FSDP2's parameter groups: one per block, then the root's own parameters."""
+        return [list(b.parameters()) for b in self.blocks] + [[self.embed, self.norm, self.head]]
+
+
+def _loss(model: nn.Module, scale: float) -> torch.Tensor:
+    return model(torch.zeros(())) * scale
+
+
+class Ours:
+    """The model's parameters bound into flat buckets (one, or one per FSDP2 group)."""
+
+    def __init__(self, cfg: Config, per_group: bool, comm: Comm):
+        self.model, self.comm = GPT(cfg), comm
+        groups = self.model.groups()
+        if not per_group:
+            groups = [list(self.model.parameters())]
+        self.buckets = []
+        for params in groups:
+            sizes, units = [p.numel() for p in params], [p.shape[-1] for p in params]
+            layout = plan_layout(sizes, units, comm.world_size, ALIGN)
+            pbuf, gbuf = bind_parameters(params, layout, comm.rank)
+            self.buckets.append((params, pbuf, gbuf))
+
+    @property
+    def padding(self) -> int:
+        return sum(p.layout.padding for _, p, _ in self.buckets)
+
+    def all_gather(self) -> None:
+        for _, pbuf, _ in self.buckets:
+            all_gather_(pbuf, self.comm)
+
+    def reduce_scatter(self) -> None:
+        for _, _, gbuf in self.buckets:
+            reduce_scatter_(gbuf, self.comm, op="mean")
+
+    def zero_grad(self) -> None:
+        for _, _, gbuf in self.buckets:
+            gbuf.data.zero_()
+
+    def check(self, expect: float) -> None:
+        """Reduced gradients equal `expect` on every local piece; the gradients are still
+        views of the buckets."""
+        for params, _, gbuf in self.buckets:
+            for i, p in enumerate(params):
+                assert p.grad is not None and p.grad.data_ptr() == gbuf.view(i).data_ptr()
+                piece = gbuf.local_piece(i)
+                assert torch.all(piece == expect), f"ours: reduced gradient {piece[:4]} != {expect}"
+
+
+class FSDP2:
+    def __init__(self, cfg: Config):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = GPT(cfg)
+        for block in self.model.blocks:
+            fully_shard(block, reshard_after_forward=False)
+        fully_shard(self.model, reshard_after_forward=False)
+        self.modules = [*self.model.blocks, self.model]
+
+    def all_gather(self) -> None:
+        for m in self.modules:
+            m.unshard()
+        for m in self.modules:
+            m.reshard()
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def check(self, expect: float) -> None:
+        for p in self.model.parameters():
+            local = p.grad.to_local()
+            assert torch.all(local == expect), f"FSDP2: reduced gradient {local.view(-1)[:4]} != {expect}"
+
+
+class _ReduceTimer:
+    """Wraps FSDP2's internal `foreach_reduce` to add up the time spent in it."""
+
+    def __init__(self):
+        self.seconds, self.calls, self.installed = 0.0, 0, False
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+        except ImportError:
+            return
+        inner = getattr(pg, "foreach_reduce", None)
+        if inner is None:
+            return
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        pg.foreach_reduce = timed
+        self.installed = True
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+# ---------------------------------------------------------------- copy counting
+
+
+def _numel(shape) -> int:
+    """Elements of a recorded input: a shape, or a list of shapes for a tensor list."""
+    if not shape:
+        return 1 if shape == [] else 0
+    if isinstance(shape[0], list | tuple):
+        return sum(_numel(s) for s in shape)
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+_LIST_OPS = frozenset(
+    {"aten::_foreach_copy_", "aten::cat", "aten::stack", "aten::_chunk_cat", "aten::chunk_cat",
+     "fsdp::all_gather_copy_in", "fsdp::chunk_cat"}
+)
+
+
+def _written(e) -> int:
+    """Elements a copy op writes. Its first input is the destination (`copy_`) or a source
+    of the same size (`clone`, `split_with_sizes_copy`, FSDP2's copy-out); the profiler
+    records no shapes for tensor lists, so ops taking one are sized by the copies nested in
+    them (`_foreach_copy_`, FSDP2's copy-in) or by their largest tensor argument, the `out=`
+    buffer (FSDP2's `chunk_cat`)."""
+    shapes = list(getattr(e, "input_shapes", None) or [])
+    if e.name not in _LIST_OPS:
+        return _numel(shapes[0]) if shapes else 0
+    nested, stack = 0, list(e.cpu_children)
+    while stack:
+        child = stack.pop()
+        if child.name == "aten::copy_":
+            nested += _numel((child.input_shapes or [[]])[0])
+        else:
+            stack.extend(child.cpu_children)
+    if nested:
+        return nested
+    return max((_numel(s) for s in shapes[1:] if s and not isinstance(s[0], list | tuple)), default=0)
+
+
+def _in_c10d(e, main_thread: int) -> bool:
+    if e.thread != main_thread:
+        return True
+    parent = e.cpu_parent  # with `with_stack`, Python frames are events in the tree too
+    while parent is not None:
+        if parent.name.startswith("c10d::") or "torch/distributed/distributed_c10d.py" in parent.name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def count_copies(prof, regions: list[str]) -> dict[str, dict]:
+    """Outermost copy ops inside each `record_function(region)` window, split into the
+    framework's and those made inside torch.distributed."""
+    events = list(prof.events())
+    windows = {}
+    for e in events:
+        if e.name in regions:
+            windows[e.name] = (e.time_range.start, e.time_range.end, e.thread)
+    out = {r: {"copies": 0, "elements": 0, "c10d_copies": 0, "c10d_elements": 0, "events": Counter()}
+           for r in regions}
+    for e in events:
+        if e.name not in COPY_OPS:
+            continue
+        parent = e.cpu_parent
+        nested = False
+        while parent is not None:
+            if parent.name in COPY_OPS:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        n = _written(e)
+        if n <= 1:
+            continue
+        for region, (start, end, thread) in windows.items():
+            if not start <= e.time_range.start < end:
+                continue
+            where = "c10d" if _in_c10d(e, thread) else "framework"
+            bucket = out[region]
+            bucket["c10d_copies" if where == "c10d" else "copies"] += 1
+            bucket["c10d_elements" if where == "c10d" else "elements"] += n
+            bucket["events"][f"{where}: {e.name} x {n}"] += 1
+    for region in out.values():
+        region["events"] = dict(sorted(region["events"].items()))
+    return out
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def _barrier_time(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _profile_step(rank: int, steps: list[tuple[str, Callable[[], None]]]) -> dict | None:
+    """Run `steps` (region, fn) once, under the profiler on rank 0."""
+    if rank != 0:
+        for _, fn in steps:
+            dist.barrier()
+            fn()
+        return None
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        for region, fn in steps:
+            dist.barrier()
+            with record_function(region):
+                fn()
+    return count_copies(prof, [r for r, _ in steps])
+
+
+def _rank_main(rank: int, world: int, init_file: str, args, queue) -> None:
+    # torch 2.13 deprecates the names the shard layer calls (`all_gather_into_tensor`,
+    # `reduce_scatter_tensor`); one warning per rank and call site is noise here.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cpus // world)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+    try:
+        result = _measure(rank, world, args, threads)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, args, threads: int) -> dict:
+    cfg = QUICK if args.quick else FULL
+    comm = Comm()
+    scale = float(rank + 1)
+    expect = (world + 1) / 2  # mean over ranks of rank + 1
+    ours = {name: Ours(cfg, per_group, comm) for name, per_group in _ours_paths(cfg, args.one_bucket).items()}
+    paths = (*ours, "FSDP2")
+    fsdp = FSDP2(cfg)
+    timer = _ReduceTimer()
+    numel = sum(p.numel() for p in fsdp.model.parameters())
+
+    # Step 0, unmeasured: FSDP2's lazy init, first touch of every buffer, and checks that
+    # the gathered pieces land in place and the gradients reduce to their mean.
+    for o in ours.values():
+        for _, pbuf, _ in o.buckets:
+            pbuf.data.fill_(-1.0)
+            pbuf.local.fill_(rank)
+        o.all_gather()
+        for _, pbuf, _ in o.buckets:
+            got = pbuf.data.view(world, pbuf.shard_size)
+            want = torch.arange(world, dtype=got.dtype).unsqueeze(1).expand_as(got)
+            assert torch.equal(got, want), "ours: all-gather did not fill the buffer"
+        o.zero_grad()
+        _loss(o.model, scale).backward()
+        o.reduce_scatter()
+        o.check(expect)
+    fsdp.all_gather()
+    fsdp.zero_grad()
+    _loss(fsdp.model, scale).backward()
+    fsdp.check(expect)
+
+    # Step 1, the warm-up: copies counted under the profiler on rank 0.
+    copies: dict[tuple[str, str], dict] = {}
+    for name, o in ours.items():
+        o.zero_grad()
+        loss = _loss(o.model, scale)
+        got = _profile_step(rank, [
+            ("bench::all_gather", o.all_gather),
+            ("bench::backward", loss.backward),
+            ("bench::reduce_scatter", o.reduce_scatter),
+        ])
+        if got is not None:
+            copies[(name, OPS[0])] = got["bench::all_gather"]
+            copies[(name, OPS[1])] = got["bench::reduce_scatter"]
+            copies[(name, OPS[2])] = _merge(got["bench::backward"], got["bench::reduce_scatter"])
+    got = _profile_step(rank, [("bench::all_gather", fsdp.all_gather)])
+    fsdp.zero_grad()
+    got_bwd = _profile_fsdp_backward(rank, _loss(fsdp.model, scale))
+    if got is not None:
+        copies[("FSDP2", OPS[0])] = got["bench::all_gather"]
+        copies[("FSDP2", OPS[1])] = got_bwd["reduce"]
+        copies[("FSDP2", OPS[2])] = got_bwd["bench::backward"]
+
+    def one_run() -> dict[tuple[str, str], float]:
+        times = {}
+        for name, o in ours.items():
+            times[(name, OPS[0])] = _barrier_time(o.all_gather)
+        times[("FSDP2", OPS[0])] = _barrier_time(fsdp.all_gather)
+        for name, o in ours.items():
+            o.zero_grad()
+            loss = _loss(o.model, scale)
+            bwd = _barrier_time(loss.backward)
+            rs = _barrier_time(o.reduce_scatter)
+            times[(name, OPS[1])] = rs
+            times[(name, OPS[2])] = bwd + rs
+        fsdp.zero_grad()
+        loss = _loss(fsdp.model, scale)  # FSDP2 all-gathers here, off the clock
+        timer.reset()
+        times[("FSDP2", OPS[2])] = _barrier_time(loss.backward)
+        times[("FSDP2", OPS[1])] = timer.seconds if timer.installed and timer.calls else float("nan")
+        return times
+
+    for _ in range(args.warmup):
+        one_run()
+    keys = [(p, op) for op in OPS for p in paths]
+    samples = torch.zeros(args.runs, len(keys), dtype=torch.float64)
+    for r in range(args.runs):
+        t = one_run()
+        samples[r] = torch.tensor([t[k] for k in keys], dtype=torch.float64)
+    # The slowest rank sets the time of a collective step.
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    fsdp.check(expect)
+    for o in ours.values():
+        o.check(expect)
+
+    if rank != 0:
+        return {}
+    per_group = [sum(p.numel() for p in g) for g in fsdp.model.groups()]
+    return {
+        "paths": paths,
+        "keys": keys,
+        "samples_s": samples.tolist(),
+        "copies": {f"{p} | {op}": c for (p, op), c in copies.items()},
+        "params": numel,
+        "threads_per_rank": threads,
+        "padding": {name: o.padding for name, o in ours.items()},
+        "collective_numel": {
+            **{name: [pbuf.layout.numel for _, pbuf, _ in o.buckets] for name, o in ours.items()},
+            "FSDP2": [-(-n // world) * world for n in per_group],
+        },
+        "fsdp2_reduce_timer": timer.installed,
+    }
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = {k: a[k] + b[k] for k in ("copies", "elements", "c10d_copies", "c10d_elements")}
+    events = Counter(a["events"])
+    events.update(b["events"])
+    out["events"] = dict(sorted(events.items()))
+    return out
+
+
+def _profile_fsdp_backward(rank: int, loss: torch.Tensor) -> dict | None:
+    """FSDP2's backward under the profiler; its reduce-scatter part is every
+    `FSDP::post_backward_reduce` window, added up."""
+    dist.barrier()
+    if rank != 0:
+        loss.backward()
+        return None
+    with (
+        profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof,
+        record_function("bench::backward"),
+    ):
+        loss.backward()
+    regions = sorted({e.name for e in prof.events() if e.name.startswith("FSDP::post_backward_reduce")})
+    got = count_copies(prof, ["bench::backward", *regions])
+    reduce = {"copies": 0, "elements": 0, "c10d_copies": 0, "c10d_elements": 0, "events": {}}
+    for r in regions:
+        reduce = _merge(reduce, got[r])
+    return {"bench::backward": got["bench::backward"], "reduce": reduce}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _rows(result: dict) -> list[dict]:
+    keys = [tuple(k) for k in result["keys"]]
+    samples = torch.tensor(result["samples_s"], dtype=torch.float64)
+    col = {k: samples[:, j] for j, k in enumerate(keys)}
+    rows = []
+    for op in OPS:
+        peer = col[("FSDP2", op)]
+        for path in result["paths"]:
+            t = col[(path, op)]
+            c = result["copies"].get(f"{path} | {op}", {})
+            ratio = None
+            if path != "FSDP2" and not torch.isnan(peer).any():
+                ratio = statistics.median((t / peer).tolist())
+            median = statistics.median(t.tolist())
+            rows.append({
+                "path": path,
+                "op": op,
+                "median ms": None if median != median else median * 1e3,
+                "min ms": None if median != median else min(t.tolist()) * 1e3,
+                "copies": c.get("copies"),
+                "M el.": None if not c else c["elements"] / 1e6,
+                "c10d copies": c.get("c10d_copies"),
+                "c10d M el.": None if not c else c["c10d_elements"] / 1e6,
+                "ours/FSDP2": ratio,
+                "copy_events": c.get("events", {}),
+            })
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=None, help="timed runs (default 5, --quick 3)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="unmeasured runs besides the profiled one (default 0)")
+    ap.add_argument("--quick", action="store_true", help="tiny model (vocab 512, d 64, 2 blocks)")
+    ap.add_argument("--one-bucket", action="store_true",
+                    help="also time all parameters in a single bucket (doubles the run time)")
+    args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = 3 if args.quick else 5
+    if args.world_size < 2 or args.runs < 1 or args.warmup < 0:
+        ap.error("need --world-size >= 2, --runs >= 1, --warmup >= 0")
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vo_bench_") as tmp:
+        mp.start_processes(
+            _rank_main, args=(args.world_size, os.path.join(tmp, "store"), args, queue),
+            nprocs=args.world_size, join=True, start_method="spawn",
+        )
+    result = queue.get()
+    wall = time.perf_counter() - t0
+    cfg = QUICK if args.quick else FULL
+    rows = _rows(result)
+    columns = ["path", "op", "median ms", "min ms", "copies", "M el.", "c10d copies", "c10d M el.",
+               "ours/FSDP2"]
+    print(
+        f"# all-gather / reduce-scatter on gloo: W={args.world_size}, {result['params'] / 1e6:.1f} M fp32 "
+        f"params ({asdict(cfg)}), {result['threads_per_rank']} thread(s)/rank, "
+        f"median of {args.runs} runs after {args.warmup + 1} warm-up\n"
+    )
+    print(table(rows, columns, floatfmt=".3g"))
+    print(
+        "\ncopies / M el.: outermost copy ops per step on rank 0 outside torch.distributed (ours: "
+        "shard layer + autograd; FSDP2: its copy-in/out + autograd); c10d: inside torch.distributed "
+        "(gloo staging). Ratio: median of per-run ours/FSDP2."
+    )
+    sizes = {k: f"{min(v) / 1e6:.3g}-{max(v) / 1e6:.3g}" if len(v) > 1 else f"{v[0] / 1e6:.3g}"
+             for k, v in result["collective_numel"].items()}
+    print(f"M elements per collective: {sizes}")
+    print(f"padding of ours (elements): {result['padding']}; wall {wall:.1f} s")
+    path = save_json(
+        "collectives_quick" if args.quick else "collectives",
+        {
+            "env": environment(),
+            "world_size": args.world_size,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "model": asdict(cfg),
+            "params": result["params"],
+            "threads_per_rank": result["threads_per_rank"],
+            "padding": result["padding"],
+            "collective_numel": result["collective_numel"],
+            "fsdp2_reduce_timer": result["fsdp2_reduce_timer"],
+            "rows": rows,
+            "samples_s": {f"{p} | {op}": [s[j] for s in result["samples_s"]]
+                          for j, (p, op) in enumerate(result["keys"])},
+            "wall_s": wall,
+        },
+    )
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
