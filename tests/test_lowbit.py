@@ -123,3 +123,30 @@ def test_dcp_round_trip_of_8bit_state(world, tmp_path):
 def test_bad_state_bits(kwargs, match):
     with pytest.raises(ValueError, match=match):
         vo.AdamW([torch.nn.Parameter(torch.zeros(4096))], **kwargs)
+
+
+def _muon_8bit(steps):
+    g = torch.Generator().manual_seed(9)
+    mats = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 96), (96, 64), (5, 7)]]
+    emb = torch.nn.Parameter(torch.randn(40, 128, generator=g))
+    opt = vo.Muon([{"params": mats}, {"params": [emb], "use_muon": False}], lr=0.02, state_bits=8)
+    for t in range(steps):
+        gg = torch.Generator().manual_seed(200 + t)
+        for p in [*mats, emb]:
+            p.grad = torch.randn(p.shape, generator=gg).bfloat16().float()
+        opt.step()
+    kinds = sorted({opt._kind(b) for b in opt._buckets})
+    return opt.state_dict(), [p.detach().clone() for p in [*mats, emb]], kinds
+
+
+def test_muon_8bit_momentum_is_identical_at_any_world_size(world):
+    want, params, kinds = world(1).run(_muon_8bit, 3)[0]
+    got, got_params, _ = world(3).run(_muon_8bit, 3)[0]
+    assert kinds == ["fp32", "q8"]
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(got["state"][i][k], v, rtol=0, atol=0)
+    for a, b in zip(got_params, params):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-4)  # bf16 Newton-Schulz batching
+    assert set(want["state"][0]) == {"step", "momentum_buffer"}
+    assert set(want["state"][3]) == {"step", "exp_avg", "exp_avg_sq"}

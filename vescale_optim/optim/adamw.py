@@ -100,56 +100,29 @@ class AdamW(ShardedOptimizer):
             bucket_cap_numel=bucket_cap_numel,
         )
 
-    def _bucket_key(self, p: torch.Tensor, group: dict) -> object:
-        return lowbit.tier(p, self.state_bits)
-
-    def _unit(self, p: torch.Tensor, group: dict) -> int:
-        return lowbit.q8_unit(p) if lowbit.tier(p, self.state_bits) == "q8" else 1
-
-    def _align(self, p: torch.Tensor, group: dict) -> int:
-        return lowbit.BLOCK if lowbit.tier(p, self.state_bits) == "q8" else 1
-
-    def _kind(self, bucket: Bucket) -> str:
-        return lowbit.tier(bucket.params[0], self.state_bits)
-
     def _state_names(self, bucket: Bucket) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]
         return [*names, "max_exp_avg_sq"] if bucket.group["amsgrad"] else names
 
-    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        names, n = self._state_names(bucket), bucket.layout.shard_size
-        return lowbit.new_state(names, self._kind(bucket), n, bucket.local_params.device)
-
-    def _export_names(self, bucket: Bucket) -> list[str]:
-        return self._state_names(bucket)
-
-    def _export_locals(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        kind = self._kind(bucket)
-        return {
-            name: lowbit.decode(bucket.state, name, kind, sqrt=name == "exp_avg_sq")
-            for name in self._state_names(bucket)
-        }
-
-    def _commit_locals(self, bucket: Bucket, local: dict[str, torch.Tensor]) -> None:
-        kind = self._kind(bucket)
-        for name, x in local.items():
-            lowbit.encode_(bucket.state, name, kind, x, sqrt=name == "exp_avg_sq")
-
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        g, st = bucket.group, bucket.state
-        beta1, beta2 = g["betas"]
-        hyper = dict(
-            step=bucket.step, lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
-            weight_decay=g["weight_decay"], maximize=g["maximize"],
+        adamw_bucket_step(bucket, self._kind(bucket), grads)
+
+
+def adamw_bucket_step(bucket: Bucket, kind: str, grads: torch.Tensor) -> None:
+    """AdamW on a bucket's local slice, whatever the moments' storage tier."""
+    g, st = bucket.group, bucket.state
+    beta1, beta2 = g["betas"]
+    hyper = dict(
+        step=bucket.step, lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
+        weight_decay=g["weight_decay"], maximize=g.get("maximize", False),
+    )  # fmt: skip
+    if kind == "q8":
+        adamw8bit_update_(
+            bucket.local_params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
+            st["exp_avg_sq.scales"], block_size=lowbit.BLOCK, **hyper,
         )  # fmt: skip
-        kind = self._kind(bucket)
-        if kind == "q8":
-            adamw8bit_update_(
-                bucket.local_params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
-                st["exp_avg_sq.scales"], block_size=lowbit.BLOCK, **hyper,
-            )  # fmt: skip
-            return
-        m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
-        adamw_update_(bucket.local_params, grads, m, v, st.get("max_exp_avg_sq"), **hyper)
-        lowbit.encode_(st, "exp_avg", kind, m)
-        lowbit.encode_(st, "exp_avg_sq", kind, v)
+        return
+    m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
+    adamw_update_(bucket.local_params, grads, m, v, st.get("max_exp_avg_sq"), **hyper)
+    lowbit.encode_(st, "exp_avg", kind, m)
+    lowbit.encode_(st, "exp_avg_sq", kind, v)

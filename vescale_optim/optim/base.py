@@ -17,6 +17,7 @@ import torch
 from ..shard import Comm, all_gather_, all_reduce_, bind_parameters, bucket_indices, plan_layout
 from ..shard import reduce_scatter_ as _reduce_scatter
 from ..shard.collectives import all_gather_object
+from . import lowbit
 from .checkpoint import CheckpointMixin
 
 _MASTER_DTYPES = (torch.bfloat16, torch.float16)
@@ -55,6 +56,8 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     Without an initialised process group it is an ordinary single-process optimizer.
     """
 
+    state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
+
     def __init__(
         self,
         params,
@@ -78,13 +81,23 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         trainable = [
             (p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad
         ]
-        keys = [(gi, p.dtype, p.device, self._bucket_key(p, self.param_groups[gi])) for p, gi in trainable]
+        keys = [
+            (
+                gi,
+                p.dtype,
+                p.device,
+                lowbit.tier(p, self.state_bits),
+                self._bucket_key(p, self.param_groups[gi]),
+            )
+            for p, gi in trainable
+        ]
         buckets: list[Bucket] = []
         for idx in bucket_indices([p.numel() for p, _ in trainable], keys, bucket_cap_numel):
             params = [trainable[i][0] for i in idx]
             group = self.param_groups[trainable[idx[0]][1]]
-            units = [self._unit(p, group) for p in params]
-            bucket_align = math.lcm(align, *(self._align(p, group) for p in params))
+            quantized = lowbit.tier(params[0], self.state_bits) == "q8"
+            units = [lowbit.q8_unit(p) if quantized else self._unit(p, group) for p in params]
+            bucket_align = math.lcm(align, lowbit.BLOCK) if quantized else align
             layout = plan_layout([p.numel() for p in params], units, self._comm.world_size, bucket_align)
             bucket = Bucket(params, [index[id(p)] for p in params], group, layout, self._comm)
             bucket.state = self._init_state(bucket)
@@ -97,10 +110,6 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """Elements per unit: rank boundaries inside `p` fall on multiples of this."""
         return 1
 
-    def _align(self, p: torch.Tensor, group: dict) -> int:
-        """Offsets and the shard size of `p`'s bucket are multiples of this."""
-        return 1
-
     def _bucket_key(self, p: torch.Tensor, group: dict) -> object:
         """Extra key: parameters with different keys never share a bucket."""
         return None
@@ -109,9 +118,18 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         """Names of the element-wise state tensors kept for a bucket's local slice."""
         return []
 
+    def _kind(self, bucket: Bucket) -> str:
+        """Storage tier of the bucket's element-wise state (see `lowbit`)."""
+        return lowbit.tier(bucket.params[0], self.state_bits)
+
     def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        """The bucket's local state tensors: by default zeros like the local slice."""
-        return {name: torch.zeros_like(bucket.local_params) for name in self._state_names(bucket)}
+        """The bucket's local state: each of `_state_names` over the local slice, zero."""
+        return lowbit.new_state(
+            self._state_names(bucket),
+            self._kind(bucket),
+            bucket.layout.shard_size,
+            bucket.local_params.device,
+        )
 
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
         """Update `bucket.local_params` (and state) from the averaged local `grads`."""

@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 from ..shard.collectives import all_gather_flat
 from ..shard.spec import flat_range_boxes
+from . import lowbit
+
+_SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
 
 
 class CheckpointMixin:
@@ -37,19 +40,22 @@ class CheckpointMixin:
         return {name: shape for name in self._export_names(bucket)}
 
     def _export_names(self, bucket) -> list[str]:
-        return list(bucket.state)
+        return self._state_names(bucket)
 
     def _export_locals(self, bucket) -> dict[str, torch.Tensor]:
-        """Local flat state under torch's names, one element per local-slice element.
+        """Local flat state in fp32 under torch's names, one element per local-slice element.
 
-        By default the state tensors themselves (so loading writes them in place); a
-        subclass storing state differently (quantized, say) returns decoded copies and
-        re-encodes them in `_commit_locals`.
+        fp32 state is returned as itself (so loading writes it in place); bf16 or 8-bit
+        state is decoded into copies, and `_commit_locals` encodes them back.
         """
-        return dict(bucket.state)
+        kind = self._kind(bucket)
+        return {n: lowbit.decode(bucket.state, n, kind, sqrt=n in _SQRT) for n in self._export_names(bucket)}
 
     def _commit_locals(self, bucket, local: dict[str, torch.Tensor]) -> None:
         """Store values written into `_export_locals`' tensors back into the state."""
+        kind = self._kind(bucket)
+        for name, x in local.items():
+            lowbit.encode_(bucket.state, name, kind, x, sqrt=name in _SQRT)
 
     # --- full format --------------------------------------------------------------
 

@@ -10,7 +10,8 @@ import torch
 from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
 from ..shard.plan import owner_offsets
-from .adamw import adamw_update_
+from . import lowbit
+from .adamw import adamw_bucket_step
 from .base import Bucket, ShardedOptimizer
 from .owners import assign_owners, ns_flops
 
@@ -119,7 +120,8 @@ class Muon(ShardedOptimizer):
     Newton–Schulz FLOPs, orthogonalized there once — batched over equal shapes — and
     sent back; matrices that already lie whole on their owner are not moved. Groups
     with `use_muon=False` take AdamW steps with their `lr`, `betas` (0.9, 0.95), `eps`
-    (1e-8) and `weight_decay`.
+    (1e-8) and `weight_decay`. `state_bits` (32, 16 or 8) stores momentum and moments
+    as in `AdamW`.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Muon(ShardedOptimizer):
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         ns_backend: str = "auto",
+        state_bits: int = 32,
     ):
         if not lr >= 0.0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
@@ -150,6 +153,8 @@ class Muon(ShardedOptimizer):
             raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST}")
         if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
             raise ValueError(f"ns_steps must be an integer >= 1; got {ns_steps!r}")
+        lowbit.check_state_bits(state_bits)
+        self.state_bits = state_bits
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
         defaults = dict(
@@ -199,12 +204,7 @@ class Muon(ShardedOptimizer):
         for k, b in enumerate(self._buckets):
             b.step += 1
             if k not in self._plans:
-                g = b.group
-                adamw_update_(
-                    b.local_params, b.local_grads(), b.state["exp_avg"], b.state["exp_avg_sq"], None,
-                    step=b.step, lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1],
-                    eps=g["eps"], weight_decay=g["weight_decay"],
-                )  # fmt: skip
+                adamw_bucket_step(b, self._kind(b), b.local_grads())
                 continue
             update = self._momentum(b)
             received = torch.empty(self._plans[k].gather.dst_numel[self.rank], dtype=torch.bfloat16,
@@ -229,10 +229,12 @@ class Muon(ShardedOptimizer):
     def _momentum(self, b: Bucket) -> torch.Tensor:
         """Momentum on the local slice; returns the (nesterov) update in bf16."""
         g = b.group
-        grad, buf = b.local_grads(), b.state["momentum_buffer"]
+        grad, kind = b.local_grads(), self._kind(b)
+        buf = lowbit.decode(b.state, "momentum_buffer", kind)
         buf.lerp_(grad, 1 - g["momentum"])
-        update = grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-        return update.bfloat16()
+        update = (grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf).bfloat16()
+        lowbit.encode_(b.state, "momentum_buffer", kind, buf)
+        return update
 
     def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
         """Newton–Schulz on every matrix this rank owns, batched by shape, in place."""
