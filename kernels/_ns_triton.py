@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import INTERPRET, cast_rne
+from ._triton_common import INTERPRET, cast_rne, device_of
 from .newton_schulz import as_stack
 
 __all__ = ["INTERPRET", "newton_schulz_triton", "poly", "syrk"]
@@ -195,10 +195,11 @@ def newton_schulz_triton(
     Bm = torch.empty_like(A)
     spare = torch.empty_like(X) if steps > 1 else None
     tiles = dict(block_m=block, block_n=block, block_k=block_k)
-    for step in range(steps):
-        syrk(X, A, block=block, block_k=block_k)
-        syrk(A, Bm, alpha=c, beta=b, C=A, block=block, block_k=block_k)
-        dest = final if step == steps - 1 else spare
-        poly(Bm, X, dest, a=a, **tiles)
-        X, spare = dest, X
+    with device_of(x):
+        for step in range(steps):
+            syrk(X, A, block=block, block_k=block_k)
+            syrk(A, Bm, alpha=c, beta=b, C=A, block=block, block_k=block_k)
+            dest = final if step == steps - 1 else spare
+            poly(Bm, X, dest, a=a, **tiles)
+            X, spare = dest, X
     return out.reshape(x.shape)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import INTERPRET, cast_rne
+from ._triton_common import INTERPRET, cast_rne, device_of
 
 __all__ = ["INTERPRET", "adamw8bit", "dequantize", "quantize"]
 
@@ -44,7 +44,7 @@ def _fmix24(h):
 def _dither(block_scales, salt, BLOCK: tl.constexpr):
     """Offsets in [0, 1): hashed column offset + hashed (block scale, step) offset, mod 1."""
     cols = _fmix24(tl.arange(0, BLOCK).to(tl.uint32) * 0x9E3779B1)
-    rows = _fmix24(block_scales.to(tl.uint32, bitcast=True) ^ salt.to(tl.uint32))
+    rows = _fmix24(block_scales.to(tl.uint32, bitcast=True) ^ salt)
     return ((rows[:, None] + cols[None, :]) & 0xFFFFFF).to(tl.float32) * (1.0 / 16777216.0)
 
 
@@ -96,7 +96,7 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
     tl.store(out_ptr + offs, x, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["salt"])
 def _adamw8bit_kernel(
     p_ptr, g_ptr, qm_ptr, sm_ptr, qv_ptr, sv_ptr, n, nblocks, block_size,
     salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
@@ -140,7 +140,8 @@ def quantize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     grid, nblocks, meta = _launch(block_size, n)
     q = torch.empty(n, dtype=torch.int8, device=flat.device)
     scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
-    _quantize_kernel[grid](flat, q, scales, n, nblocks, block_size, **meta)
+    with device_of(flat):
+        _quantize_kernel[grid](flat, q, scales, n, nblocks, block_size, **meta)
     return q, scales
 
 
@@ -149,7 +150,10 @@ def dequantize(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -
     n = q.numel()
     grid, nblocks, meta = _launch(block_size, n)
     out = torch.empty(n, dtype=dtype, device=q.device)
-    _dequantize_kernel[grid](q, scales, out, n, nblocks, block_size, INTERPRETED=INTERPRET, **meta)
+    with device_of(q):
+        _dequantize_kernel[grid](
+            q, scales, out, n, nblocks, block_size, INTERPRETED=INTERPRET, **meta
+        )
     return out
 
 
@@ -159,8 +163,9 @@ def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tens
     """Triton ``adamw8bit_update_``: one fused pass, each block read and written once."""
     n = p.numel()
     grid, nblocks, meta = _launch(block_size, n)
-    _adamw8bit_kernel[grid](
-        p, g, qm, sm, qv, sv, n, nblocks, block_size,
-        salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
-        MAXIMIZE=maximize, **meta,
-    )
+    with device_of(p):
+        _adamw8bit_kernel[grid](
+            p, g, qm, sm, qv, sv, n, nblocks, block_size,
+            salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+            MAXIMIZE=maximize, **meta,
+        )

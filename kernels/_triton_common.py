@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+import torch
 import triton
 import triton.language as tl
 
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+_knobs = getattr(triton, "knobs", None)
+INTERPRET: bool = (
+    bool(_knobs.runtime.interpret)
+    if _knobs is not None
+    else os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+)
 """True when ``TRITON_INTERPRET=1`` was set before this module was imported."""
+
+
+def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s GPU current for a launch (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit

@@ -50,7 +50,7 @@ def test_torch_reference_equals_muon_iteration(shape):
 
 
 @needs_torch_ns
-@given(m=st.integers(1, 24), n=st.integers(1, 24), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
+@given(m=st.integers(1, 16), n=st.integers(1, 16), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_torch_reference_equals_muon_iteration_any_shape(m, n, steps, seed):
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))
     out = newton_schulz(x, steps=steps, backend="torch")
@@ -60,8 +60,8 @@ def test_torch_reference_equals_muon_iteration_any_shape(m, n, steps, seed):
 @needs_torch_ns
 @given(
     batch=st.lists(st.integers(1, 3), min_size=1, max_size=2),
-    m=st.integers(1, 24),
-    n=st.integers(1, 24),
+    m=st.integers(1, 16),
+    n=st.integers(1, 16),
     steps=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
@@ -105,7 +105,7 @@ def test_orthogonalizes_well_conditioned_matrix():
         ((16, 24), torch.float32, None),
         ((2, 32, 16), torch.bfloat16, None),
         ((40, 8), torch.float32, None),
-        ((2, 3, 8, 12), torch.bfloat16, None),
+        ((2, 2, 8, 12), torch.bfloat16, None),
         ((2, 24, 40), torch.float32, 16),
         ((33, 17), torch.bfloat16, 16),
     ],
