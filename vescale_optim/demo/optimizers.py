@@ -39,8 +39,17 @@ def make_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return vo.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Sharded Muon on the hidden matrices (lr 0.02, weight decay 0.1, lr matched to AdamW's
+    RMS); embeddings, head, norms and biases take AdamW steps at AdamW's tuned lr."""
+    lr = cfg.lr if cfg.lr is not None else 0.02
+    groups = vo.muon_param_groups(model, lr=lr, weight_decay=0.1, adamw_lr=3e-3, adamw_weight_decay=0.0)
+    return vo.Muon(groups, adjust_lr_fn="original")
+
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": make_adamw,
+    "muon": make_muon,
 }
 
 
