@@ -106,8 +106,36 @@ def balance(
     return owners
 
 
-def _ema_weight(beta: float) -> float:
-    return 1.0 if beta == 1 else 1.0 - beta
+def rank_loads(costs: Sequence[int], owners: Sequence[int], world: int) -> tuple[int, ...]:
+    """Sum of `costs` per owner rank."""
+    loads = [0] * world
+    for c, o in zip(costs, owners):
+        loads[o] += c
+    return tuple(loads)
+
+
+def check_hyperparameters(group: dict) -> None:
+    """Raise ValueError for a hyperparameter out of range."""
+    d = group["max_preconditioner_dim"]
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"Invalid max_preconditioner_dim: {d!r} (need an integer >= 1)")
+    if group["grafting"] not in GRAFTINGS:
+        raise ValueError(f"Invalid grafting: {group['grafting']!r} (expected one of {GRAFTINGS})")
+    b1, b2 = group["betas"]
+    checks = [
+        ("learning rate", group["lr"], group["lr"] >= 0),
+        ("epsilon", group["epsilon"], group["epsilon"] >= 0),
+        ("grafting_epsilon", group["grafting_epsilon"], group["grafting_epsilon"] >= 0),
+        ("weight_decay", group["weight_decay"], group["weight_decay"] >= 0),
+        ("beta parameters", group["betas"], 0 <= b1 < 1 and 0 <= b2 <= 1),
+        ("precondition_frequency", group["precondition_frequency"], group["precondition_frequency"] >= 1),
+        ("start_preconditioning_step", group["start_preconditioning_step"],
+         group["start_preconditioning_step"] >= 1),
+        ("root_dtype", group["root_dtype"], group["root_dtype"] in (torch.float32, torch.float64)),
+    ]  # fmt: skip
+    for name, value, ok in checks:
+        if not ok:
+            raise ValueError(f"Invalid {name}: {value!r}")
 
 
 def _bias_correction(beta: float, step: int) -> float:
@@ -157,31 +185,45 @@ def update_factors_(left: torch.Tensor, right: torch.Tensor, grad: torch.Tensor,
 
 
 def _inverse_fourth_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
-    lam, q = torch.linalg.eigh(factor.to(dtype))
-    lam = lam.clamp_min(0).add_(epsilon).pow_(-0.25)
+    eye = torch.eye(factor.shape[-1], dtype=dtype, device=factor.device)
+    lam, q = torch.linalg.eigh(factor.to(dtype) + epsilon * eye)
+    lam = lam.clamp_min(epsilon).pow_(-0.25)
     return ((q * lam.unsqueeze(-2)) @ q.mT).to(factor.dtype)
+
+
+def _try_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """The root in `dtype`, else in float64 (eigh can fail to converge in fp32 on factors
+    with many equal eigenvalues, e.g. embedding tiles with unused rows), else None."""
+    for dt in dict.fromkeys((dtype, torch.float64)):
+        try:
+            root = _inverse_fourth_root(factor, epsilon, dt)
+        except torch.linalg.LinAlgError:
+            continue
+        if bool(torch.isfinite(root).all()):
+            return root
+    return None
 
 
 def inverse_roots_(
     roots: torch.Tensor, factors: torch.Tensor, *, step: int, beta2: float, epsilon: float, dtype: torch.dtype
 ) -> None:
     """roots <- (F/(1-b2^t))^(-1/4) for a stack `[K, d, d]`, by `torch.linalg.eigh` in `dtype`:
-    F = Q diag(lam) Q.T,  root = Q diag((max(lam, 0) + epsilon)^(-1/4)) Q.T.
+    F = Q diag(lam) Q.T,  root = Q diag((max(lam, 0) + epsilon)^(-1/4)) Q.T
+    (computed as the eigendecomposition of F + epsilon*I).
 
-    A tile whose factor is not finite, or whose eigendecomposition fails, keeps its root."""
+    A tile whose factor is not finite, or whose eigendecomposition fails in `dtype` and in
+    float64, keeps its root."""
     scaled = factors / _bias_correction(beta2, step)
-    ok = torch.isfinite(scaled).flatten(1).all(1)
-    if bool(ok.all()):
-        try:
-            roots.copy_(_inverse_fourth_root(scaled, epsilon, dtype))
+    if bool(torch.isfinite(scaled).all()):
+        batch = _try_root(scaled, epsilon, dtype)
+        if batch is not None:
+            roots.copy_(batch)
             return
-        except torch.linalg.LinAlgError:
-            pass
-    for k in ok.nonzero().flatten().tolist():
-        try:
-            roots[k].copy_(_inverse_fourth_root(scaled[k], epsilon, dtype))
-        except torch.linalg.LinAlgError:
-            continue
+    for k in range(len(scaled)):
+        if bool(torch.isfinite(scaled[k]).all()):
+            root = _try_root(scaled[k], epsilon, dtype)
+            if root is not None:
+                roots[k].copy_(root)
 
 
 def precondition(

@@ -15,13 +15,14 @@ from ..shard import (
 )
 from ..shard.plan import owner_offsets
 from ._shampoo_math import (
-    GRAFTINGS,
     Tile,
     balance,
+    check_hyperparameters,
     grafting_step_,
     inverse_roots_,
     matrix_shape,
     precondition,
+    rank_loads,
     stripe_unit,
     tiles_of,
     update_factors_,
@@ -63,77 +64,84 @@ class _Group:
 
 
 class _BucketTiles:
-    """One bucket's tiles seen from this rank: which it owns, and the plans and staging
-    buffers that bring tiles held elsewhere to their owner and their updates back."""
+    """One bucket's tiles seen from this rank: the tiles it owns (grouped by shape), and
+    the plans and staging buffers that bring a tile whose rows its owner does not hold to
+    the owner (gradient, mhat and grafting update) and the tile's update back."""
 
     def __init__(self, bucket: Bucket, tiles: list[Tile], owners: list[int], held, comm: Comm):
-        me, world, like = comm.rank, comm.world_size, bucket.local_params
-        self.tiles, self.owners, self.comm = tiles, owners, comm
-        self.work = like.new_zeros(3, bucket.layout.shard_size)  # gradient, mhat, update
-        ncols = {t.param: matrix_shape(bucket.params[t.param].shape)[1] for t in tiles}
-
-        def rows(t: Tile, a: int, b: int) -> torch.Tensor:
-            lo, hi = bucket.pbuf.local_range(t.param)
-            first = bucket.pbuf.tensor_range(t.param)[0] // ncols[t.param]
-            view = self.work[:, lo:hi].view(3, -1, ncols[t.param])
-            return view[:, t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
-
+        self.tiles, self.owners, self.held, self.comm = tiles, owners, held, comm
+        self.bucket, self.like = bucket, bucket.local_params
+        self.work = self.like.new_zeros(3, bucket.layout.shard_size)  # gradient, mhat, update
         moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
-        moved.sort(key=lambda k: (min(r for r in range(world) if held[k][r][1] > held[k][r][0]), k))
+        # by first holder, so that runs from one rank arrive in order (received in place)
+        moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
         self.moved = len(moved)
-        numels = [tiles[k].h * tiles[k].w for k in moved]
-        gather_pieces, back_pieces, send_numel, back_numel, mine = [], [], [], [], []
-        for r in range(world):
-            off3 = off1 = 0
-            for j in sorted(range(len(moved)), key=lambda j: (owners[moved[j]], j)):
-                a, b = held[moved[j]][r]
-                if b <= a:
-                    continue
-                w = tiles[moved[j]].w
-                gather_pieces += [Piece(r, 3 * j + c, off3 + c * (b - a) * w, a * w, b * w) for c in range(3)]
-                back_pieces.append(Piece(r, j, off1, a * w, b * w))
-                if r == me:
-                    mine.append((moved[j], a, b, off3, off1))
-                off3, off1 = off3 + 3 * (b - a) * w, off1 + (b - a) * w
-            send_numel.append(off3)
-            back_numel.append(off1)
-        owners1 = [owners[k] for k in moved]
-        owners3 = [o for o in owners1 for _ in range(3)]
-        numels3 = [n for n in numels for _ in range(3)]
-        recv_at, recv_numel = owner_offsets(numels3, owners3, world)
-        result_at, result_numel = owner_offsets(numels, owners1, world)
-        self.send, self.back = like.new_zeros(send_numel[me]), like.new_zeros(back_numel[me])
-        self.recv, self.result = like.new_zeros(recv_numel[me]), like.new_zeros(result_numel[me])
-        self.pack, self.unpack = [], []
-        for k, a, b, off3, off1 in mine:
-            t, n = tiles[k], (b - a) * tiles[k].w
-            self.pack.append((rows(t, a, b), self.send[off3 : off3 + 3 * n].view(3, b - a, t.w)))
-            self.unpack.append((self.back[off1 : off1 + n].view(b - a, t.w), rows(t, a, b)[2]))
-        if moved:
-            self.gather = plan_gather_to_owner(gather_pieces, numels3, owners3, world, send_numel)
-            self.scatter = plan_scatter_from_owner(back_pieces, numels, owners1, world, back_numel)
-            self.programs = (self.gather.program(me), self.scatter.program(me))
+        recv_at, result_at = self._plan_moves(moved) if moved else ([], [])
         groups: dict[tuple[bool, int, int], _Group] = {}
         self.owned: dict[int, tuple[_Group, int]] = {}
         position = {k: j for j, k in enumerate(moved)}
         for k, t in enumerate(tiles):
-            if owners[k] != me:
+            if owners[k] != comm.rank:
                 continue
-            remote = k in position
-            g = groups.setdefault((remote, t.h, t.w), _Group(t.h, t.w, like))
+            remote, hw = k in position, t.h * t.w
+            g = groups.setdefault((remote, t.h, t.w), _Group(t.h, t.w, self.like))
             self.owned[k] = (g, len(g.tiles))
             g.tiles.append(k)
             if remote:
-                j = position[k]
-                g.src.append(self.recv[recv_at[3 * j] : recv_at[3 * j] + 3 * t.h * t.w].view(3, t.h, t.w))
-                g.dst.append(self.result[result_at[j] : result_at[j] + t.h * t.w].view(t.h, t.w))
+                at, out = recv_at[3 * position[k]], result_at[position[k]]
+                g.src.append(self.recv[at : at + 3 * hw].view(3, t.h, t.w))
+                g.dst.append(self.result[out : out + hw].view(t.h, t.w))
             else:
-                g.src.append(rows(t, 0, t.h))
+                g.src.append(self._rows(t, 0, t.h))
                 g.dst.append(g.src[-1][2])
         for g in groups.values():
             g.allocate()
         self.local = [g for (remote, _, _), g in groups.items() if not remote]
         self.remote = [g for (remote, _, _), g in groups.items() if remote]
+
+    def _rows(self, t: Tile, a: int, b: int) -> torch.Tensor:
+        """Rows `[a, b)` of tile `t` in `work`, as a `[3, b - a, w]` view (this rank holds them)."""
+        n = matrix_shape(self.bucket.params[t.param].shape)[1]
+        lo, hi = self.bucket.pbuf.local_range(t.param)
+        first = self.bucket.pbuf.tensor_range(t.param)[0] // n
+        return self.work[:, lo:hi].view(3, -1, n)[:, t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
+
+    def _plan_moves(self, moved: list[int]):
+        """Gather plan: moved tile j is three tensors `3j + c` (c: gradient, mhat, grafting
+        update) that each holder sends its rows of; scatter plan: tensor j, the update, back."""
+        me, world, tiles, held = self.comm.rank, self.comm.world_size, self.tiles, self.held
+        numels = [tiles[k].h * tiles[k].w for k in moved]
+        owners1 = [self.owners[k] for k in moved]
+        gather, back, send_numel, back_numel, mine = [], [], [], [], []
+        for r in range(world):
+            off3 = off1 = 0
+            for j in sorted(range(len(moved)), key=lambda j: (owners1[j], j)):  # send order
+                a, b = held[moved[j]][r]
+                if b <= a:
+                    continue
+                w = tiles[moved[j]].w
+                gather += [Piece(r, 3 * j + c, off3 + c * (b - a) * w, a * w, b * w) for c in range(3)]
+                back.append(Piece(r, j, off1, a * w, b * w))
+                if r == me:
+                    mine.append((tiles[moved[j]], a, b, off3, off1))
+                off3, off1 = off3 + 3 * (b - a) * w, off1 + (b - a) * w
+            send_numel.append(off3)
+            back_numel.append(off1)
+        owners3, numels3 = [o for o in owners1 for _ in "gma"], [n for n in numels for _ in "gma"]
+        recv_at, recv_numel = owner_offsets(numels3, owners3, world)
+        result_at, result_numel = owner_offsets(numels, owners1, world)
+        self.gather = plan_gather_to_owner(gather, numels3, owners3, world, send_numel)
+        self.scatter = plan_scatter_from_owner(back, numels, owners1, world, back_numel)
+        self.programs = (self.gather.program(me), self.scatter.program(me))
+        new = self.like.new_zeros
+        self.send, self.back = new(send_numel[me]), new(back_numel[me])
+        self.recv, self.result = new(recv_numel[me]), new(result_numel[me])
+        self.pack, self.unpack = [], []
+        for t, a, b, off3, off1 in mine:
+            n = (b - a) * t.w
+            self.pack.append((self._rows(t, a, b), self.send[off3 : off3 + 3 * n].view(3, b - a, t.w)))
+            self.unpack.append((self.back[off1 : off1 + n].view(b - a, t.w), self._rows(t, a, b)[2]))
+        return recv_at, result_at
 
     def step(self, group: dict, step: int) -> None:
         """Factor updates, roots and preconditioned, grafted updates of every tile; the
@@ -177,8 +185,9 @@ class Shampoo(ShardedOptimizer):
     - per tile G of g: `L <- b2*L + (1-b2)*G@G.T`, `R <- b2*R + (1-b2)*G.T@G` (plain sums
       when `b2 == 1`, and then no bias corrections for v, L, R);
     - at steps `t = start + k*precondition_frequency` (`start = start_preconditioning_step`):
-      `L_inv_root = (L/(1-b2^t))^(-1/4)` by `torch.linalg.eigh` in `root_dtype` with
-      eigenvalues `max(lam, 0) + epsilon`, the same for R;
+      `L_inv_root = (L/(1-b2^t))^(-1/4)` by `torch.linalg.eigh` in `root_dtype` (float64
+      if that fails) with eigenvalues `max(lam, 0) + epsilon`, the same for R; a factor
+      that is not finite keeps its previous root;
     - update U: from `start` on, per tile `D = L_inv_root @ Mhat @ R_inv_root`, rescaled to
       `D * |A|_F / |D|_F` over the tile (no rescaling with `grafting=None`); before `start`,
       and always for 1-D parameters, `U = A`;
@@ -190,7 +199,8 @@ class Shampoo(ShardedOptimizer):
     is gathered to one rank. Each tile's factors and roots are computed only on its owner,
     from the reduced gradient the owner holds; tiles move to other owners only when the root
     work (sum of `h^3 + w^3`) of the busiest rank exceeds 1.2x the mean. The tiling is fixed
-    at construction.
+    at construction. `root_work` / `native_root_work` give that work per rank after / before
+    balancing, `moved_tiles` how many tiles travel each step, `num_tiles` how many there are.
 
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
@@ -220,7 +230,7 @@ class Shampoo(ShardedOptimizer):
             start_preconditioning_step=start_preconditioning_step, grafting=grafting,
             grafting_epsilon=grafting_epsilon, root_dtype=root_dtype,
         )  # fmt: skip
-        _check(defaults)
+        check_hyperparameters(defaults)
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel,
@@ -229,7 +239,7 @@ class Shampoo(ShardedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        _check(self.param_groups[-1])
+        check_hyperparameters(self.param_groups[-1])
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -239,6 +249,9 @@ class Shampoo(ShardedOptimizer):
     def _state_names(self, bucket: Bucket) -> list[str]:
         second = _SECOND.get(bucket.group["grafting"])
         return ["exp_avg", second] if second else ["exp_avg"]
+
+    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(bucket.local_params) for name in self._state_names(bucket)}
 
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
         g, step, bt = bucket.group, bucket.step, self._tiles[id(bucket)]
@@ -270,13 +283,14 @@ class Shampoo(ShardedOptimizer):
         costs = [t.cost for _, tiles, _, _ in found for t in tiles]
         native = [o for *_, owners in found for o in owners]
         owners = balance(costs, native, world)
-        self.native_root_work = _loads(costs, native, world)
-        self.root_work = _loads(costs, owners, world)
+        self.native_root_work = rank_loads(costs, native, world)
+        self.root_work = rank_loads(costs, owners, world)
         self._tiles: dict[int, _BucketTiles] = {}
         pos = 0
         for b, tiles, held, _ in found:
             self._tiles[id(b)] = _BucketTiles(b, tiles, owners[pos : pos + len(tiles)], held, self._comm)
             pos += len(tiles)
+        self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
 
     @staticmethod
@@ -346,8 +360,8 @@ class Shampoo(ShardedOptimizer):
             out.update({key: shape for key, (_, shape) in names.items()})
         return out
 
-    def _load_param_state(self, bucket, i: int, state: dict) -> None:
-        super()._load_param_state(bucket, i, state)
+    def _load_param_state(self, bucket, i: int, state: dict, local: dict) -> None:
+        super()._load_param_state(bucket, i, state, local)
         bt = self._tiles[id(bucket)]
         for k, names in self._tile_names(bucket, i):
             if k in bt.owned:
@@ -377,36 +391,6 @@ class Shampoo(ShardedOptimizer):
                         mine = bt.factors(k)
                         sd["state"][str(index)].update({key: mine[n] for key, (n, _) in names.items()})
         return sd
-
-
-def _loads(costs, owners, world: int) -> tuple[int, ...]:
-    loads = [0] * world
-    for c, o in zip(costs, owners):
-        loads[o] += c
-    return tuple(loads)
-
-
-def _check(group: dict) -> None:
-    d = group["max_preconditioner_dim"]
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-        raise ValueError(f"Invalid max_preconditioner_dim: {d!r} (need an integer >= 1)")
-    if group["grafting"] not in GRAFTINGS:
-        raise ValueError(f"Invalid grafting: {group['grafting']!r} (expected one of {GRAFTINGS})")
-    b1, b2 = group["betas"]
-    checks = [
-        ("learning rate", group["lr"], group["lr"] >= 0),
-        ("epsilon", group["epsilon"], group["epsilon"] >= 0),
-        ("grafting_epsilon", group["grafting_epsilon"], group["grafting_epsilon"] >= 0),
-        ("weight_decay", group["weight_decay"], group["weight_decay"] >= 0),
-        ("beta parameters", group["betas"], 0 <= b1 < 1 and 0 <= b2 <= 1),
-        ("precondition_frequency", group["precondition_frequency"], group["precondition_frequency"] >= 1),
-        ("start_preconditioning_step", group["start_preconditioning_step"],
-         group["start_preconditioning_step"] >= 1),
-        ("root_dtype", group["root_dtype"], group["root_dtype"] in (torch.float32, torch.float64)),
-    ]  # fmt: skip
-    for name, value, ok in checks:
-        if not ok:
-            raise ValueError(f"Invalid {name}: {value!r}")
 
 
 __all__ = ["Shampoo"]

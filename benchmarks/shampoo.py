@@ -1,0 +1,147 @@
+"""Shampoo steps on a GPT-like model: tiles owned by one rank each against every rank
+computing every root, on gloo.
+
+Both configurations train the same model (`benchmarks._gpt.build_gpt`, by default vocab 2048,
+d 256, 4 layers: 4.2 M fp32 parameters, 65 tiles of at most 256 x 256) from the same
+initialisation on the same per-rank batches, with the same hyperparameters
+(`max_preconditioner_dim=256`, roots every step, adam grafting), each in a freshly launched
+local gloo world:
+
+* `sharded`    - `vo.Shampoo(model.parameters())` on the world: `opt.step()` reduce-scatters
+                 the gradients, each rank updates the factors and computes the roots of the
+                 tiles it owns, and the parameters are all-gathered.
+* `replicated` - `vo.Shampoo(..., process_group=<a group of this rank alone>)` on every rank,
+                 after an all-reduce (mean) of every gradient: every rank computes every root.
+
+`step` is `opt.step()` (plus the gradient all-reduce for `replicated`), wall clock of the slowest
+rank after a barrier, median over `--steps` steps that follow `--warmup`. `root work` is the
+sum of `h^3 + w^3` over the tiles whose roots a rank computes (in units of 256^3), reported
+as the busiest rank's and as max/mean over ranks (`before balance`: with each tile at the rank
+that holds its rows). `preconditioner MiB` is the factors and roots a rank holds (the most on
+any rank). `max |dp|` compares the parameters of both after the last step: the same math up
+to the order of the gradient reduction. That is why `--epsilon` defaults to 1e-6 here rather
+than the optimizer's 1e-12: embedding tiles have many unused rows, and with fp32 roots an
+epsilon below the eigenvalues' rounding makes `(lam + epsilon)^(-1/4)` amplify the rounding of
+either run (step times do not depend on it).
+
+    python benchmarks/shampoo.py                 # 4 ranks, ~4.2 M parameters
+    python benchmarks/shampoo.py --quick         # a tiny model, 2 measured steps
+    python benchmarks/shampoo.py --world-size 2 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import vescale_optim as vo  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
+from benchmarks._report import environment, save_json, table  # noqa: E402
+
+FULL = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=64, dim=256, batch=4)
+QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=2, seq_len=32, dim=64, batch=2)
+UNIT = 256**3
+
+
+def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int) -> dict:
+    model = build_gpt(cfg["vocab"], cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["seq_len"])
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+    group = None if config == "sharded" else solo
+    opt = vo.Shampoo(
+        model.parameters(), lr=1e-3, epsilon=cfg["epsilon"], max_preconditioner_dim=cfg["dim"],
+        root_dtype=getattr(torch, cfg["root_dtype"]), process_group=group,
+    )  # fmt: skip
+    params = list(model.parameters())
+    times = []
+    for t in range(warmup + steps):
+        x, y = random_batch(cfg["batch"], cfg["seq_len"], cfg["vocab"], seed=1000 * t + rank)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        dist.barrier()
+        start = time.perf_counter()
+        if config == "replicated":
+            for p in params:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if t >= warmup:
+            times.append(elapsed.item())
+    work = opt.root_work if config == "sharded" else (sum(opt.root_work),) * world
+    native = opt.native_root_work if config == "sharded" else work
+    return {
+        "times": times,
+        "work": work,
+        "native": native,
+        "moved": opt.moved_tiles,
+        "precond_bytes": opt.local_preconditioner_numel() * 4,
+        "tiles": opt.num_tiles,
+        "params": [p.detach().clone() for p in params] if rank == 0 else None,
+        "numel": sum(p.numel() for p in params),
+    }
+
+
+def _ratio(loads) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--epsilon", type=float, default=1e-6)
+    ap.add_argument("--root-dtype", choices=["float32", "float64"], default="float32")
+    args = ap.parse_args(argv)
+    cfg = {**(QUICK if args.quick else FULL), "epsilon": args.epsilon, "root_dtype": args.root_dtype}
+    steps = 2 if args.quick else args.steps
+    raw, rows = {}, []
+    for config in ("replicated", "sharded"):
+        results = launch(_run, args.world_size, config, cfg, args.warmup, steps)
+        raw[config] = results
+    base = statistics.median(raw["replicated"][0]["times"])
+    for config, results in raw.items():
+        r0 = results[0]
+        step = statistics.median(r0["times"])
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip(r0["params"], raw["replicated"][0]["params"])
+        )
+        rows.append(
+            {
+                "optimizer": config,
+                "step s": step,
+                "speedup": base / step,
+                "root work / rank": max(r0["work"]) / UNIT,
+                "root max/mean": _ratio(r0["work"]),
+                "before balance": _ratio(r0["native"]),
+                "tiles moved": r0["moved"],
+                "preconditioner MiB / rank": max(r["precond_bytes"] for r in results) / 2**20,
+                "max |dp|": diff,
+            }
+        )
+    print(
+        f"Shampoo on a GPT-like model ({raw['sharded'][0]['numel']:,} parameters, "
+        f"{raw['sharded'][0]['tiles']} tiles of at most {cfg['dim']}), {args.world_size} gloo ranks\n"
+    )
+    print(table(rows))
+    payload = {"env": environment(), "config": cfg, "world_size": args.world_size, "rows": rows,
+               "times": {c: r[0]["times"] for c, r in raw.items()},
+               "root_work": {c: r[0]["work"] for c, r in raw.items()}}  # fmt: skip
+    path = save_json("shampoo_quick" if args.quick else "shampoo", payload)
+    print(f"\nwrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
