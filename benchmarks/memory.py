@@ -1,0 +1,98 @@
+"""Optimizer-state bytes per parameter and per rank, measured from the tensors held.
+
+AdamW at 32/16/8 bits and Muon (32/8 bits) on a GPT-like model, on a local gloo world,
+next to `torch.optim.AdamW` on one process (what every DDP rank holds). Counted: every
+state tensor of the optimizer on that rank, fp32 masters included; parameters and
+gradients are not optimizer state.
+
+    python benchmarks/memory.py [--world-size 4] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _gpt import build_gpt, launch  # noqa: E402
+from _report import environment, save_json, table  # noqa: E402
+
+import vescale_optim as vo  # noqa: E402
+
+CONFIGS = [
+    ("AdamW", {"state_bits": 32}),
+    ("AdamW", {"state_bits": 16}),
+    ("AdamW", {"state_bits": 8}),
+    ("Muon", {"state_bits": 32}),
+    ("Muon", {"state_bits": 8}),
+]
+
+
+def make(name: str, model: torch.nn.Module, kwargs: dict):
+    if name == "AdamW":
+        return vo.AdamW(model.parameters(), **kwargs)
+    return vo.Muon(vo.muon_param_groups(model), **kwargs)
+
+
+def torch_adamw_bytes(model: torch.nn.Module) -> int:
+    """State of `torch.optim.AdamW` after one step (exp_avg, exp_avg_sq, step)."""
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+
+
+def _rank(rank: int, world: int, model_kwargs: dict) -> list[dict]:
+    rows = []
+    for name, kwargs in CONFIGS:
+        model = build_gpt(**model_kwargs)
+        opt = make(name, model, kwargs)
+        rows.append({"optimizer": name, **kwargs, "bytes": opt.local_state_bytes()})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="a small model")
+    args = ap.parse_args()
+    model_kwargs = dict(vocab=2048, d_model=128, n_layers=2) if args.quick else {}
+    model = build_gpt(**model_kwargs)
+    n = sum(p.numel() for p in model.parameters())
+    reference = torch_adamw_bytes(model)
+    per_rank = launch(_rank, args.world_size, model_kwargs)
+    rows = [
+        {
+            "optimizer": "torch.optim.AdamW (every DDP rank)",
+            "bits": 32,
+            "bytes/param (all ranks)": reference / n,
+            "MiB per rank (max)": reference / 2**20,
+            "vs torch per rank": 1.0,
+        }
+    ]
+    for i, (name, kwargs) in enumerate(CONFIGS):
+        sizes = [r[i]["bytes"] for r in per_rank]
+        rows.append(
+            {
+                "optimizer": f"vo.{name}",
+                "bits": kwargs["state_bits"],
+                "bytes/param (all ranks)": sum(sizes) / n,
+                "MiB per rank (max)": max(sizes) / 2**20,
+                "vs torch per rank": max(sizes) / reference,
+            }
+        )
+    print(f"GPT-like model, {n / 1e6:.1f} M parameters, {args.world_size} ranks\n")
+    print(table(rows, floatfmt=".3f"))
+    path = save_json(
+        "memory_quick" if args.quick else "memory",
+        {"params": n, "world_size": args.world_size, "rows": rows, "per_rank": per_rank, "env": environment()},
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
