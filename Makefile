@@ -27,6 +27,11 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/padding.py
 	$(PY) benchmarks/collectives.py
+	$(PY) benchmarks/adamw.py
+	$(PY) benchmarks/muon.py
+	$(PY) benchmarks/shampoo.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

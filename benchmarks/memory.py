@@ -89,7 +89,13 @@ def main() -> None:
     print(table(rows, floatfmt=".3f"))
     path = save_json(
         "memory_quick" if args.quick else "memory",
-        {"params": n, "world_size": args.world_size, "rows": rows, "per_rank": per_rank, "env": environment()},
+        {
+            "params": n,
+            "world_size": args.world_size,
+            "rows": rows,
+            "per_rank": per_rank,
+            "env": environment(),
+        },
     )
     print(f"\nwrote {path}")
 
