@@ -47,9 +47,19 @@ def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return vo.Muon(groups, adjust_lr_fn="original")
 
 
+def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Sharded Shampoo with Adam grafting, tiles of at most 128, roots every 10 steps."""
+    lr = cfg.lr if cfg.lr is not None else 3e-3
+    return vo.Shampoo(
+        decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), epsilon=1e-8, max_preconditioner_dim=128,
+        precondition_frequency=10, grafting="adam",
+    )  # fmt: skip
+
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": make_adamw,
     "muon": make_muon,
+    "shampoo": make_shampoo,
 }
 
 
