@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import vescale_optim.kernels
 
 ROOT = Path(__file__).resolve().parents[1]
