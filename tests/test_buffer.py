@@ -66,8 +66,9 @@ def test_bad_bindings():
         FlatBuffer(layout_for(2), SHAPES, 3, torch.float32)
 
 
-def _sync_on_rank(world):
+def _sync_on_rank(world, gloo_workarounds=True):
     comm = Comm()
+    comm.gloo = gloo_workarounds  # False runs the reduce-scatter/all-gather path NCCL takes
     layout = layout_for(world)
     params = make_params(0)  # same values on every rank
     pbuf, gbuf = bind_parameters(params, layout, comm.rank)
@@ -93,8 +94,10 @@ def _sync_on_rank(world):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
-def test_all_gather_and_reduce_scatter_through_the_buffers(world, world_size):
-    assert world(world_size).run(_sync_on_rank, world_size, timeout=60) == [True] * world_size
+@pytest.mark.parametrize("gloo_workarounds", [True, False])
+def test_all_gather_and_reduce_scatter_through_the_buffers(world, world_size, gloo_workarounds):
+    results = world(world_size).run(_sync_on_rank, world_size, gloo_workarounds, timeout=60)
+    assert results == [True] * world_size
 
 
 def test_unknown_reduction():

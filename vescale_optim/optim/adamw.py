@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 from ..kernels import adamw8bit_update_
 from . import lowbit
@@ -109,20 +110,34 @@ class AdamW(ShardedOptimizer):
 
 
 def adamw_bucket_step(bucket: Bucket, kind: str, grads: torch.Tensor) -> None:
-    """AdamW on a bucket's local slice, whatever the moments' storage tier."""
+    """AdamW on a bucket's local slice, whatever the moments' storage tier.
+
+    fp32 moments go through torch's fused AdamW kernel (one pass over memory, same
+    math as `adamw_update_`); bf16 moments are decoded, updated and re-encoded;
+    8-bit moments use the fused block-quantized kernel.
+    """
     g, st = bucket.group, bucket.state
     beta1, beta2 = g["betas"]
     hyper = dict(
-        step=bucket.step, lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
-        weight_decay=g["weight_decay"], maximize=g.get("maximize", False),
+        lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
+        maximize=g.get("maximize", False),
     )  # fmt: skip
+    params = bucket.local_params
     if kind == "q8":
         adamw8bit_update_(
-            bucket.local_params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
-            st["exp_avg_sq.scales"], block_size=lowbit.BLOCK, **hyper,
+            params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
+            st["exp_avg_sq.scales"], step=bucket.step, block_size=lowbit.BLOCK, **hyper,
         )  # fmt: skip
-        return
-    m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
-    adamw_update_(bucket.local_params, grads, m, v, st.get("max_exp_avg_sq"), **hyper)
-    lowbit.encode_(st, "exp_avg", kind, m)
-    lowbit.encode_(st, "exp_avg_sq", kind, v)
+    elif kind == "fp32":
+        amsgrad = "max_exp_avg_sq" in st
+        # the fused kernel counts the step up itself before using it
+        step = torch.tensor(float(bucket.step - 1), device=params.device)
+        _torch_adamw(
+            [params], [grads], [st["exp_avg"]], [st["exp_avg_sq"]], [st["max_exp_avg_sq"]] if amsgrad else [],
+            [step], fused=True, amsgrad=amsgrad, **hyper,
+        )  # fmt: skip
+    else:
+        m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
+        adamw_update_(params, grads, m, v, None, step=bucket.step, **hyper)
+        lowbit.encode_(st, "exp_avg", kind, m)
+        lowbit.encode_(st, "exp_avg_sq", kind, v)

@@ -34,6 +34,11 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.gloo = self.distributed and dist.get_backend(group) == "gloo"
+
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this group's `rank`."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     @property
     def active(self) -> bool:
@@ -42,16 +47,17 @@ class Comm:
 
 
 class Handle:
-    """Completion of an asynchronous collective; `wait()` is idempotent."""
+    """Completion of one or more asynchronous collectives; `wait()` is idempotent."""
 
     def __init__(self, work=None, finish: Callable[[], None] | None = None):
-        self._work, self._finish, self._done = work, finish, False
+        self._works = work if isinstance(work, list) else [work] if work is not None else []
+        self._finish, self._done = finish, False
 
     def wait(self) -> None:
         if self._done:
             return
-        if self._work is not None:
-            self._work.wait()
+        for work in self._works:
+            work.wait()
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -73,28 +79,50 @@ def _op(op: str):
 
 
 def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False) -> Handle:
-    """Fill the whole buffer from every rank's local slice, in place (no copies)."""
+    """Fill the whole buffer from every rank's local slice, in place (no copies).
+
+    On gloo, whose all-gather stages through a temporary buffer and copies out, every
+    slice is broadcast in place from its rank instead.
+    """
     if not comm.active:
         return Handle()
-    work = _all_gather_single(
-        _movable(buf.data), _movable(buf.local), group=comm.group, async_op=async_op
-    )
-    return Handle(work)
+    if comm.gloo:
+        s = buf.shard_size
+        works = [
+            dist.broadcast(_movable(buf.data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group,
+                           async_op=True)
+            for r in range(comm.world_size)
+        ]  # fmt: skip
+        handle = Handle(works)
+    else:
+        work = _all_gather_single(_movable(buf.data), _movable(buf.local), group=comm.group, async_op=True)
+        handle = Handle(work)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: bool = False) -> Handle:
     """Reduce the whole buffer over ranks into each rank's local slice, in place.
 
-    Only the local slice is meaningful afterwards; the rest of the buffer keeps this
-    rank's own contribution.
+    Only the local slice is meaningful afterwards. On gloo, whose reduce-scatter
+    clones the buffer and all-reduces the clone, the buffer is all-reduced in place
+    instead (and the mean divided on the local slice).
     """
     reduce_op = _op(op)
     if not comm.active:
         return Handle()
-    work = _reduce_scatter_single(
-        buf.local, buf.data, op=reduce_op, group=comm.group, async_op=async_op
-    )
-    return Handle(work)
+    if comm.gloo:
+        summed = dist.ReduceOp.SUM if op == "mean" else reduce_op
+        work = dist.all_reduce(buf.data, op=summed, group=comm.group, async_op=True)
+        handle = Handle(work, (lambda: buf.local.div_(comm.world_size)) if op == "mean" else None)
+    else:
+        handle = Handle(
+            _reduce_scatter_single(buf.local, buf.data, op=reduce_op, group=comm.group, async_op=True)
+        )
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def all_reduce_(tensor: torch.Tensor, comm: Comm, op: str = "sum", async_op: bool = False) -> Handle:
@@ -186,9 +214,7 @@ def full_tensor(
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = _all_gather_single(
-            _movable(gathered), _movable(padded), group=comm.group, async_op=async_op
-        )
+        work = _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=async_op)
 
         def unpad() -> None:
             flat = out.view(-1)
@@ -202,7 +228,11 @@ def full_tensor(
 
 
 def redistribute(
-    local: torch.Tensor, shape: Shape, src: RaggedShard, dst: RaggedShard, comm: Comm,
+    local: torch.Tensor,
+    shape: Shape,
+    src: RaggedShard,
+    dst: RaggedShard,
+    comm: Comm,
     async_op: bool = False,
 ) -> tuple[torch.Tensor, Handle]:
     """Ragged -> ragged between any two placements of one tensor (one `all_to_all_single`).
