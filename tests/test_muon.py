@@ -120,11 +120,8 @@ def test_load_balance_and_no_gather_when_owned():
     homes = [i % 4 for i in range(8)]
     assert assign_owners([1.0] * 8, 4, homes) == homes  # balanced homes: nothing moves
     assert imbalance([1.0] * 8, assign_owners([1.0] * 8, 4, [0] * 8), 4) == 1.0
-    # buckets assigned one after another balance the step's total, not each bucket alone
-    load = [0.0] * 4
-    for _ in range(10):
-        assign_owners([5.0, 3.0, 2.0], 4, load=load)
-    assert max(load) / (sum(load) / 4) <= 1.1
+    # one big matrix among many small ones still lands on the least-loaded rank
+    assert imbalance([1.0] * 16 + [4.0], assign_owners([1.0] * 16 + [4.0], 4), 4) == 1.0
 
 
 def test_state_dict_cross_loads_with_torch_muon():

@@ -51,50 +51,52 @@ class _Matrix:
 
 
 class _MuonPlan:
-    """Per-bucket matrices, owners, gather/scatter plans and this rank's batches."""
+    """Per-bucket matrices, their owners, gather/scatter plans and this rank's batches.
 
-    def __init__(self, bucket: Bucket, rank: int, world: int, ns_steps: int, load: list[float]):
+    Built in two steps: the matrices, where they lie and what they cost; then, once
+    owners are chosen over every bucket of the step, the plans.
+    """
+
+    def __init__(self, bucket: Bucket, world: int, ns_steps: int):
         layout = bucket.layout
+        self.world, self.shard = world, layout.shard_size
         self.matrices: list[_Matrix] = []
         for i, p in enumerate(bucket.params):
             count, rows, cols = matrix_view(tuple(p.shape))
             for s in range(count):
                 self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
-        shard = layout.shard_size
-        holders = []
-        pieces: list[Piece] = []
+        self.homes: list[int | None] = []  # the only rank holding a matrix, if one does
+        self.pieces: list[Piece] = []
         for t, m in enumerate(self.matrices):
             held = []
             for r in range(world):
-                lo, hi = max(m.start, r * shard), min(m.start + m.numel, (r + 1) * shard)
+                lo, hi = max(m.start, r * self.shard), min(m.start + m.numel, (r + 1) * self.shard)
                 if lo < hi:
                     held.append(r)
-                    pieces.append(Piece(r, t, lo - r * shard, lo - m.start, hi - m.start))
-            holders.append(held[0] if len(held) == 1 else None)
-        costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
-        self.owners = assign_owners(costs, world, holders, load=load)
-        self.costs = costs
-        # Matrices whose owner already holds all of them are orthogonalized in place.
-        self.in_place = [t for t, (h, o) in enumerate(zip(holders, self.owners)) if h == o]
-        moved = [t for t in range(len(self.matrices)) if holders[t] != self.owners[t]]
-        moved_pieces = [p for p in pieces if p.tensor in set(moved)]
-        numels = [m.numel if t in set(moved) else 0 for t, m in enumerate(self.matrices)]
+                    self.pieces.append(Piece(r, t, lo - r * self.shard, lo - m.start, hi - m.start))
+            self.homes.append(held[0] if len(held) == 1 else None)
+        self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
+
+    def assign(self, owners: list[int], rank: int) -> None:
+        """Plan the moves to `owners` and this rank's batched work."""
+        world, shard = self.world, self.shard
+        self.owners = owners
+        moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
+        pieces = [p for p in self.pieces if p.tensor in moved]
+        numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
         sizes = [shard] * world
-        self.gather = plan_gather_to_owner(moved_pieces, numels, self.owners, world, sizes)
-        self.scatter = plan_scatter_from_owner(moved_pieces, numels, self.owners, world, sizes)
+        self.gather = plan_gather_to_owner(pieces, numels, owners, world, sizes)
+        self.scatter = plan_scatter_from_owner(pieces, numels, owners, world, sizes)
         self.gather_program = self.gather.program(rank)
         self.scatter_program = self.scatter.program(rank)
-        offsets, _ = owner_offsets(numels, self.owners, world)
-        # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)].
+        offsets, _ = owner_offsets(numels, owners, world)
+        # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)];
+        # a matrix whose owner already holds all of it is orthogonalized in place.
         self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
         for t, m in enumerate(self.matrices):
-            if self.owners[t] != rank:
-                continue
-            if t in self.in_place:
-                entry = (False, m.start - rank * shard)
-            else:
-                entry = (True, offsets[t])
-            self.batches.setdefault((m.rows, m.cols), []).append(entry)
+            if owners[t] == rank:
+                entry = (True, offsets[t]) if t in moved else (False, m.start - rank * shard)
+                self.batches.setdefault((m.rows, m.cols), []).append(entry)
 
     def lr_ratio(self, bucket: Bucket, rank: int, adjust_lr_fn) -> torch.Tensor:
         """Per-element learning-rate adjustment over the local slice (0 on padding)."""
@@ -172,11 +174,21 @@ class Muon(ShardedOptimizer):
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}
         self._ratios: dict[int, torch.Tensor] = {}
-        self.ns_load = [0.0] * self.world_size  # Newton–Schulz FLOPs per rank per step
         for k, b in enumerate(self._buckets):
             if b.group["use_muon"]:
-                self._plans[k] = _MuonPlan(b, self.rank, self.world_size, b.group["ns_steps"], self.ns_load)
+                self._plans[k] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
                 self._ratios[k] = self._plans[k].lr_ratio(b, self.rank, b.group["adjust_lr_fn"])
+        # One assignment over every matrix of the step, so the step's total is balanced.
+        plans = list(self._plans.values())
+        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
+        owners = assign_owners(costs, self.world_size, homes)
+        self.ns_load = [0.0] * self.world_size  # Newton–Schulz FLOPs per rank per step
+        start = 0
+        for plan in plans:
+            plan.assign(owners[start : start + len(plan.costs)], self.rank)
+            start += len(plan.costs)
+            for o, c in zip(plan.owners, plan.costs):
+                self.ns_load[o] += c
 
     def _check_params(self, params):
         super()._check_params(params)

@@ -7,6 +7,7 @@ communication is not part of the cost, it is avoided by preferring a matrix's ho
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 
@@ -20,29 +21,31 @@ def assign_owners(
     world_size: int,
     homes: Sequence[int | None] | None = None,
     slack: float = 0.05,
-    load: list[float] | None = None,
 ) -> list[int]:
-    """Greedy longest-processing-time assignment with home affinity.
+    """Greedy longest-processing-time assignment with home affinity, O(n log W).
 
     Matrices are taken by decreasing cost. One whose data already lies on a single rank
     (`homes[i]`) stays there while that rank's load stays within `1 + slack` of the
     ideal mean; every other matrix goes to the least-loaded rank (ties: lowest rank).
-    `load` (per rank, updated in place) carries earlier buckets' work, so a step's
-    total is balanced, not each bucket alone. Deterministic: every rank computes the
-    same answer.
+    Call it once over every matrix of a step: LPT balances only what it sees largest
+    first. Deterministic, so every rank computes the same answer.
     """
     homes = list(homes) if homes is not None else [None] * len(costs)
-    load = load if load is not None else [0.0] * world_size
-    target = (1 + slack) * (sum(costs) + sum(load)) / max(world_size, 1)
+    target = (1 + slack) * sum(costs) / max(world_size, 1)
+    load = [0.0] * world_size
+    heap = [(0.0, r) for r in range(world_size)]  # (load, rank), with stale entries skipped
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         home = homes[i]
         if home is not None and load[home] + costs[i] <= target:
             rank = home
         else:
-            rank = min(range(world_size), key=lambda r: (load[r], r))
+            while heap[0][0] != load[heap[0][1]]:
+                heapq.heappop(heap)
+            rank = heap[0][1]
         owners[i] = rank
         load[rank] += costs[i]
+        heapq.heappush(heap, (load[rank], rank))
     return owners
 
 
