@@ -24,15 +24,25 @@ def _train_then_state(steps):
     return [p.detach().clone() for p in params], opt.state_dict()
 
 
-def _resume(values, state, steps):
+def _restored(values, state):
+    """A fresh optimizer over parameters set to `values`, loaded from `state`."""
     params = make_params()
     with torch.no_grad():
         for p, v in zip(params, values):
             p.copy_(v)
     opt = vo.AdamW(groups(params))
     opt.load_state_dict(state)
+    return params, opt
+
+
+def _resume(values, state, steps):
+    params, opt = _restored(values, state)
     _run(opt, params, steps)
     return [p.detach().clone() for p in params]
+
+
+def _reload(values, state):
+    return _restored(values, state)[1].state_dict()
 
 
 def test_round_trip_across_world_sizes_continues_exactly(world):
@@ -44,16 +54,6 @@ def test_round_trip_across_world_sizes_continues_exactly(world):
     resumed = world(2).run(_resume, values, via3, range(3, 5))[0]
     for a, b in zip(resumed, straight):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def _reload(values, state):
-    params = make_params()
-    with torch.no_grad():
-        for p, v in zip(params, values):
-            p.copy_(v)
-    opt = vo.AdamW(groups(params))
-    opt.load_state_dict(state)
-    return opt.state_dict()
 
 
 def test_cross_loads_with_torch_adamw():
