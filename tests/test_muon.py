@@ -212,6 +212,12 @@ def test_muon_param_groups_split_a_model():
     muon, adam = vo.muon_param_groups(model, lr=0.01)
     assert [p.shape for p in muon["params"]] == [torch.Size([4, 4])]
     assert len(adam["params"]) == 5 and adam["use_muon"] is False
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+    experts.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 16))  # stacked biases: AdamW
+    muon_e, adam_e = vo.muon_param_groups(experts)
+    assert [p.shape for p in muon_e["params"]] == [torch.Size([4, 8, 16])]
+    assert [p.shape for p in adam_e["params"]] == [torch.Size([4, 16])]
     model.lm_head.weight = model.embed.weight  # tied head
     muon, adam = vo.muon_param_groups(model)
     assert len(muon["params"]) == 1 and len(adam["params"]) == 4

@@ -68,13 +68,11 @@ class _MuonPlan:
         self.homes: list[int | None] = []  # the only rank holding a matrix, if one does
         self.pieces: list[Piece] = []
         for t, m in enumerate(self.matrices):
-            held = []
-            for r in range(world):
+            first, last = m.start // self.shard, (m.start + m.numel - 1) // self.shard  # ranks it spans
+            for r in range(first, last + 1):
                 lo, hi = max(m.start, r * self.shard), min(m.start + m.numel, (r + 1) * self.shard)
-                if lo < hi:
-                    held.append(r)
-                    self.pieces.append(Piece(r, t, lo - r * self.shard, lo - m.start, hi - m.start))
-            self.homes.append(held[0] if len(held) == 1 else None)
+                self.pieces.append(Piece(r, t, lo - r * self.shard, lo - m.start, hi - m.start))
+            self.homes.append(first if first == last else None)
         self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
 
     def assign(self, owners: list[int], rank: int) -> None:
@@ -274,17 +272,19 @@ def muon_param_groups(
 ) -> list[dict]:
     """Split `model`'s trainable parameters into a Muon group (hidden matrices) and an
     AdamW group (`use_muon=False`): embeddings, the output head (tied or not), norms,
-    biases and anything else with fewer than two dimensions."""
+    biases (stacked per-expert biases included) and anything else with fewer than two
+    dimensions."""
     adam_ids = set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) or leaf in head_names:
             adam_ids.update(id(p) for p in module.parameters(recurse=False))
     muon, adam = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (adam if id(p) in adam_ids or p.ndim < 2 else muon).append(p)
+        aux = id(p) in adam_ids or p.ndim < 2 or name.rsplit(".", 1)[-1].endswith("bias")
+        (adam if aux else muon).append(p)
     return [
         {"params": muon, "lr": lr, "weight_decay": weight_decay, "use_muon": True, **muon_kwargs},
         {"params": adam, "lr": adamw_lr, "betas": adamw_betas, "weight_decay": adamw_weight_decay,
