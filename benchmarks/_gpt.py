@@ -1,16 +1,16 @@
 """A small GPT-like model, learnable random batches and a local gloo launcher for benchmarks.
 
     model = build_gpt()                          # ~34 M parameters: vocab 8192, d 512, 8 layers
-    model.param_count                            # 33,820,672
+    param_count(model)                           # 33.8 M
     x, y = random_batch(2, 64, 8192, seed=0)     # token ids [2, 64] and next-token targets
     loss = model.loss(x, y)                      # mean cross-entropy
     results = launch(fn, 4, arg1, arg2)          # fn(rank, world, arg1, arg2) on every rank
 
-The model is a pre-norm decoder: token + learned position embeddings, `n_layers` blocks of
-[LayerNorm, causal self-attention (fused qkv, `scaled_dot_product_attention`), LayerNorm,
-GELU MLP 4x], a final LayerNorm and an untied head. `model.blocks` is an `nn.ModuleList`,
-so FSDP-style wrappers can shard per block. Construction is seeded: the same arguments give
-the same weights in every process.
+The model is the demo's pre-norm decoder (`vescale_optim.demo.model.GPT`) at benchmark
+sizes: token + learned position embeddings, `n_layers` blocks of [LayerNorm, causal
+self-attention, LayerNorm, GELU MLP 4x], a final LayerNorm and an untied head.
+`model.blocks` is an `nn.ModuleList`, so FSDP-style wrappers can shard per block.
+Construction is seeded: the same arguments give the same weights in every process.
 
 `random_batch` draws sequences that a model can learn (each token is a fixed affine map of
 the previous one, with a little noise), so a working optimizer lowers the loss within a few
@@ -24,7 +24,6 @@ Every call is a fresh set of processes, so per-process measurements (peak RSS) d
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import tempfile
@@ -35,81 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "build_gpt", "cpus", "launch", "random_batch", "threads_per_rank"]
+from vescale_optim.demo.model import GPT, GPTConfig
+
+__all__ = ["GPT", "build_gpt", "cpus", "launch", "param_count", "random_batch", "threads_per_rank"]
 
 
-class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model {d_model} is not a multiple of n_heads {n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_heads)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.out = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, d_model: int, n_layers: int, n_heads: int, seq_len: int):
-        super().__init__()
-        self.vocab, self.seq_len = vocab, seq_len
-        self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-        self._init(n_layers)
-
-    def _init(self, n_layers: int) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.ones_(p)
-            elif name.endswith(("attn.proj.weight", "out.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
-            else:
-                nn.init.normal_(p, std=0.02)
-
-    @property
-    def param_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.seq_len:
-            raise ValueError(f"sequence of {t} tokens; the model takes at most {self.seq_len}")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_gpt(
@@ -126,7 +59,9 @@ def build_gpt(
     """A seeded GPT-like model (the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(vocab, d_model, n_layers, n_heads, seq_len)
+        model = GPT(
+            GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads)
+        )
     return model.to(dtype=dtype, device=device)
 
 

@@ -71,7 +71,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks._gpt import build_gpt, launch, random_batch, threads_per_rank  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch, threads_per_rank  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 
 CONFIGS = ["ours", "FSDP2 reshard=True", "FSDP2 reshard=False", "ZeRO (DDP)", "DDP"]
@@ -247,7 +247,7 @@ class _Trainer:
         model = build_gpt(
             shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"], seed=0
         )
-        self.params = model.param_count
+        self.params = param_count(model)
         self.module, self.opt, self.state_bytes, self.timers = _setup(config, model)
         self.times: dict[str, list[float]] = {k: [] for k in [*PHASES, *(f"comm {k}" for k in self.timers)]}
         self.losses: list[float] = []

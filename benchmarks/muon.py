@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, random_batch, threads_per_rank  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch, threads_per_rank  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices  # noqa: E402
 from vescale_optim.optim import muon as muon_mod  # noqa: E402
@@ -285,7 +285,7 @@ def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, s
             setups[config], s["model"], o["parts_s"] = s, model, {k: [] for k in s["spent"]}
         except Exception:
             fail(o)
-    flat, allreduce = torch.zeros(model.param_count), []
+    flat, allreduce = torch.zeros(param_count(model)), []
     for i in range(warmup + steps):
         for config, s in list(setups.items()):
             o = out[config]
@@ -374,7 +374,7 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, configs: list[str])
         # Rounds share the ambient load, so the per-round ratio is the steadiest estimate.
         mine, theirs = (zip(*(x["times_s"] for x in results[c])) for c in ("ours", r["key"]))
         r["ours faster x (per round)"] = statistics.median(max(t) / max(m) for t, m in zip(theirs, mine))
-    return {"rows": rows, "params": model.param_count, "hidden_params": sum(p.numel() for p in hidden),
+    return {"rows": rows, "params": param_count(model), "hidden_params": sum(p.numel() for p in hidden),
             "hidden_matrices": len(hidden), "raw": results}  # fmt: skip
 
 
