@@ -251,10 +251,9 @@ class Muon(ShardedOptimizer):
         for (rows, cols), entries in plan.batches.items():
             n = rows * cols
             views = [(received if moved else local)[o : o + n].view(rows, cols) for moved, o in entries]
-            out = newton_schulz(
-                torch.stack(views), group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend
-            )
-            for view, o in zip(views, out):
+            x = views[0] if len(views) == 1 else torch.stack(views)  # one matrix: torch's exact path
+            out = newton_schulz(x, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend)
+            for view, o in zip(views, out.view(len(views), rows, cols)):
                 view.copy_(o)
             self.orthogonalized += len(views)
 
