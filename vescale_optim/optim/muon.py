@@ -216,16 +216,14 @@ class Muon(ShardedOptimizer):
             if k not in self._plans:
                 adamw_bucket_step(b, self._kind(b), b.local_grads())
                 continue
-            update = self._momentum(b)
-            received = torch.empty(self._plans[k].gather.dst_numel[self.rank], dtype=torch.bfloat16,
-                                   device=update.device)  # fmt: skip
-            plan = self._plans[k]
+            plan, update = self._plans[k], self._momentum(b)
+            received = update.new_empty(plan.gather.dst_numel[self.rank])
             handle = run_plan(plan.gather, update, received, self._comm, plan.gather_program, async_op=True)
             muon.append((k, b, update, received, handle))
         for k, b, update, received, handle in muon:
             handle.wait()
-            self._orthogonalize(self._plans[k], b.group, update, received)
             plan = self._plans[k]
+            self._orthogonalize(plan, b.group, update, received)
             pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
         for h in pending:
             h.wait()

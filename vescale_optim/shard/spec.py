@@ -91,9 +91,6 @@ class RaggedShard:
     def _rows(self, shape: Shape) -> int:
         return _numel(shape[: len(self.dims)])
 
-    def row_numel(self, shape: Sequence[int]) -> int:
-        return _numel(tuple(shape)[len(self.dims) :])
-
     def unit_numel(self, shape: Sequence[int]) -> int:
         """Elements in one unit."""
         shape = tuple(shape)
@@ -114,10 +111,6 @@ class RaggedShard:
     def global_offset(self, shape: Sequence[int], rank: int) -> int:
         """Flat offset in the full tensor where rank `rank`'s piece begins."""
         return self.local_range(shape, rank)[0]
-
-    def local_numel(self, shape: Sequence[int], rank: int) -> int:
-        start, stop = self.local_range(shape, rank)
-        return stop - start
 
     def local_shape(self, shape: Sequence[int], rank: int) -> Shape:
         """Shape of rank `rank`'s piece: `(rows_held, *shape[len(dims):])`.
