@@ -218,8 +218,13 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             h.wait()
         self._grads_reduced = True
 
+    @property
+    def _device(self) -> torch.device:
+        """Where this rank's buckets live (small control tensors go there too, for NCCL)."""
+        return self._buckets[0].gbuf.data.device if self._buckets else torch.device("cpu")
+
     def _any_nonfinite(self) -> bool:
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=self._device)
         for b in self._buckets:
             if not torch.isfinite(b.gbuf.local).all():
                 flag.fill_(1)
@@ -295,22 +300,14 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [b.gbuf.local for b in self._buckets if b.gbuf.local.numel()]
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-            total = local.reshape(1).clone()
-            all_reduce_(total, self._comm, "max")
-            total = total[0]
-        else:
-            local = (
-                torch.stack(
-                    [torch.linalg.vector_norm(g.float(), norm_type) ** norm_type for g in grads]
-                ).sum()
-                if grads
-                else torch.zeros(())
-            )
-            total = local.reshape(1).clone()
-            all_reduce_(total, self._comm, "sum")
-            total = total[0] ** (1.0 / norm_type)
+        inf = math.isinf(norm_type)
+        parts = [g.abs().max().float() if inf else torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
+                 for g in grads]  # fmt: skip
+        total = torch.zeros(1, device=self._device)
+        if parts:
+            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+        all_reduce_(total, self._comm, "max" if inf else "sum")
+        total = total[0] if inf else total[0] ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
