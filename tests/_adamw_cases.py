@@ -25,16 +25,15 @@ def grad(step, rank, i, dtype=torch.float32):
 def set_grads(params, step, rank, dtype=torch.float32, skip=()):
     for i, p in enumerate(params):
         if i in skip:
-            p.grad = None  # no gradient this step: counts as zero
+            p.grad = None  # no gradient on this rank this step
         else:
             p.grad = grad(step, rank, i, dtype)
 
 
 def mean_grads(step, world, dtype=torch.float32, skip=()):
+    """The mean over ranks; None for parameters no rank has a gradient for (no step)."""
     return [
-        torch.zeros(SHAPES[i])
-        if i in skip
-        else torch.stack([grad(step, r, i, dtype).float() for r in range(world)]).mean(0)
+        None if i in skip else torch.stack([grad(step, r, i, dtype).float() for r in range(world)]).mean(0)
         for i in range(len(SHAPES))
     ]
 

@@ -48,7 +48,7 @@ def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
     for t in range(steps):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
-            p.grad.copy_(grad(p.shape, t, rank, i))
+            p.grad = grad(p.shape, t, rank, i)
         opt.step()
         counts.append(opt.orthogonalized)
     out = {"params": [p.detach().clone() for p in muon + adam], "counts": counts}
@@ -159,7 +159,7 @@ def _dcp(path, mode, values=None):
     for t in steps if mode != "straight" else range(4):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
-            p.grad.copy_(mean_grad(p.shape, t, 4, i))
+            p.grad = mean_grad(p.shape, t, 4, i)
         opt.step()
     if mode == "save":
         dcp.save(opt.sharded_state_dict(), checkpoint_id=path)

@@ -27,7 +27,8 @@ from ._shampoo_math import (
     tiles_of,
     update_factors_,
 )
-from .base import Bucket, ShardedOptimizer
+from .base import ShardedOptimizer
+from .bucket import Bucket
 
 _FACTORS = ("L", "R", "L_inv_root", "R_inv_root")
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
@@ -223,6 +224,7 @@ class Shampoo(ShardedOptimizer):
         process_group=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
+        sync_params: bool = True,
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
@@ -233,7 +235,7 @@ class Shampoo(ShardedOptimizer):
         check_hyperparameters(defaults)
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel,
+            bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
         )  # fmt: skip
         self._plan_tiles()
 
@@ -242,6 +244,9 @@ class Shampoo(ShardedOptimizer):
         check_hyperparameters(self.param_groups[-1])
 
     # --- hooks ----------------------------------------------------------------------
+
+    _whole_buckets = True  # a bucket's tiles step together, with one step count
+    _structural = ("max_preconditioner_dim", "grafting")
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
         return stripe_unit(tuple(p.shape), group["max_preconditioner_dim"])

@@ -132,6 +132,14 @@ def all_reduce_(tensor: torch.Tensor, comm: Comm, op: str = "sum", async_op: boo
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=async_op))
 
 
+def broadcast_(tensor: torch.Tensor, comm: Comm, src: int = 0, async_op: bool = False) -> Handle:
+    """Every rank's `tensor` becomes rank `src`'s (a rank of `comm`'s group), in place."""
+    if not comm.active:
+        return Handle()
+    work = dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=async_op)
+    return Handle(work if async_op else None)
+
+
 def run_plan(
     plan: Plan,
     src: torch.Tensor,
