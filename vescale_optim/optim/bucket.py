@@ -30,6 +30,7 @@ class Bucket:
         self.steps = [0] * len(params)
         self.active = [False] * len(params)
         self.master: torch.Tensor | None = None
+        self.state_names: list[str] = []  # element-wise state under torch's names
         self.state: dict[str, torch.Tensor] = {}
         self._spans = self._local_spans()
 

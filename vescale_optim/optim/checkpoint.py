@@ -59,7 +59,7 @@ class CheckpointMixin:
         return False
 
     def _export_names(self, bucket) -> list[str]:
-        return self._state_names(bucket)
+        return bucket.state_names
 
     def _export_locals(self, bucket) -> dict[str, torch.Tensor]:
         """Local flat state in fp32 under torch's names, one element per local-slice element.

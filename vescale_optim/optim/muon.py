@@ -205,7 +205,8 @@ class Muon(ShardedOptimizer):
 
     def _check_group(self, gi: int, group: dict) -> str | None:
         if group["use_muon"] and group["adjust_lr_fn"] not in _ADJUST:
-            return f"param group {gi}: unknown adjust_lr_fn {group['adjust_lr_fn']!r}; expected one of {_ADJUST}"
+            fn = group["adjust_lr_fn"]
+            return f"param group {gi}: unknown adjust_lr_fn {fn!r}; expected one of {_ADJUST}"
         return None
 
     def _step_buckets(self) -> None:
