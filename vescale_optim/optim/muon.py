@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
@@ -96,6 +97,17 @@ class _MuonPlan:
             if owners[t] == rank:
                 entry = (True, offsets[t]) if t in moved else (False, m.start - rank * shard)
                 self.batches.setdefault((m.rows, m.cols), []).append(entry)
+
+
+_CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
+
+
+def _chunks(runs, keep: bool = False):
+    """`(lo, hi)` pieces of at most `_CHUNK` elements of each run `(lo, hi, key)` (with
+    the key when `keep`)."""
+    for lo, hi, key in runs:
+        for a in range(lo, hi, _CHUNK):
+            yield (a, min(hi, a + _CHUNK), key) if keep else (a, min(hi, a + _CHUNK))
 
 
 class Muon(ShardedOptimizer):
@@ -225,7 +237,8 @@ class Muon(ShardedOptimizer):
         for k, b, update, received, handle in muon:
             handle.wait()
             plan = self._plans[k]
-            self._orthogonalize(plan, b.group, update, received)
+            with record_function("vescale_optim.newton_schulz"):
+                self._orthogonalize(plan, b.group, update, received)
             pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
         for h in pending:
             h.wait()
@@ -235,7 +248,7 @@ class Muon(ShardedOptimizer):
 
     def _momentum(self, b: Bucket) -> torch.Tensor:
         """Momentum on the active runs of the local slice; returns the (nesterov) update
-        in bf16, zero where parameters do not step."""
+        in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
         g = b.group
         mu, grad, kind = g["momentum"], b.local_grads(), self._kind(b)
         buf = lowbit.decode(b.state, "momentum_buffer", kind)
@@ -244,13 +257,10 @@ class Muon(ShardedOptimizer):
         update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
         if not whole:
             update.zero_()
-        for lo, hi, _ in runs:
+        for lo, hi in _chunks(runs):
             m, gr = buf[lo:hi], grad[lo:hi]
             m.lerp_(gr, 1 - mu)
-            if g["nesterov"]:
-                torch.lerp(gr, m, mu, out=update[lo:hi])
-            else:
-                update[lo:hi].copy_(m)
+            update[lo:hi].copy_(gr.lerp(m, mu) if g["nesterov"] else m)
         lowbit.encode_(b.state, "momentum_buffer", kind, buf)
         return update
 
@@ -260,7 +270,8 @@ class Muon(ShardedOptimizer):
         g, params = b.group, b.local_params
         lr, decay = float(g["lr"]), 1 - float(g["lr"]) * g["weight_decay"]
         shapes = [matrix_view(tuple(p.shape))[1:] for p in b.params]
-        for lo, hi, alr in b.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i])):
+        runs = b.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
+        for lo, hi, alr in _chunks(runs, keep=True):
             params[lo:hi].mul_(decay).add_(update[lo:hi], alpha=-alr)
 
     def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
