@@ -22,6 +22,7 @@ class Bucket:
         self.params, self.indices, self.group, self.layout = params, indices, group, layout
         had_grad = [p.grad is not None for p in params]
         self.pbuf, self.gbuf = bind_parameters(params, layout, comm.rank)
+        self.pviews = [self.pbuf.view(i) for i in range(len(params))]
         self.gviews = [self.gbuf.view(i) for i in range(len(params))]
         for p, kept in zip(params, had_grad):
             if not kept:

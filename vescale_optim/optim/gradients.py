@@ -93,7 +93,7 @@ class GradTrackingMixin:
         counts as zero in the mean."""
         for b in self._buckets:
             for i, p in enumerate(b.params):
-                view = b.pbuf.view(i)
+                view = b.pviews[i]
                 if p.data_ptr() != view.data_ptr():
                     view.copy_(p.detach())
                     p.data = view
