@@ -53,8 +53,9 @@ class AdamW(ShardedOptimizer):
 
     Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
     gradients with one reduce-scatter per bucket, updates the rank's flat slice in a
-    single call per bucket and all-gathers the parameters. bf16/fp16 parameters get
-    an fp32 master of the local slice only.
+    single call per bucket (the ranges of parameters that step, with their own step
+    counts) and all-gathers the parameters. bf16/fp16 parameters get an fp32 master of
+    the local slice only; float64 parameters keep float64 state.
 
     `state_bits` picks the moments' storage for tensors of at least 4096 elements:
     32 (fp32), 16 (bf16, rounded to nearest) or 8 (int8 codes with an fp32 absmax
@@ -63,6 +64,8 @@ class AdamW(ShardedOptimizer):
     is the same at every world size. `state_dict()` exports fp32 moments under
     torch's names; loading re-encodes them (8-bit: within half a step of each block).
     """
+
+    _structural = ("amsgrad",)
 
     def __init__(
         self,
@@ -103,8 +106,6 @@ class AdamW(ShardedOptimizer):
             bucket_cap_numel=bucket_cap_numel,
             sync_params=sync_params,
         )
-
-    _structural = ("amsgrad",)
 
     def _state_names(self, bucket: Bucket) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]

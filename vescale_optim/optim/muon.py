@@ -118,13 +118,16 @@ class Muon(ShardedOptimizer):
     `O = NS(U)` (bf16 Newton–Schulz); `p <- p*(1 - lr*wd) - adjusted_lr*O`.
     3-D parameters are stacks of matrices, 4-D ones `[out, in*kh*kw]` matrices.
 
-    Each step, momentum runs on the whole local slice; every matrix is sent (in bf16,
+    Each step, momentum runs on the local slice; every matrix is sent (in bf16,
     as torch's iteration starts by casting to bf16) to one owner chosen by balancing
     Newton–Schulz FLOPs, orthogonalized there once — batched over equal shapes — and
-    sent back; matrices that already lie whole on their owner are not moved. Groups
-    with `use_muon=False` take AdamW steps with their `lr`, `betas` (0.9, 0.95), `eps`
-    (1e-8) and `weight_decay`. `state_bits` (32, 16 or 8) stores momentum and moments
-    as in `AdamW`.
+    sent back; matrices that already lie whole on their owner are not moved. A matrix
+    whose parameter takes no step (no gradient on any rank) keeps its momentum and
+    value; it still travels to its owner with the static plan, as zeros. Groups with
+    `use_muon=False` take AdamW steps with their `lr`, `betas` (0.9, 0.95), `eps` (1e-8)
+    and `weight_decay`. `state_bits` (32, 16 or 8) stores momentum and moments as in
+    `AdamW`. Hyperparameters, `adjust_lr_fn` included, are read from `param_groups` at
+    every step.
     """
 
     def __init__(
