@@ -162,7 +162,12 @@ def test_tensors_under_4096_elements_keep_fp32_moments(state_bits):
     assert vo.AdamW([large], state_bits=state_bits).local_state_bytes() == per_element * 4096
 
 
-@pytest.mark.parametrize("state_bits", [16, 8])
-def test_float64_parameters_refuse_low_bit_state(state_bits):
+def _float64_low_bit_refused(state_bits):
     with pytest.raises(ValueError, match=r"#0 of param group 0 \(shape \(4096,\)\) is float64"):
         vo.AdamW([torch.nn.Parameter(torch.zeros(4096, dtype=torch.float64))], state_bits=state_bits)
+
+
+@pytest.mark.parametrize("state_bits", [16, 8])
+def test_float64_parameters_refuse_low_bit_state(world, state_bits):
+    _float64_low_bit_refused(state_bits)
+    world(2).run(_float64_low_bit_refused, state_bits, timeout=60)

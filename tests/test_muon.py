@@ -317,3 +317,24 @@ def test_state_of_another_muon_split_is_refused():
     match = "param group 0: state dict has use_muon=False, the optimizer use_muon=True"
     with pytest.raises(ValueError, match=match):
         ours.load_state_dict(other.state_dict())
+
+
+def _bad_adjust_refused():
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    muon, _ = make_params()
+    opt = vo.Muon(muon, lr=0.02)
+    opt.param_groups[0]["adjust_lr_fn"] = "sqrt"
+    for i, p in enumerate(muon):
+        p.grad = grad(p.shape, 0, rank, i)
+    before = [p.detach().clone() for p in muon]
+    with pytest.raises(RuntimeError, match="param group 0: unknown adjust_lr_fn 'sqrt'"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, muon)) and not opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_invalid_adjust_lr_fn_set_later_is_refused_before_the_step(world, world_size):
+    if world_size == 1:
+        _bad_adjust_refused()
+    else:
+        world(world_size).run(_bad_adjust_refused, timeout=60)
