@@ -41,6 +41,13 @@ class Comm:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     @property
+    def device(self) -> torch.device:
+        """Where this group's tensors live by default: the current CUDA device for NCCL."""
+        if self.distributed and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def active(self) -> bool:
         """Whether calls need to talk to other processes."""
         return self.distributed and self.world_size > 1

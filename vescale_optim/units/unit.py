@@ -69,7 +69,10 @@ class Unit:
                 "(give it param_dtype, or put the parameters in different units)"
             )
         self.orig_dtype = params[0].dtype
-        self.device = torch.device(device) if device is not None else params[0].device
+        meta = self.meta = any(p.is_meta for p in params)
+        if device is None:
+            device = comm.device if meta else params[0].device
+        self.device = torch.device(device)
         self.compute_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.shard_dtype = shard_dtype_for(self.orig_dtype)
@@ -77,7 +80,6 @@ class Unit:
         rank, s = comm.rank, layout.shard_size
         self.full = FlatBuffer(layout, shapes, rank, self.compute_dtype, self.device)
         self.full_grad = self._new_grad_buffer()
-        meta = any(p.is_meta for p in params)
         in_place = not sharded and self.shard_dtype == self.compute_dtype
         if meta:
             self.shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
