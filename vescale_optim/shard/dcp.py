@@ -14,6 +14,7 @@ DCP writes a chunk; on load DCP fills a buffer that the owner takes with
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -58,8 +59,9 @@ class DcpPiece(torch.Tensor):
         if func not in _METADATA:
             name = getattr(func, "__name__", repr(func))
             raise TypeError(
-                f"{name}() on a DcpPiece: it describes this rank's piece for torch.distributed.checkpoint "
-                "and holds no values; load it with dcp.load and the optimizer's load_sharded_state_dict"
+                f"{name}() on a DcpPiece: it stands for this rank's piece in torch.distributed.checkpoint "
+                "and holds no values; only dcp.save and dcp.load read it (not dcp.async_save, which "
+                "stages plain tensors)"
             )
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -117,6 +119,12 @@ class DcpPiece(torch.Tensor):
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offsets {tuple(offsets)}")
 
 
+@functools.cache
+def _scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One element that every piece of this dtype and device expands to its shape."""
+    return torch.empty((), dtype=dtype, device=device)
+
+
 def dcp_piece(
     shape: Shape,
     start: int,
@@ -146,8 +154,7 @@ def dcp_piece(
         dtype, device = values.dtype, values.device
     elif dtype is None:
         raise ValueError("a piece given by read needs its dtype")
-    base = torch.empty((), dtype=dtype, device=device).expand(shape)
-    piece = base.as_subclass(DcpPiece)
+    piece = _scalar(dtype, torch.device(device or "cpu")).expand(shape).as_subclass(DcpPiece)
     chunks, pos = [], 0
     for offsets, sizes in flat_range_boxes(shape, start, stop):
         chunks.append((torch.Size(offsets), torch.Size(sizes), pos))
