@@ -182,13 +182,13 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     def _broadcast_params(self) -> None:
         """Make every rank's parameters rank 0's: one broadcast per bucket (frozen
         parameters, which have no bucket, one each)."""
-        handles = [broadcast_(b.pbuf.data, self._comm, async_op=True) for b in self._buckets]
+        handles = [broadcast_(b.pbuf.data, 0, self._comm, async_op=True) for b in self._buckets]
         for p in self._frozen:
             if p.is_contiguous():
-                broadcast_(p.data, self._comm)
+                broadcast_(p.data, 0, self._comm)
             else:
                 tmp = p.detach().contiguous()
-                broadcast_(tmp, self._comm)
+                broadcast_(tmp, 0, self._comm)
                 p.copy_(tmp)
         for h in handles:
             h.wait()

@@ -7,8 +7,6 @@ import torch
 from ..shard import (
     Comm,
     Piece,
-    RaggedShard,
-    full_tensor,
     plan_gather_to_owner,
     plan_scatter_from_owner,
     run_plan,
@@ -325,8 +323,8 @@ class Shampoo(ShardedOptimizer):
                 shapes = ((t.h, t.h), (t.w, t.w)) * 2
                 yield k, {f"{name}_{t.key}": (name, s) for name, s in zip(_FACTORS, shapes)}
 
-    def _gather_factors(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Every tile's factors and roots, gathered from their owners onto every rank."""
+    def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
+        """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
         out = {}
         for b in self._buckets:
             bt = self._tiles[id(b)]
@@ -336,16 +334,18 @@ class Shampoo(ShardedOptimizer):
             offsets, totals = owner_offsets(numels, bt.owners, self.world_size)
             mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
             local = torch.cat(mine) if mine else bt.work.new_zeros(0)
-            full, _ = full_tensor(local, (sum(totals),), RaggedShard((0,), totals), self._comm)
+            full = gather(local, totals)
+            if full is None:
+                continue
             starts = [sum(totals[:r]) for r in range(self.world_size)]
             for k, (o, n) in enumerate(zip(bt.owners, numels)):
                 out[id(b), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
         return out
 
-    def state_dict(self) -> dict:
-        self._gathered = self._gather_factors()
+    def _fill_state(self, state_dict: dict, gather) -> None:
+        self._gathered = self._gather_factors(gather)
         try:
-            return super().state_dict()
+            super()._fill_state(state_dict, gather)
         finally:
             self._gathered = None
 
