@@ -132,3 +132,55 @@ def test_buckets_keep_model_order_and_respect_keys_and_cap():
     assert bucket_indices(numels, ["x"] * 6, cap=100) == [[0, 1, 2, 3, 4, 5]]
     with pytest.raises(ValueError, match="cap"):
         bucket_indices(numels, keys, cap=0)
+
+
+@st.composite
+def segmented_bucket(draw):
+    sizes, units, world, align = draw(bucket(max_n=10, max_world=7))
+    aligns = draw(st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=len(sizes), max_size=len(sizes)))
+    segments = draw(st.lists(st.sampled_from("abc"), min_size=len(sizes), max_size=len(sizes)))
+    return sizes, units, world, align, aligns, segments
+
+
+@given(segmented_bucket())
+def test_per_tensor_alignment_and_segments(case):
+    sizes, units, world, align, aligns, segments = case
+    layout = plan_layout(sizes, units, world, align, aligns=aligns, segments=segments)
+    assert_valid(layout, sizes, units, world, 1)
+    s = layout.shard_size
+    assert s % math.lcm(align, *aligns) == 0
+    for i, a in enumerate(aligns):
+        assert layout.offsets[i] % a == 0
+    for key in set(segments):
+        members = [i for i, k in enumerate(segments) if k == key and sizes[i]]
+        others = [i for i, k in enumerate(segments) if k != key and sizes[i]]
+        if not members:
+            assert all(layout.segment_range(key, r) == (0, 0) for r in range(world))
+            continue
+        lo = min(layout.offsets[i] for i in members)
+        hi = max(layout.offsets[i] + sizes[i] for i in members)
+        for j in others:  # a segment is one run of the buffer: nobody else inside it
+            assert layout.offsets[j] + sizes[j] <= lo or layout.offsets[j] >= hi
+        covered = 0
+        for r in range(world):
+            a, b = layout.segment_range(key, r)
+            assert 0 <= a <= b <= s
+            for i in members:  # every piece of a member on rank r lies in the segment's range
+                start, stop = layout.rank_range(i, r)
+                if stop > start:
+                    assert a <= start - r * s and stop - r * s <= b
+            covered += b - a
+        assert covered == hi - lo
+
+
+def test_segments_cost_little_padding():
+    h = 1024
+    shapes = [(h,), (h, h), (3 * h, h), (h,), (4 * h, h), (h, 4 * h)] * 4
+    sizes = [math.prod(s) for s in shapes]
+    units = [s[-1] for s in shapes]
+    segments = ["vec" if len(s) == 1 else "mat" for s in shapes]
+    for world in (3, 8, 16):
+        flat = plan_layout(sizes, units, world)
+        seg = plan_layout(sizes, units, world, aligns=[256 if len(s) > 1 else 1 for s in shapes],
+                          segments=segments)  # fmt: skip
+        assert seg.padding / sum(sizes) <= 0.03, (world, flat.padding, seg.padding)

@@ -1,9 +1,11 @@
 """Checkpoints: torch's full-tensor format and a sharded format for torch.distributed.checkpoint.
 
-`state_dict()` gathers each bucket's flat state once and hands out full tensors per
-parameter under torch's names, so it loads at any world size and into torch itself.
-`sharded_state_dict()` instead describes each rank's own pieces (as the rectangular
-boxes of its flat range), so DCP writes only local data and reshards on load.
+`state_dict()` gathers each bucket's flat state once (onto every rank, or onto one) and
+hands out full tensors per parameter under torch's names, so it loads at any world size
+and into torch itself. It and `load_state_dict()` run inside torch's own methods, so the
+optimizer's state-dict hooks fire as for any `torch.optim` optimizer.
+`sharded_state_dict()` instead describes each rank's own pieces (`shard.dcp.DcpPiece`),
+so DCP writes only local data and reshards on load.
 """
 
 from __future__ import annotations
@@ -11,13 +13,44 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
+from ..shard import Comm, RaggedShard, full_tensor, redistribute
 from ..shard.collectives import all_gather_flat
-from ..shard.spec import flat_range_boxes
 from . import lowbit
 
 _SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
+
+
+class _Gather:
+    """Where `state_dict()` assembles full tensors: on every rank (all-gather) or only on
+    `to_rank` (a gather: the other ranks receive and allocate nothing), optionally on CPU."""
+
+    def __init__(self, comm: Comm, to_rank: int | None, cpu_offload: bool):
+        if to_rank is not None and not (isinstance(to_rank, int) and 0 <= to_rank < comm.world_size):
+            raise ValueError(
+                f"to_rank must be a rank of the optimizer's process group, 0..{comm.world_size - 1}; "
+                f"got {to_rank!r}"
+            )
+        self.comm, self.to_rank, self.cpu_offload = comm, to_rank, cpu_offload
+        self.receives = to_rank is None or to_rank == comm.rank
+
+    def __call__(self, local: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor | None:
+        """Every rank's flat `local` (`counts[r]` elements on rank r; equal if None) in rank
+        order, on the receiving ranks; None elsewhere."""
+        world = self.comm.world_size
+        if counts is None and self.to_rank is None:
+            full = all_gather_flat(local, self.comm)
+        else:
+            counts = tuple(counts) if counts is not None else (local.numel(),) * world
+            shape, placement = (sum(counts),), RaggedShard((0,), counts)
+            if self.to_rank is None:
+                full, _ = full_tensor(local, shape, placement, self.comm)
+            else:
+                owner = RaggedShard.owned(self.to_rank, world)
+                full, _ = redistribute(local, shape, placement, owner, self.comm)
+        if not self.receives:
+            return None
+        return full.cpu() if self.cpu_offload else full
 
 
 class CheckpointMixin:
@@ -59,26 +92,33 @@ class CheckpointMixin:
 
     # --- full format --------------------------------------------------------------
 
-    def _group_entries(self) -> list[dict]:
-        groups, start = [], 0
-        for g in self.param_groups:
-            entry = {k: v for k, v in g.items() if k != "params"}
-            entry["params"] = list(range(start, start + len(g["params"])))
-            start += len(g["params"])
-            groups.append(entry)
-        return groups
+    def state_dict(self, *, to_rank: int | None = None, cpu_offload: bool = False) -> dict:
+        """torch.optim format with full tensors and torch's state names.
+
+        Collective: every rank of the optimizer's group must call it. By default every
+        rank receives everything; with `to_rank=r` the state is gathered to group rank
+        `r` only and the other ranks get `{"state": {}, "param_groups": [...]}`;
+        `cpu_offload=True` puts the full tensors in CPU memory. Runs inside
+        `torch.optim.Optimizer.state_dict`, so state-dict hooks fire as in torch.
+        """
+        gather = _Gather(self._comm, to_rank, cpu_offload)
+        hook = self.register_state_dict_post_hook(lambda opt, sd: opt._fill_state(sd, gather), prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            hook.remove()
 
     @torch.no_grad()
-    def state_dict(self) -> dict:
-        """torch.optim format with full tensors and torch's state names (collective)."""
+    def _fill_state(self, state_dict: dict, gather: _Gather) -> None:
+        """Put the full per-parameter state into torch's packed `state_dict` (the collective part)."""
         state = {}
         for b in self._buckets:
-            flat = {name: all_gather_flat(t, self._comm) for name, t in self._export_locals(b).items()}
-            if b.step == 0:
+            flat = {name: gather(t) for name, t in self._export_locals(b).items()}
+            if b.step == 0 or not gather.receives:
                 continue
             for i, index in enumerate(b.indices):
                 state[index] = self._param_state(b, i, flat)
-        return {"state": state, "param_groups": self._group_entries()}
+        state_dict["state"] = state
 
     def _validate(self, state_dict: dict) -> dict[int, dict]:
         """Check everything before anything changes; return the state by param index."""
@@ -120,10 +160,37 @@ class CheckpointMixin:
                 )
         return by_index
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch-format state (ours or torch's, any world size); refuses bad shapes
-        before modifying anything."""
+        before modifying anything.
+
+        Runs inside `torch.optim.Optimizer.load_state_dict` (so its hooks fire and a load
+        pre-hook may return a new dict): the loading is a pre-hook appended last, which
+        sees the final dict and hands torch an empty `state` to install.
+        """
+
+        def load(opt, final: dict) -> dict:
+            opt._load_state(final)
+            return {**final, "state": {}}
+
+        hook = self.register_load_state_dict_pre_hook(load)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            hook.remove()
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's `load_state_dict` installs the loaded param groups through here: update
+        ours in place, since the buckets hold references to them."""
+        groups = state.get("param_groups")
+        if groups is not None and getattr(self, "_buckets", None) is not None:
+            for g, new in zip(self.param_groups, groups):
+                g.update(new)
+            state = {k: v for k, v in state.items() if k != "param_groups"}
+        super().__setstate__(state)
+
+    @torch.no_grad()
+    def _load_state(self, state_dict: dict) -> None:
         by_index = self._validate(state_dict)
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
@@ -150,70 +217,75 @@ class CheckpointMixin:
 
     # --- sharded format (torch.distributed.checkpoint) ----------------------------
 
-    def _sharded(self, bucket, i: int, local: torch.Tensor):
-        """Rank-local piece of parameter `i`'s state `local` as a DCP-writable tensor."""
-        shape = tuple(bucket.params[i].shape)
-        lo, hi = bucket.pbuf.local_range(i)
-        if not self._comm.distributed:
-            return local[lo:hi].view(shape)
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    def _piece(self, bucket, i: int, name: str):
+        """This rank's piece of parameter `i`'s state `name` (or its fp32 "master") for DCP:
+        a view of fp32 state, or a reader that decodes low-bit state when DCP writes it."""
+        from ..shard.dcp import dcp_piece
 
-        layout, world = bucket.layout, self._comm.world_size
-        ranks = [dist.get_global_rank(self._comm.group, r) if self._comm.group else r for r in range(world)]
-        device = local.device.type
-        metas, mine = [], []
-        for r in range(world):
-            a, b = layout.rank_range(i, r)
-            start = a - layout.offsets[i]
-            pos = start
-            for off, size in flat_range_boxes(shape, start, b - layout.offsets[i]):
-                n = int(torch.Size(size).numel())
-                md = ShardMetadata(list(off), list(size), f"rank:{ranks[r]}/{device}")
-                metas.append(md)
-                if r == self._comm.rank:
-                    view = local[lo + pos - start : lo + pos - start + n].view(size)
-                    mine.append(Shard(view, md))
-                pos += n
-        props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False)
-        meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            mine, meta, process_group=self._comm.group
-        )
+        shape = tuple(bucket.params[i].shape)
+        start, stop = bucket.pbuf.tensor_range(i)
+        lo, hi = bucket.pbuf.local_range(i)
+        if name == "master":
+            return dcp_piece(shape, start, stop, bucket.master[lo:hi])
+        kind, sqrt = self._kind(bucket), name in _SQRT
+        if kind == "fp32":
+            return dcp_piece(shape, start, stop, bucket.state[name][lo:hi])
+
+        def read(a: int, b: int) -> torch.Tensor:
+            return lowbit.decode_range(bucket.state, name, kind, lo + a, lo + b, sqrt=sqrt)
+
+        device = bucket.local_params.device
+        return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device)
 
     def sharded_state_dict(self) -> dict:
-        """State whose tensors are views of this rank's pieces, keyed by parameter index.
+        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies).
 
         Pass it to `torch.distributed.checkpoint.save`; to restore, build the optimizer
         (any world size), call `dcp.load` on a fresh `sharded_state_dict()` and then
-        `load_sharded_state_dict` with it.
+        `load_sharded_state_dict` with it. fp32 state is handed as views; bf16 and 8-bit
+        state is decoded chunk by chunk only while DCP writes it. Not collective itself.
         """
         state = {}
-        self._staged = {}
-        for k, b in enumerate(self._buckets):
-            tensors = self._staged[k] = self._export_locals(b)
-            if b.master is not None:
-                tensors["master"] = b.master
+        for b in self._buckets:
+            names = self._export_names(b) + (["master"] if b.master is not None else [])
             for i, index in enumerate(b.indices):
                 entry = {"step": torch.tensor(float(b.step))}
-                for name, local in tensors.items():
-                    entry[name] = self._sharded(b, i, local)
+                entry.update({name: self._piece(b, i, name) for name in names})
                 state[str(index)] = entry
         return {"state": state}
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state_dict: dict) -> None:
-        """Finish a DCP load: tensors were filled in place; restore steps and masters."""
-        for k, b in enumerate(self._buckets):
-            steps = {float(state_dict["state"][str(index)]["step"]) for index in b.indices}
+        """Finish a DCP load (collective): fp32 state and masters were filled in place;
+        buffers DCP decoded into are encoded into the low-bit state and dropped."""
+        from ..shard.dcp import DcpPiece
+
+        entries = state_dict["state"]
+        for b in self._buckets:
+            steps = {float(entries[str(index)]["step"]) for index in b.indices}
             if len(steps) != 1:
                 raise ValueError(f"parameters {b.indices} share a bucket but have steps {sorted(steps)}")
-            b.step = int(steps.pop())
-            staged = getattr(self, "_staged", {}).get(k)
-            if staged is None:
-                raise RuntimeError("call sharded_state_dict() before load_sharded_state_dict()")
-            self._commit_locals(b, {n: t for n, t in staged.items() if n != "master"})
+            for index in b.indices:
+                for name in self._export_names(b):
+                    if not isinstance(entries[str(index)].get(name), DcpPiece):
+                        raise TypeError(
+                            f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
+                            "pass the dict it returned, after dcp.load"
+                        )
+        for b in self._buckets:
+            b.step = int(float(entries[str(b.indices[0])]["step"]))
+            loaded = {}
+            for name in self._export_names(b):
+                for i, index in enumerate(b.indices):
+                    buf = entries[str(index)][name].take_loaded()
+                    if buf is not None:
+                        loaded[name, i] = buf
+            if loaded:
+                local = self._export_locals(b)
+                for (name, i), buf in loaded.items():
+                    lo, hi = b.pbuf.local_range(i)
+                    local[name][lo:hi].copy_(buf)
+                self._commit_locals(b, {n: local[n] for n, _ in loaded})
             if b.master is not None:
                 b.pbuf.local.copy_(b.master)
         self._gather_params()

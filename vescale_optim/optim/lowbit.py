@@ -58,6 +58,21 @@ def decode(state: dict[str, torch.Tensor], name: str, kind: str, sqrt: bool = Fa
     return state[name] if kind == "fp32" else state[name].float()
 
 
+def decode_range(
+    state: dict[str, torch.Tensor], name: str, kind: str, start: int, stop: int, sqrt: bool = False
+) -> torch.Tensor:
+    """Elements `[start, stop)` of the local moment `name` in fp32: a view for fp32, else
+    decoded anew (q8: only the blocks that hold the range; the grid starts at element 0)."""
+    if kind != "q8":
+        x = state[name][start:stop]
+        return x if kind == "fp32" else x.float()
+    first, last = start // BLOCK, -(-stop // BLOCK)
+    q = state[f"{name}.q"][first * BLOCK : last * BLOCK]
+    x = dequantize_blockwise(q, state[f"{name}.scales"][first:last], BLOCK)
+    x = x[start - first * BLOCK : stop - first * BLOCK]
+    return x.square_() if sqrt else x
+
+
 def encode_(state: dict[str, torch.Tensor], name: str, kind: str, x: torch.Tensor, sqrt: bool = False):
     """Store fp32 `x` as moment `name` (round to nearest)."""
     if kind == "q8":

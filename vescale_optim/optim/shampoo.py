@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from ..shard import RaggedShard, all_reduce_, full_tensor
+from ..shard import all_reduce_
 from ..shard.plan import owner_offsets
 from ._checks import check_params_arg
 from ._shampoo_math import (
@@ -222,8 +222,8 @@ class Shampoo(ShardedOptimizer):
                 shapes = ((t.h, t.h), (t.w, t.w)) * 2
                 yield k, {f"{name}_{t.key}": (name, s) for name, s in zip(FACTORS, shapes)}
 
-    def _gather_factors(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Every tile's factors and roots, gathered from their owners onto every rank."""
+    def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
+        """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
         out = {}
         for b in self._buckets:
             bt = self._tiles[id(b)]
@@ -233,16 +233,18 @@ class Shampoo(ShardedOptimizer):
             offsets, totals = owner_offsets(numels, bt.owners, self.world_size)
             mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
             local = torch.cat(mine) if mine else bt.like.new_zeros(0)
-            full, _ = full_tensor(local, (sum(totals),), RaggedShard((0,), totals), self._comm)
+            full = gather(local, totals)
+            if full is None:
+                continue
             starts = [sum(totals[:r]) for r in range(self.world_size)]
             for k, (o, n) in enumerate(zip(bt.owners, numels)):
                 out[id(b), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
         return out
 
-    def state_dict(self) -> dict:
-        self._gathered = self._gather_factors()
+    def _fill_state(self, state_dict: dict, gather) -> None:
+        self._gathered = self._gather_factors(gather)
         try:
-            return super().state_dict()
+            super()._fill_state(state_dict, gather)
         finally:
             self._gathered = None
 

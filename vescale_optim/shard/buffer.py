@@ -27,6 +27,7 @@ class FlatBuffer:
         rank: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        allocate: bool = True,
     ):
         shapes = [tuple(s) for s in shapes]
         if [math.prod(s) for s in shapes] != list(layout.sizes):
@@ -34,11 +35,40 @@ class FlatBuffer:
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
         self.layout, self.shapes, self.rank = layout, shapes, rank
-        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        if allocate:
+            self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        else:
+            self.data = torch.empty(layout.numel, dtype=dtype, device=device)
+            self.free()
 
     @property
     def shard_size(self) -> int:
         return self.layout.shard_size
+
+    @property
+    def allocated(self) -> bool:
+        return self.data.untyped_storage().nbytes() > 0 or self.data.numel() == 0
+
+    def free(self) -> None:
+        """Release the memory; every view keeps its shape and offset but holds nothing
+        until `allocate()` (reading it meanwhile is undefined, as for FSDP2's resharded
+        parameters)."""
+        self.data.untyped_storage().resize_(0)
+
+    def allocate(self, zero: bool = False) -> None:
+        """Give the buffer memory again (contents undefined unless `zero`); views made
+        before `free()` see it, since they share the storage object."""
+        if not self.allocated:
+            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+            if zero:
+                self.data.zero_()
+        elif zero:
+            self.data.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds now (0 while freed)."""
+        return self.data.untyped_storage().nbytes()
 
     @property
     def local(self) -> torch.Tensor:

@@ -41,6 +41,13 @@ class Comm:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     @property
+    def device(self) -> torch.device:
+        """Where this group's tensors live by default: the current CUDA device for NCCL."""
+        if self.distributed and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def active(self) -> bool:
         """Whether calls need to talk to other processes."""
         return self.distributed and self.world_size > 1
@@ -62,6 +69,10 @@ class Handle:
             self._finish()
         self._done = True
 
+    def then(self, finish: Callable[[], None]) -> Handle:
+        """A handle that waits for this one, then runs `finish`."""
+        return Handle([self], finish)
+
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _BYTE_VIEW else t
@@ -79,24 +90,29 @@ def _op(op: str):
 
 
 def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False) -> Handle:
-    """Fill the whole buffer from every rank's local slice, in place (no copies).
+    """Fill the whole buffer from every rank's local slice, in place (no copies)."""
+    return _gather_in_place(buf.data, buf.shard_size, comm, async_op)
+
+
+def _gather_in_place(data: torch.Tensor, shard_size: int, comm: Comm, async_op: bool) -> Handle:
+    """Every rank's slice `[r*S, (r+1)*S)` of `data` from that rank, in place.
 
     On gloo, whose all-gather stages through a temporary buffer and copies out, every
     slice is broadcast in place from its rank instead.
     """
     if not comm.active:
         return Handle()
+    s = shard_size
     if comm.gloo:
-        s = buf.shard_size
         works = [
-            dist.broadcast(_movable(buf.data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group,
+            dist.broadcast(_movable(data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group,
                            async_op=True)
             for r in range(comm.world_size)
         ]  # fmt: skip
         handle = Handle(works)
     else:
-        work = _all_gather_single(_movable(buf.data), _movable(buf.local), group=comm.group, async_op=True)
-        handle = Handle(work)
+        local = data[comm.rank * s : (comm.rank + 1) * s]
+        handle = Handle(_all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True))
     if not async_op:
         handle.wait()
     return handle
@@ -120,6 +136,87 @@ def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: boo
         handle = Handle(
             _reduce_scatter_single(buf.local, buf.data, op=reduce_op, group=comm.group, async_op=True)
         )
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def all_gather_into_(data: torch.Tensor, shard: torch.Tensor, comm: Comm, async_op: bool = False) -> Handle:
+    """Fill `data` (`W*S` elements) from every rank's `shard` (its `S` elements, any dtype).
+
+    The shard is gathered straight into `data` when the backend can (NCCL, same dtype);
+    otherwise it is written (cast if need be) into the rank's own slice and `data`
+    gathered in place.
+    """
+    s = shard.numel()
+    local = data[comm.rank * s : (comm.rank + 1) * s]
+    if shard.data_ptr() == local.data_ptr() and shard.dtype == data.dtype:
+        return _gather_in_place(data, s, comm, async_op)
+    if comm.active and not comm.gloo and shard.dtype == data.dtype:
+        work = _all_gather_single(_movable(data), _movable(shard), group=comm.group, async_op=True)
+        handle = Handle(work)
+        if not async_op:
+            handle.wait()
+        return handle
+    local.copy_(shard)
+    return _gather_in_place(data, s, comm, async_op)
+
+
+def reduce_scatter_into_(
+    data: torch.Tensor,
+    out: torch.Tensor,
+    comm: Comm,
+    op: str = "mean",
+    accumulate: bool = False,
+    async_op: bool = False,
+) -> Handle:
+    """Reduce `data` (`W*S` elements) over ranks into `out` (the rank's `S` elements, any
+    dtype), or add the reduction to `out` when `accumulate`.
+
+    `data` is scratch afterwards. On gloo `data` is all-reduced in place and the mean
+    divided straight into `out`; on NCCL the reduce-scatter writes `out` itself unless a
+    dtype change or accumulation needs a staging slice.
+    """
+    reduce_op = _op(op)
+    s = out.numel()
+    divisor = comm.world_size if op == "mean" else 1
+    if comm.active and comm.gloo:
+        summed = dist.ReduceOp.SUM if op == "mean" else reduce_op
+        src = data[comm.rank * s : (comm.rank + 1) * s]
+        work = dist.all_reduce(data, op=summed, group=comm.group, async_op=True)
+    elif comm.active:
+        direct = not accumulate and out.dtype == data.dtype
+        src = out if direct else data.new_empty(s)
+        work = _reduce_scatter_single(src, data, op=reduce_op, group=comm.group, async_op=True)
+        divisor = 1
+        if direct:
+            handle = Handle(work)
+            if not async_op:
+                handle.wait()
+            return handle
+    else:
+        src, work, divisor = data, None, 1
+
+    def finish() -> None:
+        if accumulate:
+            out.add_(src.div_(divisor) if divisor != 1 else src)
+        elif divisor != 1:
+            torch.div(src, divisor, out=out)
+        else:
+            out.copy_(src)
+
+    handle = Handle(work, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def broadcast_(tensor: torch.Tensor, src: int, comm: Comm, async_op: bool = False) -> Handle:
+    """Every rank's `tensor` becomes rank `src`'s (a rank of `comm`'s group), in place."""
+    if not comm.active:
+        return Handle()
+    work = dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=True)
+    handle = Handle(work)
     if not async_op:
         handle.wait()
     return handle

@@ -23,6 +23,7 @@ class Layout:
     sizes: tuple[int, ...]
     units: tuple[int, ...]
     offsets: tuple[int, ...]
+    segments: tuple[object, ...] | None = None  # per-tensor segment key (tensors of a key are adjacent)
 
     @property
     def numel(self) -> int:
@@ -37,6 +38,20 @@ class Layout:
         lo, hi = self.offsets[i], self.offsets[i] + self.sizes[i]
         start = min(max(lo, rank * self.shard_size), hi)
         return start, max(min(hi, (rank + 1) * self.shard_size), start)
+
+    def segment_range(self, key: object, rank: int) -> tuple[int, int]:
+        """Where segment `key` lies in `rank`'s slice, as local [start, stop) (empty when equal).
+
+        A segment is every tensor planned with that key; they are adjacent in the buffer,
+        so on each rank they form one range (padding between them included)."""
+        members = [i for i, k in enumerate(self.segments or ()) if k == key and self.sizes[i]]
+        if not members:
+            return 0, 0
+        lo = min(self.offsets[i] for i in members)
+        hi = max(self.offsets[i] + self.sizes[i] for i in members)
+        base = rank * self.shard_size
+        start = min(max(lo, base), base + self.shard_size)
+        return start - base, max(min(hi, base + self.shard_size), start) - base
 
     def local_units(self, i: int) -> tuple[int, ...]:
         g = self.units[i]
@@ -87,14 +102,16 @@ def _earliest_start(cursor: int, size: int, unit: int, shard: int, align: int, l
     return None
 
 
-def _fits(order: Sequence[int], sizes, units, world_size: int, shard: int, align: int):
+def _fits(order: Sequence[int], sizes, units, world_size: int, shard: int, align):
+    """Greedy earliest placement in `order`; `align` is one alignment or one per tensor."""
+    aligns = [align] * len(sizes) if isinstance(align, int) else align
     cursor, total = 0, world_size * shard
     offsets = [0] * len(sizes)
     for i in order:
         if sizes[i] == 0:
-            offsets[i] = -(-cursor // align) * align
+            offsets[i] = -(-cursor // aligns[i]) * aligns[i]
             continue
-        start = _earliest_start(cursor, sizes[i], units[i], shard, align, total)
+        start = _earliest_start(cursor, sizes[i], units[i], shard, aligns[i], total)
         if start is None:
             return None
         offsets[i] = start
@@ -124,8 +141,9 @@ def _next_candidate(sizes, units, align: int, s: int) -> int:
         s = shrinks_at
 
 
-def _search(orders, sizes, units, world_size: int, align: int, lo: int, hi: int):
-    """Smallest feasible S found, with the offsets of the first order that fits it.
+def _search(orders, sizes, units, world_size: int, align: int, lo: int, hi: int, aligns):
+    """Smallest feasible S (a multiple of `align`) found, with the offsets of the first
+    order that fits it; tensor `i` starts at a multiple of `aligns[i]`.
 
     Feasibility is not monotone in S, so the search walks the candidate sizes upward
     from the lower bound one by one for a while, then gallops and bisects over them;
@@ -134,7 +152,7 @@ def _search(orders, sizes, units, world_size: int, align: int, lo: int, hi: int)
 
     def fits(s):
         for order in orders:
-            offsets = _fits(order, sizes, units, world_size, s, align)
+            offsets = _fits(order, sizes, units, world_size, s, aligns)
             if offsets is not None:
                 return offsets
         return None
@@ -181,12 +199,22 @@ def _search(orders, sizes, units, world_size: int, align: int, lo: int, hi: int)
 
 
 def plan_layout(
-    sizes: Sequence[int], units: Sequence[int], world_size: int, align: int = 1
+    sizes: Sequence[int],
+    units: Sequence[int],
+    world_size: int,
+    align: int = 1,
+    *,
+    aligns: Sequence[int] | None = None,
+    segments: Sequence[object] | None = None,
 ) -> Layout:
-    """Plan one bucket: a shard size `S` (multiple of `align`) and an aligned offset
-    per tensor so that every rank boundary inside a tensor falls between its units.
+    """Plan one bucket: a shard size `S` and an offset per tensor so that every rank
+    boundary inside a tensor falls between its units.
 
-    `sizes[i]` must be a multiple of `units[i]`.
+    `sizes[i]` must be a multiple of `units[i]`. Tensor `i` starts at a multiple of
+    `aligns[i]` (default `align`); `S` is a multiple of `align` and of every `aligns[i]`,
+    so offsets inside each rank's slice keep their alignment too. With `segments`
+    (one hashable key per tensor), tensors of one key are placed next to each other,
+    keys in order of first appearance, so each rank holds each segment as one range.
     """
     sizes, units = tuple(int(s) for s in sizes), tuple(int(u) for u in units)
     if len(sizes) != len(units):
@@ -195,14 +223,21 @@ def plan_layout(
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     if align < 1:
         raise ValueError(f"align must be >= 1; got {align}")
+    aligns = tuple(int(a) for a in aligns) if aligns is not None else (align,) * len(sizes)
+    if len(aligns) != len(sizes) or any(a < 1 for a in aligns):
+        raise ValueError(f"aligns must be {len(sizes)} integers >= 1; got {aligns}")
+    if segments is not None and len(segments) != len(sizes):
+        raise ValueError(f"{len(sizes)} sizes but {len(segments)} segment keys")
     for i, (e, g) in enumerate(zip(sizes, units)):
         if e < 0 or g < 1:
             raise ValueError(f"tensor {i}: size must be >= 0 and unit >= 1; got size={e}, unit={g}")
         if e % g:
             raise ValueError(f"tensor {i}: size {e} is not a multiple of its unit {g}")
+    align = math.lcm(align, *aligns)
+    segs = tuple(segments) if segments is not None else None
     total = sum(sizes)
     if total == 0:
-        return Layout(world_size, 0, sizes, units, (0,) * len(sizes))
+        return Layout(world_size, 0, sizes, units, (0,) * len(sizes), segs)
     round_up = lambda x: -(-x // align) * align  # noqa: E731
     # No valid S is below the even share, nor (with two or more ranks) below the
     # largest unit: a unit longer than S always holds a rank boundary.
@@ -210,13 +245,17 @@ def plan_layout(
     lo = round_up(max(-(-total // world_size), largest_unit))
     hi = round_up(sum(round_up(e) for e in sizes))  # everything on rank 0 always fits
     n = len(sizes)
-    orders = [list(range(n))]  # model order first: it keeps layers together
-    for key in (lambda i: (-units[i], -sizes[i]), lambda i: (-sizes[i], -units[i])):
+    rank_of = {}
+    for key in segs or ():
+        rank_of.setdefault(key, len(rank_of))
+    segment = (lambda i: rank_of[segs[i]]) if segs is not None else (lambda i: 0)
+    orders = [sorted(range(n), key=segment)]  # model order first: it keeps layers together
+    for key in (lambda i: (segment(i), -units[i], -sizes[i]), lambda i: (segment(i), -sizes[i], -units[i])):
         order = sorted(range(n), key=key)
         if order not in orders:
             orders.append(order)
-    shard, offsets = _search(orders, sizes, units, world_size, align, lo, max(hi, lo))
-    return Layout(world_size, shard, sizes, units, tuple(offsets))
+    shard, offsets = _search(orders, sizes, units, world_size, align, lo, max(hi, lo), aligns)
+    return Layout(world_size, shard, sizes, units, tuple(offsets), segs)
 
 
 def bucket_indices(numels: Sequence[int], keys: Sequence[object], cap: int) -> list[list[int]]:

@@ -1,0 +1,109 @@
+"""`model.state_dict()` and `model.load_state_dict()` for a model whose units are sharded.
+
+Between steps a sharded unit's parameters hold no memory, so the module hooks here make
+`state_dict()` return full tensors gathered unit by unit from the shards (in the
+parameters' original dtype, full precision), and make `load_state_dict()` write each
+rank's piece of the given tensors into its shards. Both are collective for sharded units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..shard.collectives import all_gather_into_
+from .unit import State, Unit
+
+
+def _keys(module: nn.Module, prefix: str, unit: Unit) -> list[tuple[str, int]]:
+    """(state-dict key, parameter index in `unit`) for every name the unit's parameters
+    have under `module` (a tied parameter has several)."""
+    index = {id(p): i for i, p in enumerate(unit.params)}
+    out = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in index:
+            out.append((prefix + name, index[id(p)]))
+    return out
+
+
+def gather_full(unit: Unit) -> torch.Tensor:
+    """The unit's whole flat parameter buffer in the original dtype, gathered from the
+    shards (a new tensor; collective)."""
+    full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.device)
+    all_gather_into_(full, unit.shard, unit.comm)
+    return full if unit.orig_dtype == full.dtype else full.to(unit.orig_dtype)
+
+
+class ModelState:
+    """Registers the state-dict hooks on each sharded unit's module."""
+
+    def __init__(self, units: Sequence[Unit], modules: Sequence[nn.Module | None]):
+        self.handles = []
+        for unit, module in zip(units, modules):
+            if module is None or not unit.sharded:
+                continue
+            self.handles += [
+                module.register_state_dict_post_hook(self._saved(unit)),
+                module.register_load_state_dict_pre_hook(self._loading(unit)),
+                module.register_load_state_dict_post_hook(self._loaded(unit)),
+            ]
+        self._incoming: dict[int, dict[int, torch.Tensor]] = {}
+
+    @staticmethod
+    def _saved(unit: Unit):
+        def hook(module, state_dict, prefix, local_metadata):
+            keys = _keys(module, prefix, unit)
+            if not keys:
+                return
+            full = gather_full(unit)
+            for key, i in keys:
+                if key in state_dict:
+                    start = unit.layout.offsets[i]
+                    state_dict[key] = full[start : start + unit.params[i].numel()].view(unit.params[i].shape)
+
+        return hook
+
+    def _loading(self, unit: Unit):
+        def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise ValueError("load_state_dict(assign=True) would replace the sharded parameters")
+            incoming = {}
+            for key, i in _keys(module, prefix, unit):
+                value = state_dict.get(key)
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(unit.params[i].shape):
+                    incoming.setdefault(i, value)
+            self._incoming[unit.index] = incoming
+            unit.was_gathered = unit.state is not State.RESHARDED
+            if unit.was_gathered:
+                unit.wait_unshard()
+            else:
+                unit.full.allocate()  # somewhere for torch's own copy to land
+            unit.state = State.GATHERED
+
+        return hook
+
+    def _loaded(self, unit: Unit):
+        def hook(module, incompatible_keys):
+            incoming = self._incoming.pop(unit.index, {})
+            s, rank = unit.layout.shard_size, unit.comm.rank
+            with torch.no_grad():
+                for i, value in incoming.items():
+                    start, stop = unit.layout.rank_range(i, rank)
+                    if stop > start:
+                        lo = start - unit.layout.offsets[i]
+                        flat = value.detach().reshape(-1)[lo : lo + stop - start]
+                        unit.shard[start - rank * s : stop - rank * s].copy_(flat)
+            if unit.was_gathered:
+                unit.state = State.RESHARDED
+                unit.unshard(async_op=False)
+            else:
+                unit.reshard()
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,310 @@
+"""When units gather, free and reduce: module and autograd hooks, prefetch, and ordering.
+
+Every rank must issue the same collectives in the same order, so each trigger is tied
+to the model's structure, never to which parameters happened to receive gradients:
+
+- forward: a unit gathers in its module's forward pre-hook (having been prefetched by
+  the unit before it in the recorded forward order) and frees in the post-hook;
+- backward: a unit gathers when the first gradient reaches its module's outputs
+  (prefetching the next unit in the recorded backward order), and frees and
+  reduce-scatters its gradients when the gradients of its module's inputs are done;
+- units without such a trigger (the outermost one, units of `no shard_modules`)
+  reduce-scatter in a fixed order: as soon as their own gradients are complete when no
+  gather can come between (no modules), and at the end of backward otherwise.
+
+The end of backward is when the last gradient of all the optimizer's parameters has
+been accumulated (a multi-grad hook tells which parameters take part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from ..shard.collectives import Handle
+from .unit import State, Unit
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
+    """`obj` with `fn` applied to every tensor inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(_map_tensors(fn, x) for x in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(fn, x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    _map_tensors(lambda t: found.append(t) or t, obj)
+    return found
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's backward is
+    done (every gradient of its inputs is computed)."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class _Arrivals:
+    """Counts the gradients of a set of parameters within one backward: `done()` turns
+    true once every parameter that takes part has been accumulated."""
+
+    def __init__(self, params: Sequence[torch.Tensor], on_done: Callable[[], None]):
+        self.expected: int | None = None
+        self.arrived = 0
+        self.on_done = on_done
+        register_multi_grad_hook(list(params), self._participants, mode="all")
+
+    def _participants(self, grads) -> None:
+        self.expected = sum(g is not None for g in grads)
+        self._check()
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        self._check()
+
+    def _check(self) -> None:
+        if self.expected is not None and self.arrived >= self.expected:
+            self.expected, self.arrived = None, 0
+            self.on_done()
+
+
+class Schedule:
+    """Drives `units` through forward and backward; `modules[k]` is unit k's module, or
+    None for units without one (then nothing is ever freed, only gradients reduced).
+
+    `marks` is called with each parameter whose gradient was accumulated.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        modules: Sequence[nn.Module | None],
+        *,
+        reshard_after_forward: bool = True,
+        on_grad: Callable[[torch.nn.Parameter], None] | None = None,
+    ):
+        self.units = list(units)
+        self.modules = list(modules)
+        self.reshard_after_forward = reshard_after_forward
+        self.on_grad = on_grad
+        self.sync_grads = True
+        self.forward_order: list[Unit] = []  # pre-forward order, recorded as units first run
+        self.backward_order: list[Unit] = []  # reverse post-forward order of the last forward
+        self._post_forward_seen: list[Unit] = []
+        self._reduced: set[int] = set()  # units reduce-scattered in this backward
+        self._round_ended = False
+        # the fixed order of reductions not tied to a module: backward's usual order
+        self._order = sorted(self.units, key=lambda u: -u.index)
+        self._static = [u for u in self._order if self.modules[self.units.index(u)] is None]
+        self._in_flight: list[Handle] = []
+        self._handles: list = []
+        outer = {id(m) for m in modules if m is not None}
+        for m in modules:
+            if m is not None:
+                outer -= {id(c) for c in m.modules() if c is not m}
+        self._outermost = outer
+        for unit, module in zip(self.units, self.modules):
+            unit.in_forward = unit.in_backward = False
+            unit.forward_calls = 0
+            for i, p in enumerate(unit.params):
+                self._handles.append(p.register_hook(self._attach(unit, i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(unit)))
+            if module is None:
+                unit.arrivals = _Arrivals(unit.params, lambda u=unit: self._static_ready(u))
+            else:
+                pre = module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
+                self._handles += [pre, module.register_forward_hook(self._post_forward(unit, module))]
+        params = [p for u in self.units for p in u.params]
+        self._end = _Arrivals(params, self._end_of_backward)
+
+    # --- gradients ------------------------------------------------------------------
+
+    def _attach(self, unit: Unit, i: int):
+        def hook(grad):
+            self._new_round()
+            p = unit.params[i]
+            view = unit.grad_view(i)
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # a gradient set by hand: keep it, accumulate on it
+                p.grad = view
+
+        return hook
+
+    def _accumulated(self, unit: Unit):
+        def hook(p):
+            if self.on_grad is not None:
+                self.on_grad(p)
+            if hasattr(unit, "arrivals"):
+                unit.arrivals.arrive()
+            self._end.arrive()
+
+        return hook
+
+    def _static_ready(self, unit: Unit) -> None:
+        """A unit without module hooks has all its gradients: reduce it and every unit
+        before it in the fixed order that is also complete (never out of order)."""
+        unit.complete = True
+        for u in self._static:
+            if u.index in self._reduced:
+                continue
+            if not getattr(u, "complete", False):
+                break
+            self._reduce(u)
+
+    def _reduce(self, unit: Unit) -> None:
+        if unit.index in self._reduced:
+            return
+        self._reduced.add(unit.index)
+        unit.complete = False
+        if not self.sync_grads:
+            return
+        # one reduce-scatter in flight: its buffer is freed before the next is issued
+        for h in self._in_flight:
+            h.wait()
+        self._in_flight = [unit.reduce_grad(async_op=True)]
+
+    def _end_of_backward(self) -> None:
+        """Every parameter's gradient of this backward is in: reduce what is left, in
+        unit order (the same on every rank)."""
+        for unit in self._order:
+            self._reduce(unit)
+        self._round_ended = True
+
+    def _new_round(self) -> None:
+        """First event after a backward ended (or a step): forget that backward's marks."""
+        if self._round_ended:
+            self._round_ended = False
+            self._reduced.clear()
+            for unit in self.units:
+                unit.in_backward = False
+                unit.forward_calls = 0
+                unit.complete = False
+
+    def finish(self) -> None:
+        """Before the step: wait for reductions in flight; free what backward left gathered."""
+        for h in self._in_flight:
+            h.wait()
+        self._in_flight = []
+        for unit in self.units:
+            if unit.in_forward:
+                name = unit.name or unit.index
+                raise RuntimeError(
+                    f"unit {name} is still gathered by a forward that has not finished; finish the "
+                    "forward (and backward) before step()"
+                )
+            unit.reshard()
+        self._round_ended = True
+        self._new_round()
+
+    # --- module hooks ---------------------------------------------------------------
+
+    def _pre_forward(self, unit: Unit):
+        def hook(module, args, kwargs):
+            if unit.in_backward:  # recomputation (activation checkpointing) inside backward
+                unit.wait_unshard()
+                return None
+            self._new_round()
+            unit.in_forward = True
+            if unit not in self.forward_order:
+                self.forward_order.append(unit)
+            with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
+                unit.wait_unshard()
+                self._prefetch(self.forward_order, unit)
+            if not torch.is_grad_enabled():
+                return None
+            if not any(t.requires_grad for t in _tensors((args, kwargs))):
+                return None
+            unit.forward_calls += 1
+            flat: list[torch.Tensor] = []
+            _map_tensors(lambda t: flat.append(t) or t, (args, kwargs))
+            wanted = [t for t in flat if t.requires_grad]
+            out = _PostBackward.apply(lambda: self._post_backward(unit), *wanted)
+            passed = iter((out,) if isinstance(out, torch.Tensor) else out)
+            return _map_tensors(lambda t: next(passed) if t.requires_grad else t, (args, kwargs))
+
+        return hook
+
+    def _post_forward(self, unit: Unit, module: nn.Module):
+        def hook(module_, args, output):
+            if unit.in_backward:
+                return None
+            unit.in_forward = False
+            if unit in self._post_forward_seen:
+                self._post_forward_seen.remove(unit)
+            self._post_forward_seen.append(unit)
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            backward_comes = torch.is_grad_enabled() and bool(outputs)
+            if backward_comes:
+                register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
+            outermost = id(module) in self._outermost
+            if not backward_comes or (self.reshard_after_forward and not outermost):
+                unit.reshard()
+            if outermost:
+                self.backward_order = list(reversed(self._post_forward_seen))
+                self._post_forward_seen = []
+            return None
+
+        return hook
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._new_round()
+        unit.in_backward = True
+        with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):
+            unit.wait_unshard()
+            self._prefetch(self.backward_order, unit)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.forward_calls -= 1
+        if unit.forward_calls > 0:
+            return
+        with torch.profiler.record_function(f"vescale::post_backward[{unit.name}]"):
+            unit.in_backward = False
+            unit.reshard()
+            self._reduce(unit)
+
+    @staticmethod
+    def _prefetch(order: list[Unit], unit: Unit) -> None:
+        if unit in order:
+            k = order.index(unit) + 1
+            if k < len(order) and order[k].state is State.RESHARDED:
+                order[k].unshard(async_op=True)
+
+    # --- control ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Keep unreduced gradients across backward passes (reduced after the last one)."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,238 @@
+"""A communication unit: parameters planned into one flat buffer per role, gathered and
+freed as one (FSDP2's parameter group).
+
+Persistent, per rank: `shard`, the rank's `S` parameter elements (fp32 for bf16/fp16
+parameters: it is their master copy), and `grad`, the rank's `S` averaged-gradient
+elements in the same dtype. Transient: `full`, the unsharded parameters in the compute
+dtype — every parameter's `.data` is a view of it — and `full_grad`, where autograd
+accumulates while every `.grad` is a view of it. A sharded unit frees `full` between
+uses; an unsharded one (no `shard_modules`) keeps it. `full_grad` lives from the first
+gradient of a backward to the reduce-scatter that empties it into `grad`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from ..shard import Comm, FlatBuffer, Layout
+from ..shard.collectives import Handle, all_gather_into_, broadcast_, reduce_scatter_into_
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class State(enum.Enum):
+    RESHARDED = "resharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+def shard_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Where a parameter of `dtype` keeps its shard: fp32 for low precision (the master)."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+class Unit:
+    """Parameters `params` of one module (or one bucket), planned by `layout`.
+
+    `sharded=False` keeps the unsharded parameters (ZeRO-2-like): `gather_after_step()`
+    refreshes them, and nothing is freed. `param_dtype` is the dtype of the unsharded
+    parameters (compute and all-gather); `reduce_dtype` that of the reduce-scatter.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        layout: Layout,
+        comm: Comm,
+        *,
+        index: int = 0,
+        name: str = "",
+        sharded: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        sync_params: bool = True,
+    ):
+        if not params:
+            raise ValueError(f"unit {name or index} has no parameters")
+        self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
+        self.index, self.name, self.sharded = index, name, sharded
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            detail = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params))
+            raise ValueError(
+                f"unit {name or index} mixes parameter dtypes ({detail}); a unit gathers one dtype "
+                "(give it param_dtype, or put the parameters in different units)"
+            )
+        self.orig_dtype = params[0].dtype
+        meta = self.meta = any(p.is_meta for p in params)
+        if device is None:
+            device = comm.device if meta else params[0].device
+        self.device = torch.device(device)
+        self.compute_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.shard_dtype = shard_dtype_for(self.orig_dtype)
+        shapes = [tuple(p.shape) for p in params]
+        rank, s = comm.rank, layout.shard_size
+        self.full = FlatBuffer(layout, shapes, rank, self.compute_dtype, self.device)
+        self.full_grad = self._new_grad_buffer()
+        in_place = not sharded and self.shard_dtype == self.compute_dtype
+        if meta:
+            self.shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
+        else:
+            self.shard = self._initial_shard(sync_params)
+        if in_place:
+            self.full.local.copy_(self.shard)
+            self.shard = self.full.local
+        self.grad = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
+        self.grad_has_values = False  # `grad` holds reductions not yet consumed
+        self.state = State.GATHERED
+        self._gather: Handle | None = None
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                grad = p.grad
+                if p.is_meta:
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(self.full.view(i), p.requires_grad))
+                else:
+                    p.data = self.full.view(i)
+                p.grad = None
+                if grad is not None:
+                    self.grad_view(i).copy_(grad)
+                    p.grad = self.full_grad.view(i)
+        if sharded:
+            self.reshard()
+        elif not meta:
+            self.gather_after_step()
+
+    # --- construction ----------------------------------------------------------------
+
+    def _initial_shard(self, sync_params: bool) -> torch.Tensor:
+        """This rank's shard of the parameters' current values (rank 0's with `sync_params`)."""
+        s, rank = self.layout.shard_size, self.comm.rank
+        if sync_params and self.comm.active:
+            staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
+            for i, p in enumerate(self.params):
+                start = self.layout.offsets[i]
+                staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
+            broadcast_(staged, 0, self.comm)
+            return staged[rank * s : (rank + 1) * s].clone()
+        shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
+        for i, p in enumerate(self.params):
+            start, stop = self.layout.rank_range(i, rank)
+            if stop > start:
+                lo, n = start - self.layout.offsets[i], stop - start
+                shard[start - rank * s : stop - rank * s].copy_(p.detach().reshape(-1)[lo : lo + n])
+        return shard
+
+    # --- parameters ------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = True) -> None:
+        """Start gathering the parameters (no-op when gathered or on the way)."""
+        if self.state is not State.RESHARDED:
+            return
+        with torch.profiler.record_function(f"vescale::unshard[{self.name}]"):
+            self.full.allocate()
+            self._gather = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True)
+            self.state = State.GATHERING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Block until the parameters are gathered (gathering them first if needed)."""
+        if self.state is State.RESHARDED:
+            self.unshard(async_op=True)
+        if self.state is State.GATHERING:
+            with torch.profiler.record_function(f"vescale::wait_unshard[{self.name}]"):
+                self._gather.wait()
+            self._gather = None
+            self.state = State.GATHERED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (sharded units only)."""
+        if not self.sharded or self.state is State.RESHARDED:
+            return
+        if self.state is State.GATHERING:
+            self._gather.wait()
+            self._gather = None
+        with torch.profiler.record_function(f"vescale::reshard[{self.name}]"):
+            self.full.free()
+        self.state = State.RESHARDED
+
+    def gather_after_step(self, async_op: bool = False) -> Handle | None:
+        """Unsharded units: refresh the kept parameters from every rank's updated shard."""
+        if self.sharded:
+            return None
+        with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
+            return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op)
+
+    # --- gradients -------------------------------------------------------------------
+
+    def _new_grad_buffer(self) -> FlatBuffer:
+        shapes = [tuple(p.shape) for p in self.params]
+        rank = self.comm.rank
+        return FlatBuffer(self.layout, shapes, rank, self.compute_dtype, self.device, allocate=False)
+
+    @property
+    def has_full_grad(self) -> bool:
+        return self.full_grad.allocated and self.full_grad.data.numel() > 0
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s view of the unsharded gradient buffer (allocated, zeroed, on first use)."""
+        if not self.has_full_grad:
+            self.full_grad.allocate(zero=True)
+        return self.full_grad.view(i)
+
+    def reduce_grad(self, async_op: bool = True) -> Handle:
+        """Average the unsharded gradients over ranks into `grad` (added to what it holds
+        since the last `clear_grad()`). Every `.grad` is set to None at once: a later
+        backward accumulates into a new buffer while this one is reduced and freed."""
+        if not self.has_full_grad:
+            self.full_grad.allocate(zero=True)
+        buf, self.full_grad = self.full_grad, self._new_grad_buffer()
+        for p in self.params:
+            p.grad = None
+        data = buf.data
+        with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
+            if self.reduce_dtype != data.dtype:
+                data = data.to(self.reduce_dtype)
+            handle = reduce_scatter_into_(
+                data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
+            )
+        self.grad_has_values = True
+        handle = handle.then(buf.free)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def clear_grad(self) -> None:
+        """Forget accumulated gradients (zero the shard, drop an unreduced buffer)."""
+        self.grad.zero_()
+        self.grad_has_values = False
+        if self.has_full_grad:
+            self.full_grad.free()
+        for p in self.params:
+            p.grad = None
+
+    # --- accounting ------------------------------------------------------------------
+
+    def persistent_bytes(self) -> int:
+        """Parameter and gradient shards, and the kept unsharded parameters if unsharded."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        if self.sharded:
+            return nbytes(self.shard) + nbytes(self.grad)
+        own_shard = self.shard.untyped_storage().data_ptr() != self.full.data.untyped_storage().data_ptr()
+        return self.full.nbytes + nbytes(self.grad) + (nbytes(self.shard) if own_shard else 0)
+
+    def transient_bytes(self) -> int:
+        """Unsharded buffers alive now (sharded parameters while gathered, gradients)."""
+        return (self.full.nbytes if self.sharded else 0) + self.full_grad.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"Unit({self.name or self.index}: {len(self.params)} params, S={self.layout.shard_size}, "
+            f"{self.state.value})"
+        )
