@@ -1,9 +1,9 @@
 """Optimizer-state bytes per parameter and per rank, measured from the tensors held.
 
-AdamW at 32/16/8 bits and Muon (32/8 bits) on a GPT-like model, on a local gloo world,
+AdamW at 32/16/8 bits, Muon (32/8 bits) and Shampoo on a GPT-like model, on a local gloo world,
 next to `torch.optim.AdamW` on one process (what every DDP rank holds). Counted: every
-state tensor of the optimizer on that rank, fp32 masters included; parameters and
-gradients are not optimizer state.
+state tensor of the optimizer on that rank, fp32 masters (and Shampoo's factors and
+roots) included; parameters and gradients are not optimizer state.
 
     python benchmarks/memory.py [--world-size 4] [--quick]
 """
@@ -28,13 +28,16 @@ CONFIGS = [
     ("AdamW", {"state_bits": 8}),
     ("Muon", {"state_bits": 32}),
     ("Muon", {"state_bits": 8}),
+    ("Shampoo", {"max_preconditioner_dim": 1024}),
 ]
 
 
 def make(name: str, model: torch.nn.Module, kwargs: dict):
     if name == "AdamW":
         return vo.AdamW(model.parameters(), **kwargs)
-    return vo.Muon(vo.muon_param_groups(model), **kwargs)
+    if name == "Shampoo":
+        return vo.Shampoo(model.parameters(), **kwargs)
+    return vo.Muon(vo.muon_param_groups(model, exclude=[model.head]), **kwargs)
 
 
 def torch_adamw_bytes(model: torch.nn.Module) -> int:
@@ -79,7 +82,7 @@ def main() -> None:
         rows.append(
             {
                 "optimizer": f"vo.{name}",
-                "bits": kwargs["state_bits"],
+                "bits": kwargs.get("state_bits", 32),
                 "bytes/param (all ranks)": sum(sizes) / n,
                 "MiB per rank (max)": max(sizes) / 2**20,
                 "vs torch per rank": max(sizes) / reference,

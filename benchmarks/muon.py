@@ -157,8 +157,8 @@ def _model(shape: dict):
 
 
 def _groups(model) -> list[dict]:
-    return vo.muon_param_groups(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"],
-                                adamw_weight_decay=ADAMW["weight_decay"])  # fmt: skip
+    adamw = dict(adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_weight_decay=ADAMW["weight_decay"])
+    return vo.muon_param_groups(model, **MUON, exclude=[model.head], **adamw)
 
 
 def _hidden_names(model) -> set[str]:

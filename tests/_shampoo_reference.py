@@ -15,7 +15,7 @@ DEFAULTS = dict(
     weight_decay=0.0,
     max_preconditioner_dim=1024,
     precondition_frequency=1,
-    start_preconditioning_step=1,
+    start_preconditioning_step=None,  # None: precondition_frequency
     grafting="adam",
     grafting_epsilon=1e-8,
     root_dtype=torch.float32,
@@ -90,7 +90,8 @@ class ReferenceShampoo:
         rows, cols = p.shape[0], p.numel() // p.shape[0]
         g2, m2, a2 = grad.reshape(rows, cols), mhat.reshape(rows, cols), graft.reshape(rows, cols)
         update = a2.clone()
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+        freq = group["precondition_frequency"]
+        start = freq if group["start_preconditioning_step"] is None else group["start_preconditioning_step"]
         for (i, j), (rs, cs) in tile_slices(rows, cols, group["max_preconditioner_dim"]).items():
             G = g2[rs, cs]
             h, w = G.shape

@@ -4,39 +4,11 @@ allocates no fp32 temporary the size of the local slice."""
 import pytest
 import torch
 import torch.distributed as dist
+from _held import held_tensor_bytes
 from torch.profiler import ProfilerActivity, profile
 
 import vescale_optim as vo
 from vescale_optim.optim import muon as muon_module
-
-
-def held_bytes(opt) -> int:
-    """Bytes of every tensor storage reachable from the optimizer's own attributes, except
-    the parameter and gradient buffers (and the parameters themselves)."""
-    skip = {b.pbuf.data.untyped_storage().data_ptr() for b in opt._buckets}
-    skip |= {b.gbuf.data.untyped_storage().data_ptr() for b in opt._buckets}
-    skip |= {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
-    seen, storages = set(), {}
-
-    def walk(x):
-        if id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, torch.Tensor):
-            s = x.untyped_storage()
-            if s.data_ptr() not in skip:
-                storages[s.data_ptr()] = s.nbytes()
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list | tuple | set | frozenset):
-            for v in x:
-                walk(v)
-        elif type(x).__module__.startswith("vescale_optim") and hasattr(x, "__dict__"):
-            walk(vars(x))
-
-    walk({k: v for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")})
-    return sum(storages.values())
 
 
 def _model(dtype=torch.float32):
@@ -64,15 +36,11 @@ def _counted(name, dtype):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    return held_bytes(opt), opt.local_state_bytes()
-
-
-UNCOUNTED = pytest.mark.xfail(strict=True, reason="Shampoo's work and staging buffers are not counted yet")
-NAMES = [*(n for n in CONFIGS if n != "shampoo"), pytest.param("shampoo", marks=UNCOUNTED)]
+    return held_tensor_bytes(opt), opt.local_state_bytes()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_local_state_bytes_counts_every_tensor_held(world, name, dtype):
     for held, counted in world(2).run(_counted, name, dtype):
         assert held == counted

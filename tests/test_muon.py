@@ -1,6 +1,8 @@
 """Distributed Muon equals torch.optim.Muon (and AdamW for its aux group) at any world size."""
 
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -175,22 +177,62 @@ def test_dcp_save_at_4_load_at_3_continues_exactly(world, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-4)
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (
-            {"params": [torch.nn.Parameter(torch.zeros(5))]},
-            r"shape \(5,\); put it in a group with use_muon=False",
-        ),
-        ({"adjust_lr_fn": "sqrt"}, "unknown adjust_lr_fn 'sqrt'"),
-        ({"ns_steps": 0}, "ns_steps must be an integer >= 1"),
-        ({"lr": -1.0}, "Learning rate"),
-    ],
-)
-def test_bad_input(kwargs, match):
-    kwargs = {"params": [torch.nn.Parameter(torch.zeros(3, 4))], **kwargs}
+def _muon(defaults, muon_group=None, adam_group=None):
+    g = torch.Generator().manual_seed(0)
+    matrix, vector = (torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(3, 4), (4,)])
+    muon = {"params": [matrix], **(muon_group or {})}
+    return vo.Muon([muon, {"params": [vector], "use_muon": False, **(adam_group or {})}], **defaults)
+
+
+# (constructor arguments, Muon group, AdamW group, message)
+BAD = [
+    ({}, {"params": [torch.nn.Parameter(torch.zeros(5))]}, {}, r"shape \(5,\); put it in a group"),
+    (dict(adjust_lr_fn="sqrt"), {}, {}, "Adjust learning rate function sqrt is not supported"),
+    (dict(ns_steps=0), {}, {}, "ns_steps must be an integer >= 1"),
+    (dict(lr=-1.0), {}, {}, "Learning rate"),
+    (dict(lr=torch.tensor([0.1, 0.1])), {}, {}, "Tensor lr must be 1-element"),
+    (dict(momentum=1.5), {}, {}, "momentum should be >= 0 and < 1"),
+    (dict(momentum=-0.1), {}, {}, "momentum should be >= 0"),
+    (dict(weight_decay=-1.0), {}, {}, "weight decay"),
+    (dict(eps=-1.0), {}, {}, "epsilon"),
+    (dict(ns_coefficients=(3.4, -4.7)), {}, {}, "Coefficients must be a tuple of exactly 3 values"),
+    (dict(betas=(0.9, 1.0)), {}, {}, "beta parameter at index 1"),
+    (dict(betas=(-0.1, 0.9)), {}, {}, "beta parameter at index 0"),
+    ({}, dict(momentum=1.5), {}, "momentum should be"),
+    ({}, dict(ns_steps=2.5), {}, "ns_steps"),
+    ({}, {}, dict(betas=(1.0, 0.9)), "beta parameter at index 0"),
+    ({}, {}, dict(eps=-1e-8), "epsilon"),
+    ({}, {}, dict(lr=float("nan")), "learning rate"),
+    ({}, dict(use_muon="yes"), {}, "use_muon must be True or False"),
+]
+
+
+@pytest.mark.parametrize("defaults, muon_group, adam_group, match", BAD)
+def test_bad_input(defaults, muon_group, adam_group, match):
     with pytest.raises(ValueError, match=match):
-        vo.Muon(kwargs.pop("params"), **kwargs)
+        _muon(defaults, muon_group, adam_group)
+
+
+def _refusals(bad):
+    out = []
+    for defaults, muon_group, adam_group, _ in bad:
+        try:
+            _muon(defaults, muon_group, adam_group)
+            out.append(None)
+        except Exception as e:  # noqa: BLE001 - the test checks type and message
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_bad_input_on_two_ranks(world):
+    for refused in world(2).run(_refusals, BAD):
+        for (*_, match), got in zip(BAD, refused):
+            assert got is not None and got[0] == "ValueError" and re.search(match, got[1]), (match, got)
+
+
+def test_bare_tensor_is_not_a_parameter_list():
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        vo.Muon(torch.zeros(3, 4))
 
 
 def test_one_dim_param_named_in_error():
@@ -199,29 +241,92 @@ def test_one_dim_param_named_in_error():
         vo.Muon(model.named_parameters())
 
 
-def test_muon_param_groups_split_a_model():
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
-            self.block = torch.nn.Linear(4, 4)
-            self.norm = torch.nn.LayerNorm(4)
-            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.block = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.lm_head = torch.nn.Linear(4, 10, bias=False)
 
+
+def _split(model, **kwargs):
+    """(Muon group, AdamW group, warnings) of muon_param_groups."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        muon, adam = vo.muon_param_groups(model, **kwargs)
+    return muon, adam, [str(w.message) for w in caught]
+
+
+def test_muon_param_groups_split_a_model():
     model = Tiny()
-    muon, adam = vo.muon_param_groups(model, lr=0.01)
+    muon, adam, warned = _split(model, exclude=[model.lm_head])
     assert [p.shape for p in muon["params"]] == [torch.Size([4, 4])]
-    assert len(adam["params"]) == 5 and adam["use_muon"] is False
+    assert len(adam["params"]) == 5 and adam["use_muon"] is False and not warned
     experts = torch.nn.Module()
     experts.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
     experts.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 16))  # stacked biases: AdamW
-    muon_e, adam_e = vo.muon_param_groups(experts)
+    muon_e, adam_e, _ = _split(experts)
     assert [p.shape for p in muon_e["params"]] == [torch.Size([4, 8, 16])]
     assert [p.shape for p in adam_e["params"]] == [torch.Size([4, 16])]
-    model.lm_head.weight = model.embed.weight  # tied head
-    muon, adam = vo.muon_param_groups(model)
-    assert len(muon["params"]) == 1 and len(adam["params"]) == 4
+    model.lm_head.weight = model.embed.weight  # tied head: AdamW with the embedding, no warning
+    muon, adam, warned = _split(model)
+    assert len(muon["params"]) == 1 and len(adam["params"]) == 4 and not warned
     assert math.isclose(vo.Muon([muon, adam]).param_groups[1]["eps"], 1e-8)
+
+
+def test_muon_param_groups_inherit_the_optimizers_hyperparameters():
+    model = Tiny()
+    groups = vo.muon_param_groups(model, exclude=["lm_head"])
+    opt = vo.Muon(groups, lr=0.05, weight_decay=0.0, betas=(0.8, 0.9))
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(0.05, 0.0), (0.05, 0.0)]
+    assert opt.param_groups[1]["betas"] == (0.8, 0.9) and "betas" not in opt.param_groups[0]
+    # asked for: a separate AdamW lr, betas and weight decay, a Muon momentum
+    groups = vo.muon_param_groups(
+        model, exclude=["lm_head"], momentum=0.9,
+        adamw_lr=3e-4, adamw_betas=(0.9, 0.99), adamw_weight_decay=0.01,
+    )  # fmt: skip
+    opt = vo.Muon(groups, lr=0.05)
+    muon, adam = opt.param_groups
+    assert (muon["lr"], muon["weight_decay"], muon["momentum"]) == (0.05, 0.1, 0.9)
+    assert (adam["lr"], adam["betas"], adam["weight_decay"], adam["eps"]) == (3e-4, (0.9, 0.99), 0.01, 1e-8)
+
+
+def test_muon_param_groups_exclude_by_module_parameter_or_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    head = model[2]
+    for exclude in ([head], [head.weight], ["2"], ["2.weight"], head):
+        muon, adam, warned = _split(model, exclude=exclude)
+        assert [p.shape for p in muon["params"]] == [torch.Size([16, 8])] and not warned, exclude
+        assert any(p is head.weight for p in adam["params"])
+    with pytest.raises(ValueError, match="no module or parameter named '3'"):
+        vo.muon_param_groups(model, exclude=["3"])
+    with pytest.raises(ValueError, match="holds no parameter of the model"):
+        vo.muon_param_groups(model, exclude=[torch.nn.Linear(2, 2)])
+
+
+def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
+    # an nn.Sequential's last Linear
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    muon, _, warned = _split(model)
+    assert len(muon["params"]) == 2 and len(warned) == 1
+    assert "'2' (the model's last Linear)" in warned[0] and "exclude=" in warned[0]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.decode = torch.nn.Linear(8, 50)  # as many outputs as the embedding has rows
+            self.expand = torch.nn.Linear(8, 2048)  # vocabulary-sized
+            self.mix = torch.nn.Linear(8, 8)
+
+    _, _, warned = _split(Net())
+    assert len(warned) == 1
+    for part in ("'decode' (out_features equals an embedding's rows)", "'expand' (vocabulary-sized",
+                 "'mix' (the model's last Linear)"):  # fmt: skip
+        assert part in warned[0]
+    _, _, warned = _split(Tiny())  # a head found by name only before: now Muon, with a warning
+    assert len(warned) == 1 and "'lm_head' (named like one, the model's last Linear" in warned[0]
 
 
 F64_SHAPES = [(6, 4), (3, 5), (4, 6)]  # one matrix per shape: Newton-Schulz runs unbatched, as torch's
@@ -327,7 +432,7 @@ def _bad_adjust_refused():
     for i, p in enumerate(muon):
         p.grad = grad(p.shape, 0, rank, i)
     before = [p.detach().clone() for p in muon]
-    with pytest.raises(RuntimeError, match="param group 0: unknown adjust_lr_fn 'sqrt'"):
+    with pytest.raises(RuntimeError, match="param group 0: Adjust learning rate function sqrt is not supp"):
         opt.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, muon)) and not opt.state_dict()["state"]
 

@@ -2,11 +2,14 @@
 move across world sizes; on a rotated ill-conditioned quadratic it beats AdamW."""
 
 import math
+import re
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _held import held_tensor_bytes
 from _shampoo_reference import ReferenceShampoo, inverse_fourth_root
 
 import vescale_optim as vo
@@ -23,6 +26,7 @@ MIXED = [
     ([6], dict(max_preconditioner_dim=3, grafting="sgd", lr=0.05)),
 ]  # fmt: skip
 COMMON = dict(epsilon=1e-6, root_dtype=torch.float64)
+FP32_ROOTS = [(idx, {**hyper, "root_dtype": torch.float32}) for idx, hyper in MIXED]  # the default
 STEPS = 5
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -36,15 +40,22 @@ def groups(params, spec):
     return [{"params": [params[i] for i in idx], **COMMON, **hyper} for idx, hyper in spec]
 
 
+def dyadic(shape, seed):
+    """Normal values rounded to multiples of 2^-12: sums of a few of them are exact in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.round(torch.randn(shape, generator=g) * 4096) / 4096
+
+
 def base_grad(step, i, shape):
-    g = torch.Generator().manual_seed(1000 * step + i)
-    return torch.randn(shape, generator=g)
+    return dyadic(shape, 1000 * step + i)
 
 
 def set_grads(params, step, rank, world):
-    """Rank r gets the base gradient times 2(r+1)/(W+1): ranks differ, the mean does not."""
+    """Rank r gets the base gradient plus (r - (W-1)/2) times another: ranks differ, and their
+    mean is the base gradient exactly (every partial sum is exact), so results at different
+    world sizes can be compared bit for bit."""
     for i, p in enumerate(params):
-        p.grad = base_grad(step, i, p.shape) * (2 * (rank + 1) / (world + 1))
+        p.grad = base_grad(step, i, p.shape) + (rank - (world - 1) / 2) * dyadic(p.shape, 7 + 1000 * step + i)
 
 
 def reference(spec, steps=STEPS, shapes=SHAPES):
@@ -89,19 +100,35 @@ def check_state(ours, ref_opt, params, spec):
                 torch.testing.assert_close(got[k], v, **TOL, msg=f"param {i} {k}")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_equals_reference(world, world_size):
     results = world(world_size).run(_train, MIXED)
     params, ref = reference(MIXED)
+    one = world(1).run(_train, MIXED)[0]
     for res in results:
+        # the plain reference multiplies tiles one by one on strided views and takes x^(-1/4)
+        # with pow: a few ulps apart, amplified by ill-conditioned roots
         for got, want in zip(res["params"], params):
             torch.testing.assert_close(got, want.detach(), **TOL)
-        for got, want in zip(res["params"], results[0]["params"]):
+        # one process: the same numbers, state included (cut and moved tiles too)
+        for got, want in zip(res["params"], one["params"]):
             assert torch.equal(got, want)
+    assert_same_state(one["state"], results[0]["state"])
     check_state(results[0], ref, params, MIXED)
     # stripes of the 21-row matrix cut by rank boundaries, and tiles moved for balance
     assert (results[0]["moved"] > 0) == (world_size > 1)
     assert max(results[0]["work"]) <= 1.2 * sum(results[0]["work"]) / world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_same_bits_at_every_world_size(world, world_size):
+    # with float32 roots, x^(-1/4) by pow rounded differently in its vector and scalar paths,
+    # so a root depended on its tile's place in the batch: 1 ulp at step 1 at W = 4
+    one = world(1).run(_train, FP32_ROOTS)[0]
+    for res in world(world_size).run(_train, FP32_ROOTS):
+        for got, want in zip(res["params"], one["params"]):
+            assert torch.equal(got, want)
+        assert_same_state(one["state"], res["state"])
 
 
 @pytest.mark.parametrize("grafting", ["adam", "adagrad", "sgd", None])
@@ -136,10 +163,14 @@ def test_stripe_units_and_balance():
     assert rank_loads([8] * 8, owners, 4) == (16, 16, 16, 16)
 
 
-def test_grafting_alone_before_preconditioning_is_adamw():
+@pytest.mark.parametrize("schedule", [dict(start_preconditioning_step=100), dict(precondition_frequency=5)])
+def test_grafting_alone_before_preconditioning_is_adamw(schedule):
+    # by default preconditioning starts at precondition_frequency: no root built from fewer
+    # steps of gradients is applied for precondition_frequency steps
     params = make_params()
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    ours = vo.Shampoo(params, lr=0.01, weight_decay=0.1, start_preconditioning_step=100)
+    ours = vo.Shampoo(params, lr=0.01, weight_decay=0.1, **schedule)
+    assert ours.param_groups[0]["start_preconditioning_step"] == schedule.get("start_preconditioning_step", 5)
     theirs = torch.optim.AdamW(twins, lr=0.01, weight_decay=0.1, eps=1e-8)
     for t in range(4):
         set_grads(params, t, 0, 1)
@@ -158,7 +189,7 @@ def test_roots_survive_eigh_failures_and_non_finite_factors(monkeypatch):
     # fail to converge) and a non-finite one, whose root stays as it was
     factors = torch.stack([grad @ grad.T, torch.full((128, 128), float("nan"))])
     roots = torch.full_like(factors, 7.0)
-    inverse_roots_(roots, factors, step=1, beta2=1.0, epsilon=1e-12, dtype=torch.float32)
+    assert inverse_roots_(roots, factors, step=1, beta2=1.0, epsilon=1e-12, dtype=torch.float32) == 1
     assert torch.isfinite(roots[0]).all()
     assert torch.equal(roots[1], torch.full((128, 128), 7.0))
     # when fp32 fails, the root comes from float64
@@ -170,7 +201,7 @@ def test_roots_survive_eigh_failures_and_non_finite_factors(monkeypatch):
         return eigh(a)
 
     monkeypatch.setattr(torch.linalg, "eigh", fp32_fails)
-    inverse_roots_(roots, factors, step=1, beta2=1.0, epsilon=1e-6, dtype=torch.float32)
+    assert inverse_roots_(roots, factors, step=1, beta2=1.0, epsilon=1e-6, dtype=torch.float32) == 1
     want = inverse_fourth_root(factors[0].double(), 1e-6, torch.float64).float()
     torch.testing.assert_close(roots[0], want, rtol=1e-5, atol=1e-5)
 
@@ -296,22 +327,99 @@ def test_state_dict_and_dcp_save_at_4_load_at_3_continue_exactly(world, tmp_path
         torch.testing.assert_close(a, b.detach(), **TOL)
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
-        (dict(max_preconditioner_dim=2.5), "max_preconditioner_dim"),
-        (dict(grafting="rmsprop"), "grafting"),
-        (dict(epsilon=-1e-12), "epsilon"),
-        (dict(lr=-1.0), "learning rate"),
-        (dict(betas=(1.0, 0.99)), "beta"),
-        (dict(precondition_frequency=0), "precondition_frequency"),
-        (dict(start_preconditioning_step=0), "start_preconditioning_step"),
-        (dict(root_dtype=torch.float16), "root_dtype"),
-    ],
-)
+BAD = [
+    (dict(max_preconditioner_dim=0), "max_preconditioner_dim"),
+    (dict(max_preconditioner_dim=2.5), "max_preconditioner_dim"),
+    (dict(grafting="rmsprop"), "grafting"),
+    (dict(epsilon=-1e-12), "epsilon"),
+    (dict(grafting_epsilon=-1.0), "grafting_epsilon"),
+    (dict(weight_decay=float("nan")), "weight_decay"),
+    (dict(lr=-1.0), "learning rate"),
+    (dict(lr=torch.tensor([0.1, 0.1])), "Tensor lr must be 1-element"),
+    (dict(betas=(1.0, 0.99)), "beta parameter at index 0"),
+    (dict(betas=(0.9, 1.5)), "beta parameter at index 1"),
+    (dict(precondition_frequency=0), "precondition_frequency"),
+    (dict(precondition_frequency=2.5), "precondition_frequency"),
+    (dict(start_preconditioning_step=0), "start_preconditioning_step"),
+    # a root built from one step's gradient would be applied for 10 steps
+    (dict(precondition_frequency=10, start_preconditioning_step=1), "start_preconditioning_step"),
+    (dict(root_dtype=torch.float16), "root_dtype"),
+]
+
+
+def _both_ways(kwargs):
+    """Constructor arguments with `kwargs` as the defaults, and in a second param group."""
+    params = make_params()
+    return [((params,), kwargs), (([{"params": params[:2]}, {"params": params[2:], **kwargs}],), {})]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD)
 def test_bad_input(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        vo.Shampoo(make_params(), **kwargs)
-    with pytest.raises(ValueError, match=match):
-        vo.Shampoo([{"params": make_params()[:2]}, {"params": make_params()[2:], **kwargs}])
+    for args, kw in _both_ways(kwargs):
+        with pytest.raises(ValueError, match=match):
+            vo.Shampoo(*args, **kw)
+
+
+def test_bare_tensor_is_not_a_parameter_list():
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        vo.Shampoo(torch.zeros(3, 3))
+
+
+def _refusals(bad):
+    out = []
+    for kwargs, _ in bad:
+        for args, kw in _both_ways(kwargs):
+            try:
+                vo.Shampoo(*args, **kw)
+                out.append(None)
+            except Exception as e:  # noqa: BLE001 - the test checks type and message
+                out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_bad_input_on_two_ranks(world):
+    for refused in world(2).run(_refusals, BAD):
+        for (_, match), got in zip([b for b in BAD for _ in range(2)], refused):
+            assert got is not None and got[0] == "ValueError" and re.search(match, got[1]), (match, got)
+    assert world(2).run(_train, MIXED, steps=1, state=False)  # the world is still usable
+
+
+def _nan_tile(steps):
+    """A NaN in one gradient element at step 2: that tile's factors stay non-finite."""
+    params = make_params()
+    opt = vo.Shampoo(groups(params, MIXED))
+    kept = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(steps):
+            opt.zero_grad()
+            set_grads(params, t, opt.rank, opt.world_size)
+            if t == 1:
+                params[0].grad[0, 0] = float("nan")
+            opt.step()
+            kept.append(opt.kept_roots)
+    return kept, [(str(w.message), w.filename) for w in caught if "inverse root" in str(w.message)]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_non_finite_factors_keep_their_roots_counted_and_warned(world, world_size):
+    for kept, warned in world(world_size).run(_nan_tile, 3):
+        # tile (0, 0) of the 10x7 parameter (tiles of 4): its L and R, at steps 2 and 3
+        assert kept == [0, 2, 4]
+        assert len(warned) == 2 and "2 factor(s)" in warned[0][0]
+        assert all(filename == __file__ for _, filename in warned)  # points at the caller
+
+
+def _held(steps):
+    params = make_params()
+    opt = vo.Shampoo(groups(params, MIXED))
+    _run(opt, params, range(steps))
+    return held_tensor_bytes(opt), opt.local_state_bytes(), opt.local_state_numel(), opt.moved_tiles
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_local_state_counts_every_tensor_held(world, world_size):
+    results = world(world_size).run(_held, 2)
+    for held, counted, numel, _ in results:
+        assert held == counted == 4 * numel  # fp32 throughout
+    assert (results[0][3] > 0) == (world_size > 1)  # tiles that travel hold no buffers either

@@ -40,11 +40,11 @@ def make_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Sharded Muon on the hidden matrices (lr 0.02, weight decay 0.1, lr matched to AdamW's
-    RMS); embeddings, head, norms and biases take AdamW steps at AdamW's tuned lr."""
+    """Sharded Muon on the hidden matrices (lr 0.02, weight decay 0.1); embeddings, the head,
+    norms and biases take AdamW steps at AdamW's tuned lr, without weight decay."""
     lr = cfg.lr if cfg.lr is not None else 0.02
-    groups = vo.muon_param_groups(model, lr=lr, weight_decay=0.1, adamw_lr=3e-3, adamw_weight_decay=0.0)
-    return vo.Muon(groups, adjust_lr_fn="original")
+    groups = vo.muon_param_groups(model, exclude=[model.head], adamw_lr=3e-3, adamw_weight_decay=0.0)
+    return vo.Muon(groups, lr=lr, weight_decay=0.1, adjust_lr_fn="original")
 
 
 def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

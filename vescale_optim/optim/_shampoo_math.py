@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_at_least, check_betas, check_lr
+
 GRAFTINGS = ("adam", "adagrad", "sgd", None)
 
 
@@ -114,39 +116,51 @@ def rank_loads(costs: Sequence[int], owners: Sequence[int], world: int) -> tuple
     return tuple(loads)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_hyperparameters(group: dict) -> None:
-    """Raise ValueError for a hyperparameter out of range."""
+    """Raise ValueError for a hyperparameter out of range (in the defaults, where
+    `start_preconditioning_step` may still be None, or in a param group)."""
     d = group["max_preconditioner_dim"]
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+    if not _is_int(d) or d < 1:
         raise ValueError(f"Invalid max_preconditioner_dim: {d!r} (need an integer >= 1)")
     if group["grafting"] not in GRAFTINGS:
         raise ValueError(f"Invalid grafting: {group['grafting']!r} (expected one of {GRAFTINGS})")
-    b1, b2 = group["betas"]
-    checks = [
-        ("learning rate", group["lr"], group["lr"] >= 0),
-        ("epsilon", group["epsilon"], group["epsilon"] >= 0),
-        ("grafting_epsilon", group["grafting_epsilon"], group["grafting_epsilon"] >= 0),
-        ("weight_decay", group["weight_decay"], group["weight_decay"] >= 0),
-        ("beta parameters", group["betas"], 0 <= b1 < 1 and 0 <= b2 <= 1),
-        ("precondition_frequency", group["precondition_frequency"], group["precondition_frequency"] >= 1),
-        ("start_preconditioning_step", group["start_preconditioning_step"],
-         group["start_preconditioning_step"] >= 1),
-        ("root_dtype", group["root_dtype"], group["root_dtype"] in (torch.float32, torch.float64)),
-    ]  # fmt: skip
-    for name, value, ok in checks:
-        if not ok:
-            raise ValueError(f"Invalid {name}: {value!r}")
+    check_lr(group["lr"])
+    check_betas(group["betas"], last_may_be_one=True)
+    for name in ("epsilon", "grafting_epsilon", "weight_decay"):
+        check_at_least(group[name], 0.0, f"Invalid {name}: {{!r}}")
+    freq, start = group["precondition_frequency"], group["start_preconditioning_step"]
+    if not _is_int(freq) or freq < 1:
+        raise ValueError(f"Invalid precondition_frequency: {freq!r} (need an integer >= 1)")
+    if start is not None and (not _is_int(start) or start < freq):
+        raise ValueError(
+            f"Invalid start_preconditioning_step: {start!r} (need an integer >= precondition_frequency "
+            f"= {freq}: the first roots, built from `start` steps of gradients, are applied for "
+            "`precondition_frequency` steps)"
+        )
+    if group["root_dtype"] not in (torch.float32, torch.float64):
+        raise ValueError(f"Invalid root_dtype: {group['root_dtype']!r} (torch.float32 or torch.float64)")
 
 
-def _bias_correction(beta: float, step: int) -> float:
+def bias_correction(beta: float, step: int) -> float:
     return 1.0 if beta == 1 else 1.0 - beta**step
+
+
+def schedule(group: dict, step: int) -> tuple[bool, bool]:
+    """(apply, refresh) at `step`: preconditioned updates from `start_preconditioning_step`
+    on, roots recomputed there and every `precondition_frequency` steps after."""
+    start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
+    apply = step >= start
+    return apply, apply and (step - start) % freq == 0
 
 
 def grafting_step_(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     second: torch.Tensor | None,
-    mhat: torch.Tensor,
     out: torch.Tensor,
     *,
     step: int,
@@ -155,25 +169,22 @@ def grafting_step_(
     eps: float,
     grafting: str | None,
 ) -> None:
-    """Element-wise part of a step on flat tensors, in place.
+    """Element-wise part of a step on flat tensors, in place; the grafting update goes to `out`.
 
-    m <- b1*m + (1-b1)*g;  mhat = m / (1 - b1^t)  (written to `mhat`)
+    m <- b1*m + (1-b1)*g;  mhat = m / (1 - b1^t)
     adam:    v <- b2*v + (1-b2)*g^2 (v + g^2 if b2 == 1);  out = mhat / (sqrt(v)/sqrt(1-b2^t) + eps)
     adagrad: v <- v + g^2;  out = mhat / (sqrt(v) + eps)
     sgd / None: out = mhat
     """
     exp_avg.lerp_(grad, 1 - beta1)
-    torch.div(exp_avg, _bias_correction(beta1, step), out=mhat)
+    torch.div(exp_avg, bias_correction(beta1, step), out=out)
     if grafting in ("adam", "adagrad"):
         if grafting == "adam" and beta2 != 1:
             second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         else:
             second.addcmul_(grad, grad)
-        bc = _bias_correction(beta2, step) if grafting == "adam" else 1.0
-        denom = (second.sqrt() / math.sqrt(bc)).add_(eps)
-        torch.div(mhat, denom, out=out)
-    else:
-        out.copy_(mhat)
+        bc = bias_correction(beta2, step) if grafting == "adam" else 1.0
+        out.div_((second.sqrt() / math.sqrt(bc)).add_(eps))
 
 
 def update_factors_(left: torch.Tensor, right: torch.Tensor, grad: torch.Tensor, beta2: float) -> None:
@@ -187,7 +198,7 @@ def update_factors_(left: torch.Tensor, right: torch.Tensor, grad: torch.Tensor,
 def _inverse_fourth_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor:
     eye = torch.eye(factor.shape[-1], dtype=dtype, device=factor.device)
     lam, q = torch.linalg.eigh(factor.to(dtype) + epsilon * eye)
-    lam = lam.clamp_min(epsilon).pow_(-0.25)
+    lam = lam.clamp_min(epsilon).sqrt_().rsqrt_()
     return ((q * lam.unsqueeze(-2)) @ q.mT).to(factor.dtype)
 
 
@@ -206,24 +217,27 @@ def _try_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch
 
 def inverse_roots_(
     roots: torch.Tensor, factors: torch.Tensor, *, step: int, beta2: float, epsilon: float, dtype: torch.dtype
-) -> None:
+) -> int:
     """roots <- (F/(1-b2^t))^(-1/4) for a stack `[K, d, d]`, by `torch.linalg.eigh` in `dtype`:
     F = Q diag(lam) Q.T,  root = Q diag((max(lam, 0) + epsilon)^(-1/4)) Q.T
     (computed as the eigendecomposition of F + epsilon*I).
 
     A tile whose factor is not finite, or whose eigendecomposition fails in `dtype` and in
-    float64, keeps its root."""
-    scaled = factors / _bias_correction(beta2, step)
+    float64, keeps its root; returns how many did."""
+    scaled = factors / bias_correction(beta2, step)
     if bool(torch.isfinite(scaled).all()):
         batch = _try_root(scaled, epsilon, dtype)
         if batch is not None:
             roots.copy_(batch)
-            return
+            return 0
+    kept = 0
     for k in range(len(scaled)):
-        if bool(torch.isfinite(scaled[k]).all()):
-            root = _try_root(scaled[k], epsilon, dtype)
-            if root is not None:
-                roots[k].copy_(root)
+        root = _try_root(scaled[k], epsilon, dtype) if bool(torch.isfinite(scaled[k]).all()) else None
+        if root is None:
+            kept += 1
+        else:
+            roots[k].copy_(root)
+    return kept
 
 
 def precondition(

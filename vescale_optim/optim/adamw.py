@@ -9,6 +9,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..kernels import adamw8bit_update_
 from . import lowbit
+from ._checks import check_adamw_group, check_impl_flags, check_params_arg
 from .base import ShardedOptimizer
 from .bucket import Bucket
 
@@ -63,6 +64,10 @@ class AdamW(ShardedOptimizer):
     fused `kernels.adamw8bit_update_`). Blocks never straddle ranks, so 8-bit state
     is the same at every world size. `state_dict()` exports fp32 moments under
     torch's names; loading re-encodes them (8-bit: within half a step of each block).
+
+    `foreach` and `fused` are accepted so code written for `torch.optim.AdamW` runs
+    unchanged; they change nothing (the update is one fused call per bucket either way).
+    `differentiable=True` and `capturable=True` are refused.
     """
 
     _structural = ("amsgrad",)
@@ -77,27 +82,26 @@ class AdamW(ShardedOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         state_bits: int = 32,
         process_group=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameters: {betas}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        lowbit.check_state_bits(state_bits)
-        if amsgrad and state_bits != 32:
-            raise ValueError("amsgrad keeps an extra fp32 moment; use it with state_bits=32")
-        self.state_bits = state_bits
+        check_params_arg(params)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
         )
+        check_adamw_group(defaults)
+        check_impl_flags(
+            "AdamW", foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable
+        )
+        lowbit.check_state_bits(state_bits)
+        self.state_bits = state_bits
         super().__init__(
             params,
             defaults,
@@ -106,6 +110,20 @@ class AdamW(ShardedOptimizer):
             bucket_cap_numel=bucket_cap_numel,
             sync_params=sync_params,
         )
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_adamw_group(group)
+        if group["amsgrad"] and self.state_bits != 32:
+            raise ValueError("amsgrad keeps an extra fp32 moment; use it with state_bits=32")
+
+    def _check_group(self, gi: int, group: dict) -> str | None:
+        try:
+            check_adamw_group(group)
+        except ValueError as e:
+            return f"param group {gi}: {e}"
+        return None
 
     def _state_names(self, bucket: Bucket) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]

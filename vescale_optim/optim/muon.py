@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 from torch.profiler import record_function
@@ -12,6 +15,7 @@ from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
 from ..shard.plan import owner_offsets
 from . import lowbit
+from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_bucket_step
 from .base import ShardedOptimizer
 from .bucket import Bucket
@@ -110,6 +114,29 @@ def _chunks(runs, keep: bool = False):
             yield (a, min(hi, a + _CHUNK), key) if keep else (a, min(hi, a + _CHUNK))
 
 
+def check_muon_group(group: dict) -> None:
+    """Raise ValueError for a hyperparameter out of range in a Muon param group (or the
+    defaults); a group with `use_muon=False` is checked as AdamW's."""
+    if not isinstance(group.get("use_muon", True), bool):
+        raise ValueError(f"use_muon must be True or False; got {group['use_muon']!r}")
+    if not group.get("use_muon", True):
+        check_adamw_group(group)
+        return
+    check_lr(group["lr"], "Learning rate should be >= 0 but is: {}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum should be >= 0 and < 1 but is: {group['momentum']}")
+    check_at_least(group["weight_decay"], 0.0, "weight decay should be >= 0 but is: {}")
+    check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
+    fn, steps, coefficients = group["adjust_lr_fn"], group["ns_steps"], group["ns_coefficients"]
+    if fn not in _ADJUST:
+        raise ValueError(f"Adjust learning rate function {fn} is not supported; expected one of {_ADJUST}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"ns_steps must be an integer >= 1; got {steps!r}")
+    if not (isinstance(coefficients, tuple | list) and len(coefficients) == 3
+            and all(isinstance(c, Real) for c in coefficients)):  # fmt: skip
+        raise ValueError(f"Coefficients must be a tuple of exactly 3 values; got {coefficients!r}")
+
+
 class Muon(ShardedOptimizer):
     """Muon with ragged-sharded parameters, gradients and momentum.
 
@@ -124,10 +151,13 @@ class Muon(ShardedOptimizer):
     sent back; matrices that already lie whole on their owner are not moved. A matrix
     whose parameter takes no step (no gradient on any rank) keeps its momentum and
     value; it still travels to its owner with the static plan, as zeros. Groups with
-    `use_muon=False` take AdamW steps with their `lr`, `betas` (0.9, 0.95), `eps` (1e-8)
-    and `weight_decay`. `state_bits` (32, 16 or 8) stores momentum and moments as in
-    `AdamW`. Hyperparameters, `adjust_lr_fn` included, are read from `param_groups` at
-    every step.
+    `use_muon=False` take AdamW steps with their `lr`, `betas` (the constructor's
+    `betas`, (0.9, 0.95)), `eps` (1e-8) and `weight_decay`. `betas` lives in those groups
+    only, not in `defaults`, so schedulers that cycle momentum (`OneCycleLR`, `CyclicLR`)
+    cycle `momentum` as they do for `torch.optim.Muon`. Every group is checked at
+    construction (`momentum` in [0, 1), betas in [0, 1), ...). `state_bits` (32, 16 or 8)
+    stores momentum and moments as in `AdamW`. Hyperparameters, `adjust_lr_fn` included,
+    are read from `param_groups` at every step.
     """
 
     def __init__(
@@ -150,29 +180,24 @@ class Muon(ShardedOptimizer):
         state_bits: int = 32,
         sync_params: bool = True,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-        if not momentum >= 0.0:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-        if adjust_lr_fn not in _ADJUST:
-            raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST}")
-        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
-            raise ValueError(f"ns_steps must be an integer >= 1; got {ns_steps!r}")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+            use_muon=True,
+        )  # fmt: skip
+        check_muon_group(defaults)
+        check_betas(betas)
+        check_params_arg(params)
         lowbit.check_state_bits(state_bits)
         self.state_bits = state_bits
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
-        defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            use_muon=True, betas=betas,
-        )  # fmt: skip
         params = list(params)
         if params and isinstance(params[0], dict):
-            # An AdamW group's eps defaults to AdamW's 1e-8, not to Newton–Schulz's 1e-7.
-            params = [g if g.get("use_muon", True) else {"eps": _ADAMW_EPS, **g} for g in params]
+            # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
+            # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
+            adamw = {"eps": _ADAMW_EPS, "betas": betas}
+            params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
@@ -192,6 +217,10 @@ class Muon(ShardedOptimizer):
             start += len(plan.costs)
             for o, c in zip(plan.owners, plan.costs):
                 self.ns_load[o] += c
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        check_muon_group(self.param_groups[-1])
 
     def _check_params(self, params):
         super()._check_params(params)
@@ -219,9 +248,10 @@ class Muon(ShardedOptimizer):
         return bucket.group["use_muon"]
 
     def _check_group(self, gi: int, group: dict) -> str | None:
-        if group["use_muon"] and group["adjust_lr_fn"] not in _ADJUST:
-            fn = group["adjust_lr_fn"]
-            return f"param group {gi}: unknown adjust_lr_fn {fn!r}; expected one of {_ADJUST}"
+        try:
+            check_muon_group(group)
+        except ValueError as e:
+            return f"param group {gi}: {e}"
         return None
 
     def _step_buckets(self) -> None:
@@ -289,25 +319,54 @@ class Muon(ShardedOptimizer):
             self.orthogonalized += len(views)
 
 
+_HEAD_NAMES = ("lm_head", "head", "output", "classifier", "fc")
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
 def muon_param_groups(
     model: torch.nn.Module,
     *,
-    lr: float = 0.02,
-    weight_decay: float = 0.1,
-    adamw_lr: float = 3e-4,
-    adamw_betas: tuple[float, float] = (0.9, 0.95),
-    adamw_weight_decay: float = 0.0,
-    head_names: tuple[str, ...] = ("lm_head", "head", "output", "classifier"),
+    exclude: Iterable[torch.nn.Module | torch.Tensor | str] = (),
+    adamw_lr: float | None = None,
+    adamw_betas: tuple[float, float] | None = None,
+    adamw_weight_decay: float | None = None,
     **muon_kwargs,
 ) -> list[dict]:
-    """Split `model`'s trainable parameters into a Muon group (hidden matrices) and an
-    AdamW group (`use_muon=False`): embeddings, the output head (tied or not), norms,
-    biases (stacked per-expert biases included) and anything else with fewer than two
-    dimensions."""
+    """Split `model`'s trainable parameters into a Muon group and an AdamW group (`use_muon=False`).
+
+    AdamW takes embeddings (and a head tied to one), everything with fewer than two
+    dimensions, biases (stacked per-expert biases included) and whatever `exclude` names:
+    modules (all their parameters), parameters, or the qualified names of either
+    (`"lm_head"`, `"2.weight"`). Every other matrix goes to Muon, the output layer included
+    unless it is excluded; a warning names each Linear that looks like an output layer yet
+    goes to Muon (named like one, the model's last Linear, or with as many outputs as an
+    embedding has rows, or a vocabulary-sized `out_features`).
+
+    Only the hyperparameters given are set: `muon_kwargs` (`lr`, `weight_decay`,
+    `momentum`, ...) on the Muon group, `adamw_*` on the AdamW group. Everything else
+    comes from the optimizer, e.g. `vo.Muon(groups, lr=0.02, weight_decay=0.1)` sets both
+    groups' `lr` and `weight_decay`, and its `betas` the AdamW group's.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    own = {id(p) for p in named.values()}
     adam_ids = set()
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) or leaf in head_names:
+    for item in [exclude] if isinstance(exclude, str | torch.nn.Module | torch.Tensor) else exclude:
+        if isinstance(item, str):
+            if item not in modules and item not in named:
+                raise ValueError(f"exclude: the model has no module or parameter named {item!r}")
+            item = modules.get(item, named.get(item))
+        if isinstance(item, torch.nn.Module):
+            ids = {id(p) for p in item.parameters()}
+        elif isinstance(item, torch.Tensor):
+            ids = {id(item)}
+        else:
+            raise TypeError(f"exclude takes modules, parameters or names; got {type(item).__name__}")
+        if not ids & own:
+            raise ValueError(f"exclude: {type(item).__name__} holds no parameter of the model")
+        adam_ids |= ids
+    for module in model.modules():
+        if isinstance(module, _EMBEDDINGS):
             adam_ids.update(id(p) for p in module.parameters(recurse=False))
     muon, adam = [], []
     for name, p in model.named_parameters():
@@ -315,8 +374,41 @@ def muon_param_groups(
             continue
         aux = id(p) in adam_ids or p.ndim < 2 or name.rsplit(".", 1)[-1].endswith("bias")
         (adam if aux else muon).append(p)
-    return [
-        {"params": muon, "lr": lr, "weight_decay": weight_decay, "use_muon": True, **muon_kwargs},
-        {"params": adam, "lr": adamw_lr, "betas": adamw_betas, "weight_decay": adamw_weight_decay,
-         "use_muon": False},
-    ]  # fmt: skip
+    heads = _likely_heads(model, {id(p) for p in muon})
+    if heads:
+        warnings.warn(
+            f"muon_param_groups: {'; '.join(heads)} looks like an output layer but goes to Muon; "
+            "pass it in exclude= to give it AdamW steps (or filter this warning if Muon is meant)",
+            stacklevel=2,
+        )
+    adam_group = {"params": adam, "use_muon": False}
+    for key, value in (("lr", adamw_lr), ("betas", adamw_betas), ("weight_decay", adamw_weight_decay)):
+        if value is not None:
+            adam_group[key] = value
+    return [{**muon_kwargs, "params": muon, "use_muon": True}, adam_group]
+
+
+def _likely_heads(model: torch.nn.Module, muon_ids: set[int]) -> list[str]:
+    """'name (why)' for each Linear in `muon_ids` that looks like an output layer."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    # rows of vocabulary-like embeddings (more rows than columns; not, say, positions)
+    embeddings = [e for e in model.modules() if isinstance(e, _EMBEDDINGS)]
+    vocab = {e.num_embeddings for e in embeddings if e.num_embeddings > e.embedding_dim}
+    out = []
+    for k, (name, m) in enumerate(linears):
+        if id(m.weight) not in muon_ids:
+            continue
+        widens = m.out_features > m.in_features
+        why = [
+            reason
+            for reason, hit in (
+                ("named like one", name.rsplit(".", 1)[-1] in _HEAD_NAMES),
+                ("the model's last Linear", k == len(linears) - 1),
+                ("out_features equals an embedding's rows", widens and m.out_features in vocab),
+                ("vocabulary-sized out_features", m.out_features >= max(1024, 8 * m.in_features)),
+            )
+            if hit
+        ]
+        if why:
+            out.append(f"'{name or type(model).__name__}' ({', '.join(why)})")
+    return out

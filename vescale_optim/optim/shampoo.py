@@ -2,172 +2,40 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+import warnings
+
 import torch
 
-from ..shard import (
-    Comm,
-    Piece,
-    plan_gather_to_owner,
-    plan_scatter_from_owner,
-    run_plan,
-)
+from ..shard import all_reduce_
 from ..shard.plan import owner_offsets
+from ._checks import check_params_arg
 from ._shampoo_math import (
     Tile,
     balance,
     check_hyperparameters,
     grafting_step_,
-    inverse_roots_,
     matrix_shape,
-    precondition,
     rank_loads,
+    schedule,
     stripe_unit,
     tiles_of,
-    update_factors_,
 )
+from ._shampoo_tiles import FACTORS, BucketTiles
 from .base import ShardedOptimizer
 from .bucket import Bucket
 
-_FACTORS = ("L", "R", "L_inv_root", "R_inv_root")
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
 
 
-class _Group:
-    """Tiles of one shape owned by this rank: views of their inputs `[3, h, w]` (gradient,
-    bias-corrected momentum, grafting update), of their outputs `[h, w]`, and stacked state."""
-
-    def __init__(self, h: int, w: int, like: torch.Tensor):
-        self.tiles: list[int] = []
-        self.src: list[torch.Tensor] = []
-        self.dst: list[torch.Tensor] = []
-        self.h, self.w, self.like = h, w, like
-
-    def allocate(self) -> None:
-        k, h, w = len(self.tiles), self.h, self.w
-        new = lambda d: self.like.new_zeros(k, d, d)  # noqa: E731
-        self.state = dict(zip(_FACTORS, (new(h), new(w), new(h), new(w))))
-
-    def step(self, group: dict, step: int, refresh: bool, apply: bool) -> None:
-        x = torch.stack(self.src)
-        grad, mhat, graft = x.unbind(1)
-        s, beta2 = self.state, group["betas"][1]
-        update_factors_(s["L"], s["R"], grad, beta2)
-        if refresh:
-            kw = dict(step=step, beta2=beta2, epsilon=group["epsilon"], dtype=group["root_dtype"])
-            inverse_roots_(s["L_inv_root"], s["L"], **kw)
-            inverse_roots_(s["R_inv_root"], s["R"], **kw)
-        if apply:
-            use = graft if group["grafting"] is not None else None
-            for out, u in zip(self.dst, precondition(s["L_inv_root"], mhat, s["R_inv_root"], use)):
-                out.copy_(u)
-
-
-class _BucketTiles:
-    """One bucket's tiles seen from this rank: the tiles it owns (grouped by shape), and
-    the plans and staging buffers that bring a tile whose rows its owner does not hold to
-    the owner (gradient, mhat and grafting update) and the tile's update back."""
-
-    def __init__(self, bucket: Bucket, tiles: list[Tile], owners: list[int], held, comm: Comm):
-        self.tiles, self.owners, self.held, self.comm = tiles, owners, held, comm
-        self.bucket, self.like = bucket, bucket.local_params
-        self.work = self.like.new_zeros(3, bucket.layout.shard_size)  # gradient, mhat, update
-        moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
-        # by first holder, so that runs from one rank arrive in order (received in place)
-        moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
-        self.moved = len(moved)
-        recv_at, result_at = self._plan_moves(moved) if moved else ([], [])
-        groups: dict[tuple[bool, int, int], _Group] = {}
-        self.owned: dict[int, tuple[_Group, int]] = {}
-        position = {k: j for j, k in enumerate(moved)}
-        for k, t in enumerate(tiles):
-            if owners[k] != comm.rank:
-                continue
-            remote, hw = k in position, t.h * t.w
-            g = groups.setdefault((remote, t.h, t.w), _Group(t.h, t.w, self.like))
-            self.owned[k] = (g, len(g.tiles))
-            g.tiles.append(k)
-            if remote:
-                at, out = recv_at[3 * position[k]], result_at[position[k]]
-                g.src.append(self.recv[at : at + 3 * hw].view(3, t.h, t.w))
-                g.dst.append(self.result[out : out + hw].view(t.h, t.w))
-            else:
-                g.src.append(self._rows(t, 0, t.h))
-                g.dst.append(g.src[-1][2])
-        for g in groups.values():
-            g.allocate()
-        self.local = [g for (remote, _, _), g in groups.items() if not remote]
-        self.remote = [g for (remote, _, _), g in groups.items() if remote]
-
-    def _rows(self, t: Tile, a: int, b: int) -> torch.Tensor:
-        """Rows `[a, b)` of tile `t` in `work`, as a `[3, b - a, w]` view (this rank holds them)."""
-        n = matrix_shape(self.bucket.params[t.param].shape)[1]
-        lo, hi = self.bucket.pbuf.local_range(t.param)
-        first = self.bucket.pbuf.tensor_range(t.param)[0] // n
-        return self.work[:, lo:hi].view(3, -1, n)[:, t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
-
-    def _plan_moves(self, moved: list[int]):
-        """Gather plan: moved tile j is three tensors `3j + c` (c: gradient, mhat, grafting
-        update) that each holder sends its rows of; scatter plan: tensor j, the update, back."""
-        me, world, tiles, held = self.comm.rank, self.comm.world_size, self.tiles, self.held
-        numels = [tiles[k].h * tiles[k].w for k in moved]
-        owners1 = [self.owners[k] for k in moved]
-        gather, back, send_numel, back_numel, mine = [], [], [], [], []
-        for r in range(world):
-            off3 = off1 = 0
-            for j in sorted(range(len(moved)), key=lambda j: (owners1[j], j)):  # send order
-                a, b = held[moved[j]][r]
-                if b <= a:
-                    continue
-                w = tiles[moved[j]].w
-                gather += [Piece(r, 3 * j + c, off3 + c * (b - a) * w, a * w, b * w) for c in range(3)]
-                back.append(Piece(r, j, off1, a * w, b * w))
-                if r == me:
-                    mine.append((tiles[moved[j]], a, b, off3, off1))
-                off3, off1 = off3 + 3 * (b - a) * w, off1 + (b - a) * w
-            send_numel.append(off3)
-            back_numel.append(off1)
-        owners3, numels3 = [o for o in owners1 for _ in "gma"], [n for n in numels for _ in "gma"]
-        recv_at, recv_numel = owner_offsets(numels3, owners3, world)
-        result_at, result_numel = owner_offsets(numels, owners1, world)
-        self.gather = plan_gather_to_owner(gather, numels3, owners3, world, send_numel)
-        self.scatter = plan_scatter_from_owner(back, numels, owners1, world, back_numel)
-        self.programs = (self.gather.program(me), self.scatter.program(me))
-        new = self.like.new_zeros
-        self.send, self.back = new(send_numel[me]), new(back_numel[me])
-        self.recv, self.result = new(recv_numel[me]), new(result_numel[me])
-        self.pack, self.unpack = [], []
-        for t, a, b, off3, off1 in mine:
-            n = (b - a) * t.w
-            self.pack.append((self._rows(t, a, b), self.send[off3 : off3 + 3 * n].view(3, b - a, t.w)))
-            self.unpack.append((self.back[off1 : off1 + n].view(b - a, t.w), self._rows(t, a, b)[2]))
-        return recv_at, result_at
-
-    def step(self, group: dict, step: int) -> None:
-        """Factor updates, roots and preconditioned, grafted updates of every tile; the
-        updates land in `work[2]` (which holds the grafting update elsewhere)."""
-        start, freq = group["start_preconditioning_step"], group["precondition_frequency"]
-        apply = step >= start
-        refresh = apply and (step - start) % freq == 0
-        handle = None
-        if self.moved:
-            for src, dst in self.pack:
-                dst.copy_(src)
-            handle = run_plan(self.gather, self.send, self.recv, self.comm, self.programs[0], async_op=True)
-        for g in self.local:
-            g.step(group, step, refresh, apply)
-        if handle is None:
-            return
-        handle.wait()
-        for g in self.remote:
-            g.step(group, step, refresh, apply)
-        if apply:
-            run_plan(self.scatter, self.result, self.back, self.comm, self.programs[1])
-            for src, dst in self.unpack:
-                dst.copy_(src)
-
-    def factors(self, k: int) -> dict[str, torch.Tensor]:
-        g, i = self.owned[k]
-        return {name: t[i] for name, t in g.state.items()}
+def _caller_stacklevel() -> int:
+    """`warnings.warn`'s stacklevel of the first caller outside torch and this package."""
+    inside = tuple(os.path.join(os.path.dirname(f), "") for f in (torch.__file__, os.path.dirname(__file__)))
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Shampoo(ShardedOptimizer):
@@ -183,10 +51,12 @@ class Shampoo(ShardedOptimizer):
       `A = mhat / (sqrt(v) + grafting_epsilon)`; sgd and None `A = mhat`;
     - per tile G of g: `L <- b2*L + (1-b2)*G@G.T`, `R <- b2*R + (1-b2)*G.T@G` (plain sums
       when `b2 == 1`, and then no bias corrections for v, L, R);
-    - at steps `t = start + k*precondition_frequency` (`start = start_preconditioning_step`):
-      `L_inv_root = (L/(1-b2^t))^(-1/4)` by `torch.linalg.eigh` in `root_dtype` (float64
-      if that fails) with eigenvalues `max(lam, 0) + epsilon`, the same for R; a factor
-      that is not finite keeps its previous root;
+    - at steps `t = start + k*precondition_frequency` (`start = start_preconditioning_step`,
+      by default `precondition_frequency` and never less, so that no root is built from fewer
+      steps than it is applied for): `L_inv_root = (L/(1-b2^t))^(-1/4)` by `torch.linalg.eigh`
+      in `root_dtype` (float64 if that fails) with eigenvalues `max(lam, 0) + epsilon`, the
+      same for R; a factor that is not finite keeps its previous root, counted in
+      `kept_roots` (over all ranks) with a warning;
     - update U: from `start` on, per tile `D = L_inv_root @ Mhat @ R_inv_root`, rescaled to
       `D * |A|_F / |D|_F` over the tile (no rescaling with `grafting=None`); before `start`,
       and always for 1-D parameters, `U = A`;
@@ -200,6 +70,9 @@ class Shampoo(ShardedOptimizer):
     work (sum of `h^3 + w^3`) of the busiest rank exceeds 1.2x the mean. The tiling is fixed
     at construction. `root_work` / `native_root_work` give that work per rank after / before
     balancing, `moved_tiles` how many tiles travel each step, `num_tiles` how many there are.
+    Results are the same bits at every world size. Between steps a rank keeps only its state
+    (`exp_avg`, the grafting state, masters, factors and roots: what `local_state_bytes()`
+    counts); the update and the staging buffers of moved tiles live for one step.
 
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
@@ -214,7 +87,7 @@ class Shampoo(ShardedOptimizer):
         weight_decay: float = 0.0,
         max_preconditioner_dim: int = 1024,
         precondition_frequency: int = 1,
-        start_preconditioning_step: int = 1,
+        start_preconditioning_step: int | None = None,
         grafting: str | None = "adam",
         *,
         grafting_epsilon: float = 1e-8,
@@ -231,6 +104,9 @@ class Shampoo(ShardedOptimizer):
             grafting_epsilon=grafting_epsilon, root_dtype=root_dtype,
         )  # fmt: skip
         check_hyperparameters(defaults)
+        check_params_arg(params)
+        self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
+        self._kept, self._refreshed = 0, False
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
@@ -239,7 +115,10 @@ class Shampoo(ShardedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        check_hyperparameters(self.param_groups[-1])
+        group = self.param_groups[-1]
+        if group["start_preconditioning_step"] is None:
+            group["start_preconditioning_step"] = group["precondition_frequency"]
+        check_hyperparameters(group)
 
     # --- hooks ----------------------------------------------------------------------
 
@@ -258,19 +137,40 @@ class Shampoo(ShardedOptimizer):
 
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
         g, step, bt = bucket.group, bucket.step, self._tiles[id(bucket)]
-        work = bt.work
-        work[0].copy_(grads)
+        exp_avg = bucket.state["exp_avg"]
+        update = torch.empty_like(exp_avg)
         grafting_step_(
-            work[0], bucket.state["exp_avg"], bucket.state.get(_SECOND.get(g["grafting"], "")),
-            work[1], work[2], step=step, beta1=g["betas"][0], beta2=g["betas"][1],
-            eps=g["grafting_epsilon"], grafting=g["grafting"],
+            grads, exp_avg, bucket.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
+            beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"], grafting=g["grafting"],
         )  # fmt: skip
         if bt.tiles:
-            bt.step(g, step)
+            self._kept += bt.step(g, step, grads, exp_avg, update)
+            self._refreshed |= schedule(g, step)[1]
         lr, p = float(g["lr"]), bucket.local_params
         if g["weight_decay"] != 0:
             p.mul_(1 - lr * g["weight_decay"])
-        p.add_(work[2], alpha=-lr)
+        p.add_(update, alpha=-lr)
+
+    def _step_buckets(self) -> None:
+        self._kept, self._refreshed = 0, False
+        super()._step_buckets()
+        if self._refreshed:
+            self._count_kept_roots()
+
+    def _count_kept_roots(self) -> None:
+        """Sum over ranks the roots kept this step (one small all-reduce on steps that
+        refresh roots); count them in `kept_roots` and warn."""
+        kept = torch.tensor([float(self._kept)], device=self._device)
+        all_reduce_(kept, self._comm, "sum")
+        n = int(kept.item())
+        if n:
+            self.kept_roots += n
+            warnings.warn(
+                f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor was not "
+                f"finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
+                f"({self.kept_roots} kept so far, see kept_roots)",
+                stacklevel=_caller_stacklevel(),
+            )
 
     # --- tile placement -------------------------------------------------------------
 
@@ -288,10 +188,10 @@ class Shampoo(ShardedOptimizer):
         owners = balance(costs, native, world)
         self.native_root_work = rank_loads(costs, native, world)
         self.root_work = rank_loads(costs, owners, world)
-        self._tiles: dict[int, _BucketTiles] = {}
+        self._tiles: dict[int, BucketTiles] = {}
         pos = 0
         for b, tiles, held, _ in found:
-            self._tiles[id(b)] = _BucketTiles(b, tiles, owners[pos : pos + len(tiles)], held, self._comm)
+            self._tiles[id(b)] = BucketTiles(b, tiles, owners[pos : pos + len(tiles)], held, self._comm)
             pos += len(tiles)
         self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
@@ -305,14 +205,18 @@ class Shampoo(ShardedOptimizer):
         a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
         return (a, z) if z > a else (0, 0)
 
+    def _preconditioners(self):
+        for bt in self._tiles.values():
+            for g in bt.local + bt.remote:
+                yield from g.state.values()
+
     def local_preconditioner_numel(self) -> int:
         """Elements of factors and roots held by this rank."""
-        return sum(
-            x.numel() for bt in self._tiles.values() for g in bt.local + bt.remote for x in g.state.values()
-        )
+        return sum(x.numel() for x in self._preconditioners())
 
-    def local_state_numel(self) -> int:
-        return super().local_state_numel() + self.local_preconditioner_numel()
+    def _local_state_tensors(self):
+        yield from super()._local_state_tensors()
+        yield from self._preconditioners()
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -321,7 +225,7 @@ class Shampoo(ShardedOptimizer):
         for k, t in enumerate(bt.tiles):
             if t.param == i:
                 shapes = ((t.h, t.h), (t.w, t.w)) * 2
-                yield k, {f"{name}_{t.key}": (name, s) for name, s in zip(_FACTORS, shapes)}
+                yield k, {f"{name}_{t.key}": (name, s) for name, s in zip(FACTORS, shapes)}
 
     def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
         """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
@@ -333,7 +237,7 @@ class Shampoo(ShardedOptimizer):
                 continue
             offsets, totals = owner_offsets(numels, bt.owners, self.world_size)
             mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
-            local = torch.cat(mine) if mine else bt.work.new_zeros(0)
+            local = torch.cat(mine) if mine else bt.like.new_zeros(0)
             full = gather(local, totals)
             if full is None:
                 continue

@@ -1,0 +1,78 @@
+"""Argument checks shared by the optimizers' constructors.
+
+They follow torch.optim's rules and messages where torch has them, so code that handles
+torch's errors handles ours, and run on the defaults and on every param group before
+anything is built.
+"""
+
+from __future__ import annotations
+
+from numbers import Real
+
+import torch
+
+
+def check_params_arg(params) -> None:
+    """A bare tensor is not an iterable of parameters (iterating it would yield its rows)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}"
+        )
+
+
+def check_lr(lr, message: str = "Invalid learning rate: {}") -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(message.format(lr))
+
+
+def check_at_least(value, bound: float, message: str) -> None:
+    """`value >= bound` (NaN fails), else ValueError(message with the value)."""
+    if not bound <= value:
+        raise ValueError(message.format(value))
+
+
+def check_betas(betas, *, last_may_be_one: bool = False) -> None:
+    """Two betas in [0, 1) (the second may be 1 if `last_may_be_one`), both numbers or both
+    1-element tensors."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        top_ok = b <= 1.0 if (last_may_be_one and i == 1) else b < 1.0
+        if not (b >= 0.0 and top_ok):
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    numbers = all(isinstance(b, Real) and not isinstance(b, bool) for b in betas)
+    if not numbers and not all(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError("betas must be either both floats or both Tensors")
+
+
+def check_impl_flags(name: str, *, foreach, fused, capturable: bool, differentiable: bool) -> None:
+    """torch.optim's implementation flags. `foreach` and `fused` are accepted so code written for
+    torch runs unchanged (the update is one fused call per bucket whatever they say);
+    `differentiable` and `capturable` ask for what a sharded step cannot give."""
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable:
+        raise ValueError(
+            f"{name} does not support differentiable=True: the update runs on flat shards under "
+            "no_grad and exchanges them with collectives, so autograd cannot see through step()"
+        )
+    if capturable:
+        raise ValueError(
+            f"{name} does not support capturable=True: step() runs collectives and host-side "
+            "decisions, so it cannot be captured in a CUDA graph"
+        )
+
+
+def check_adamw_group(group: dict) -> None:
+    """torch.optim.AdamW's checks on a param group (or the defaults), in its order."""
+    check_lr(group["lr"])
+    check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
+    check_betas(group["betas"])
+    check_at_least(group["weight_decay"], 0.0, "Invalid weight_decay value: {}")
