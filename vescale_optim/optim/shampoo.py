@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import os
 import warnings
 
 import torch
@@ -11,6 +9,7 @@ import torch
 from ..shard import all_reduce_
 from ..shard.plan import owner_offsets
 from ._checks import check_params_arg
+from ._guards import caller_stacklevel
 from ._shampoo_math import (
     Tile,
     balance,
@@ -27,15 +26,6 @@ from .base import ShardedOptimizer
 from .bucket import Bucket
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
-
-
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s stacklevel of the first caller outside torch and this package."""
-    inside = tuple(os.path.join(os.path.dirname(f), "") for f in (torch.__file__, os.path.dirname(__file__)))
-    frame, level = inspect.currentframe().f_back, 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Shampoo(ShardedOptimizer):
@@ -169,7 +159,7 @@ class Shampoo(ShardedOptimizer):
                 f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor was not "
                 f"finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
                 f"({self.kept_roots} kept so far, see kept_roots)",
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
 
     # --- tile placement -------------------------------------------------------------
