@@ -1,10 +1,12 @@
 """Checkpoints: torch-format state dicts across world sizes and into torch, and DCP resharding."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _adamw_cases import SHAPES, groups, make_params, set_grads
+from _adamw_cases import SHAPES, groups, make_params, mean_grads, set_grads
 
 import vescale_optim as vo
 
@@ -166,3 +168,149 @@ def test_dcp_keeps_the_fp32_master_of_bf16_params(world, tmp_path):
     resumed = world(2).run(_dcp_bf16, path, False)[0]
     for a, b in zip(resumed, straight):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --- load_state_dict refuses before changing anything ------------------------------------
+
+
+def _refuses_amsgrad_state():
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    params = make_params()
+    ours = vo.AdamW(groups(params, amsgrad=False))
+    _run(ours, params, range(2), rank)
+    before = ours.state_dict()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    theirs = torch.optim.AdamW(groups(twins, amsgrad=True))
+    set_grads(twins, 0, 0)
+    theirs.step()
+    def with_state(index, entry):
+        return {**before, "state": {**before["state"], index: entry}}
+
+    bad = {
+        r"param group 1: state dict has amsgrad=True, the optimizer amsgrad=False": theirs.state_dict(),
+        r"state for parameters \[99\] that no param group lists": with_state(99, {}),
+        r"parameter 0: 'step' is 1.5": with_state(0, {**before["state"][0], "step": torch.tensor(1.5)}),
+    }
+    for match, sd in bad.items():
+        with pytest.raises(ValueError, match=match):
+            ours.load_state_dict(sd)
+        after = ours.state_dict()  # still works, and nothing changed
+        assert after["param_groups"] == before["param_groups"]
+        for i, st in before["state"].items():
+            assert all(torch.equal(v, after["state"][i][k]) for k, v in st.items())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_state_that_does_not_fit_is_refused_before_anything_changes(world, world_size):
+    if world_size == 1:
+        _refuses_amsgrad_state()
+    else:
+        world(world_size).run(_refuses_amsgrad_state, timeout=60)
+
+
+# --- per-parameter steps: some parameters of a bucket with state, others without ----------
+
+PARTIAL = {0: (2,), 1: (1, 2), 2: (2,), 3: (2,), 4: (2, 5)}  # param 2 never has a gradient
+
+
+def _torch_partial(world, steps, state=None, values=None):
+    params = make_params()
+    if values is not None:
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+    opt = torch.optim.AdamW(groups(params))
+    if state is not None:
+        opt.load_state_dict(copy.deepcopy(state))  # torch would update the tensors of `state`
+    for t in steps:
+        for p, g in zip(params, mean_grads(t, world, skip=PARTIAL[t])):
+            p.grad = g
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+def _ours_partial(values, state, steps):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    params, opt = _restored(values, state)
+    for t in steps:
+        opt.zero_grad()
+        set_grads(params, t, rank, skip=PARTIAL[t])
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_torch_state_with_per_parameter_steps_resumes_as_torch(world, world_size):
+    values, state = _torch_partial(world_size, range(3))
+    assert 2 not in state["state"] and float(state["state"][1]["step"]) == 2
+    want, want_state = _torch_partial(world_size, range(3, 5), state, values)
+    run = world(world_size).run if world_size > 1 else lambda fn, *a: [fn(*a)]
+    for got, got_state in run(_ours_partial, values, state, range(3, 5)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert set(got_state["state"]) == set(want_state["state"])
+        for i, st in want_state["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(got_state["state"][i][k], v, rtol=1e-6, atol=1e-7)
+
+
+# --- bf16 parameters: the fp32 master travels with the state dict -------------------------
+
+
+def _bf16_train(steps, values=None, state=None):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    params = make_params(torch.bfloat16)
+    if values is not None:
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+    opt = vo.AdamW(groups(params))
+    if state is not None:
+        opt.load_state_dict(state)
+    _run(opt, params, steps, rank)
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bf16_resume_from_a_state_dict_is_exact(world, world_size):
+    run = world(world_size).run if world_size > 1 else lambda fn, *a: [fn(*a)]
+    straight = run(_bf16_train, range(4))[0][0]
+    values, state = run(_bf16_train, range(2))[0]
+    assert state["state"][0]["master"].dtype == torch.float32
+    resumed = run(_bf16_train, range(2, 4), values, state)[0][0]
+    for a, b in zip(resumed, straight):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_state_cross_loads_with_torch_and_a_stale_master_loses_to_the_parameter():
+    values, state = _bf16_train(range(2))
+    twins = [torch.nn.Parameter(v.clone()) for v in values]
+    theirs = torch.optim.AdamW(groups(twins))
+    theirs.load_state_dict(copy.deepcopy(state))  # torch ignores the master
+    _run(theirs, twins, range(2, 4), rank=0)
+    back = theirs.state_dict()  # its masters are now two steps old
+    trained = [p.detach().clone() for p in twins]
+    without = {**back, "state": {i: {k: v for k, v in st.items() if k != "master"}
+                                 for i, st in back["state"].items()}}  # fmt: skip
+    got = _bf16_train(range(4, 6), trained, back)[0]
+    want = _bf16_train(range(4, 6), trained, without)[0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_parameters_written_after_construction_are_taken_up():
+    """Weights loaded into the model after the optimizer was built (fine-tuning) are not
+    overwritten by the masters taken at construction."""
+    params = make_params(torch.bfloat16)
+    opt = vo.AdamW(groups(params))
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)  # as model.load_state_dict does: in place
+    _run(opt, params, range(2), rank=0)
+    fresh = make_params(torch.bfloat16)
+    with torch.no_grad():
+        for p in fresh:
+            p.add_(1.0)
+    _run(vo.AdamW(groups(fresh)), fresh, range(2), rank=0)
+    for a, b in zip(params, fresh):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)

@@ -150,3 +150,24 @@ def test_muon_8bit_momentum_is_identical_at_any_world_size(world):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-4)  # bf16 Newton-Schulz batching
     assert set(want["state"][0]) == {"step", "momentum_buffer"}
     assert set(want["state"][3]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("state_bits", [16, 8])
+def test_tensors_under_4096_elements_keep_fp32_moments(state_bits):
+    """The cut-off is part of the state format (it decides what a checkpoint holds)."""
+    small, large = torch.nn.Parameter(torch.zeros(4095)), torch.nn.Parameter(torch.zeros(64, 64))
+    fp32 = 2 * 4 * 4096  # two fp32 moments over the slice (4095 elements padded to 16)
+    assert vo.AdamW([small], state_bits=state_bits).local_state_bytes() == fp32
+    per_element = 2 * 2 if state_bits == 16 else 2 * (1 + 4 / 256)  # codes + one fp32 scale per block
+    assert vo.AdamW([large], state_bits=state_bits).local_state_bytes() == per_element * 4096
+
+
+def _float64_low_bit_refused(state_bits):
+    with pytest.raises(ValueError, match=r"#0 of param group 0 \(shape \(4096,\)\) is float64"):
+        vo.AdamW([torch.nn.Parameter(torch.zeros(4096, dtype=torch.float64))], state_bits=state_bits)
+
+
+@pytest.mark.parametrize("state_bits", [16, 8])
+def test_float64_parameters_refuse_low_bit_state(world, state_bits):
+    _float64_low_bit_refused(state_bits)
+    world(2).run(_float64_low_bit_refused, state_bits, timeout=60)

@@ -50,7 +50,7 @@ def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
     for t in range(steps):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
-            p.grad.copy_(grad(p.shape, t, rank, i))
+            p.grad = grad(p.shape, t, rank, i)
         opt.step()
         counts.append(opt.orthogonalized)
     out = {"params": [p.detach().clone() for p in muon + adam], "counts": counts}
@@ -161,7 +161,7 @@ def _dcp(path, mode, values=None):
     for t in steps if mode != "straight" else range(4):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
-            p.grad.copy_(mean_grad(p.shape, t, 4, i))
+            p.grad = mean_grad(p.shape, t, 4, i)
         opt.step()
     if mode == "save":
         dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
@@ -327,3 +327,119 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
         assert part in warned[0]
     _, _, warned = _split(Tiny())  # a head found by name only before: now Muon, with a warning
     assert len(warned) == 1 and "'lm_head' (named like one, the model's last Linear" in warned[0]
+
+
+F64_SHAPES = [(6, 4), (3, 5), (4, 6)]  # one matrix per shape: Newton-Schulz runs unbatched, as torch's
+
+
+def _f64_params():
+    g = torch.Generator().manual_seed(4)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=torch.float64)) for s in F64_SHAPES]
+
+
+def _float64(world_size):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ps = _f64_params()
+    opt = vo.Muon(ps, lr=0.05)
+    for t in range(3):
+        for i, p in enumerate(ps):
+            p.grad = grad(p.shape, t, rank, i).double()
+        opt.step()
+    return [p.detach().clone() for p in ps], opt.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_float64_parameters_equal_torch(world, world_size):
+    results = world(world_size).run(_float64, world_size) if world_size > 1 else [_float64(1)]
+    ps = _f64_params()
+    ref = torch.optim.Muon(ps, lr=0.05)
+    for t in range(3):
+        for i, p in enumerate(ps):
+            p.grad = torch.stack([grad(p.shape, t, r, i).double() for r in range(world_size)]).mean(0)
+        ref.step()
+    for params, sd in results:
+        for i, (got, want) in enumerate(zip(params, ps)):
+            assert got.dtype == sd["state"][i]["momentum_buffer"].dtype == torch.float64
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(sd["state"][i]["momentum_buffer"], ref.state[want]["momentum_buffer"])
+
+
+def _schedule_adjust(world_size):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    muon, _ = make_params()
+    opt = vo.Muon(muon, lr=0.02)
+    for t in range(4):
+        if t == 2:
+            opt.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"  # takes effect at the next step
+            opt.param_groups[0]["lr"] = 0.01
+        for i, p in enumerate(muon):
+            p.grad = grad(p.shape, t, rank, i)
+        opt.step()
+    return [p.detach().clone() for p in muon]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_hyperparameters_changed_after_construction_take_effect(world, world_size):
+    got = world(world_size).run(_schedule_adjust, world_size) if world_size > 1 else [_schedule_adjust(1)]
+    muon, _ = make_params()
+    mats = [torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for p in muon if p.ndim != 3]
+    idx = [i for i, p in enumerate(muon) if p.ndim != 3]
+    ref = torch.optim.Muon(mats, lr=0.02)
+    for t in range(4):
+        if t == 2:
+            ref.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"
+            ref.param_groups[0]["lr"] = 0.01
+        for m, i in zip(mats, idx):
+            m.grad = mean_grad(muon[i].shape, t, world_size, i).reshape(m.shape)
+        ref.step()
+    for res in got:
+        for m, i in zip(mats, idx):
+            torch.testing.assert_close(res[i].reshape(m.shape), m.detach(), rtol=0, atol=2e-4)
+
+
+def test_torch_muon_state_without_steps_loads_and_is_kept():
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 4), (3, 5)]]
+    theirs = torch.optim.Muon(ps, lr=0.05)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    theirs.step()
+    state = theirs.state_dict()
+    assert "step" not in state["state"][0]  # torch.optim.Muon counts no steps
+    ours = vo.Muon([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=0.05)
+    ours.load_state_dict(state)
+    for i, st in state["state"].items():
+        torch.testing.assert_close(ours.state_dict()["state"][i]["momentum_buffer"], st["momentum_buffer"])
+
+
+def test_state_of_another_muon_split_is_refused():
+    (muon, adam), (muon2, adam2) = make_params(), make_params()
+    ours = vo.Muon([{"params": muon[:2]}, {"params": adam, "use_muon": False}])
+    other = vo.Muon([{"params": muon2[:2], "use_muon": False}, {"params": adam2, "use_muon": False}])
+    for p in muon2[:2] + adam2:
+        p.grad = torch.ones_like(p)
+    other.step()
+    match = "param group 0: state dict has use_muon=False, the optimizer use_muon=True"
+    with pytest.raises(ValueError, match=match):
+        ours.load_state_dict(other.state_dict())
+
+
+def _bad_adjust_refused():
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    muon, _ = make_params()
+    opt = vo.Muon(muon, lr=0.02)
+    opt.param_groups[0]["adjust_lr_fn"] = "sqrt"
+    for i, p in enumerate(muon):
+        p.grad = grad(p.shape, 0, rank, i)
+    before = [p.detach().clone() for p in muon]
+    with pytest.raises(RuntimeError, match="param group 0: Adjust learning rate function sqrt is not supp"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, muon)) and not opt.state_dict()["state"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_invalid_adjust_lr_fn_set_later_is_refused_before_the_step(world, world_size):
+    if world_size == 1:
+        _bad_adjust_refused()
+    else:
+        world(world_size).run(_bad_adjust_refused, timeout=60)

@@ -10,7 +10,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ..kernels import adamw8bit_update_
 from . import lowbit
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
-from .base import Bucket, ShardedOptimizer
+from .base import ShardedOptimizer
+from .bucket import Bucket
 
 
 def adamw_update_(
@@ -53,8 +54,9 @@ class AdamW(ShardedOptimizer):
 
     Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
     gradients with one reduce-scatter per bucket, updates the rank's flat slice in a
-    single call per bucket and all-gathers the parameters. bf16/fp16 parameters get
-    an fp32 master of the local slice only.
+    single call per bucket (the ranges of parameters that step, with their own step
+    counts) and all-gathers the parameters. bf16/fp16 parameters get an fp32 master of
+    the local slice only; float64 parameters keep float64 state.
 
     `state_bits` picks the moments' storage for tensors of at least 4096 elements:
     32 (fp32), 16 (bf16, rounded to nearest) or 8 (int8 codes with an fp32 absmax
@@ -67,6 +69,8 @@ class AdamW(ShardedOptimizer):
     unchanged; they change nothing (the update is one fused call per bucket either way).
     `differentiable=True` and `capturable=True` are refused.
     """
+
+    _structural = ("amsgrad",)
 
     def __init__(
         self,
@@ -86,6 +90,7 @@ class AdamW(ShardedOptimizer):
         process_group=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
+        sync_params: bool = True,
     ):
         check_params_arg(params)
         defaults = dict(
@@ -103,6 +108,7 @@ class AdamW(ShardedOptimizer):
             process_group=process_group,
             skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel,
+            sync_params=sync_params,
         )
 
     def add_param_group(self, param_group: dict) -> None:
@@ -111,6 +117,13 @@ class AdamW(ShardedOptimizer):
         check_adamw_group(group)
         if group["amsgrad"] and self.state_bits != 32:
             raise ValueError("amsgrad keeps an extra fp32 moment; use it with state_bits=32")
+
+    def _check_group(self, gi: int, group: dict) -> str | None:
+        try:
+            check_adamw_group(group)
+        except ValueError as e:
+            return f"param group {gi}: {e}"
+        return None
 
     def _state_names(self, bucket: Bucket) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]
@@ -121,12 +134,16 @@ class AdamW(ShardedOptimizer):
 
 
 def adamw_bucket_step(bucket: Bucket, kind: str, grads: torch.Tensor) -> None:
-    """AdamW on a bucket's local slice, whatever the moments' storage tier.
+    """AdamW on the active runs of a bucket's local slice, whatever the moments' storage.
 
-    fp32 moments go through torch's fused AdamW kernel (one pass over memory, same
-    math as `adamw_update_`); bf16 moments are decoded, updated and re-encoded;
-    8-bit moments use the fused block-quantized kernel.
+    fp32 moments go through torch's fused AdamW kernel, every run in one call (one pass
+    over memory, same math as `adamw_update_`); bf16 moments are decoded, updated run by
+    run and re-encoded; 8-bit moments use the fused block-quantized kernel per run (runs
+    start and end on quantization blocks).
     """
+    runs = list(bucket.runs())
+    if not runs:
+        return
     g, st = bucket.group, bucket.state
     beta1, beta2 = g["betas"]
     hyper = dict(
@@ -135,20 +152,25 @@ def adamw_bucket_step(bucket: Bucket, kind: str, grads: torch.Tensor) -> None:
     )  # fmt: skip
     params = bucket.local_params
     if kind == "q8":
-        adamw8bit_update_(
-            params, grads, st["exp_avg.q"], st["exp_avg.scales"], st["exp_avg_sq.q"],
-            st["exp_avg_sq.scales"], step=bucket.step, block_size=lowbit.BLOCK, **hyper,
-        )  # fmt: skip
+        blk = lowbit.BLOCK
+        for lo, hi, step in runs:
+            b0, b1 = lo // blk, -(-hi // blk)
+            adamw8bit_update_(
+                params[lo:hi], grads[lo:hi], st["exp_avg.q"][lo:hi], st["exp_avg.scales"][b0:b1],
+                st["exp_avg_sq.q"][lo:hi], st["exp_avg_sq.scales"][b0:b1], step=step, block_size=blk, **hyper,
+            )  # fmt: skip
     elif kind == "fp32":
         amsgrad = "max_exp_avg_sq" in st
-        # the fused kernel counts the step up itself before using it
-        step = torch.tensor(float(bucket.step - 1), device=params.device)
+        cut = lambda t: [t[lo:hi] for lo, hi, _ in runs]  # noqa: E731
+        # the fused kernel counts each step up itself before using it
+        steps = torch.tensor([float(s - 1) for _, _, s in runs], device=params.device).unbind()
         _torch_adamw(
-            [params], [grads], [st["exp_avg"]], [st["exp_avg_sq"]], [st["max_exp_avg_sq"]] if amsgrad else [],
-            [step], fused=True, amsgrad=amsgrad, **hyper,
+            cut(params), cut(grads), cut(st["exp_avg"]), cut(st["exp_avg_sq"]),
+            cut(st["max_exp_avg_sq"]) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad, **hyper,
         )  # fmt: skip
     else:
         m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
-        adamw_update_(params, grads, m, v, None, step=bucket.step, **hyper)
+        for lo, hi, step in runs:
+            adamw_update_(params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], None, step=step, **hyper)
         lowbit.encode_(st, "exp_avg", kind, m)
         lowbit.encode_(st, "exp_avg_sq", kind, v)

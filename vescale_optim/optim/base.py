@@ -5,6 +5,9 @@ keeps per bucket (`_state_names`) and how to update a bucket's local slice
 (`_update`). Everything else — binding parameters into planned buckets, averaging
 gradients with one reduce-scatter per bucket, gathering parameters back with one
 all-gather, clipping and checkpoints — lives here.
+
+A parameter takes a step iff some rank has a gradient for it (`p.grad is not None`),
+as in torch; the ranks agree on that with one small all-reduce per step.
 """
 
 from __future__ import annotations
@@ -13,50 +16,27 @@ import math
 import warnings
 
 import torch
+from torch.profiler import record_function
 
-from ..shard import Comm, all_gather_, all_reduce_, bind_parameters, bucket_indices, plan_layout
+from ..shard import Comm, all_gather_, all_reduce_, bucket_indices, plan_layout
 from ..shard import reduce_scatter_ as _reduce_scatter
-from ..shard.collectives import all_gather_object
+from ..shard.collectives import all_gather_object, broadcast_
 from . import lowbit
+from ._guards import caller_stacklevel, check_amp_scaler, label_params
+from .bucket import Bucket
 from .checkpoint import CheckpointMixin
-
-_MASTER_DTYPES = (torch.bfloat16, torch.float16)
-
-
-class Bucket:
-    """Parameters of one param group and dtype, planned and bound together."""
-
-    def __init__(self, params: list[torch.nn.Parameter], indices: list[int], group: dict, layout, comm: Comm):
-        self.params, self.indices, self.group, self.layout = params, indices, group, layout
-        self.pbuf, self.gbuf = bind_parameters(params, layout, comm.rank)
-        self.master: torch.Tensor | None = None
-        if self.pbuf.data.dtype in _MASTER_DTYPES:
-            self.master = self.pbuf.local.float()
-        self.state: dict[str, torch.Tensor] = {}
-        self.step = 0
-
-    @property
-    def local_params(self) -> torch.Tensor:
-        """The fp32 (or native) local parameter slice the update writes."""
-        return self.master if self.master is not None else self.pbuf.local
-
-    def local_grads(self) -> torch.Tensor:
-        g = self.gbuf.local
-        return g.float() if self.master is not None else g
-
-    def publish(self) -> None:
-        """Copy the master slice into the parameters' own (low-precision) slice."""
-        if self.master is not None:
-            self.pbuf.local.copy_(self.master)
+from .gradients import GradTrackingMixin
 
 
-class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
+class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
     Without an initialised process group it is an ordinary single-process optimizer.
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
+    _whole_buckets = False  # step every parameter of a bucket when any of them steps
+    _structural: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
 
     def __init__(
         self,
@@ -67,6 +47,7 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         bucket_cap_numel: int = 64 * 1024 * 1024,
         align: int = 16,
         skip_nonfinite: bool = False,
+        sync_params: bool = True,
     ):
         self._buckets = None
         super().__init__(params, defaults)
@@ -77,10 +58,17 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(all_params)
         self._check_same_on_every_rank()
+        self._labels = label_params(self.param_groups)
         index = {id(p): i for i, p in enumerate(all_params)}
         trainable = [
             (p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad
         ]
+        for p, _ in trainable:
+            if p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
+                raise ValueError(
+                    f"parameter {self._labels[id(p)]} is float64, but state_bits={self.state_bits} would "
+                    "keep its state below fp32; use state_bits=32"
+                )
         keys = [
             (
                 gi,
@@ -99,10 +87,18 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             units = [lowbit.q8_unit(p) if quantized else self._unit(p, group) for p in params]
             bucket_align = math.lcm(align, lowbit.BLOCK) if quantized else align
             layout = plan_layout([p.numel() for p in params], units, self._comm.world_size, bucket_align)
-            bucket = Bucket(params, [index[id(p)] for p in params], group, layout, self._comm)
-            bucket.state = self._init_state(bucket)
-            buckets.append(bucket)
+            buckets.append(Bucket(params, [index[id(p)] for p in params], group, layout, self._comm))
         self._buckets = buckets
+        bucketed = {id(p) for b in buckets for p in b.params}
+        self._frozen = [p for p in all_params if id(p) not in bucketed]
+        if sync_params:
+            self._broadcast_params()
+        for b in buckets:
+            b.init_master()
+            b.state_names = self._state_names(b)  # fixed: the keys that shape them are
+            b.state = self._init_state(b)
+        self._structure = [{k: g.get(k) for k in self._structural} for g in self.param_groups]
+        self._install_hooks()
 
     # --- subclass hooks -----------------------------------------------------------
 
@@ -129,13 +125,19 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
             self._kind(bucket),
             bucket.layout.shard_size,
             bucket.local_params.device,
+            bucket.local_params.dtype,
         )
 
     def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        """Update `bucket.local_params` (and state) from the averaged local `grads`."""
+        """Update the active ranges (`bucket.runs()`) of `bucket.local_params` (and state)
+        from the averaged local `grads`."""
         raise NotImplementedError
 
-    # --- construction checks ------------------------------------------------------
+    def _check_group(self, gi: int, group: dict) -> str | None:
+        """A problem with a param group's current hyperparameters, checked at every step."""
+        return None
+
+    # --- construction ---------------------------------------------------------------
 
     @staticmethod
     def _check_params(params: list[torch.Tensor]) -> None:
@@ -176,6 +178,21 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{sum(s[0] == 'param' for s in sigs[0])}"
             )
 
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        """Make every rank's parameters rank 0's: one broadcast per bucket (frozen
+        parameters, which have no bucket, one each)."""
+        handles = [broadcast_(b.pbuf.data, 0, self._comm, async_op=True) for b in self._buckets]
+        for p in self._frozen:
+            if p.is_contiguous():
+                broadcast_(p.data, 0, self._comm)
+            else:
+                tmp = p.detach().contiguous()
+                broadcast_(tmp, 0, self._comm)
+                p.copy_(tmp)
+        for h in handles:
+            h.wait()
+
     # --- the step pipeline --------------------------------------------------------
 
     @property
@@ -190,32 +207,25 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
     def rank(self) -> int:
         return self._comm.rank
 
-    def _reattach(self) -> None:
-        """Put back views that were replaced (e.g. `model.zero_grad()` sets grads to None,
-        so autograd allocates new ones), keeping whatever values they hold."""
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                view = b.pbuf.view(i)
-                if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
-                    view.copy_(p.detach())
-                    p.data = view
-                gview = b.gbuf.view(i)
-                if p.grad is None:
-                    gview.zero_()
-                    p.grad = gview
-                elif p.grad.data_ptr() != gview.data_ptr():
-                    gview.copy_(p.grad)
-                    p.grad = gview
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # read by torch.amp.GradScaler.step; refuses a scaler whose skip decision is per rank
+        check_amp_scaler(self._comm.active)
+        return False
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average gradients over ranks into each rank's local slices (once per step)."""
+        """Agree which parameters step and average gradients over ranks into each rank's
+        local slices (once per step)."""
         if self._grads_reduced:
             return
+        with record_function("vescale_optim.agree"):
+            self._agree()
         self._reattach()
-        handles = [_reduce_scatter(b.gbuf, self._comm, "mean", async_op=True) for b in self._buckets]
-        for h in handles:
-            h.wait()
+        with record_function("vescale_optim.reduce_scatter"):
+            handles = [_reduce_scatter(b.gbuf, self._comm, "mean", async_op=True) for b in self._buckets]
+            for h in handles:
+                h.wait()
         self._grads_reduced = True
 
     @property
@@ -242,21 +252,29 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         self._grads_reduced = False
         if self.skip_nonfinite and self._any_nonfinite():
             self.skipped_steps += 1
-            warnings.warn(f"skipped step: non-finite gradients ({self.skipped_steps} so far)", stacklevel=2)
+            warnings.warn(
+                f"skipped step: non-finite gradients ({self.skipped_steps} so far)",
+                stacklevel=caller_stacklevel(),
+            )
             return loss
-        self._step_buckets()
+        for b in self._buckets:
+            b.advance()
+            if b.any_active:
+                b.refresh_master()
+        with record_function("vescale_optim.update"):
+            self._step_buckets()
         return loss
 
     def _step_buckets(self) -> None:
         """Update every bucket's local slice, then gather parameters back."""
         for b in self._buckets:
-            b.step += 1
-            self._update(b, b.local_grads())
-        self._gather_params()
+            if b.any_active:
+                self._update(b, b.local_grads())
+        self._gather_params([b for b in self._buckets if b.any_active])
 
-    def _gather_params(self) -> None:
+    def _gather_params(self, buckets: list[Bucket] | None = None) -> None:
         handles = []
-        for b in self._buckets:
+        for b in self._buckets if buckets is None else buckets:
             b.publish()
             handles.append(all_gather_(b.pbuf, self._comm, async_op=True))
         for h in handles:
@@ -268,24 +286,6 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
                 f"{type(self).__name__} plans its buffers at construction; pass every param group then"
             )
         super().add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers. Gradients stay views of them whatever `set_to_none`
-        says, since they must be where the reduce-scatter reads; frozen parameters
-        follow `set_to_none` as in torch."""
-        for b in self._buckets:
-            b.gbuf.data.zero_()
-            for i, p in enumerate(b.params):
-                if p.grad is None or p.grad.data_ptr() != b.gbuf.view(i).data_ptr():
-                    p.grad = b.gbuf.view(i)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if not p.requires_grad and p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.zero_()
-        self._grads_reduced = False
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -324,7 +324,8 @@ class ShardedOptimizer(CheckpointMixin, torch.optim.Optimizer):
         return sum(t.numel() for t in self._local_state_tensors())
 
     def local_state_bytes(self) -> int:
-        """Bytes of optimizer state (masters included) held by this rank."""
+        """Bytes of every persistent tensor the optimizer holds on this rank besides the
+        parameter and gradient buffers: state, masters and working buffers."""
         return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
 
     def _local_state_tensors(self):

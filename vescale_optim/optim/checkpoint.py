@@ -11,6 +11,7 @@ so DCP writes only local data and reshards on load.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
@@ -19,6 +20,19 @@ from ..shard.collectives import all_gather_flat
 from . import lowbit
 
 _SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
+MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
+
+
+def _step_count(state: dict, index: int) -> int:
+    """A parameter's step count from its saved state; without one (torch.optim.Muon keeps
+    none), state present means it stepped at least once."""
+    if "step" not in state:
+        return 1
+    step = torch.as_tensor(state["step"])
+    step = float(step) if step.numel() == 1 else math.nan
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ValueError(f"parameter {index}: 'step' is {step}, not a count of steps")
+    return max(int(step), 1)
 
 
 class _Gather:
@@ -62,7 +76,7 @@ class CheckpointMixin:
         """torch-format state of parameter `i` of `bucket` from the gathered flat state."""
         layout, shape = bucket.layout, tuple(bucket.params[i].shape)
         start, size = layout.offsets[i], layout.sizes[i]
-        out = {"step": torch.tensor(float(bucket.step))}
+        out = {"step": torch.tensor(float(bucket.steps[i]))}
         for name, full in flat.items():
             out[name] = full[start : start + size].view(shape).clone()
         return out
@@ -70,10 +84,15 @@ class CheckpointMixin:
     def _expected_state(self, bucket, i: int) -> dict[str, tuple[int, ...]]:
         """The state keys a parameter must carry on load, with their shapes."""
         shape = tuple(bucket.params[i].shape)
-        return {name: shape for name in self._export_names(bucket)}
+        out = {name: shape for name in self._export_names(bucket)}
+        return out if self._stepless(bucket) else {"step": (), **out}
+
+    def _stepless(self, bucket) -> bool:
+        """Whether the bucket's math ignores the step count (torch then keeps none)."""
+        return False
 
     def _export_names(self, bucket) -> list[str]:
-        return self._state_names(bucket)
+        return bucket.state_names
 
     def _export_locals(self, bucket) -> dict[str, torch.Tensor]:
         """Local flat state in fp32 under torch's names, one element per local-slice element.
@@ -100,6 +119,9 @@ class CheckpointMixin:
         `r` only and the other ranks get `{"state": {}, "param_groups": [...]}`;
         `cpu_offload=True` puts the full tensors in CPU memory. Runs inside
         `torch.optim.Optimizer.state_dict`, so state-dict hooks fire as in torch.
+
+        A parameter that never stepped has no entry, as in torch. bf16/fp16 parameters
+        also carry their fp32 master under `MASTER`, a key torch.optim ignores.
         """
         gather = _Gather(self._comm, to_rank, cpu_offload)
         hook = self.register_state_dict_post_hook(lambda opt, sd: opt._fill_state(sd, gather), prepend=True)
@@ -114,14 +136,18 @@ class CheckpointMixin:
         state = {}
         for b in self._buckets:
             flat = {name: gather(t) for name, t in self._export_locals(b).items()}
-            if b.step == 0 or not gather.receives:
+            if b.master is not None:
+                flat[MASTER] = gather(b.master)
+            if not gather.receives:
                 continue
             for i, index in enumerate(b.indices):
-                state[index] = self._param_state(b, i, flat)
+                if b.steps[i] > 0:
+                    state[index] = self._param_state(b, i, flat)
         state_dict["state"] = state
 
     def _validate(self, state_dict: dict) -> dict[int, dict]:
-        """Check everything before anything changes; return the state by param index."""
+        """Check everything that shapes state before anything changes; return the state
+        by param index."""
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("optimizer state dict must have 'state' and 'param_groups'")
         saved = state_dict["param_groups"]
@@ -135,34 +161,45 @@ class CheckpointMixin:
                     f"param group {gi}: state dict has {len(s['params'])} params, "
                     f"optimizer has {len(g['params'])}"
                 )
+            for key in self._structural:
+                if key in s and s[key] != g.get(key):
+                    raise ValueError(
+                        f"param group {gi}: state dict has {key}={s[key]!r}, the optimizer {key}="
+                        f"{g.get(key)!r}; it shapes the state, so build the optimizer with {key}={s[key]!r}"
+                    )
         order = [i for s in saved for i in s["params"]]
+        if len(set(order)) != len(order):
+            raise ValueError("state dict lists a parameter in more than one place")
         position = {saved_id: pos for pos, saved_id in enumerate(order)}
-        by_index = {position[k]: v for k, v in state_dict["state"].items() if k in position}
+        unknown = [k for k in state_dict["state"] if k not in position]
+        if unknown:
+            raise ValueError(f"state dict has state for parameters {unknown} that no param group lists")
+        by_index = {position[k]: v for k, v in state_dict["state"].items()}
         for b in self._buckets:
             present = [i for i, index in enumerate(b.indices) if index in by_index]
-            if present and len(present) != len(b.indices):
-                missing = [b.indices[i] for i in range(len(b.indices)) if i not in present]
-                raise ValueError(f"state dict lacks state for parameters {missing} but has it for others")
             steps = set()
             for i in present:
                 index, st = b.indices[i], by_index[b.indices[i]]
-                for name, shape in self._expected_state(b, i).items():
+                expected = self._expected_state(b, i)
+                if MASTER in st and b.master is not None:  # optional; ignored without a master
+                    expected[MASTER] = tuple(b.params[i].shape)
+                for name, shape in expected.items():
                     if name not in st:
                         raise ValueError(f"parameter {index}: state dict lacks '{name}'")
                     got = tuple(torch.as_tensor(st[name]).shape)
                     if got != shape:
                         raise ValueError(f"parameter {index}: '{name}' has shape {got}, expected {shape}")
-                steps.add(float(st.get("step", 0)))
-            if len(steps) > 1:
+                steps.add(_step_count(st, index))
+            if self._whole_buckets and present and (len(present) != len(b.indices) or len(steps) > 1):
                 raise ValueError(
-                    f"parameters {b.indices} share a bucket but have different steps {sorted(steps)}; "
-                    "they must have been stepped together"
+                    f"parameters {b.indices} share a bucket whose parameters step together, but the state "
+                    f"dict has state for {[b.indices[i] for i in present]} with steps {sorted(steps)}"
                 )
         return by_index
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch-format state (ours or torch's, any world size); refuses bad shapes
-        before modifying anything.
+        """Load torch-format state (ours or torch's, any world size); refuses anything that
+        does not fit before modifying anything.
 
         Runs inside `torch.optim.Optimizer.load_state_dict` (so its hooks fire and a load
         pre-hook may return a new dict): the loading is a pre-hook appended last, which
@@ -195,25 +232,30 @@ class CheckpointMixin:
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
         for b in self._buckets:
+            present = [i for i, index in enumerate(b.indices) if index in by_index]
+            b.steps = [_step_count(by_index[index], index) if index in by_index else 0 for index in b.indices]
+            local = self._export_locals(b)
+            for t in local.values():
+                t.zero_()
+            for i in present:
+                self._load_param_state(b, i, by_index[b.indices[i]], local)
+            self._commit_locals(b, local)
             if b.master is not None:
                 b.master.copy_(b.pbuf.local)
-            if b.indices[0] not in by_index:
-                b.step = 0
-                for t in b.state.values():
-                    t.zero_()
-                continue
-            b.step = int(float(by_index[b.indices[0]].get("step", 0)))
-            local = self._export_locals(b)
-            for i, index in enumerate(b.indices):
-                self._load_param_state(b, i, by_index[index], local)
-            self._commit_locals(b, local)
+                for i in present:
+                    if MASTER in by_index[b.indices[i]]:
+                        self._load_slice(b, i, by_index[b.indices[i]][MASTER], b.master)
 
     def _load_param_state(self, bucket, i: int, state: dict, local: dict[str, torch.Tensor]) -> None:
+        for name, flat in local.items():
+            self._load_slice(bucket, i, state[name], flat)
+
+    @staticmethod
+    def _load_slice(bucket, i: int, full, flat: torch.Tensor) -> None:
+        """Write this rank's piece of parameter `i`'s full tensor `full` into the local `flat`."""
         start, stop = bucket.pbuf.tensor_range(i)
         lo, hi = bucket.pbuf.local_range(i)
-        for name, flat in local.items():
-            full = torch.as_tensor(state[name]).reshape(-1)
-            flat[lo:hi].copy_(full[start:stop])
+        flat[lo:hi].copy_(torch.as_tensor(full).reshape(-1)[start:stop])
 
     # --- sharded format (torch.distributed.checkpoint) ----------------------------
 
@@ -225,7 +267,7 @@ class CheckpointMixin:
         shape = tuple(bucket.params[i].shape)
         start, stop = bucket.pbuf.tensor_range(i)
         lo, hi = bucket.pbuf.local_range(i)
-        if name == "master":
+        if name == MASTER:
             return dcp_piece(shape, start, stop, bucket.master[lo:hi])
         kind, sqrt = self._kind(bucket), name in _SQRT
         if kind == "fp32":
@@ -247,9 +289,9 @@ class CheckpointMixin:
         """
         state = {}
         for b in self._buckets:
-            names = self._export_names(b) + (["master"] if b.master is not None else [])
+            names = self._export_names(b) + ([MASTER] if b.master is not None else [])
             for i, index in enumerate(b.indices):
-                entry = {"step": torch.tensor(float(b.step))}
+                entry = {"step": torch.tensor(float(b.steps[i]))}
                 entry.update({name: self._piece(b, i, name) for name in names})
                 state[str(index)] = entry
         return {"state": state}
@@ -263,7 +305,7 @@ class CheckpointMixin:
         entries = state_dict["state"]
         for b in self._buckets:
             steps = {float(entries[str(index)]["step"]) for index in b.indices}
-            if len(steps) != 1:
+            if self._whole_buckets and len(steps) != 1:
                 raise ValueError(f"parameters {b.indices} share a bucket but have steps {sorted(steps)}")
             for index in b.indices:
                 for name in self._export_names(b):
@@ -273,7 +315,7 @@ class CheckpointMixin:
                             "pass the dict it returned, after dcp.load"
                         )
         for b in self._buckets:
-            b.step = int(float(entries[str(b.indices[0])]["step"]))
+            b.steps = [int(float(entries[str(index)]["step"])) for index in b.indices]
             loaded = {}
             for name in self._export_names(b):
                 for i, index in enumerate(b.indices):

@@ -38,15 +38,18 @@ def q8_unit(p: torch.Tensor) -> int:
     return BLOCK if p.numel() % BLOCK == 0 else p.numel()
 
 
-def new_state(names: list[str], kind: str, n: int, device) -> dict[str, torch.Tensor]:
-    """Zero state for `names`: `name` itself in fp32/bf16, or `name.q` + `name.scales`."""
+def new_state(
+    names: list[str], kind: str, n: int, device, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Zero state for `names`: `name` itself in bf16 or at full precision (`dtype`, the
+    parameters' update precision: fp32, or float64), or `name.q` + `name.scales`."""
     if kind == "q8":
         out = {}
         for name in names:
             out[f"{name}.q"] = torch.zeros(n, dtype=torch.int8, device=device)
             out[f"{name}.scales"] = torch.zeros(-(-n // BLOCK), dtype=torch.float32, device=device)
         return out
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    dtype = torch.bfloat16 if kind == "bf16" else dtype
     return {name: torch.zeros(n, dtype=dtype, device=device) for name in names}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 import torch
+from torch.profiler import record_function
 
 from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
@@ -16,7 +17,8 @@ from ..shard.plan import owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_bucket_step
-from .base import Bucket, ShardedOptimizer
+from .base import ShardedOptimizer
+from .bucket import Bucket
 from .owners import assign_owners, ns_flops
 
 _ADJUST = (None, "original", "match_rms_adamw")
@@ -100,15 +102,16 @@ class _MuonPlan:
                 entry = (True, offsets[t]) if t in moved else (False, m.start - rank * shard)
                 self.batches.setdefault((m.rows, m.cols), []).append(entry)
 
-    def lr_ratio(self, bucket: Bucket, rank: int, adjust_lr_fn) -> torch.Tensor:
-        """Per-element learning-rate adjustment over the local slice (0 on padding)."""
-        shard = bucket.layout.shard_size
-        ratio = torch.zeros(shard, dtype=torch.float32, device=bucket.pbuf.data.device)
-        for m in self.matrices:
-            lo, hi = max(m.start, rank * shard), min(m.start + m.numel, (rank + 1) * shard)
-            if lo < hi:
-                ratio[lo - rank * shard : hi - rank * shard] = adjusted_lr(1.0, adjust_lr_fn, m.rows, m.cols)
-        return ratio
+
+_CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
+
+
+def _chunks(runs, keep: bool = False):
+    """`(lo, hi)` pieces of at most `_CHUNK` elements of each run `(lo, hi, key)` (with
+    the key when `keep`)."""
+    for lo, hi, key in runs:
+        for a in range(lo, hi, _CHUNK):
+            yield (a, min(hi, a + _CHUNK), key) if keep else (a, min(hi, a + _CHUNK))
 
 
 def check_muon_group(group: dict) -> None:
@@ -142,16 +145,19 @@ class Muon(ShardedOptimizer):
     `O = NS(U)` (bf16 Newton–Schulz); `p <- p*(1 - lr*wd) - adjusted_lr*O`.
     3-D parameters are stacks of matrices, 4-D ones `[out, in*kh*kw]` matrices.
 
-    Each step, momentum runs on the whole local slice; every matrix is sent (in bf16,
+    Each step, momentum runs on the local slice; every matrix is sent (in bf16,
     as torch's iteration starts by casting to bf16) to one owner chosen by balancing
     Newton–Schulz FLOPs, orthogonalized there once — batched over equal shapes — and
-    sent back; matrices that already lie whole on their owner are not moved. Groups
-    with `use_muon=False` take AdamW steps with their `lr`, `betas` (the constructor's
+    sent back; matrices that already lie whole on their owner are not moved. A matrix
+    whose parameter takes no step (no gradient on any rank) keeps its momentum and
+    value; it still travels to its owner with the static plan, as zeros. Groups with
+    `use_muon=False` take AdamW steps with their `lr`, `betas` (the constructor's
     `betas`, (0.9, 0.95)), `eps` (1e-8) and `weight_decay`. `betas` lives in those groups
     only, not in `defaults`, so schedulers that cycle momentum (`OneCycleLR`, `CyclicLR`)
     cycle `momentum` as they do for `torch.optim.Muon`. Every group is checked at
     construction (`momentum` in [0, 1), betas in [0, 1), ...). `state_bits` (32, 16 or 8)
-    stores momentum and moments as in `AdamW`.
+    stores momentum and moments as in `AdamW`. Hyperparameters, `adjust_lr_fn` included,
+    are read from `param_groups` at every step.
     """
 
     def __init__(
@@ -172,6 +178,7 @@ class Muon(ShardedOptimizer):
         bucket_cap_numel: int = 64 * 1024 * 1024,
         ns_backend: str = "auto",
         state_bits: int = 32,
+        sync_params: bool = True,
     ):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -193,14 +200,12 @@ class Muon(ShardedOptimizer):
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel,
+            bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}
-        self._ratios: dict[int, torch.Tensor] = {}
         for k, b in enumerate(self._buckets):
             if b.group["use_muon"]:
                 self._plans[k] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
-                self._ratios[k] = self._plans[k].lr_ratio(b, self.rank, b.group["adjust_lr_fn"])
         # One assignment over every matrix of the step, so the step's total is balanced.
         plans = list(self._plans.values())
         costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
@@ -231,17 +236,30 @@ class Muon(ShardedOptimizer):
                         f"shape {tuple(p.shape)}; put it in a group with use_muon=False (AdamW)"
                     )
 
+    _structural = ("use_muon",)
+
     def _unit(self, p: torch.Tensor, group: dict) -> int:
         return p.shape[-1] if group["use_muon"] else 1
 
     def _state_names(self, bucket: Bucket) -> list[str]:
         return ["momentum_buffer"] if bucket.group["use_muon"] else ["exp_avg", "exp_avg_sq"]
 
+    def _stepless(self, bucket: Bucket) -> bool:
+        return bucket.group["use_muon"]
+
+    def _check_group(self, gi: int, group: dict) -> str | None:
+        try:
+            check_muon_group(group)
+        except ValueError as e:
+            return f"param group {gi}: {e}"
+        return None
+
     def _step_buckets(self) -> None:
         muon, pending = [], []
         self.orthogonalized = 0
         for k, b in enumerate(self._buckets):
-            b.step += 1
+            if not b.any_active:
+                continue
             if k not in self._plans:
                 adamw_bucket_step(b, self._kind(b), b.local_grads())
                 continue
@@ -252,26 +270,42 @@ class Muon(ShardedOptimizer):
         for k, b, update, received, handle in muon:
             handle.wait()
             plan = self._plans[k]
-            self._orthogonalize(plan, b.group, update, received)
+            with record_function("vescale_optim.newton_schulz"):
+                self._orthogonalize(plan, b.group, update, received)
             pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
         for h in pending:
             h.wait()
-        for k, b, update, _, _ in muon:
-            g = b.group
-            params = b.local_params
-            params.mul_(1 - float(g["lr"]) * g["weight_decay"])
-            params.addcmul_(self._ratios[k] * float(g["lr"]), update, value=-1.0)
-        self._gather_params()
+        for _, b, update, _, _ in muon:
+            self._apply(b, update)
+        self._gather_params([b for b in self._buckets if b.any_active])
 
     def _momentum(self, b: Bucket) -> torch.Tensor:
-        """Momentum on the local slice; returns the (nesterov) update in bf16."""
+        """Momentum on the active runs of the local slice; returns the (nesterov) update
+        in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
         g = b.group
-        grad, kind = b.local_grads(), self._kind(b)
+        mu, grad, kind = g["momentum"], b.local_grads(), self._kind(b)
         buf = lowbit.decode(b.state, "momentum_buffer", kind)
-        buf.lerp_(grad, 1 - g["momentum"])
-        update = (grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf).bfloat16()
+        runs = list(b.runs(key=lambda i: True))
+        whole = [(lo, hi) for lo, hi, _ in runs] == [(0, buf.numel())]
+        update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
+        if not whole:
+            update.zero_()
+        for lo, hi in _chunks(runs):
+            m, gr = buf[lo:hi], grad[lo:hi]
+            m.lerp_(gr, 1 - mu)
+            update[lo:hi].copy_(gr.lerp(m, mu) if g["nesterov"] else m)
         lowbit.encode_(b.state, "momentum_buffer", kind, buf)
         return update
+
+    def _apply(self, b: Bucket, update: torch.Tensor) -> None:
+        """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the active runs, with one adjusted
+        learning rate per run of parameters that share it (a scalar, as in torch)."""
+        g, params = b.group, b.local_params
+        lr, decay = float(g["lr"]), 1 - float(g["lr"]) * g["weight_decay"]
+        shapes = [matrix_view(tuple(p.shape))[1:] for p in b.params]
+        runs = b.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
+        for lo, hi, alr in _chunks(runs, keep=True):
+            params[lo:hi].mul_(decay).add_(update[lo:hi], alpha=-alr)
 
     def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
         """Newton–Schulz on every matrix this rank owns, batched by shape, in place."""

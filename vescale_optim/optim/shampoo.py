@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-import os
 import warnings
 
 import torch
@@ -11,6 +9,7 @@ import torch
 from ..shard import all_reduce_
 from ..shard.plan import owner_offsets
 from ._checks import check_params_arg
+from ._guards import caller_stacklevel
 from ._shampoo_math import (
     Tile,
     balance,
@@ -23,18 +22,10 @@ from ._shampoo_math import (
     tiles_of,
 )
 from ._shampoo_tiles import FACTORS, BucketTiles
-from .base import Bucket, ShardedOptimizer
+from .base import ShardedOptimizer
+from .bucket import Bucket
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
-
-
-def _caller_stacklevel() -> int:
-    """`warnings.warn`'s stacklevel of the first caller outside torch and this package."""
-    inside = tuple(os.path.join(os.path.dirname(f), "") for f in (torch.__file__, os.path.dirname(__file__)))
-    frame, level = inspect.currentframe().f_back, 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Shampoo(ShardedOptimizer):
@@ -94,6 +85,7 @@ class Shampoo(ShardedOptimizer):
         process_group=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
+        sync_params: bool = True,
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
@@ -107,7 +99,7 @@ class Shampoo(ShardedOptimizer):
         self._kept, self._refreshed = 0, False
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel,
+            bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
         )  # fmt: skip
         self._plan_tiles()
 
@@ -119,6 +111,9 @@ class Shampoo(ShardedOptimizer):
         check_hyperparameters(group)
 
     # --- hooks ----------------------------------------------------------------------
+
+    _whole_buckets = True  # a bucket's tiles step together, with one step count
+    _structural = ("max_preconditioner_dim", "grafting")
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
         return stripe_unit(tuple(p.shape), group["max_preconditioner_dim"])
@@ -164,7 +159,7 @@ class Shampoo(ShardedOptimizer):
                 f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor was not "
                 f"finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
                 f"({self.kept_roots} kept so far, see kept_roots)",
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
 
     # --- tile placement -------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""Ranks start from rank 0's parameters (as with DDP), and every optimizer runs on a
+subgroup of the world, where group ranks and global ranks differ."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from _adamw_cases import groups, make_params, set_grads
+from test_adamw import SKIP, STEPS
+from test_adamw import reference as adamw_reference
+from test_muon import STEPS as MUON_STEPS
+from test_muon import grad as muon_grad
+from test_muon import make_params as muon_params
+from test_muon import reference as muon_reference
+
+import vescale_optim as vo
+
+OPTIMIZERS = {
+    "adamw": lambda ps, **kw: vo.AdamW(ps, **kw),
+    "muon": lambda ps, **kw: vo.Muon([{"params": ps[:3]}, {"params": ps[3:], "use_muon": False}], **kw),
+    "shampoo": lambda ps, **kw: vo.Shampoo(ps, max_preconditioner_dim=4, **kw),
+}
+
+
+def _model():
+    """Seeded by the caller; the last layer is frozen at construction."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5), torch.nn.Linear(5, 3))
+    model[2].requires_grad_(False)
+    return model
+
+
+def _init(kind, sync):
+    torch.manual_seed(dist.get_rank())  # every rank its own initial weights, as under torchrun
+    model = _model()
+    weights, biases = [m.weight for m in model], [m.bias for m in model]
+    OPTIMIZERS[kind](weights + biases, sync_params=sync)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_every_rank_starts_from_rank_0s_parameters(world, kind):
+    synced = world(3).run(_init, kind, True)
+    torch.manual_seed(0)
+    want = [p.detach() for p in _model().parameters()]
+    for res in synced:
+        assert all(torch.equal(a, b) for a, b in zip(res, want))  # frozen parameters too
+    unsynced = world(3).run(_init, kind, False)
+    assert not torch.equal(unsynced[1][0], want[0])
+
+
+def _bf16_master_after_sync():
+    torch.manual_seed(dist.get_rank())
+    model = _model().bfloat16()
+    opt = vo.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    opt.step()  # p <- master * (1 - lr*wd): the masters must hold rank 0's values
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_masters_are_taken_after_the_broadcast(world):
+    torch.manual_seed(0)
+    model = _model().bfloat16()
+    opt = vo.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    opt.step()
+    for res in world(3).run(_bf16_master_after_sync):
+        assert all(torch.equal(a, b.detach()) for a, b in zip(res, model.parameters()))
+
+
+# --- a subgroup: ranks 1, 2, 3 of a world of 4 ---------------------------------------------
+
+
+def _on_subgroup(kind):
+    rank = dist.get_rank()
+    sub = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    me = dist.get_rank(sub)
+    if kind == "adamw":
+        params = make_params()
+        with torch.no_grad():
+            for p in params:
+                p.add_(rank - 1)  # different on ranks 2 and 3: group rank 0 (global rank 1) wins
+        opt = vo.AdamW(groups(params), process_group=sub)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t)
+        for t in range(STEPS):
+            set_grads(params, t, me, skip=SKIP.get(t, ()))
+            opt.step()
+            sched.step()
+        return [p.detach().clone() for p in params]
+    muon, adam = muon_params()
+    opt = vo.Muon(
+        [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01, "weight_decay": 0.05}],
+        lr=0.02, weight_decay=0.1, bucket_cap_numel=64, process_group=sub,
+    )  # fmt: skip
+    for t in range(MUON_STEPS):
+        for i, p in enumerate(muon + adam):
+            p.grad = muon_grad(p.shape, t, me, i)
+        opt.step()
+    return [p.detach().clone() for p in muon + adam]
+
+
+def test_adamw_on_a_subgroup_equals_torch(world):
+    results = world(4).run(_on_subgroup, "adamw", timeout=60)
+    ref, _, _ = adamw_reference(3)
+    for res in results[1:]:
+        for got, want in zip(res, ref):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_muon_on_a_subgroup_equals_torch(world):
+    results = world(4).run(_on_subgroup, "muon", timeout=60)
+    want, _ = muon_reference(3, None, True)
+    for res in results[1:]:
+        for got, ref in zip(res, want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
