@@ -41,12 +41,16 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-import triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import sm_arch_from_capability
-from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
+
+try:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+except ImportError as e:
+    raise ImportError(f"the AOT build needs Triton (pip install vescale_optim[triton]): {e}") from e
 
 from . import _ns_triton, _quant_triton
 from ._triton_common import INTERPRET, Launch
