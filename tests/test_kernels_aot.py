@@ -170,7 +170,7 @@ def test_tensor_core_instructions_are_recognised():
     assert aot.tensor_core_ops("\tfma.rn.f32 %f1, %f2, %f3, %f4;") is None
 
 
+@pytest.mark.skipif(not aot.INTERPRET, reason="TRITON_INTERPRET=0 was set")
 def test_build_refuses_the_interpreter(tmp_path):
-    assert aot.INTERPRET  # conftest sets TRITON_INTERPRET=1
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         aot.build(tmp_path)
