@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with an NVIDIA GPU, in under 8 minutes:
-#   1. environment (GPU, driver, torch, triton);
+#   1. set-up and environment (GPU, driver, torch, triton);
 #   2. the kernel tests compiled on the GPU (TRITON_INTERPRET=0: the same cases the
 #      interpreter runs in CI, against the same CPU references);
 #   3. benchmarks/kernels.py: Triton vs the torch path vs torch.compile of the torch path,
@@ -12,15 +12,18 @@
 #   bash benchmarks/gpu_check.sh --dry-run [OUT]  # print the stages, run nothing
 #   bash benchmarks/gpu_check.sh --cpu [OUT]      # rehearse every stage on CPU (interpreter, no Triton rows)
 #
-# Each stage has a time limit (30 + 150 + 210 + 60 s); a stage that fails or times out is
-# reported and the next one still runs. The exit status is 0 only when every stage passed.
+# Python: $PYTHON, else .venv/bin/python, else python3 (a machine with torch, triton, pytest
+# and hypothesis installed is enough: the first stage installs this package in editable
+# mode, offline, if it is not importable). Each stage has a time limit (45 + 150 + 200 + 60 s);
+# a stage that fails or times out is reported and the next one still runs. The exit status
+# is 0 only when every stage passed.
 set -uo pipefail
 
 MODE=gpu
 case "${1:-}" in
   --dry-run) MODE=dry; shift ;;
   --cpu) MODE=cpu; shift ;;
-  -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
 esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-$ROOT/benchmarks/results/gpu_check}
@@ -35,9 +38,9 @@ else
 fi
 KERNEL_TESTS=(tests/test_kernels_ns.py tests/test_kernels_quant.py tests/test_kernels_no_triton.py)
 STAGES=(env tests kernels steps)
-declare -A LIMIT=([env]=30 [tests]=150 [kernels]=210 [steps]=60)
+declare -A LIMIT=([env]=45 [tests]=150 [kernels]=200 [steps]=60)
 declare -A CMD=(
-  [env]="$PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__); print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else \"none\")'; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true"
+  [env]="($PY -c 'import vescale_optim.kernels' 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e .) && $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__); print(\"device\", torch.cuda.get_device_name() if torch.cuda.is_available() else \"none\")' && (nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true)"
   [tests]="TRITON_INTERPRET=$INTERPRET HYPOTHESIS_PROFILE=ci $PY -m pytest -q -p no:cacheprovider ${KERNEL_TESTS[*]}"
   [kernels]="$PY benchmarks/kernels.py ${KERNEL_FLAGS[*]} --sections kernels --out $OUT/kernels.json"
   [steps]="$PY benchmarks/kernels.py ${KERNEL_FLAGS[*]} --sections steps --out $OUT/steps.json"
