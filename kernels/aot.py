@@ -6,9 +6,10 @@ The launchers plan each launch before running it (``*_launch`` in ``_ns_triton``
 ``_quant_triton``); here the same planning runs on meta tensors over a sweep of inputs,
 so every tile size, ``num_warps``, ``num_stages`` and dtype the dispatcher can choose
 appears, with the argument specializations (divisibility by 16, unit strides) a real
-launch would get. Each distinct kernel is compiled with ``triton.compile`` for each
-architecture; its PTX goes to ``DIR`` and its registers and spills come from ``ptxas -v``
-(Triton's bundled ``ptxas``, with the flags Triton passes it).
+launch would get: they come from Triton's own launch binder (an internal API, written
+against the pinned Triton 3.7). Each distinct kernel is compiled with ``triton.compile``
+for each architecture; its PTX goes to ``DIR``, and its registers and spills come from the
+``ptxas -v`` report of the bundled ``ptxas`` that Triton runs to build the cubin.
 
 ``DIR/report.json`` holds one record per (kernel, config, arch); the same is printed as a
 Markdown table. The exit status is 1 when a kernel fails to compile, asks for more shared
@@ -57,7 +58,9 @@ from ._triton_common import INTERPRET, Launch
 from .newton_schulz import DEFAULT_COEFFICIENTS
 from .quant import MAX_TRITON_BLOCK
 
-__all__ = ["SMEM_LIMIT", "Case", "build", "cases", "check", "main", "ptxas_usage"]
+__all__ = [
+    "SMEM_LIMIT", "Case", "build", "cases", "check", "main", "markdown", "ptxas_usage", "tensor_core_ops",
+]
 
 SMEM_LIMIT = {80: 166912, 90: 232448}
 """Bytes of shared memory one block may use, by compute capability (see the module docstring)."""
@@ -168,7 +171,7 @@ def _signature_text(signature: dict, constexprs: dict, attrs: dict, names: Seque
     return ", ".join(parts)
 
 
-def plan(archs: Sequence[int], case_list: Sequence[Case], out: Path) -> list[_Job]:
+def _plan(archs: Sequence[int], case_list: Sequence[Case], out: Path) -> list[_Job]:
     """One job per distinct (kernel, specialization, options, arch), with the inputs that reach it."""
     jobs: dict[str, _Job] = {}
     binders: dict = {}
@@ -270,7 +273,7 @@ def build(out: Path, archs: Sequence[int] = (80, 90), case_list: Sequence[Case] 
     if unknown:
         raise ValueError(f"unsupported architectures {sorted(unknown)}; known: {sorted(SMEM_LIMIT)}")
     out.mkdir(parents=True, exist_ok=True)
-    todo = plan(archs, list(cases() if case_list is None else case_list), out)
+    todo = _plan(archs, list(cases() if case_list is None else case_list), out)
     workers = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
     if workers == 1:
         records = [_compile(job) for job in todo]
