@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORLD_SIZE ?= 4
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench aot gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ bench: setup
 	$(PY) benchmarks/shampoo.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/kernels.py
+
+aot: setup
+	env -u TRITON_INTERPRET $(PY) -m vescale_optim.kernels.aot --out build/aot
+
+gpu-check: setup
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,43 +1,62 @@
-"""Kernel throughput: Newton–Schulz (Triton vs torch) and the fused 8-bit AdamW update.
+"""Kernel throughput: Triton vs the torch reference vs ``torch.compile`` of the torch reference,
+and the optimizers' step on one device (world size 1).
 
-Newton–Schulz is timed for 5 steps at Muon's coefficients. TFLOP/s counts the dense
-work of the torch iteration per matrix (``p <= q``): ``X Xᵀ`` ``2p²q``, ``A²`` ``2p³``,
-``B X`` ``2p²q`` per step — the Triton path skips the lower triangles of the two
-symmetric products (about a quarter of the work when ``p = q``), so its rate on this
-count can exceed what the tensor cores run. The fraction is of an assumed dense bf16
-peak looked up from the device name.
+Kernel rows (``backend``: ``triton``, ``torch``, ``compile`` = ``torch.compile`` of the torch path):
 
-The 8-bit update counts the bytes one step must move: fp32 parameter read + written,
-gradient read, two int8 moments read + written, two fp32 scales per block read +
-written; GB/s is that over the median time, compared with an assumed HBM bandwidth.
+- ``newton_schulz``, 5 steps at Muon's coefficients. TFLOP/s counts the dense work of the
+  torch iteration per matrix (``p <= q``): ``X Xᵀ`` ``2p²q``, ``A²`` ``2p³``, ``B X``
+  ``2p²q`` per step. The Triton path skips the lower triangles of the two symmetric
+  products (about a quarter of the work when ``p = q``), so its rate on this count can
+  exceed what the tensor cores run.
+- ``quantize`` / ``dequantize`` / ``adamw8bit`` at 256-element blocks. GB/s counts the
+  bytes a call must move (the 8-bit update: fp32 parameter read + written, gradient read,
+  two int8 moments read + written, two fp32 scales per block read + written).
 
-On CUDA both backends run at the sizes of the brief (4096², 8x2048², 1024x4096; 2**28
-parameters). On CPU only the torch reference runs, at small sizes so it finishes in
-well under a minute; the Triton rows need a GPU.
+``% of peak`` is against an assumed dense bf16 tensor-core rate and HBM bandwidth looked up
+from the device name (vendor sheets, SXM parts). ``max |diff|`` is against the torch path
+on the same input (Newton–Schulz: bf16 values; quantize: int8 codes; the update: the
+parameter after one step); ``first call s`` includes Triton's JIT or ``torch.compile``.
 
-    python benchmarks/kernels.py               # medians of 5 runs
-    python benchmarks/kernels.py --repeats 9
+Step rows: ``vo.AdamW`` (32- and 8-bit state), ``vo.Muon`` and ``vo.Shampoo`` on a stack of
+square linear layers, against ``torch.optim.AdamW`` / ``torch.optim.Muon`` on a copy of the
+same model and data: median step time, and the largest parameter difference after the
+same steps (the 8-bit AdamW and Shampoo rows are compared with fp32 AdamW, for scale only).
+
+On CUDA everything runs at the sizes below. On CPU only the torch and ``torch.compile``
+rows run, at small sizes, with no peaks (the Triton interpreter is not a benchmark).
+
+    python benchmarks/kernels.py                    # medians of 5 runs
+    python benchmarks/kernels.py --quick            # fewer repeats (benchmarks/gpu_check.sh)
+    python benchmarks/kernels.py --no-compile --sections steps --out steps.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import functools
+import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import vescale_optim as vo  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 from vescale_optim.kernels import (  # noqa: E402
     adamw8bit_update_,
+    dequantize_blockwise,
     newton_schulz,
+    quant,
     quantize_blockwise,
 )
 
@@ -52,6 +71,8 @@ PEAKS = {
 }
 NS_STEPS = 5
 BLOCK_SIZE = 256
+STEP_COLUMNS = ["optimizer", "params", "ms/step", "time / ref", "vs", "max |diff|", "first step s"]
+COLUMNS = ["kernel", "shape", "backend", "ms", "first call s", "TFLOP/s", "GB/s", "% of peak", "max |diff|"]
 
 
 def assumed_peaks(device: torch.device) -> tuple[str, float | None, float | None]:
@@ -64,132 +85,234 @@ def assumed_peaks(device: torch.device) -> tuple[str, float | None, float | None
     return name, None, None
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` after one warm-up call (compilation, caches)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(median seconds of ``fn``, seconds of the first call, which compiles)."""
+    start = time.perf_counter()
     fn()
-    sync()
+    _sync(device)
+    first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        sync()
+        _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), first
 
 
 def ns_flops(shape: tuple[int, ...]) -> float:
     *batch, m, n = shape
     p, q = min(m, n), max(m, n)
-    return NS_STEPS * (4 * p * p * q + 2 * p**3) * (torch.Size(batch).numel())
+    return NS_STEPS * (4 * p * p * q + 2 * p**3) * torch.Size(batch).numel()
 
 
 def update_bytes(n: int, grad_bytes: int) -> int:
     return n * (4 + 4 + grad_bytes + 2 + 2) + 2 * 2 * 4 * -(-n // BLOCK_SIZE)
 
 
+def _row(kernel, shape, backend, seconds, first, peak, *, flops=None, nbytes=None, diff=None) -> dict:
+    rate = flops / seconds / 1e12 if flops else nbytes / seconds / 1e9
+    scale = 1.0 if flops else 1e3  # TFLOP/s vs TFLOP/s; GB/s vs TB/s
+    return {
+        "kernel": kernel, "shape": shape, "backend": backend, "ms": seconds * 1e3, "first call s": first,
+        "TFLOP/s": rate if flops else None, "GB/s": None if flops else rate,
+        "% of peak": None if peak is None else 100 * rate / (peak * scale), "max |diff|": diff,
+    }
+
+
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
 def bench_newton_schulz(shapes, backends, device, repeats, peak_tflops) -> list[dict]:
     rows = []
+    torch_ns = functools.partial(newton_schulz, backend="torch")
+    fns = {"triton": functools.partial(newton_schulz, backend="triton"), "torch": torch_ns,
+           "compile": _compiled(torch_ns)}
     for shape in shapes:
         x = torch.randn(shape, device=device, dtype=torch.bfloat16)
-        reference = newton_schulz(x, backend="torch")
+        reference = torch_ns(x)
         for backend in backends:
-            out = newton_schulz(x, backend=backend)
-            run = functools.partial(newton_schulz, x, backend=backend)
-            seconds = median_seconds(run, device, repeats)
-            tflops = ns_flops(shape) / seconds / 1e12
-            rows.append(
-                {
-                    "kernel": "newton_schulz",
-                    "shape": "x".join(map(str, shape)),
-                    "backend": backend,
-                    "ms": seconds * 1e3,
-                    "TFLOP/s": tflops,
-                    "GB/s": None,
-                    "% of peak": None if peak_tflops is None else 100 * tflops / peak_tflops,
-                    "max abs diff vs torch": None
-                    if backend == "torch"
-                    else (out.float() - reference.float()).abs().max().item(),
-                }
-            )
+            seconds, first = timed(functools.partial(fns[backend], x), device, repeats)
+            diff = None if backend == "torch" else _max_diff(fns[backend](x), reference)
+            rows.append(_row("newton_schulz", "x".join(map(str, shape)), backend, seconds, first,
+                             peak_tflops, flops=ns_flops(shape), diff=diff))
     return rows
 
 
-def update_runner(grad: torch.Tensor, backend: str) -> Callable[[], None]:
-    """One 8-bit AdamW step per call on fresh state, the step count advancing."""
-    param = torch.randn_like(grad)
+def bench_quantization(n, backends, device, repeats, peak_tbps) -> list[dict]:
+    rows = []
+    x = torch.randn(n, device=device)
+    q_ref, s_ref = quantize_blockwise(x, BLOCK_SIZE, backend="torch")
+    dq_ref = dequantize_blockwise(q_ref, s_ref, BLOCK_SIZE, backend="torch")
+    scales = 4 * -(-n // BLOCK_SIZE)
+    for backend in backends:
+        b = "torch" if backend == "compile" else backend
+        quant = functools.partial(quantize_blockwise, block_size=BLOCK_SIZE, backend=b)
+        dequant = functools.partial(dequantize_blockwise, block_size=BLOCK_SIZE, backend=b)
+        if backend == "compile":
+            quant, dequant = _compiled(quant), _compiled(dequant)
+        seconds, first = timed(functools.partial(quant, x), device, repeats)
+        diff = None if backend == "torch" else _max_diff(quant(x)[0], q_ref)
+        rows.append(_row("quantize", str(n), backend, seconds, first, peak_tbps,
+                         nbytes=n * (4 + 1) + scales, diff=diff))
+        seconds, first = timed(functools.partial(dequant, q_ref, s_ref), device, repeats)
+        diff = None if backend == "torch" else _max_diff(dequant(q_ref, s_ref), dq_ref)
+        rows.append(_row("dequantize", str(n), backend, seconds, first, peak_tbps,
+                         nbytes=n * (1 + 4) + scales, diff=diff))
+    return rows
+
+
+def _update_state(grad: torch.Tensor) -> list[torch.Tensor]:
+    g = torch.Generator(device=grad.device).manual_seed(1)
+    param = torch.randn(grad.shape, generator=g, device=grad.device)
     qm, sm = quantize_blockwise(0.1 * grad, BLOCK_SIZE)
     qv, sv = quantize_blockwise(0.1 * grad.abs(), BLOCK_SIZE)
-    steps = iter(range(1, 1 << 30))
-
-    def run() -> None:
-        adamw8bit_update_(
-            param, grad, qm, sm, qv, sv, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.1, step=next(steps), block_size=BLOCK_SIZE, backend=backend,
-        )
-
-    return run
+    return [param, grad, qm, sm, qv, sv]
 
 
 def bench_update(n, backends, device, repeats, peak_tbps) -> list[dict]:
+    """One 8-bit AdamW step per call at a fixed step count (the work does not depend on it,
+    and a changing one would recompile the compiled path). The compiled torch path takes the
+    whole shard as one chunk (the reference chunks only to bound its temporaries)."""
     rows = []
     grad = torch.randn(n, device=device)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE, step=10)
+    reference = _update_state(grad)
+    adamw8bit_update_(*reference, backend="torch", **hyper)
     for backend in backends:
-        seconds = median_seconds(update_runner(grad, backend), device, repeats)
-        gbps = update_bytes(n, grad.element_size()) / seconds / 1e9
-        rows.append(
-            {
-                "kernel": "adamw8bit_update_",
-                "shape": str(n),
-                "backend": backend,
-                "ms": seconds * 1e3,
-                "TFLOP/s": None,
-                "GB/s": gbps,
-                "% of peak": None if peak_tbps is None else 100 * gbps / (peak_tbps * 1e3),
-                "max abs diff vs torch": None,
-            }
-        )
+        whole = backend == "compile"
+        update = functools.partial(adamw8bit_update_, backend="torch" if whole else backend, **hyper)
+        with mock.patch.object(quant, "_CHUNK_ELEMENTS", n) if whole else contextlib.nullcontext():
+            if whole:
+                update = _compiled(update)
+            state = _update_state(grad)
+            seconds, first = timed(functools.partial(update, *state), device, repeats)
+            check = _update_state(grad)
+            update(*check)
+        diff = None if backend == "torch" else _max_diff(check[0], reference[0])
+        rows.append(_row("adamw8bit", str(n), backend, seconds, first, peak_tbps,
+                         nbytes=update_bytes(n, grad.element_size()), diff=diff))
     return rows
 
 
-def main() -> None:
+def _layers(width: int, depth: int, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(depth)]).to(device)
+
+
+def _run_steps(model, opt, x, steps, device) -> list[float]:
+    times = []
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        opt.zero_grad()
+    return times
+
+
+def bench_steps(width, depth, device, repeats) -> list[dict]:
+    """Each optimizer on its own copy of one model, the same batch every step; the first
+    step (allocation, JIT) is left out of the median."""
+    base = _layers(width, depth, device)
+    x = torch.randn(64, width, device=device)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)
+    muon = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    cases = {
+        "torch.optim.AdamW": (lambda p: torch.optim.AdamW(p, **kw, **fused), None),
+        "vo.AdamW": (lambda p: vo.AdamW(p, **kw), "torch.optim.AdamW"),
+        "vo.AdamW 8-bit": (lambda p: vo.AdamW(p, **kw, state_bits=8), "torch.optim.AdamW"),
+        "vo.Shampoo": (lambda p: vo.Shampoo(p, **kw), "torch.optim.AdamW"),
+        "torch.optim.Muon": (lambda p: torch.optim.Muon(p, **muon), None),
+        "vo.Muon": (lambda p: vo.Muon(p, **muon), "torch.optim.Muon"),
+    }
+    finals, rows = {}, []
+    for name, (make, reference) in cases.items():
+        model = copy.deepcopy(base)
+        times = _run_steps(model, make(model.parameters()), x, repeats + 1, device)
+        finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        seconds = statistics.median(times[1:])
+        rows.append({
+            "optimizer": name, "params": finals[name].numel(), "ms/step": seconds * 1e3,
+            "first step s": times[0], "vs": reference,
+            "max |diff|": None if reference is None else _max_diff(finals[name], finals[reference]),
+        })
+    for row in rows:
+        if row["vs"]:
+            ref = next(r for r in rows if r["optimizer"] == row["vs"])
+            row["time / ref"] = row["ms/step"] / ref["ms/step"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (median)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="3 repeats, fewer shapes, smaller step model")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--sections", nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"],
+                        help="kernel rows, optimizer step rows, or both (default)")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/kernels.json)")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else args.repeats
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name, peak_tflops, peak_tbps = assumed_peaks(device)
+    torch.manual_seed(0)
     if device.type == "cuda":
         backends = ["triton", "torch"]
-        shapes = [(4096, 4096), (8, 2048, 2048), (1024, 4096)]
-        n = 1 << 28
+        shapes = [(4096, 4096), (8, 2048, 2048), (1024, 4096)] + ([] if args.quick else [(64, 128, 128)])
+        n, width, depth = 1 << 28, (1024 if args.quick else 2048), 8
     else:
-        torch.manual_seed(0)
         backends = ["torch"]
         shapes = [(256, 256), (4, 128, 128), (128, 512)]
-        n = 1 << 20
+        n, width, depth = 1 << 20, 128, 4
+    if not args.no_compile:
+        backends.append("compile")
 
-    rows = bench_newton_schulz(shapes, backends, device, args.repeats, peak_tflops)
-    rows += bench_update(n, backends, device, args.repeats, peak_tbps)
+    rows, steps = [], []
+    if "kernels" in args.sections:
+        rows += bench_newton_schulz(shapes, backends, device, repeats, peak_tflops)
+        rows += bench_quantization(n, backends, device, repeats, peak_tbps)
+        rows += bench_update(n, backends, device, repeats, peak_tbps)
+    if "steps" in args.sections:
+        steps = bench_steps(width, depth, device, repeats)
 
-    print(f"device: {name}; assumed peaks: bf16 {peak_tflops} TFLOP/s dense, HBM {peak_tbps} TB/s")
-    print(table(rows))
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"device: {name}; assumed peaks: bf16 {peak_tflops} TFLOP/s dense, HBM {peak_tbps} TB/s; "
+          f"load average {load}")
+    if rows:
+        print(table(rows, COLUMNS))
+    if steps:
+        print(f"\noptimizer step, {depth} linear layers {width}x{width}, world size 1:")
+        print(table(steps, STEP_COLUMNS))
     if device.type != "cuda":
-        print("\nTriton rows (and % of peak) need a CUDA GPU: only the torch reference ran here.")
-    path = save_json(
-        "kernels",
-        {
-            "env": environment(),
-            "device": name,
-            "assumed_peak_bf16_tflops": peak_tflops,
-            "assumed_peak_hbm_tbps": peak_tbps,
-            "ns_steps": NS_STEPS,
-            "block_size": BLOCK_SIZE,
-            "repeats": args.repeats,
-            "rows": rows,
-        },
-    )
+        print("\nTriton rows and % of peak need a CUDA GPU: the torch path (and its compiled form) ran here.")
+    result = {
+        "env": environment(), "device": name, "load_average": load,
+        "assumed_peak_bf16_tflops": peak_tflops, "assumed_peak_hbm_tbps": peak_tbps,
+        "ns_steps": NS_STEPS, "block_size": BLOCK_SIZE, "repeats": repeats, "rows": rows, "steps": steps,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        path = args.out
+    else:
+        path = save_json("kernels", result)
     print(f"\nwrote {path}")
+    return result
 
 
 if __name__ == "__main__":

@@ -22,16 +22,21 @@ hardware.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import INTERPRET, cast_rne, device_of
+from ._triton_common import INTERPRET, Launch, cast_rne, device_of
 from .newton_schulz import as_stack
 
-__all__ = ["INTERPRET", "newton_schulz_triton", "poly", "syrk"]
+__all__ = [
+    "INTERPRET", "newton_schulz_launches", "newton_schulz_triton", "poly", "poly_config", "poly_launch",
+    "syrk", "syrk_config", "syrk_launch",
+]
+
 
 @triton.jit
 def _syrk_kernel(
@@ -124,6 +129,9 @@ def _poly_kernel(
     tl.store(out_ptrs, cast_rne(out, tl.bfloat16, INTERPRETED), mask=mask)
 
 
+_ALIGN = 16
+
+
 @functools.lru_cache(maxsize=64)
 def _upper_tiles(num_tiles: int, device: torch.device) -> Tensor:
     """Interleaved (i, j) pairs of the tiles with i <= j, row by row."""
@@ -134,41 +142,105 @@ def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
+def syrk_config(P: int, K: int, block: int | None = None, block_k: int | None = None) -> dict:
+    """Tiles, warps and stages of ``syrk`` on ``(P, K)`` matrices (the one place they are chosen)."""
+    block = block or _pow2_clamp(P, 16, 128)
+    block_k = block_k or _pow2_clamp(K, 16, 64)
+    return dict(BLOCK=block, BLOCK_K=block_k, num_warps=8 if block >= 128 else 4, num_stages=3)
+
+
+def poly_config(P: int, Q: int, block_m: int | None = None, block_n: int | None = None,
+                block_k: int | None = None) -> dict:
+    """Tiles, warps and stages of ``poly`` for ``B (P, P)`` times ``X (P, Q)``."""
+    block_m = block_m or _pow2_clamp(P, 16, 128)
+    block_n = block_n or _pow2_clamp(Q, 16, 128)
+    block_k = block_k or _pow2_clamp(P, 16, 64)
+    return dict(GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+
+
+def syrk_launch(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
+                C: Tensor | None = None, block: int | None = None, block_k: int | None = None) -> Launch:
+    """The launch of ``syrk`` (see there), planned but not run."""
+    nb, P, K = L.shape
+    config = syrk_config(P, K, block, block_k)
+    tiles = _upper_tiles(triton.cdiv(P, config["BLOCK"]), L.device)
+    c = out if C is None else C
+    args = (L, c, out, tiles, P, K, *L.stride(), *c.stride(), *out.stride(), alpha, beta)
+    return Launch(_syrk_kernel, (tiles.shape[0], nb), args,
+                  dict(HAS_C=C is not None, INTERPRETED=INTERPRET, **config))
+
+
 def syrk(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
          C: Tensor | None = None, block: int | None = None, block_k: int | None = None) -> Tensor:
     """``out = alpha * L Lᵀ (+ beta * C)`` for stacks ``L (B, P, K)``, symmetric ``C (B, P, P)``."""
-    nb, P, K = L.shape
-    block = block or _pow2_clamp(P, 16, 128)
-    block_k = block_k or _pow2_clamp(K, 16, 64)
-    tiles = _upper_tiles(triton.cdiv(P, block), L.device)
-    c = out if C is None else C
-    _syrk_kernel[(tiles.shape[0], nb)](
-        L, c, out, tiles, P, K,
-        *L.stride(), *c.stride(), *out.stride(),
-        alpha, beta,
-        HAS_C=C is not None, INTERPRETED=INTERPRET, BLOCK=block, BLOCK_K=block_k,
-        num_warps=8 if block >= 128 else 4, num_stages=3,
-    )
+    syrk_launch(L, out, alpha=alpha, beta=beta, C=C, block=block, block_k=block_k)()
     return out
+
+
+def poly_launch(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = None,
+                block_n: int | None = None, block_k: int | None = None) -> Launch:
+    """The launch of ``poly`` (see there), planned but not run."""
+    nb, P, Q = X.shape
+    config = poly_config(P, Q, block_m, block_n, block_k)
+    grid = (triton.cdiv(P, config["BLOCK_M"]) * triton.cdiv(Q, config["BLOCK_N"]), nb)
+    args = (B, X, out, P, Q, *B.stride(), *X.stride(), *out.stride(), a)
+    return Launch(_poly_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config))
 
 
 def poly(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = None,
          block_n: int | None = None, block_k: int | None = None) -> Tensor:
     """``out = a * X + B X`` for stacks ``B (B, P, P)`` and ``X (B, P, Q)``; ``out`` may be
     any strided view of shape ``(B, P, Q)`` that does not overlap ``X``."""
-    nb, P, Q = X.shape
-    block_m = block_m or _pow2_clamp(P, 16, 128)
-    block_n = block_n or _pow2_clamp(Q, 16, 128)
-    block_k = block_k or _pow2_clamp(P, 16, 64)
-    grid = (triton.cdiv(P, block_m) * triton.cdiv(Q, block_n), nb)
-    _poly_kernel[grid](
-        B, X, out, P, Q,
-        *B.stride(), *X.stride(), *out.stride(),
-        a,
-        INTERPRETED=INTERPRET, GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3,
-    )
+    poly_launch(B, X, out, a=a, block_m=block_m, block_n=block_n, block_k=block_k)()
     return out
+
+
+def newton_schulz_launches(
+    x: Tensor,
+    steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    *,
+    block: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, list[Callable[[], object]]]:
+    """Normalize ``x`` and plan ``newton_schulz_triton``: the (not yet written) bf16 output
+    and what fills it, in order — the kernel launches, then a copy out of the padding.
+
+    Sides that are not multiples of 16 are zero-padded up to one: zero rows and columns
+    stay zero through the iteration and add exact zeros to every sum, so the result is
+    unchanged, while every size and stride the kernels see is divisible by 16 (vector
+    loads; without it the 128-wide tiles spill registers).
+    """
+    a, b, c = coefficients
+    X, tall = as_stack(x, eps)
+    X = X.reshape(-1, *X.shape[-2:])
+    nb, p, q = X.shape
+    P, Q = -(-p // _ALIGN) * _ALIGN, -(-q // _ALIGN) * _ALIGN
+    padded = (p, q) != (P, Q)
+    out = torch.empty((nb, *x.shape[-2:]), dtype=torch.bfloat16, device=x.device)
+    final = out.mT if tall else out
+    if padded:
+        X = torch.nn.functional.pad(X, (0, Q - q, 0, P - p))
+    else:
+        X = X.contiguous()
+    A = torch.empty((nb, P, P), dtype=torch.bfloat16, device=x.device)
+    Bm = torch.empty_like(A)
+    spare = torch.empty_like(X) if steps > 1 or padded else None
+    tiles = dict(block_m=block, block_n=block, block_k=block_k)
+    plan: list[Callable[[], object]] = []
+    for step in range(steps):
+        dest = final if step == steps - 1 and not padded else spare
+        plan += [
+            syrk_launch(X, A, block=block, block_k=block_k),
+            syrk_launch(A, Bm, alpha=c, beta=b, C=A, block=block, block_k=block_k),
+            poly_launch(Bm, X, dest, a=a, **tiles),
+        ]
+        X, spare = dest, X
+    if padded:
+        plan.append(functools.partial(final.copy_, X[:, :p, :q]))
+    return out.reshape(x.shape), plan
 
 
 def newton_schulz_triton(
@@ -185,21 +257,8 @@ def newton_schulz_triton(
     ``block`` and ``block_k`` override the tile sizes (tests use small tiles to exercise
     masks and the mirrored stores on small matrices).
     """
-    a, b, c = coefficients
-    X, tall = as_stack(x, eps)
-    X = X.reshape(-1, *X.shape[-2:]).contiguous()
-    nb, P, Q = X.shape
-    out = torch.empty((nb, *x.shape[-2:]), dtype=torch.bfloat16, device=x.device)
-    final = out.mT if tall else out
-    A = torch.empty((nb, P, P), dtype=torch.bfloat16, device=x.device)
-    Bm = torch.empty_like(A)
-    spare = torch.empty_like(X) if steps > 1 else None
-    tiles = dict(block_m=block, block_n=block, block_k=block_k)
+    out, plan = newton_schulz_launches(x, steps, coefficients, eps, block=block, block_k=block_k)
     with device_of(x):
-        for step in range(steps):
-            syrk(X, A, block=block, block_k=block_k)
-            syrk(A, Bm, alpha=c, beta=b, C=A, block=block, block_k=block_k)
-            dest = final if step == steps - 1 else spare
-            poly(Bm, X, dest, a=a, **tiles)
-            X, spare = dest, X
-    return out.reshape(x.shape)
+        for launch in plan:
+            launch()
+    return out

@@ -14,9 +14,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import INTERPRET, cast_rne, device_of
+from ._triton_common import INTERPRET, Launch, cast_rne, device_of
 
-__all__ = ["INTERPRET", "adamw8bit", "dequantize", "quantize"]
+__all__ = [
+    "INTERPRET", "adamw8bit", "adamw8bit_launch", "block_config", "dequantize", "dequantize_launch",
+    "quantize", "quantize_launch",
+]
 
 _TILE_ELEMENTS = 2048
 
@@ -69,17 +72,27 @@ def _quantize_rows(x, dither, STOCHASTIC: tl.constexpr):
 
 @triton.jit
 def _tile(n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    """This program's ``(ROWS, BLOCK)`` tile: its first element and first block (int64
+    scalars, so any ``n`` works) and int32 offsets and masks relative to them (int64
+    vectors cost registers, enough to spill)."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    start = first * block_size
+    rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     offs = rows[:, None] * block_size + cols[None, :]
-    mask = (cols[None, :] < block_size) & (offs < n)
-    return rows, offs, mask, rows < nblocks
+    left = tl.minimum(n - start, ROWS * BLOCK).to(tl.int32)
+    rows_left = tl.minimum(nblocks - first, ROWS).to(tl.int32)
+    mask = (cols[None, :] < block_size) & (offs < left)
+    return start, first, rows, offs, mask, rows < rows_left
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    x_ptr += start
+    q_ptr += start
+    s_ptr += first
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q, scale = _quantize_rows(x, 0.0, False)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
@@ -89,7 +102,10 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
 @triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
                        INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    q_ptr += start
+    s_ptr += first
+    out_ptr += start
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
     scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
     x = cast_rne(q * scale[:, None], out_ptr.dtype.element_ty, INTERPRETED)
@@ -99,19 +115,23 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
 @triton.jit(do_not_specialize=["salt"])
 def _adamw8bit_kernel(
     p_ptr, g_ptr, qm_ptr, sm_ptr, qv_ptr, sv_ptr, n, nblocks, block_size,
-    salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
-    MAXIMIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    sign, salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
-    grad = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        grad = -grad
+    """One fused 8-bit AdamW step; ``sign`` is -1.0 to maximize (exact, and one kernel for both)."""
+    start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
+    p_ptr += start
+    g_ptr += start
+    qm_ptr += start
+    qv_ptr += start
+    sm_ptr += first
+    sv_ptr += first
+    grad = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * sign
     sm = tl.load(sm_ptr + rows, mask=row_mask, other=0.0)
-    sv = tl.load(sv_ptr + rows, mask=row_mask, other=0.0)
-    dither = _dither(sv, salt, BLOCK)
     exp_avg = tl.load(qm_ptr + offs, mask=mask, other=0).to(tl.float32) * sm[:, None]
-    root = tl.load(qv_ptr + offs, mask=mask, other=0).to(tl.float32) * sv[:, None]
     exp_avg = exp_avg + w1 * (grad - exp_avg)
+    sv = tl.load(sv_ptr + rows, mask=row_mask, other=0.0)
+    root = tl.load(qv_ptr + offs, mask=mask, other=0).to(tl.float32) * sv[:, None]
     exp_avg_sq = root * root * beta2 + w2 * grad * grad
     root = tl.sqrt_rn(exp_avg_sq)
     denom = tl.div_rn(root, bc2_sqrt) + eps
@@ -121,51 +141,80 @@ def _adamw8bit_kernel(
     q, scale = _quantize_rows(exp_avg, 0.0, False)
     tl.store(qm_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(sm_ptr + rows, scale, mask=row_mask)
-    q, scale = _quantize_rows(root, dither, True)
+    q, scale = _quantize_rows(root, _dither(sv, salt, BLOCK), True)
     tl.store(qv_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(sv_ptr + rows, scale, mask=row_mask)
 
 
-def _launch(block_size: int, n: int) -> tuple[tuple[int], int, dict]:
+def block_config(block_size: int) -> dict:
+    """Tile shape and warps of every kernel here for ``block_size``-element blocks (the one
+    place they are chosen): ``ROWS`` blocks of ``BLOCK`` lanes, at least 2048 elements a
+    program. Tiles above 2048 take 8 warps, not 16: 512 threads leave 128 registers each,
+    and the fused update spills there."""
     block = triton.next_power_of_2(block_size)
     rows = max(1, _TILE_ELEMENTS // block)
+    return dict(ROWS=rows, BLOCK=block, num_warps=4 if rows * block <= _TILE_ELEMENTS else 8)
+
+
+def _grid(n: int, block_size: int, config: dict) -> tuple[tuple[int], int]:
     nblocks = triton.cdiv(n, block_size)
-    meta = dict(ROWS=rows, BLOCK=block, num_warps=4 if rows * block <= 2048 else 8)
-    return (triton.cdiv(nblocks, rows),), nblocks, meta
+    return (triton.cdiv(nblocks, config["ROWS"]),), nblocks
+
+
+def quantize_launch(flat: Tensor, block_size: int) -> tuple[Launch, Tensor, Tensor]:
+    """The launch of ``quantize`` and the codes and scales it will write."""
+    n = flat.numel()
+    config = block_config(block_size)
+    grid, nblocks = _grid(n, block_size, config)
+    q = torch.empty(n, dtype=torch.int8, device=flat.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
+    return Launch(_quantize_kernel, grid, (flat, q, scales, n, nblocks, block_size), config), q, scales
 
 
 def quantize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """Triton ``quantize_blockwise`` of a contiguous flat tensor."""
-    n = flat.numel()
-    grid, nblocks, meta = _launch(block_size, n)
-    q = torch.empty(n, dtype=torch.int8, device=flat.device)
-    scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
+    launch, q, scales = quantize_launch(flat, block_size)
     with device_of(flat):
-        _quantize_kernel[grid](flat, q, scales, n, nblocks, block_size, **meta)
+        launch()
     return q, scales
+
+
+def dequantize_launch(
+    q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype
+) -> tuple[Launch, Tensor]:
+    """The launch of ``dequantize`` and the tensor it will write."""
+    n = q.numel()
+    config = block_config(block_size)
+    grid, nblocks = _grid(n, block_size, config)
+    out = torch.empty(n, dtype=dtype, device=q.device)
+    args = (q, scales, out, n, nblocks, block_size)
+    return Launch(_dequantize_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config)), out
 
 
 def dequantize(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -> Tensor:
     """Triton ``dequantize_blockwise`` of contiguous flat codes into a new ``dtype`` tensor."""
-    n = q.numel()
-    grid, nblocks, meta = _launch(block_size, n)
-    out = torch.empty(n, dtype=dtype, device=q.device)
+    launch, out = dequantize_launch(q, scales, block_size, dtype)
     with device_of(q):
-        _dequantize_kernel[grid](
-            q, scales, out, n, nblocks, block_size, INTERPRETED=INTERPRET, **meta
-        )
+        launch()
     return out
 
 
-def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
-              block_size: int, *, salt: int, decay: float, w1: float, beta2: float,
-              w2: float, step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> None:
-    """Triton ``adamw8bit_update_``: one fused pass, each block read and written once."""
+def adamw8bit_launch(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
+                     block_size: int, *, salt: int, decay: float, w1: float, beta2: float,
+                     w2: float, step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> Launch:
+    """The launch of ``adamw8bit``."""
     n = p.numel()
-    grid, nblocks, meta = _launch(block_size, n)
+    config = block_config(block_size)
+    grid, nblocks = _grid(n, block_size, config)
+    args = (p, g, qm, sm, qv, sv, n, nblocks, block_size,
+            -1.0 if maximize else 1.0, salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps)
+    return Launch(_adamw8bit_kernel, grid, args, config)
+
+
+def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
+              block_size: int, **hyper) -> None:
+    """Triton ``adamw8bit_update_``: one fused pass, each block read and written once;
+    ``hyper`` as in ``adamw8bit_launch``."""
+    launch = adamw8bit_launch(p, g, qm, sm, qv, sv, block_size, **hyper)
     with device_of(p):
-        _adamw8bit_kernel[grid](
-            p, g, qm, sm, qv, sv, n, nblocks, block_size,
-            salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
-            MAXIMIZE=maximize, **meta,
-        )
+        launch()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -16,6 +18,23 @@ INTERPRET: bool = (
     else os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 )
 """True when ``TRITON_INTERPRET=1`` was set before this module was imported."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One planned kernel launch: ``kernel[grid](*args, **meta)``.
+
+    The launchers plan, then call; ``kernels.aot`` plans the same launches on meta
+    tensors and compiles them for a GPU target, so both see one configuration choice.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    meta: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.meta)
 
 
 def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -2,7 +2,8 @@
 
 The torch reference is checked against its definition (error bounds, idempotence,
 torch.optim.AdamW's math); the Triton kernels (interpreted, small sizes) against the
-torch reference.
+torch reference. With ``TRITON_INTERPRET=0`` on a machine with a GPU the Triton cases run
+compiled on CUDA, against the same CPU reference.
 """
 
 import math
@@ -29,6 +30,18 @@ FLOATS = arrays(
     elements=st.floats(-(2.0**100), 2.0**100, width=32, allow_nan=False, allow_infinity=False),
 )
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+DEVICE = torch.device("cpu" if _quant_triton.INTERPRET else "cuda")
+needs_triton_device = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="TRITON_INTERPRET=0 needs a GPU"
+)
+
+
+def _to(device, tensors):
+    return [t.to(device) for t in tensors]
+
+
+def _dev(backend):
+    return DEVICE if backend == "triton" else torch.device("cpu")
 
 
 def _per_element(scales: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -41,8 +54,8 @@ def _state(n: int, block_size: int, seed: int = 0, backend: str = "torch"):
     p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
     m = 0.1 * torch.randn(n, generator=g)
     root = 0.1 * torch.rand(n, generator=g) ** 2
-    qm, sm = quantize_blockwise(m, block_size, backend)
-    qv, sv = quantize_blockwise(root, block_size, backend)
+    qm, sm = _to("cpu", quantize_blockwise(m.to(_dev(backend)), block_size, backend))
+    qv, sv = _to("cpu", quantize_blockwise(root.to(_dev(backend)), block_size, backend))
     return [p, grad, qm, sm, qv, sv]
 
 
@@ -84,25 +97,27 @@ def test_quantize_accepts_any_shape_and_dtype():
     assert dq.shape == x.shape and dq.dtype == torch.float32
 
 
+@needs_triton_device
 @pytest.mark.parametrize("n, block_size", [(1024, 256), (1000, 256), (77, 32), (300, 100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_quantize_matches_torch(n, block_size, dtype):
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
     x[: min(n, block_size)] = 0
-    q, s = quantize_blockwise(x, block_size, backend="triton")
+    q, s = _to("cpu", quantize_blockwise(x.to(DEVICE), block_size, backend="triton"))
     q_ref, s_ref = quantize_blockwise(x, block_size, backend="torch")
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     for out in (torch.float32, torch.bfloat16):
-        dq = dequantize_blockwise(q, s, block_size, backend="triton", dtype=out)
-        assert torch.equal(dq, dequantize_blockwise(q, s, block_size, backend="torch", dtype=out))
+        dq = dequantize_blockwise(q.to(DEVICE), s.to(DEVICE), block_size, backend="triton", dtype=out)
+        assert torch.equal(dq.cpu(), dequantize_blockwise(q, s, block_size, backend="torch", dtype=out))
 
 
+@needs_triton_device
 @settings(max_examples=20)
 @given(x=FLOATS, block_size=BLOCK_SIZES)
 def test_triton_quantize_matches_torch_any_input(x, block_size):
     x = torch.from_numpy(x)
-    q, s = quantize_blockwise(x, block_size, backend="triton")
+    q, s = _to("cpu", quantize_blockwise(x.to(DEVICE), block_size, backend="triton"))
     q_ref, s_ref = quantize_blockwise(x, block_size, backend="torch")
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
@@ -118,6 +133,7 @@ def _assert_states_close(state, ref, max_code_diff=1):
         assert diff.max() <= max_code_diff and (diff > 0).float().mean() < 0.01
 
 
+@needs_triton_device
 @pytest.mark.parametrize("n, block_size", [(1024, 256), (1000, 256), (77, 32), (300, 100)])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_triton_update_matches_torch(n, block_size, maximize):
@@ -127,10 +143,12 @@ def test_triton_update_matches_torch(n, block_size, maximize):
     ref[1] = state[1].clone()
     kw = dict(HYPER, step=3, maximize=maximize, block_size=block_size)
     adamw8bit_update_(*ref, backend="torch", **kw)
+    state = _to(DEVICE, state)
     adamw8bit_update_(*state, backend="triton", **kw)
-    _assert_states_close(state, ref)
+    _assert_states_close(_to("cpu", state), ref)
 
 
+@needs_triton_device
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("n, block_size, step, maximize", [(1000, 256, 1, False), (300, 64, 7, True)])
 def test_update_is_one_torch_adamw_step(backend, n, block_size, step, maximize):
@@ -146,10 +164,11 @@ def test_update_is_one_torch_adamw_step(backend, n, block_size, step, maximize):
         exp_avg_sq=dequantize_blockwise(qv, sv, block_size).square(),
     )
     opt.step()
+    state = _to(_dev(backend), state)
     adamw8bit_update_(
         *state, **HYPER, step=step, maximize=maximize, block_size=block_size, backend=backend
     )
-    p, _, qm_new, sm_new, qv_new, sv_new = state
+    p, _, qm_new, sm_new, qv_new, sv_new = _to("cpu", state)
     torch.testing.assert_close(p, param.detach(), rtol=1e-6, atol=1e-7)
     m_ref, s_ref = quantize_blockwise(opt.state[param]["exp_avg"], block_size)
     torch.testing.assert_close(sm_new, s_ref, rtol=1e-6, atol=0)
@@ -220,11 +239,12 @@ def test_8bit_adamw_tracks_fp32_on_least_squares():
     assert (ratio - 1).abs().max() < 0.05, ratio
 
 
+@needs_triton_device
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_update_does_not_depend_on_where_blocks_sit(backend):
     """Updating two block-aligned halves separately equals one update of the whole,
     as on two ranks: the stochastic rounding depends on nothing positional."""
-    whole = _state(1000, 100, seed=5)
+    whole = _to(_dev(backend), _state(1000, 100, seed=5))
     halves = [t.clone() for t in whole]
     adamw8bit_update_(*whole, **HYPER, step=4, block_size=100, backend=backend)
     for elements, blocks in ((slice(0, 500), slice(0, 5)), (slice(500, 1000), slice(5, 10))):
