@@ -68,13 +68,18 @@ def as_stack(x: Tensor, eps: float) -> tuple[Tensor, bool]:
 def _newton_schulz_torch(
     x: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float
 ) -> Tensor:
+    """The iteration one matrix at a time: a batched matmul rounds differently from a
+    single one on CPU, and a matrix's result must not depend on which others share its
+    batch (that changes with the world size in Muon)."""
+    if x.ndim > 2:
+        flat = x.reshape(-1, *x.shape[-2:])
+        return torch.stack([_newton_schulz_torch(m, steps, coefficients, eps) for m in flat]).reshape(x.shape)
     a, b, c = coefficients
     X, tall = as_stack(x, eps)
-    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         A = X @ X.mT
-        B = addmm(A, A, A, beta=b, alpha=c)
-        X = addmm(X, B, X, beta=a)
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
     if tall:
         X = X.mT
-    return X.reshape(x.shape)
+    return X
