@@ -7,9 +7,12 @@ import torch
 def held_tensor_bytes(opt) -> int:
     """Bytes of the distinct storages reachable from `opt`'s attributes (through containers
     and this package's objects), except the parameters' and gradients' buffers."""
+    from vescale_optim.units.unit import LOW_PRECISION
+
     skip = set()
-    for b in opt._buckets:
-        skip.update(t.untyped_storage().data_ptr() for t in (b.pbuf.data, b.gbuf.data))
+    for u in opt.units:  # parameters and gradients, whole or sharded (an fp32 master is state)
+        own = [u.full.data, u.full_grad.data, u.grad] + ([] if u.orig_dtype in LOW_PRECISION else [u.shard])
+        skip.update(t.untyped_storage().data_ptr() for t in own + u._reduced)
     for g in opt.param_groups:
         for p in g["params"]:
             skip.update(t.untyped_storage().data_ptr() for t in (p, p.grad) if t is not None)

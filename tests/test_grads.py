@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import vescale_optim as vo
+from vescale_optim.units.unit import ReducedGrad
 
 STEPS = 6
 LR = dict(muon=0.02, adam=0.01)
@@ -124,7 +125,9 @@ def _zero_grad_keeps_zeros():
     opt.zero_grad(set_to_none=False)
     grads = [p.grad for p in model.parameters()]
     assert all(g is None for g in grads[-2:])  # never had one: stays None
-    assert all(g is not None and not g.any() for g in grads[:6] if g is not None)
+    # the others still have one, zeroed in the optimizer's shards
+    assert all(isinstance(g, ReducedGrad) for g in grads[:6] if g is not None)
+    assert all(not u.grad.any() for u in opt.units)
     opt.step()  # a zero gradient still steps (weight decay, moment decay), as in torch
     return [p.detach().clone() for p in model.parameters()]
 

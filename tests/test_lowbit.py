@@ -135,7 +135,7 @@ def _muon_8bit(steps):
         for p in [*mats, emb]:
             p.grad = torch.randn(p.shape, generator=gg).bfloat16().float()
         opt.step()
-    kinds = sorted({opt._kind(b) for b in opt._buckets})
+    kinds = sorted({opt._kind(b) for b in opt._segments})
     return opt.state_dict(), [p.detach().clone() for p in [*mats, emb]], kinds
 
 
@@ -156,7 +156,7 @@ def test_muon_8bit_momentum_is_identical_at_any_world_size(world):
 def test_tensors_under_4096_elements_keep_fp32_moments(state_bits):
     """The cut-off is part of the state format (it decides what a checkpoint holds)."""
     small, large = torch.nn.Parameter(torch.zeros(4095)), torch.nn.Parameter(torch.zeros(64, 64))
-    fp32 = 2 * 4 * 4096  # two fp32 moments over the slice (4095 elements padded to 16)
+    fp32 = 2 * 4 * 4095  # two fp32 moments over the parameter's elements
     assert vo.AdamW([small], state_bits=state_bits).local_state_bytes() == fp32
     per_element = 2 * 2 if state_bits == 16 else 2 * (1 + 4 / 256)  # codes + one fp32 scale per block
     assert vo.AdamW([large], state_bits=state_bits).local_state_bytes() == per_element * 4096

@@ -17,7 +17,7 @@ from ._shampoo_math import (
     schedule,
     update_factors_,
 )
-from .base import Bucket
+from .segment import Segment
 
 FACTORS = ("L", "R", "L_inv_root", "R_inv_root")
 
@@ -57,19 +57,19 @@ class TileGroup:
 
 
 class BucketTiles:
-    """One bucket's tiles seen from this rank: the tiles it owns (grouped by shape), and the
+    """One seg's tiles seen from this rank: the tiles it owns (grouped by shape), and the
     plans that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
     and grafting update) and the tile's update back. Between steps it holds only factors and
     roots: tiles are read from the step's flat tensors and staging buffers live for one step."""
 
-    def __init__(self, bucket: Bucket, tiles: list[Tile], owners: list[int], held, comm: Comm):
+    def __init__(self, seg: Segment, tiles: list[Tile], owners: list[int], held, comm: Comm):
         self.tiles, self.owners, self.held, self.comm = tiles, owners, held, comm
-        self.bucket, self.like = bucket, bucket.local_params
+        self.seg, self.like = seg, seg.local_params
         self.where = {}  # param -> (local range, first local row, columns)
         for t in tiles:
-            n = matrix_shape(bucket.params[t.param].shape)[1]
-            lo, hi = bucket.pbuf.local_range(t.param)
-            self.where[t.param] = (lo, hi, bucket.pbuf.tensor_range(t.param)[0] // n, n)
+            n = matrix_shape(seg.params[t.param].shape)[1]
+            lo, hi = seg.local_range(t.param)
+            self.where[t.param] = (lo, hi, seg.tensor_range(t.param)[0] // n, n)
         moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
         # by first holder, so that runs from one rank arrive in order (received in place)
         moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
@@ -93,7 +93,7 @@ class BucketTiles:
         self.remote = [g for (remote, _, _), g in groups.items() if remote]
 
     def _rows(self, flat: torch.Tensor, t: Tile, a: int, b: int) -> torch.Tensor:
-        """Rows `[a, b)` of tile `t` in a local flat tensor of the bucket, as a `[b - a, w]`
+        """Rows `[a, b)` of tile `t` in a local flat tensor of the seg, as a `[b - a, w]`
         view (this rank holds them)."""
         lo, hi, first, n = self.where[t.param]
         return flat[lo:hi].view(-1, n)[t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]

@@ -1,4 +1,4 @@
-"""Sharded AdamW: torch.optim.AdamW's math on each rank's flat slice of every bucket."""
+"""Sharded AdamW: torch.optim.AdamW's math on each rank's flat slice of every seg."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..kernels import adamw8bit_update_
 from . import lowbit
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
 from .base import ShardedOptimizer
-from .bucket import Bucket
+from .segment import Segment
 
 
 def adamw_update_(
@@ -53,8 +53,8 @@ class AdamW(ShardedOptimizer):
     """AdamW with parameters, gradients and moments ragged-sharded over the process group.
 
     Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
-    gradients with one reduce-scatter per bucket, updates the rank's flat slice in a
-    single call per bucket (the ranges of parameters that step, with their own step
+    gradients with one reduce-scatter per seg, updates the rank's flat slice in a
+    single call per seg (the ranges of parameters that step, with their own step
     counts) and all-gathers the parameters. bf16/fp16 parameters get an fp32 master of
     the local slice only; float64 parameters keep float64 state.
 
@@ -66,7 +66,7 @@ class AdamW(ShardedOptimizer):
     torch's names; loading re-encodes them (8-bit: within half a step of each block).
 
     `foreach` and `fused` are accepted so code written for `torch.optim.AdamW` runs
-    unchanged; they change nothing (the update is one fused call per bucket either way).
+    unchanged; they change nothing (the update is one fused call per seg either way).
     `differentiable=True` and `capturable=True` are refused.
     """
 
@@ -125,32 +125,32 @@ class AdamW(ShardedOptimizer):
             return f"param group {gi}: {e}"
         return None
 
-    def _state_names(self, bucket: Bucket) -> list[str]:
+    def _state_names(self, seg: Segment) -> list[str]:
         names = ["exp_avg", "exp_avg_sq"]
-        return [*names, "max_exp_avg_sq"] if bucket.group["amsgrad"] else names
+        return [*names, "max_exp_avg_sq"] if seg.group["amsgrad"] else names
 
-    def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        adamw_bucket_step(bucket, self._kind(bucket), grads)
+    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+        adamw_segment_step(seg, self._kind(seg), grads)
 
 
-def adamw_bucket_step(bucket: Bucket, kind: str, grads: torch.Tensor) -> None:
-    """AdamW on the active runs of a bucket's local slice, whatever the moments' storage.
+def adamw_segment_step(seg: Segment, kind: str, grads: torch.Tensor) -> None:
+    """AdamW on the active runs of a seg's local slice, whatever the moments' storage.
 
     fp32 moments go through torch's fused AdamW kernel, every run in one call (one pass
     over memory, same math as `adamw_update_`); bf16 moments are decoded, updated run by
     run and re-encoded; 8-bit moments use the fused block-quantized kernel per run (runs
     start and end on quantization blocks).
     """
-    runs = list(bucket.runs())
+    runs = list(seg.runs())
     if not runs:
         return
-    g, st = bucket.group, bucket.state
+    g, st = seg.group, seg.state
     beta1, beta2 = g["betas"]
     hyper = dict(
         lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
         maximize=g.get("maximize", False),
     )  # fmt: skip
-    params = bucket.local_params
+    params = seg.local_params
     if kind == "q8":
         blk = lowbit.BLOCK
         for lo, hi, step in runs:

@@ -1,41 +1,54 @@
-"""The sharded-optimizer base: buckets, flat buffers, the step pipeline and clipping.
+"""The sharded-optimizer base: units, segments, the step pipeline and clipping.
 
-A subclass says how big a unit of each parameter is (`_unit`), which flat state it
-keeps per bucket (`_state_names`) and how to update a bucket's local slice
-(`_update`). Everything else — binding parameters into planned buckets, averaging
-gradients with one reduce-scatter per bucket, gathering parameters back with one
-all-gather, clipping and checkpoints — lives here.
+A subclass says how big a layout unit of each parameter is (`_unit`), which flat state
+it keeps per segment (`_state_names`) and how to update a segment (`_update`), or it
+overrides `_step_segments` for math that needs whole matrices. Everything else lives
+here: planning the parameters into communication units (one per listed module with
+`shard_modules`, else size-capped buckets), their gather/free/reduce life cycle (see
+`units`), agreeing which parameters step, clipping, and checkpoints.
 
-A parameter takes a step iff some rank has a gradient for it (`p.grad is not None`),
-as in torch; the ranks agree on that with one small all-reduce per step.
+A parameter takes a step iff some rank has a gradient for it, as in torch; the ranks
+agree on that with one small all-reduce per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.profiler import record_function
 
-from ..shard import Comm, all_gather_, all_reduce_, bucket_indices, plan_layout
-from ..shard import reduce_scatter_ as _reduce_scatter
-from ..shard.collectives import all_gather_object, broadcast_
+from ..shard import Comm, all_reduce_, bucket_indices, plan_layout
+from ..shard.collectives import all_gather_object
+from ..units import Unit
+from ..units.assign import assign_units, outermost
+from ..units.materialize import materialize
+from ..units.model_state import ModelState
+from ..units.schedule import Schedule
+from ..units.unit import LOW_PRECISION
 from . import lowbit
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
-from .bucket import Bucket
 from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
+from .segment import FROZEN, Segment
 
 
 class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
-    Without an initialised process group it is an ordinary single-process optimizer.
+    With `shard_modules`, each listed module is a unit whose parameters are gathered
+    before its forward and backward and freed after (ZeRO-3); without, parameters stay
+    whole on every rank (ZeRO-2). Either way gradients are reduce-scattered during
+    backward into each rank's shard. Without an initialised process group it is an
+    ordinary single-process optimizer.
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
-    _whole_buckets = False  # step every parameter of a bucket when any of them steps
+    _whole_buckets = False  # step every parameter of a segment when any of them steps
     _structural: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
 
     def __init__(
@@ -44,12 +57,17 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         defaults: dict,
         *,
         process_group=None,
+        shard_modules: Sequence[nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         align: int = 16,
         skip_nonfinite: bool = False,
         sync_params: bool = True,
     ):
-        self._buckets = None
+        self._segments = None
         super().__init__(params, defaults)
         self._comm = Comm(process_group)
         self.skip_nonfinite = skip_nonfinite
@@ -59,85 +77,110 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         self._check_params(all_params)
         self._check_same_on_every_rank()
         self._labels = label_params(self.param_groups)
-        index = {id(p): i for i, p in enumerate(all_params)}
-        trainable = [
-            (p, gi) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad
-        ]
-        for p, _ in trainable:
-            if p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
+        for p in all_params:
+            if p.requires_grad and p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
                 raise ValueError(
                     f"parameter {self._labels[id(p)]} is float64, but state_bits={self.state_bits} would "
                     "keep its state below fp32; use state_bits=32"
                 )
-        keys = [
-            (
-                gi,
-                p.dtype,
-                p.device,
-                lowbit.tier(p, self.state_bits),
-                self._bucket_key(p, self.param_groups[gi]),
-            )
-            for p, gi in trainable
-        ]
-        buckets: list[Bucket] = []
-        for idx in bucket_indices([p.numel() for p, _ in trainable], keys, bucket_cap_numel):
-            params = [trainable[i][0] for i in idx]
-            group = self.param_groups[trainable[idx[0]][1]]
-            quantized = lowbit.tier(params[0], self.state_bits) == "q8"
-            units = [lowbit.q8_unit(p) if quantized else self._unit(p, group) for p in params]
-            bucket_align = math.lcm(align, lowbit.BLOCK) if quantized else align
-            layout = plan_layout([p.numel() for p in params], units, self._comm.world_size, bucket_align)
-            buckets.append(Bucket(params, [index[id(p)] for p in params], group, layout, self._comm))
-        self._buckets = buckets
-        bucketed = {id(p) for b in buckets for p in b.params}
-        self._frozen = [p for p in all_params if id(p) not in bucketed]
-        if sync_params:
-            self._broadcast_params()
-        for b in buckets:
-            b.init_master()
-            b.state_names = self._state_names(b)  # fixed: the keys that shape them are
-            b.state = self._init_state(b)
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        index = {id(p): i for i, p in enumerate(all_params)}
+        members, modules, names = self._plan_units(all_params, shard_modules, bucket_cap_numel)
+        self._units: list[Unit] = []
+        self._segments: list[Segment] = []
+        for k, (idx, module) in enumerate(zip(members, modules)):
+            ps = [all_params[i] for i in idx]
+            keys = [(group_of[id(p)], self._tier(p)) for p in ps]
+            quantized = [tier == "q8" for _, tier in keys]
+            units = [
+                lowbit.q8_unit(p) if q8 else 1 if tier == FROZEN else self._unit(p, self.param_groups[gi])
+                for p, q8, (gi, tier) in zip(ps, quantized, keys)
+            ]
+            aligns = [math.lcm(align, lowbit.BLOCK) if q8 else align for q8 in quantized]
+            layout = plan_layout([p.numel() for p in ps], units, self._comm.world_size, align,
+                                 aligns=aligns, segments=keys)  # fmt: skip
+            unit = Unit(
+                ps, [names[i] for i in idx], layout, self._comm, index=k, name=self._unit_name(k, module),
+                sharded=shard_modules is not None, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                device=device, sync_params=sync_params,
+            )  # fmt: skip
+            self._units.append(unit)
+            for key in dict.fromkeys(keys):
+                mine = [j for j, kk in enumerate(keys) if kk == key]
+                seg = Segment(unit, mine, [index[id(ps[j])] for j in mine], self.param_groups[key[0]], key[1])
+                self._segments.append(seg)
+        self._where = {id(p): (s, i) for s in self._segments for i, p in enumerate(s.params)}
+        if any(u.meta for u in self._units):
+            materialize(self._units, self._root)
+        for seg in self._segments:
+            seg.state_names = [] if seg.tier == FROZEN else self._state_names(seg)
+            seg.state = self._init_state(seg)
         self._structure = [{k: g.get(k) for k in self._structural} for g in self.param_groups]
-        self._install_hooks()
+        self._schedule = Schedule(self._units, modules, reshard_after_forward=reshard_after_forward,
+                                  on_grad=self._mark)  # fmt: skip
+        self._model_state = ModelState(self._units, modules)
+
+    def _plan_units(self, params, shard_modules, cap: int):
+        """Which parameters (by index) form each unit, and each unit's module (or None)."""
+        if shard_modules is not None:
+            unit_of, listed, names = assign_units(params, shard_modules)
+            order = sorted(set(unit_of), key=unit_of.index)  # by first parameter: model order
+            self._root = outermost(listed)
+            members = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
+            return members, [listed[k] for k in order], names
+        for p in params:
+            if p.is_meta:
+                raise ValueError(
+                    f"parameter {self._labels[id(p)]} is on the meta device; building a model there needs "
+                    "shard_modules, whose modules' reset_parameters() initialise it"
+                )
+        self._root = None
+        keys = [(p.dtype, p.device) for p in params]
+        members = bucket_indices([p.numel() for p in params], keys, cap)
+        return members, [None] * len(members), {i: self._labels[id(p)] for i, p in enumerate(params)}
+
+    def _unit_name(self, k: int, module: nn.Module | None) -> str:
+        if module is None:
+            return f"bucket{k}"
+        if module is self._root:
+            return type(module).__name__
+        for name, m in self._root.named_modules():
+            if m is module:
+                return name
+        return f"unit{k}"
+
+    def _tier(self, p: torch.Tensor) -> str:
+        return lowbit.tier(p, self.state_bits) if p.requires_grad else FROZEN
 
     # --- subclass hooks -----------------------------------------------------------
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
-        """Elements per unit: rank boundaries inside `p` fall on multiples of this."""
+        """Elements per layout unit: rank boundaries inside `p` fall on multiples of this."""
         return 1
 
-    def _bucket_key(self, p: torch.Tensor, group: dict) -> object:
-        """Extra key: parameters with different keys never share a bucket."""
-        return None
-
-    def _state_names(self, bucket: Bucket) -> list[str]:
-        """Names of the element-wise state tensors kept for a bucket's local slice."""
+    def _state_names(self, seg: Segment) -> list[str]:
+        """Names of the element-wise state tensors kept for a segment."""
         return []
 
-    def _kind(self, bucket: Bucket) -> str:
-        """Storage tier of the bucket's element-wise state (see `lowbit`)."""
-        return lowbit.tier(bucket.params[0], self.state_bits)
+    def _kind(self, seg: Segment) -> str:
+        """Storage tier of the segment's element-wise state (see `lowbit`)."""
+        return "fp32" if seg.tier == FROZEN else seg.tier
 
-    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        """The bucket's local state: each of `_state_names` over the local slice, zero."""
-        return lowbit.new_state(
-            self._state_names(bucket),
-            self._kind(bucket),
-            bucket.layout.shard_size,
-            bucket.local_params.device,
-            bucket.local_params.dtype,
-        )
+    def _init_state(self, seg: Segment) -> dict[str, torch.Tensor]:
+        """The segment's state: each of its `state_names` over the segment, zero."""
+        params = seg.local_params
+        return lowbit.new_state(seg.state_names, self._kind(seg), seg.numel, params.device, params.dtype)
 
-    def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        """Update the active ranges (`bucket.runs()`) of `bucket.local_params` (and state)
-        from the averaged local `grads`."""
+    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+        """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
+        averaged local `grads`."""
         raise NotImplementedError
 
     def _check_group(self, gi: int, group: dict) -> str | None:
         """A problem with a param group's current hyperparameters, checked at every step."""
         return None
 
-    # --- construction ---------------------------------------------------------------
+    # --- construction checks --------------------------------------------------------
 
     @staticmethod
     def _check_params(params: list[torch.Tensor]) -> None:
@@ -178,21 +221,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 f"{sum(s[0] == 'param' for s in sigs[0])}"
             )
 
-    @torch.no_grad()
-    def _broadcast_params(self) -> None:
-        """Make every rank's parameters rank 0's: one broadcast per bucket (frozen
-        parameters, which have no bucket, one each)."""
-        handles = [broadcast_(b.pbuf.data, 0, self._comm, async_op=True) for b in self._buckets]
-        for p in self._frozen:
-            if p.is_contiguous():
-                broadcast_(p.data, 0, self._comm)
-            else:
-                tmp = p.detach().contiguous()
-                broadcast_(tmp, 0, self._comm)
-                p.copy_(tmp)
-        for h in handles:
-            h.wait()
-
     # --- the step pipeline --------------------------------------------------------
 
     @property
@@ -208,35 +236,48 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         return self._comm.rank
 
     @property
+    def units(self) -> list[Unit]:
+        """The communication units, in model order (read-only use: memory, tests)."""
+        return list(self._units)
+
+    @property
     def _step_supports_amp_scaling(self) -> bool:
         # read by torch.amp.GradScaler.step; refuses a scaler whose skip decision is per rank
         check_amp_scaler(self._comm.active)
         return False
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients unreduced (summed in full buffers);
+        the first backward after it, or the step, reduce-scatters everything at once.
+        Faster accumulation for more memory; the result is the same."""
+        with self._schedule.no_sync():
+            yield
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Agree which parameters step and average gradients over ranks into each rank's
-        local slices (once per step)."""
+        """Finish averaging gradients over ranks into each rank's shards and agree which
+        parameters step (collective; once per step, `step()` calls it)."""
         if self._grads_reduced:
             return
-        with record_function("vescale_optim.agree"):
-            self._agree()
-        self._reattach()
-        with record_function("vescale_optim.reduce_scatter"):
-            handles = [_reduce_scatter(b.gbuf, self._comm, "mean", async_op=True) for b in self._buckets]
+        with record_function("vescale_optim.sync_grads"):
+            self._schedule.finish()
+            self._reattach()
+            pending = self._agree()
+            handles = [u.reduce_grad(async_op=True) for u in pending]
             for h in handles:
                 h.wait()
         self._grads_reduced = True
 
     @property
     def _device(self) -> torch.device:
-        """Where this rank's buckets live (small control tensors go there too, for NCCL)."""
-        return self._buckets[0].gbuf.data.device if self._buckets else torch.device("cpu")
+        """Where this rank's units live (small control tensors go there too, for NCCL)."""
+        return self._units[0].device if self._units else torch.device("cpu")
 
     def _any_nonfinite(self) -> bool:
         flag = torch.zeros(1, device=self._device)
-        for b in self._buckets:
-            if not torch.isfinite(b.gbuf.local).all():
+        for u in self._units:
+            if not torch.isfinite(u.grad).all():
                 flag.fill_(1)
                 break
         all_reduce_(flag, self._comm, "max")
@@ -257,31 +298,33 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 stacklevel=caller_stacklevel(),
             )
             return loss
-        for b in self._buckets:
-            b.advance()
-            if b.any_active:
-                b.refresh_master()
+        for seg in self._segments:
+            seg.advance()
+        changed = [u for u in self._units if any(s.any_active for s in self._segments if s.unit is u)]
+        for u in changed:
+            u.refresh_shard()
         with record_function("vescale_optim.update"):
-            self._step_buckets()
+            self._step_segments()
+        self._publish(changed)
         return loss
 
-    def _step_buckets(self) -> None:
-        """Update every bucket's local slice, then gather parameters back."""
-        for b in self._buckets:
-            if b.any_active:
-                self._update(b, b.local_grads())
-        self._gather_params([b for b in self._buckets if b.any_active])
+    def _step_segments(self) -> None:
+        """Update every segment that steps (element-wise; override for matrix math)."""
+        for seg in self._segments:
+            if seg.any_active:
+                self._update(seg, seg.local_grads())
 
-    def _gather_params(self, buckets: list[Bucket] | None = None) -> None:
-        handles = []
-        for b in self._buckets if buckets is None else buckets:
-            b.publish()
-            handles.append(all_gather_(b.pbuf, self._comm, async_op=True))
-        for h in handles:
-            h.wait()
+    def _publish(self, units: Sequence[Unit] | None = None) -> None:
+        """Unsharded units: gather the updated shards into the parameters every rank keeps
+        (sharded units gather before their next forward instead)."""
+        with record_function("vescale_optim.gather_params"):
+            handles = [u.gather_after_step(async_op=True) for u in (self._units if units is None else units)]
+            for h in handles:
+                if h is not None:
+                    h.wait()
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_buckets", None) is not None:
+        if getattr(self, "_segments", None) is not None:
             raise NotImplementedError(
                 f"{type(self).__name__} plans its buffers at construction; pass every param group then"
             )
@@ -295,11 +338,11 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
 
         Returns the total norm before clipping (the same on every rank, and what
         `torch.nn.utils.clip_grad_norm_` gives on one process with the mean gradient).
-        The reduce-scatter happens here, and `step()` does not repeat it.
+        Finishes the gradient reduction here; `step()` does not repeat it.
         """
         self.reduce_gradients()
         norm_type = float(norm_type)
-        grads = [b.gbuf.local for b in self._buckets if b.gbuf.local.numel()]
+        grads = [u.grad for u in self._units if u.grad.numel()]
         inf = math.isinf(norm_type)
         parts = [g.abs().max().float() if inf else torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
                  for g in grads]  # fmt: skip
@@ -319,20 +362,41 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             g.mul_(coef.to(g.dtype))
         return total
 
+    # --- memory -------------------------------------------------------------------------
+
     def local_state_numel(self) -> int:
         """Elements of optimizer state (masters included) held by this rank."""
         return sum(t.numel() for t in self._local_state_tensors())
 
     def local_state_bytes(self) -> int:
         """Bytes of every persistent tensor the optimizer holds on this rank besides the
-        parameter and gradient buffers: state, masters and working buffers."""
+        parameters and gradients: state, fp32 masters of bf16/fp16 parameters and
+        preconditioners."""
         return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
 
     def _local_state_tensors(self):
-        for b in self._buckets:
-            yield from b.state.values()
-            if b.master is not None:
-                yield b.master
+        for seg in self._segments:
+            yield from seg.state.values()
+        for u in self._units:
+            if u.orig_dtype in LOW_PRECISION:
+                yield u.shard
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by
+        unsharded units, in their dtypes), `gradients` (averaged-gradient shards),
+        `state` (`local_state_bytes()`, masters included), `unsharded` (gathered
+        parameters and unreduced gradients of units between gather and free)."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        params = grads = unsharded = 0
+        for u in self._units:
+            if u.sharded:
+                params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
+            else:
+                params += u.full.nbytes
+            grads += nbytes(u.grad)
+            unsharded += u.transient_bytes()
+        return {"parameters": params, "gradients": grads, "state": self.local_state_bytes(),
+                "unsharded": unsharded}  # fmt: skip
 
 
-__all__ = ["Bucket", "ShardedOptimizer"]
+__all__ = ["Segment", "ShardedOptimizer"]

@@ -1,6 +1,6 @@
 """Checkpoints: torch's full-tensor format and a sharded format for torch.distributed.checkpoint.
 
-`state_dict()` gathers each bucket's flat state once (onto every rank, or onto one) and
+`state_dict()` gathers each seg's flat state once (onto every rank, or onto one) and
 hands out full tensors per parameter under torch's names, so it loads at any world size
 and into torch itself. It and `load_state_dict()` run inside torch's own methods, so the
 optimizer's state-dict hooks fire as for any `torch.optim` optimizer.
@@ -17,6 +17,7 @@ import torch
 
 from ..shard import Comm, RaggedShard, full_tensor, redistribute
 from ..shard.collectives import all_gather_flat
+from ..units.unit import LOW_PRECISION
 from . import lowbit
 
 _SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
@@ -72,42 +73,42 @@ class CheckpointMixin:
 
     # --- hooks a subclass may extend ---------------------------------------------
 
-    def _param_state(self, bucket, i: int, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """torch-format state of parameter `i` of `bucket` from the gathered flat state."""
-        layout, shape = bucket.layout, tuple(bucket.params[i].shape)
-        start, size = layout.offsets[i], layout.sizes[i]
-        out = {"step": torch.tensor(float(bucket.steps[i]))}
+    def _param_state(self, seg, i: int, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torch-format state of parameter `i` of `seg` from the gathered flat state."""
+        shape = tuple(seg.params[i].shape)
+        start, size = seg.flat_offset(i), seg.layout.sizes[i]
+        out = {"step": torch.tensor(float(seg.steps[i]))}
         for name, full in flat.items():
             out[name] = full[start : start + size].view(shape).clone()
         return out
 
-    def _expected_state(self, bucket, i: int) -> dict[str, tuple[int, ...]]:
+    def _expected_state(self, seg, i: int) -> dict[str, tuple[int, ...]]:
         """The state keys a parameter must carry on load, with their shapes."""
-        shape = tuple(bucket.params[i].shape)
-        out = {name: shape for name in self._export_names(bucket)}
-        return out if self._stepless(bucket) else {"step": (), **out}
+        shape = tuple(seg.params[i].shape)
+        out = {name: shape for name in self._export_names(seg)}
+        return out if self._stepless(seg) else {"step": (), **out}
 
-    def _stepless(self, bucket) -> bool:
-        """Whether the bucket's math ignores the step count (torch then keeps none)."""
+    def _stepless(self, seg) -> bool:
+        """Whether the seg's math ignores the step count (torch then keeps none)."""
         return False
 
-    def _export_names(self, bucket) -> list[str]:
-        return bucket.state_names
+    def _export_names(self, seg) -> list[str]:
+        return seg.state_names
 
-    def _export_locals(self, bucket) -> dict[str, torch.Tensor]:
+    def _export_locals(self, seg) -> dict[str, torch.Tensor]:
         """Local flat state in fp32 under torch's names, one element per local-slice element.
 
         fp32 state is returned as itself (so loading writes it in place); bf16 or 8-bit
         state is decoded into copies, and `_commit_locals` encodes them back.
         """
-        kind = self._kind(bucket)
-        return {n: lowbit.decode(bucket.state, n, kind, sqrt=n in _SQRT) for n in self._export_names(bucket)}
+        kind = self._kind(seg)
+        return {n: lowbit.decode(seg.state, n, kind, sqrt=n in _SQRT) for n in self._export_names(seg)}
 
-    def _commit_locals(self, bucket, local: dict[str, torch.Tensor]) -> None:
+    def _commit_locals(self, seg, local: dict[str, torch.Tensor]) -> None:
         """Store values written into `_export_locals`' tensors back into the state."""
-        kind = self._kind(bucket)
+        kind = self._kind(seg)
         for name, x in local.items():
-            lowbit.encode_(bucket.state, name, kind, x, sqrt=name in _SQRT)
+            lowbit.encode_(seg.state, name, kind, x, sqrt=name in _SQRT)
 
     # --- full format --------------------------------------------------------------
 
@@ -134,10 +135,10 @@ class CheckpointMixin:
     def _fill_state(self, state_dict: dict, gather: _Gather) -> None:
         """Put the full per-parameter state into torch's packed `state_dict` (the collective part)."""
         state = {}
-        for b in self._buckets:
-            flat = {name: gather(t) for name, t in self._export_locals(b).items()}
+        for b in self._segments:
+            flat = {name: gather(t, b.counts) for name, t in self._export_locals(b).items()}
             if b.master is not None:
-                flat[MASTER] = gather(b.master)
+                flat[MASTER] = gather(b.master, b.counts)
             if not gather.receives:
                 continue
             for i, index in enumerate(b.indices):
@@ -175,7 +176,7 @@ class CheckpointMixin:
         if unknown:
             raise ValueError(f"state dict has state for parameters {unknown} that no param group lists")
         by_index = {position[k]: v for k, v in state_dict["state"].items()}
-        for b in self._buckets:
+        for b in self._segments:
             present = [i for i, index in enumerate(b.indices) if index in by_index]
             steps = set()
             for i in present:
@@ -192,7 +193,7 @@ class CheckpointMixin:
                 steps.add(_step_count(st, index))
             if self._whole_buckets and present and (len(present) != len(b.indices) or len(steps) > 1):
                 raise ValueError(
-                    f"parameters {b.indices} share a bucket whose parameters step together, but the state "
+                    f"parameters {b.indices} share a seg whose parameters step together, but the state "
                     f"dict has state for {[b.indices[i] for i in present]} with steps {sorted(steps)}"
                 )
         return by_index
@@ -218,9 +219,9 @@ class CheckpointMixin:
 
     def __setstate__(self, state: dict) -> None:
         """torch's `load_state_dict` installs the loaded param groups through here: update
-        ours in place, since the buckets hold references to them."""
+        ours in place, since the segments hold references to them."""
         groups = state.get("param_groups")
-        if groups is not None and getattr(self, "_buckets", None) is not None:
+        if groups is not None and getattr(self, "_segments", None) is not None:
             for g, new in zip(self.param_groups, groups):
                 g.update(new)
             state = {k: v for k, v in state.items() if k != "param_groups"}
@@ -231,7 +232,7 @@ class CheckpointMixin:
         by_index = self._validate(state_dict)
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
-        for b in self._buckets:
+        for b in self._segments:
             present = [i for i, index in enumerate(b.indices) if index in by_index]
             b.steps = [_step_count(by_index[index], index) if index in by_index else 0 for index in b.indices]
             local = self._export_locals(b)
@@ -241,42 +242,56 @@ class CheckpointMixin:
                 self._load_param_state(b, i, by_index[b.indices[i]], local)
             self._commit_locals(b, local)
             if b.master is not None:
-                b.master.copy_(b.pbuf.local)
-                for i in present:
-                    if MASTER in by_index[b.indices[i]]:
-                        self._load_slice(b, i, by_index[b.indices[i]][MASTER], b.master)
-
-    def _load_param_state(self, bucket, i: int, state: dict, local: dict[str, torch.Tensor]) -> None:
-        for name, flat in local.items():
-            self._load_slice(bucket, i, state[name], flat)
+                self._load_masters(b, [i for i in present if MASTER in by_index[b.indices[i]]], by_index)
 
     @staticmethod
-    def _load_slice(bucket, i: int, full, flat: torch.Tensor) -> None:
+    def _load_masters(seg, members: list[int], by_index: dict) -> None:
+        """Take the saved fp32 masters where they round to the parameter's current value;
+        elsewhere the parameter was written after they were saved, and it wins."""
+        if not members:
+            return
+        seg.unit.refresh_shard()
+        saved = torch.zeros_like(seg.master)
+        taken = torch.zeros(seg.master.numel(), dtype=torch.bool, device=seg.master.device)
+        for i in members:
+            CheckpointMixin._load_slice(seg, i, by_index[seg.indices[i]][MASTER], saved)
+            lo, hi = seg.local_range(i)
+            taken[lo:hi] = True
+        dtype = seg.unit.orig_dtype
+        keep = taken & (saved.to(dtype) == seg.master.to(dtype))
+        seg.master[keep] = saved[keep]
+
+    def _load_param_state(self, seg, i: int, state: dict, local: dict[str, torch.Tensor]) -> None:
+        for name, flat in local.items():
+            self._load_slice(seg, i, state[name], flat)
+
+    @staticmethod
+    def _load_slice(seg, i: int, full, flat: torch.Tensor) -> None:
         """Write this rank's piece of parameter `i`'s full tensor `full` into the local `flat`."""
-        start, stop = bucket.pbuf.tensor_range(i)
-        lo, hi = bucket.pbuf.local_range(i)
+        start, stop = seg.tensor_range(i)
+        lo, hi = seg.local_range(i)
         flat[lo:hi].copy_(torch.as_tensor(full).reshape(-1)[start:stop])
 
     # --- sharded format (torch.distributed.checkpoint) ----------------------------
 
-    def _piece(self, bucket, i: int, name: str):
+    def _piece(self, seg, i: int, name: str):
         """This rank's piece of parameter `i`'s state `name` (or its fp32 "master") for DCP:
         a view of fp32 state, or a reader that decodes low-bit state when DCP writes it."""
         from ..shard.dcp import dcp_piece
 
-        shape = tuple(bucket.params[i].shape)
-        start, stop = bucket.pbuf.tensor_range(i)
-        lo, hi = bucket.pbuf.local_range(i)
+        shape = tuple(seg.params[i].shape)
+        start, stop = seg.tensor_range(i)
+        lo, hi = seg.local_range(i)
         if name == MASTER:
-            return dcp_piece(shape, start, stop, bucket.master[lo:hi])
-        kind, sqrt = self._kind(bucket), name in _SQRT
+            return dcp_piece(shape, start, stop, seg.master[lo:hi])
+        kind, sqrt = self._kind(seg), name in _SQRT
         if kind == "fp32":
-            return dcp_piece(shape, start, stop, bucket.state[name][lo:hi])
+            return dcp_piece(shape, start, stop, seg.state[name][lo:hi])
 
         def read(a: int, b: int) -> torch.Tensor:
-            return lowbit.decode_range(bucket.state, name, kind, lo + a, lo + b, sqrt=sqrt)
+            return lowbit.decode_range(seg.state, name, kind, lo + a, lo + b, sqrt=sqrt)
 
-        device = bucket.local_params.device
+        device = seg.local_params.device
         return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device)
 
     def sharded_state_dict(self) -> dict:
@@ -288,7 +303,7 @@ class CheckpointMixin:
         state is decoded chunk by chunk only while DCP writes it. Not collective itself.
         """
         state = {}
-        for b in self._buckets:
+        for b in self._segments:
             names = self._export_names(b) + ([MASTER] if b.master is not None else [])
             for i, index in enumerate(b.indices):
                 entry = {"step": torch.tensor(float(b.steps[i]))}
@@ -303,10 +318,10 @@ class CheckpointMixin:
         from ..shard.dcp import DcpPiece
 
         entries = state_dict["state"]
-        for b in self._buckets:
+        for b in self._segments:
             steps = {float(entries[str(index)]["step"]) for index in b.indices}
             if self._whole_buckets and len(steps) != 1:
-                raise ValueError(f"parameters {b.indices} share a bucket but have steps {sorted(steps)}")
+                raise ValueError(f"parameters {b.indices} share a seg but have steps {sorted(steps)}")
             for index in b.indices:
                 for name in self._export_names(b):
                     if not isinstance(entries[str(index)].get(name), DcpPiece):
@@ -314,7 +329,7 @@ class CheckpointMixin:
                             f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
                             "pass the dict it returned, after dcp.load"
                         )
-        for b in self._buckets:
+        for b in self._segments:
             b.steps = [int(float(entries[str(index)]["step"])) for index in b.indices]
             loaded = {}
             for name in self._export_names(b):
@@ -325,9 +340,7 @@ class CheckpointMixin:
             if loaded:
                 local = self._export_locals(b)
                 for (name, i), buf in loaded.items():
-                    lo, hi = b.pbuf.local_range(i)
+                    lo, hi = b.local_range(i)
                     local[name][lo:hi].copy_(buf)
                 self._commit_locals(b, {n: local[n] for n, _ in loaded})
-            if b.master is not None:
-                b.pbuf.local.copy_(b.master)
-        self._gather_params()
+        self._publish([u for u in self._units if u.orig_dtype in LOW_PRECISION])

@@ -1,59 +1,62 @@
-"""Which parameters step, as in torch: those with a gradient (`p.grad is not None`) on
-some rank.
+"""Which parameters step, as in torch: those with a gradient on some rank.
 
-Gradients are tracked per parameter: a tensor hook gives a parameter whose `.grad` is
-None its (zeroed) view of the bucket's gradient buffer just before autograd
-accumulates, so accumulation lands in the buffer; a post-accumulate hook marks it.
-`zero_grad(set_to_none=True)` really sets `.grad` to None. At each step one small
-all-reduce (max) of every rank's has-a-gradient flags decides who steps; the same
-reduction carries a flag for problems found before anything is modified (parameters
-moved or cast after construction, unfrozen, or a state-shaping hyperparameter changed),
-so every rank refuses together instead of hanging.
+A parameter is *marked* when autograd accumulates its gradient (a post-accumulate hook,
+installed by the units' schedule) or when a `.grad` set by hand is taken in at the step;
+`zero_grad(set_to_none=True)` clears the marks. At each step one small all-reduce (max)
+of every rank's marks decides who steps. The same reduction says which units still
+hold unreduced gradients on some rank (accumulated under `no_sync()`, or set by hand),
+so every rank reduce-scatters the same units, and carries a flag for problems found
+before anything is modified (parameters moved or cast after construction, unfrozen, a
+unit still in its forward, a state-shaping hyperparameter changed): every rank refuses
+together instead of hanging.
 """
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
-
 import torch
 
 from ..shard import all_reduce_
+from ..units import Unit
+from ..units.unit import ReducedGrad
+from .segment import FROZEN
 
 
 class GradTrackingMixin:
-    """Gradient tracking, the per-step agreement and `zero_grad` for `ShardedOptimizer`."""
+    """Gradient marks, the per-step agreement and `zero_grad` for `ShardedOptimizer`."""
 
-    def _install_hooks(self) -> None:
-        """Before autograd accumulates into a parameter whose `.grad` is None, give it its
-        (zeroed) view of the gradient buffer; after, mark it as having a gradient."""
-        ref, handles = weakref.ref(self), []
-        for k, b in enumerate(self._buckets):
-            for i, p in enumerate(b.params):
-                handles.append(p.register_hook(partial(_attach_grad_view, ref, k, i)))
-                handles.append(p.register_post_accumulate_grad_hook(partial(_mark_grad, ref, k, i)))
-        weakref.finalize(self, _remove_hooks, handles)
+    def _mark(self, p: torch.Tensor) -> None:
+        where = self._where.get(id(p))
+        if where is not None:
+            where[0].marked[where[1]] = True
 
     def _step_problem(self) -> str | None:
         """Why this rank cannot step (nothing is modified to find out)."""
-        for b in self._buckets:
-            dtype, device = b.pbuf.data.dtype, b.pbuf.data.device
-            for i, p in enumerate(b.params):
-                if p.dtype != dtype or p.device != device or p.shape != b.gviews[i].shape:
+        busy = self._schedule.unfinished_forward()
+        if busy is not None:
+            return (
+                f"step() while unit '{busy}' is still gathered by a forward that has not finished; "
+                "finish the forward (and its backward) before stepping"
+            )
+        for u in self._units:
+            for i, p in enumerate(u.params):
+                if p.dtype != u.compute_dtype or p.device != u.device or p.shape != u.full.shapes[i]:
                     return (
                         f"parameter {self._labels[id(p)]} is now {p.dtype} on {p.device}, shape "
-                        f"{tuple(p.shape)}, but the optimizer holds it as {dtype} on {device}: it was "
-                        "moved or cast after the optimizer was built (model.double(), .half(), .to(...)); "
-                        "move the model first, then build the optimizer"
+                        f"{tuple(p.shape)}, but the optimizer holds it as {u.compute_dtype} on {u.device}: "
+                        "it was moved or cast after the optimizer was built (model.double(), .half(), "
+                        ".to(...)); move the model first, then build the optimizer"
                     )
-        for p in self._frozen:
-            if p.requires_grad or p.grad is not None:
-                now = "requires grad" if p.requires_grad else "has a gradient"
-                return (
-                    f"parameter {self._labels[id(p)]} was frozen (requires_grad=False) when the optimizer "
-                    f"was built, so it has no place in its buffers, but now {now}; build the optimizer "
-                    "with it trainable (freezing it later is fine)"
-                )
+        for seg in self._segments:
+            if seg.tier != FROZEN:
+                continue
+            for i, p in enumerate(seg.params):
+                if p.requires_grad or seg.marked[i]:
+                    now = "requires grad" if p.requires_grad else "has a gradient"
+                    return (
+                        f"parameter {self._labels[id(p)]} was frozen (requires_grad=False) when the "
+                        f"optimizer was built, so it has no optimizer state, but now {now}; build the "
+                        "optimizer with it trainable (freezing it later is fine)"
+                    )
         for gi, (g, fixed) in enumerate(zip(self.param_groups, self._structure)):
             for key, value in fixed.items():
                 if g.get(key) != value:
@@ -67,12 +70,15 @@ class GradTrackingMixin:
         return None
 
     @torch.no_grad()
-    def _agree(self) -> None:
-        """One all-reduce (max) over every rank's has-a-gradient flags (and a problem flag):
-        a parameter steps iff some rank has a gradient for it."""
+    def _agree(self) -> list[Unit]:
+        """One all-reduce (max) over every rank's marks, unreduced units and a problem flag:
+        a parameter steps iff some rank has a gradient for it. Returns the units that some
+        rank still has unreduced gradients for (every rank reduces those, in order)."""
         problem = self._step_problem()
-        has = [p.grad is not None for b in self._buckets for p in b.params]
-        flags = torch.tensor([*has, problem is not None], dtype=torch.float32, device=self._device)
+        marks = [m for seg in self._segments for m in seg.marked]
+        unreduced = [u.has_full_grad for u in self._units]
+        flags = [*marks, *unreduced, problem is not None]
+        flags = torch.tensor(flags, dtype=torch.float32, device=self._device)
         all_reduce_(flags, self._comm, "max")
         agreed = [x > 0 for x in flags.tolist()]
         if problem is not None:
@@ -82,75 +88,47 @@ class GradTrackingMixin:
                 "step refused: another rank found a problem with its parameters (see that rank's error)"
             )
         pos = 0
-        for b in self._buckets:
-            active = agreed[pos : pos + len(b.params)]
-            pos += len(b.params)
-            b.active = [True] * len(active) if self._whole_buckets and any(active) else active
+        for seg in self._segments:
+            active = agreed[pos : pos + len(seg.params)]
+            pos += len(seg.params)
+            if seg.tier == FROZEN:
+                active = [False] * len(active)
+            seg.active = [True] * len(active) if self._whole_buckets and any(active) else active
+        return [u for u, f in zip(self._units, agreed[pos : pos + len(self._units)]) if f]
 
     def _reattach(self) -> None:
-        """Bring parameters and gradients back into the buffers: a tensor assigned to
-        `.data` (same dtype and shape) or to `.grad` is copied in; a missing gradient
-        counts as zero in the mean."""
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                view = b.pviews[i]
-                if p.data_ptr() != view.data_ptr():
-                    view.copy_(p.detach())
-                    p.data = view
-                gview = b.gviews[i]
-                if p.grad is None:
-                    gview.zero_()
-                    b.marked[i] = False
+        """Bring what was set by hand into the units: a tensor assigned to `.data` (same
+        dtype and shape) is written into the parameter's shard; one assigned to `.grad`
+        replaces the parameter's gradient (and marks it); `.grad = None` unmarks it, as
+        torch then skips the parameter. Moved or cast parameters are left for
+        `_step_problem` to report."""
+        for u in self._units:
+            for i, p in enumerate(u.params):
+                if p.dtype != u.compute_dtype or p.device != u.device or p.shape != u.full.shapes[i]:
                     continue
-                if p.grad.data_ptr() != gview.data_ptr():
-                    gview.copy_(p.grad)
-                    p.grad = gview
-                b.marked[i] = True
+                view = u.full.view(i)
+                if p.data_ptr() != view.data_ptr():
+                    u.write_param(i, p.detach())
+                    p.data = view
+                g = p.grad
+                if g is None:
+                    seg, j = self._where[id(p)]
+                    seg.marked[j] = False
+                elif not isinstance(g, ReducedGrad) and not u.is_live_grad(i) and g.device == view.device:
+                    u.take_grad(i, g)
+                    self._mark(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch: `set_to_none=True` sets every `.grad` to None (autograd's next
-        accumulation lands in the gradient buffer again); `set_to_none=False` zeroes the
-        gradients that exist, which then take the next step with a zero gradient."""
-        for b in self._buckets:
-            if set_to_none:
-                for p in b.params:
-                    p.grad = None
-                b.marked = [False] * len(b.params)
-                continue
-            b.gbuf.data.zero_()
-            for i, p in enumerate(b.params):
-                g = p.grad
-                if g is not None and g.data_ptr() != b.gviews[i].data_ptr():
-                    if g.dtype == b.gviews[i].dtype and g.device == b.gviews[i].device:
-                        p.grad = b.gviews[i]
-                    else:
-                        g.zero_()
-        for p in self._frozen:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+        """Zero every gradient, as torch: `set_to_none=True` sets every `.grad` to None (a
+        parameter that then gets no gradient takes no step); `set_to_none=False` keeps the
+        gradients that exist, zeroed (those parameters step with a zero gradient).
+
+        Gradients live in the units' shards once reduce-scattered, where a parameter's
+        `.grad` is a `ReducedGrad` placeholder; zeroing zeroes the shards."""
+        self._schedule.wait_reductions()
+        for u in self._units:
+            u.clear_grad(set_to_none)
+        if set_to_none:
+            for seg in self._segments:
+                seg.marked = [False] * len(seg.params)
         self._grads_reduced = False
-
-
-def _attach_grad_view(ref, k: int, i: int, grad: torch.Tensor) -> None:
-    opt = ref()
-    if opt is None or opt._buckets is None:
-        return
-    b = opt._buckets[k]
-    p, view = b.params[i], b.gviews[i]
-    if p.grad is None and p.dtype == view.dtype and p.device == view.device and p.shape == view.shape:
-        view.zero_()
-        p.grad = view
-
-
-def _mark_grad(ref, k: int, i: int, p: torch.Tensor) -> None:
-    opt = ref()
-    if opt is not None and opt._buckets is not None:
-        opt._buckets[k].marked[i] = True
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()

@@ -16,10 +16,10 @@ from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_pl
 from ..shard.plan import owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
-from .adamw import adamw_bucket_step
+from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
-from .bucket import Bucket
 from .owners import assign_owners, ns_flops
+from .segment import FROZEN, Segment
 
 _ADJUST = (None, "original", "match_rms_adamw")
 _ADAMW_EPS = 1e-8
@@ -46,8 +46,8 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class _Matrix:
-    param: int  # index in the bucket
-    start: int  # offset of the matrix in the bucket's global buffer
+    param: int  # index in the seg
+    start: int  # offset of the matrix in the seg's global buffer
     rows: int
     cols: int
 
@@ -57,17 +57,20 @@ class _Matrix:
 
 
 class _MuonPlan:
-    """Per-bucket matrices, their owners, gather/scatter plans and this rank's batches.
+    """Per-segment matrices, their owners, gather/scatter plans and this rank's batches.
 
     Built in two steps: the matrices, where they lie and what they cost; then, once
-    owners are chosen over every bucket of the step, the plans.
+    owners are chosen over every segment of the step, the plans. Positions are the
+    unit's; each rank's buffers hold its part of the segment, from `seg.rank_start(r)`.
     """
 
-    def __init__(self, bucket: Bucket, world: int, ns_steps: int):
-        layout = bucket.layout
+    def __init__(self, seg: Segment, world: int, ns_steps: int):
+        layout = seg.layout
         self.world, self.shard = world, layout.shard_size
+        self.starts = [seg.rank_start(r) for r in range(world)]
+        self.sizes = seg.counts
         self.matrices: list[_Matrix] = []
-        for i, p in enumerate(bucket.params):
+        for i, p in enumerate(seg.params):
             count, rows, cols = matrix_view(tuple(p.shape))
             for s in range(count):
                 self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
@@ -77,7 +80,8 @@ class _MuonPlan:
             first, last = m.start // self.shard, (m.start + m.numel - 1) // self.shard  # ranks it spans
             for r in range(first, last + 1):
                 lo, hi = max(m.start, r * self.shard), min(m.start + m.numel, (r + 1) * self.shard)
-                self.pieces.append(Piece(r, t, lo - r * self.shard, lo - m.start, hi - m.start))
+                at = lo - r * self.shard - self.starts[r]
+                self.pieces.append(Piece(r, t, at, lo - m.start, hi - m.start))
             self.homes.append(first if first == last else None)
         self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
 
@@ -88,9 +92,8 @@ class _MuonPlan:
         moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
         pieces = [p for p in self.pieces if p.tensor in moved]
         numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
-        sizes = [shard] * world
-        self.gather = plan_gather_to_owner(pieces, numels, owners, world, sizes)
-        self.scatter = plan_scatter_from_owner(pieces, numels, owners, world, sizes)
+        self.gather = plan_gather_to_owner(pieces, numels, owners, world, self.sizes)
+        self.scatter = plan_scatter_from_owner(pieces, numels, owners, world, self.sizes)
         self.gather_program = self.gather.program(rank)
         self.scatter_program = self.scatter.program(rank)
         offsets, _ = owner_offsets(numels, owners, world)
@@ -99,7 +102,8 @@ class _MuonPlan:
         self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
         for t, m in enumerate(self.matrices):
             if owners[t] == rank:
-                entry = (True, offsets[t]) if t in moved else (False, m.start - rank * shard)
+                here = m.start - rank * shard - self.starts[rank]
+                entry = (True, offsets[t]) if t in moved else (False, here)
                 self.batches.setdefault((m.rows, m.cols), []).append(entry)
 
 
@@ -203,8 +207,8 @@ class Muon(ShardedOptimizer):
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}
-        for k, b in enumerate(self._buckets):
-            if b.group["use_muon"]:
+        for k, b in enumerate(self._segments):
+            if b.group["use_muon"] and b.tier != FROZEN:
                 self._plans[k] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
         # One assignment over every matrix of the step, so the step's total is balanced.
         plans = list(self._plans.values())
@@ -241,11 +245,11 @@ class Muon(ShardedOptimizer):
     def _unit(self, p: torch.Tensor, group: dict) -> int:
         return p.shape[-1] if group["use_muon"] else 1
 
-    def _state_names(self, bucket: Bucket) -> list[str]:
-        return ["momentum_buffer"] if bucket.group["use_muon"] else ["exp_avg", "exp_avg_sq"]
+    def _state_names(self, seg: Segment) -> list[str]:
+        return ["momentum_buffer"] if seg.group["use_muon"] else ["exp_avg", "exp_avg_sq"]
 
-    def _stepless(self, bucket: Bucket) -> bool:
-        return bucket.group["use_muon"]
+    def _stepless(self, seg: Segment) -> bool:
+        return seg.group["use_muon"]
 
     def _check_group(self, gi: int, group: dict) -> str | None:
         try:
@@ -254,14 +258,14 @@ class Muon(ShardedOptimizer):
             return f"param group {gi}: {e}"
         return None
 
-    def _step_buckets(self) -> None:
+    def _step_segments(self) -> None:
         muon, pending = [], []
         self.orthogonalized = 0
-        for k, b in enumerate(self._buckets):
+        for k, b in enumerate(self._segments):
             if not b.any_active:
                 continue
             if k not in self._plans:
-                adamw_bucket_step(b, self._kind(b), b.local_grads())
+                adamw_segment_step(b, self._kind(b), b.local_grads())
                 continue
             plan, update = self._plans[k], self._momentum(b)
             received = update.new_empty(plan.gather.dst_numel[self.rank])
@@ -277,9 +281,8 @@ class Muon(ShardedOptimizer):
             h.wait()
         for _, b, update, _, _ in muon:
             self._apply(b, update)
-        self._gather_params([b for b in self._buckets if b.any_active])
 
-    def _momentum(self, b: Bucket) -> torch.Tensor:
+    def _momentum(self, b: Segment) -> torch.Tensor:
         """Momentum on the active runs of the local slice; returns the (nesterov) update
         in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
         g = b.group
@@ -297,7 +300,7 @@ class Muon(ShardedOptimizer):
         lowbit.encode_(b.state, "momentum_buffer", kind, buf)
         return update
 
-    def _apply(self, b: Bucket, update: torch.Tensor) -> None:
+    def _apply(self, b: Segment, update: torch.Tensor) -> None:
         """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the active runs, with one adjusted
         learning rate per run of parameters that share it (a scalar, as in torch)."""
         g, params = b.group, b.local_params

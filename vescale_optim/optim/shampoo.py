@@ -23,7 +23,7 @@ from ._shampoo_math import (
 )
 from ._shampoo_tiles import FACTORS, BucketTiles
 from .base import ShardedOptimizer
-from .bucket import Bucket
+from .segment import FROZEN, Segment
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
 
@@ -112,38 +112,38 @@ class Shampoo(ShardedOptimizer):
 
     # --- hooks ----------------------------------------------------------------------
 
-    _whole_buckets = True  # a bucket's tiles step together, with one step count
+    _whole_buckets = True  # a seg's tiles step together, with one step count
     _structural = ("max_preconditioner_dim", "grafting")
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
         return stripe_unit(tuple(p.shape), group["max_preconditioner_dim"])
 
-    def _state_names(self, bucket: Bucket) -> list[str]:
-        second = _SECOND.get(bucket.group["grafting"])
+    def _state_names(self, seg: Segment) -> list[str]:
+        second = _SECOND.get(seg.group["grafting"])
         return ["exp_avg", second] if second else ["exp_avg"]
 
-    def _init_state(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros_like(bucket.local_params) for name in self._state_names(bucket)}
+    def _init_state(self, seg: Segment) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(seg.local_params) for name in seg.state_names}
 
-    def _update(self, bucket: Bucket, grads: torch.Tensor) -> None:
-        g, step, bt = bucket.group, bucket.step, self._tiles[id(bucket)]
-        exp_avg = bucket.state["exp_avg"]
+    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+        g, step, bt = seg.group, seg.step, self._tiles[id(seg)]
+        exp_avg = seg.state["exp_avg"]
         update = torch.empty_like(exp_avg)
         grafting_step_(
-            grads, exp_avg, bucket.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
+            grads, exp_avg, seg.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
             beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"], grafting=g["grafting"],
         )  # fmt: skip
         if bt.tiles:
             self._kept += bt.step(g, step, grads, exp_avg, update)
             self._refreshed |= schedule(g, step)[1]
-        lr, p = float(g["lr"]), bucket.local_params
+        lr, p = float(g["lr"]), seg.local_params
         if g["weight_decay"] != 0:
             p.mul_(1 - lr * g["weight_decay"])
         p.add_(update, alpha=-lr)
 
-    def _step_buckets(self) -> None:
+    def _step_segments(self) -> None:
         self._kept, self._refreshed = 0, False
-        super()._step_buckets()
+        super()._step_segments()
         if self._refreshed:
             self._count_kept_roots()
 
@@ -167,9 +167,10 @@ class Shampoo(ShardedOptimizer):
     def _plan_tiles(self) -> None:
         world = self.world_size
         found = []
-        for b in self._buckets:
+        for b in self._segments:
             d = b.group["max_preconditioner_dim"]
-            tiles = [t for i, p in enumerate(b.params) for t in tiles_of(tuple(p.shape), d, i)]
+            params = [] if b.tier == FROZEN else b.params  # frozen parameters have no preconditioners
+            tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
             held = [[self._rows_held(b, t, r) for r in range(world)] for t in tiles]
             native = [max(range(world), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
             found.append((b, tiles, held, native))
@@ -187,7 +188,7 @@ class Shampoo(ShardedOptimizer):
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
 
     @staticmethod
-    def _rows_held(b: Bucket, t: Tile, rank: int) -> tuple[int, int]:
+    def _rows_held(b: Segment, t: Tile, rank: int) -> tuple[int, int]:
         """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
         n = matrix_shape(tuple(b.params[t.param].shape))[1]
         start, stop = b.layout.rank_range(t.param, rank)
@@ -210,8 +211,8 @@ class Shampoo(ShardedOptimizer):
 
     # --- checkpoints ------------------------------------------------------------------
 
-    def _tile_names(self, bucket: Bucket, i: int):
-        bt = self._tiles[id(bucket)]
+    def _tile_names(self, seg: Segment, i: int):
+        bt = self._tiles[id(seg)]
         for k, t in enumerate(bt.tiles):
             if t.param == i:
                 shapes = ((t.h, t.h), (t.w, t.w)) * 2
@@ -220,7 +221,7 @@ class Shampoo(ShardedOptimizer):
     def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
         """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
         out = {}
-        for b in self._buckets:
+        for b in self._segments:
             bt = self._tiles[id(b)]
             numels = [2 * (t.h**2 + t.w**2) for t in bt.tiles]
             if not numels:
@@ -243,26 +244,26 @@ class Shampoo(ShardedOptimizer):
         finally:
             self._gathered = None
 
-    def _param_state(self, bucket, i: int, flat: dict) -> dict:
-        out = super()._param_state(bucket, i, flat)
-        for k, names in self._tile_names(bucket, i):
-            pos, full = 0, self._gathered[id(bucket), k]
+    def _param_state(self, seg, i: int, flat: dict) -> dict:
+        out = super()._param_state(seg, i, flat)
+        for k, names in self._tile_names(seg, i):
+            pos, full = 0, self._gathered[id(seg), k]
             for key, (_, shape) in names.items():
                 n = shape[0] * shape[1]
                 out[key] = full[pos : pos + n].view(shape).clone()
                 pos += n
         return out
 
-    def _expected_state(self, bucket, i: int) -> dict:
-        out = super()._expected_state(bucket, i)
-        for _, names in self._tile_names(bucket, i):
+    def _expected_state(self, seg, i: int) -> dict:
+        out = super()._expected_state(seg, i)
+        for _, names in self._tile_names(seg, i):
             out.update({key: shape for key, (_, shape) in names.items()})
         return out
 
-    def _load_param_state(self, bucket, i: int, state: dict, local: dict) -> None:
-        super()._load_param_state(bucket, i, state, local)
-        bt = self._tiles[id(bucket)]
-        for k, names in self._tile_names(bucket, i):
+    def _load_param_state(self, seg, i: int, state: dict, local: dict) -> None:
+        super()._load_param_state(seg, i, state, local)
+        bt = self._tiles[id(seg)]
+        for k, names in self._tile_names(seg, i):
             if k in bt.owned:
                 mine = bt.factors(k)
                 for key, (name, _) in names.items():
@@ -271,7 +272,7 @@ class Shampoo(ShardedOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for b in self._buckets:
+        for b in self._segments:
             if b.step == 0:
                 for g in self._tiles[id(b)].local + self._tiles[id(b)].remote:
                     for x in g.state.values():
@@ -282,7 +283,7 @@ class Shampoo(ShardedOptimizer):
         entry of the rank that owns the tile (DCP writes them from there and reads them
         into whichever rank owns the tile when loading)."""
         sd = super().sharded_state_dict()
-        for b in self._buckets:
+        for b in self._segments:
             bt = self._tiles[id(b)]
             for i, index in enumerate(b.indices):
                 for k, names in self._tile_names(b, i):

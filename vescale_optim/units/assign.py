@@ -24,7 +24,7 @@ def _ancestry(root: nn.Module) -> tuple[dict[int, list[int]], dict[int, str]]:
     return chains, names
 
 
-def _outermost(modules: Sequence[nn.Module]) -> nn.Module:
+def outermost(modules: Sequence[nn.Module]) -> nn.Module:
     """The listed module that contains every other listed module."""
     for candidate in modules:
         inside = {id(m) for m in candidate.modules()}
@@ -50,7 +50,7 @@ def assign_units(
     if not shard_modules:
         raise ValueError("shard_modules is empty; list the modules to shard (e.g. [*model.layers, model])")
     listed = list(dict.fromkeys(shard_modules))  # drop repeats, keep order
-    root = _outermost(listed)
+    root = outermost(listed)
     chains, module_names = _ancestry(root)
     listed_ids = {id(m): k for k, m in enumerate(listed)}
     owners: dict[int, list[int]] = {}  # parameter id -> ids of modules holding it directly

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from ..shard.collectives import Handle
-from .unit import State, Unit
+from ..shard.collectives import Handle, all_gather_object
+from .unit import ReducedGrad, State, Unit
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
@@ -115,9 +115,12 @@ class Schedule:
         self._post_forward_seen: list[Unit] = []
         self._reduced: set[int] = set()  # units reduce-scattered in this backward
         self._round_ended = False
+        self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
         self._order = sorted(self.units, key=lambda u: -u.index)
         self._static = [u for u in self._order if self.modules[self.units.index(u)] is None]
+        self._completed: list[Unit] = []  # static units in the order they completed, first backward
+        self._order_settled = False
         self._in_flight: list[Handle] = []
         self._handles: list = []
         outer = {id(m) for m in modules if m is not None}
@@ -128,16 +131,18 @@ class Schedule:
         for unit, module in zip(self.units, self.modules):
             unit.in_forward = unit.in_backward = False
             unit.forward_calls = 0
-            for i, p in enumerate(unit.params):
+            trainable = [(i, p) for i, p in enumerate(unit.params) if p.requires_grad]
+            unit.trainable = bool(trainable)  # a unit of frozen parameters never reduces
+            for i, p in trainable:
                 self._handles.append(p.register_hook(self._attach(unit, i)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(unit)))
-            if module is None:
-                unit.arrivals = _Arrivals(unit.params, lambda u=unit: self._static_ready(u))
-            else:
+            if module is None and trainable:
+                unit.arrivals = _Arrivals([p for _, p in trainable], lambda u=unit: self._static_ready(u))
+            if module is not None:
                 pre = module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
                 self._handles += [pre, module.register_forward_hook(self._post_forward(unit, module))]
-        params = [p for u in self.units for p in u.params]
-        self._end = _Arrivals(params, self._end_of_backward)
+        params = [p for u in self.units for p in u.params if p.requires_grad]
+        self._end = _Arrivals(params, self._end_of_backward) if params else None
 
     # --- gradients ------------------------------------------------------------------
 
@@ -145,12 +150,18 @@ class Schedule:
         def hook(grad):
             self._new_round()
             p = unit.params[i]
-            view = unit.grad_view(i)
-            if p.grad is None:
-                p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)  # a gradient set by hand: keep it, accumulate on it
-                p.grad = view
+            if p.dtype != unit.compute_dtype or p.device != unit.device:
+                return  # moved or cast after construction: the step refuses it
+            if p.grad is not None and not isinstance(p.grad, ReducedGrad) and unit.is_live_grad(i):
+                return
+            self.wait_reductions()  # before touching the shard a reduction may still write
+            if p.grad is None:  # no gradient so far (zero_grad): nothing reduced earlier counts
+                unit.drop_grad(i)
+                p.grad = unit.grad_view(i)
+            elif isinstance(p.grad, ReducedGrad):
+                p.grad = unit.grad_view(i)  # the reduced gradient stays in the shard; this adds to it
+            else:
+                unit.take_grad(i, p.grad)  # a gradient set by hand: autograd accumulates on it
 
         return hook
 
@@ -160,7 +171,8 @@ class Schedule:
                 self.on_grad(p)
             if hasattr(unit, "arrivals"):
                 unit.arrivals.arrive()
-            self._end.arrive()
+            if self._end is not None:
+                self._end.arrive()
 
         return hook
 
@@ -168,10 +180,14 @@ class Schedule:
         """A unit without module hooks has all its gradients: reduce it and every unit
         before it in the fixed order that is also complete (never out of order)."""
         unit.complete = True
+        if not self._order_settled:  # learning the order: reduce at the end of backward
+            if unit not in self._completed:
+                self._completed.append(unit)
+            return
         for u in self._static:
             if u.index in self._reduced:
                 continue
-            if not getattr(u, "complete", False):
+            if u.trainable and not getattr(u, "complete", False):
                 break
             self._reduce(u)
 
@@ -180,22 +196,22 @@ class Schedule:
             return
         self._reduced.add(unit.index)
         unit.complete = False
-        if not self.sync_grads:
+        if not self.sync_grads or not unit.trainable:
             return
         # one reduce-scatter in flight: its buffer is freed before the next is issued
-        for h in self._in_flight:
-            h.wait()
+        self.wait_reductions()
         self._in_flight = [unit.reduce_grad(async_op=True)]
 
     def _end_of_backward(self) -> None:
-        """Every parameter's gradient of this backward is in: reduce what is left, in
-        unit order (the same on every rank)."""
-        for unit in self._order:
+        """Every parameter's gradient of this backward is in: reduce what is left, in a
+        fixed order (the same on every rank)."""
+        for unit in self._static + [u for u in self._order if u not in self._static]:
             self._reduce(unit)
         self._round_ended = True
 
     def _new_round(self) -> None:
         """First event after a backward ended (or a step): forget that backward's marks."""
+        self._busy = True
         if self._round_ended:
             self._round_ended = False
             self._reduced.clear()
@@ -204,21 +220,47 @@ class Schedule:
                 unit.forward_calls = 0
                 unit.complete = False
 
-    def finish(self) -> None:
-        """Before the step: wait for reductions in flight; free what backward left gathered."""
+    def wait_reductions(self) -> None:
+        """Wait for the reduce-scatters in flight."""
         for h in self._in_flight:
             h.wait()
         self._in_flight = []
+
+    def finish(self) -> None:
+        """Before the step: finish the round of reductions a backward started (if its end
+        went unseen, e.g. a parameter cast behind our back loses its multi-grad hooks), wait
+        for them, free what backward left gathered (not a unit still inside its forward:
+        `unfinished_forward()` names it), and settle the order of reductions without a
+        module (rank 0's, from the first backward)."""
+        if self._busy and not self._round_ended:
+            self._end_of_backward()
+        self.wait_reductions()
         for unit in self.units:
-            if unit.in_forward:
-                name = unit.name or unit.index
-                raise RuntimeError(
-                    f"unit {name} is still gathered by a forward that has not finished; finish the "
-                    "forward (and backward) before step()"
-                )
-            unit.reshard()
+            if not unit.in_forward:
+                unit.reshard()
+        if self._static and not self._order_settled:
+            self._settle_order()
         self._round_ended = True
         self._new_round()
+        self._busy = False
+
+    def unfinished_forward(self) -> str | None:
+        """The name of a unit whose forward started and has not finished, if any."""
+        for unit in self.units:
+            if unit.in_forward:
+                return unit.name or str(unit.index)
+        return None
+
+    def _settle_order(self) -> None:
+        """Units without a module reduce in the order they completed in the first backward
+        on rank 0 (every rank must issue them in one order); until then, at its end."""
+        comm = self.units[0].comm
+        seen = [u.index for u in self._completed]
+        order = all_gather_object(seen, comm)[0]
+        by_index = {u.index: u for u in self._static}
+        ranked = [by_index[i] for i in order if i in by_index]
+        self._static = ranked + [u for u in self._static if u not in ranked]
+        self._order_settled = True
 
     # --- module hooks ---------------------------------------------------------------
 
@@ -227,7 +269,8 @@ class Schedule:
             if unit.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
-            self._new_round()
+            if torch.is_grad_enabled():
+                self._new_round()
             unit.in_forward = True
             if unit not in self.forward_order:
                 self.forward_order.append(unit)

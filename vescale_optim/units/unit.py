@@ -29,6 +29,78 @@ class State(enum.Enum):
     GATHERED = "gathered"
 
 
+_METADATA = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
+    torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point, torch.Tensor.untyped_storage,
+    torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.requires_grad_,
+    torch.Tensor.is_leaf.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor.is_complex,
+}  # fmt: skip
+_CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+          torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda}  # fmt: skip
+
+
+class ReducedGrad(torch.Tensor):
+    """What a parameter's `.grad` holds once its unit's gradients were reduce-scattered: the
+    gradient exists (`p.grad is not None`, as in torch after backward) but lives in the
+    optimizer's shards, so it has the parameter's shape, dtype and device and no values.
+
+    Loss scalers work on it (`torch.amp.GradScaler.unscale_` unscales and checks this
+    rank's piece of the shard; `ShardedGradScaler` agrees on infs over ranks), `zero_()`
+    zeroes the piece, and casts give a placeholder of the new dtype or device (so
+    `model.to(...)` runs; the step then refuses the moved parameter). Anything else that
+    would read values raises and says why; assigning a tensor to `.grad` replaces the
+    gradient."""
+
+    _unit: Unit
+    _index: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        if func in _CASTS:
+            self = args[0]
+            probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+            return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device)
+        if func is torch._has_compatible_shallow_copy_type:
+            return False  # so `model.to(...)` assigns the cast placeholder instead of mutating this one
+        if func is torch.Tensor.zero_:
+            args[0]._piece().zero_()
+            return args[0]
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            grads, found_inf, inv_scale = args
+            for g in grads:
+                piece = g._piece() if isinstance(g, ReducedGrad) else g
+                torch._amp_foreach_non_finite_check_and_unscale_([piece], found_inf, inv_scale)
+            return None
+        name = getattr(func, "__name__", repr(func))
+        raise RuntimeError(
+            f"{name}() on a gradient that was reduce-scattered into the optimizer's shards: after "
+            "backward, gradients are averaged over ranks and sharded, so .grad holds no values. Use "
+            "opt.clip_grad_norm_() to clip; assign a tensor to .grad to replace the gradient"
+        )
+
+    def _piece(self) -> torch.Tensor:
+        """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
+        unit = self._unit
+        unit.wait_grad()
+        start, stop = unit.full.local_range(self._index)
+        return unit.grad[start:stop]
+
+    def __repr__(self) -> str:
+        return f"ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: in the optimizer's shards)"
+
+    @staticmethod
+    def _of(unit: Unit, i: int, shape, dtype, device) -> ReducedGrad:
+        out = torch.empty((), dtype=dtype, device=device).expand(shape).as_subclass(ReducedGrad)
+        out._unit, out._index = unit, i
+        return out
+
+
 def shard_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Where a parameter of `dtype` keeps its shard: fp32 for low precision (the master)."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
@@ -80,14 +152,18 @@ class Unit:
         rank, s = comm.rank, layout.shard_size
         self.full = FlatBuffer(layout, shapes, rank, self.compute_dtype, self.device)
         self.full_grad = self._new_grad_buffer()
-        in_place = not sharded and self.shard_dtype == self.compute_dtype
         if meta:
             self.shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         else:
             self.shard = self._initial_shard(sync_params)
-        if in_place:
-            self.full.local.copy_(self.shard)
-            self.shard = self.full.local
+            if not sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
+                if sync_params:
+                    all_gather_into_(self.full.data, self.shard, comm)
+                else:
+                    for i, p in enumerate(params):
+                        self.full.view(i).copy_(p.detach())
+        if not sharded and self.shard_dtype == self.compute_dtype:
+            self.shard = self.full.local  # the update writes the kept parameters in place
         self.grad = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         self.grad_has_values = False  # `grad` holds reductions not yet consumed
         self.state = State.GATHERED
@@ -103,10 +179,10 @@ class Unit:
                 if grad is not None:
                     self.grad_view(i).copy_(grad)
                     p.grad = self.full_grad.view(i)
+        self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
+        self._pending: Handle | None = None  # the reduction writing `grad`, until waited
         if sharded:
             self.reshard()
-        elif not meta:
-            self.gather_after_step()
 
     # --- construction ----------------------------------------------------------------
 
@@ -169,6 +245,28 @@ class Unit:
         with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
             return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op)
 
+    def write_param(self, i: int, value: torch.Tensor) -> None:
+        """Set parameter `i` to `value` (its full tensor): this rank's piece goes into the
+        shard, and into the kept unsharded parameters of an unsharded unit."""
+        s, rank = self.layout.shard_size, self.comm.rank
+        start, stop = self.layout.rank_range(i, rank)
+        if stop > start:
+            lo = start - self.layout.offsets[i]
+            self.shard[start - rank * s : stop - rank * s].copy_(value.reshape(-1)[lo : lo + stop - start])
+        if not self.sharded:
+            self.full.view(i).copy_(value)
+
+    def refresh_shard(self) -> None:
+        """Unsharded units with a separate shard (an fp32 master, or `param_dtype`): where a
+        kept parameter no longer equals its shard rounded to the parameter's dtype, it was
+        written from outside (`model.load_state_dict`, `p.copy_`): take the parameter's value."""
+        if self.sharded or self.shard.data_ptr() == self.full.local.data_ptr():
+            return
+        local = self.full.local
+        stale = self.shard.to(local.dtype) != local
+        if bool(stale.any()):
+            self.shard[stale] = local[stale].to(self.shard.dtype)
+
     # --- gradients -------------------------------------------------------------------
 
     def _new_grad_buffer(self) -> FlatBuffer:
@@ -186,15 +284,35 @@ class Unit:
             self.full_grad.allocate(zero=True)
         return self.full_grad.view(i)
 
+    def is_live_grad(self, i: int) -> bool:
+        """Whether parameter `i`'s `.grad` is its view of the unreduced gradient buffer."""
+        g = self.params[i].grad
+        return g is not None and self.has_full_grad and g.data_ptr() == self.full_grad.view(i).data_ptr()
+
+    def drop_grad(self, i: int) -> None:
+        """Forget what `grad` accumulated for parameter `i` (this rank's piece of it)."""
+        start, stop = self.full.local_range(i)
+        if stop > start:
+            self.grad[start:stop].zero_()
+
+    def take_grad(self, i: int, grad: torch.Tensor) -> None:
+        """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
+        and what `grad` accumulated for it so far is dropped."""
+        self.grad_view(i).copy_(grad)
+        self.drop_grad(i)
+        self.params[i].grad = self.full_grad.view(i)
+
     def reduce_grad(self, async_op: bool = True) -> Handle:
         """Average the unsharded gradients over ranks into `grad` (added to what it holds
-        since the last `clear_grad()`). Every `.grad` is set to None at once: a later
-        backward accumulates into a new buffer while this one is reduced and freed."""
+        since the last `clear_grad()`). Each `.grad` that was a view of the buffer becomes a
+        `ReducedGrad` at once: a later backward accumulates into a new buffer while this one
+        is reduced and freed."""
         if not self.has_full_grad:
             self.full_grad.allocate(zero=True)
+        for i, p in enumerate(self.params):
+            if self.is_live_grad(i):
+                p.grad = self._reduced[i]
         buf, self.full_grad = self.full_grad, self._new_grad_buffer()
-        for p in self.params:
-            p.grad = None
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
@@ -203,19 +321,34 @@ class Unit:
                 data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
             )
         self.grad_has_values = True
-        handle = handle.then(buf.free)
+
+        def done() -> None:
+            buf.free()
+            self._pending = None
+
+        handle = self._pending = handle.then(done)
         if not async_op:
             handle.wait()
         return handle
 
-    def clear_grad(self) -> None:
-        """Forget accumulated gradients (zero the shard, drop an unreduced buffer)."""
+    def wait_grad(self) -> None:
+        """Block until `grad` holds every reduction issued so far."""
+        if self._pending is not None:
+            self._pending.wait()
+
+    def clear_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients: zero the shard, drop an unreduced buffer; every
+        `.grad` becomes None, or with `set_to_none=False` a `ReducedGrad` (now zero) where
+        there was a gradient."""
         self.grad.zero_()
         self.grad_has_values = False
         if self.has_full_grad:
             self.full_grad.free()
-        for p in self.params:
-            p.grad = None
+        for i, p in enumerate(self.params):
+            if set_to_none or p.grad is None:
+                p.grad = None
+            elif p.requires_grad:
+                p.grad = self._reduced[i]
 
     # --- accounting ------------------------------------------------------------------
 

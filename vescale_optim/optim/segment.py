@@ -1,0 +1,142 @@
+"""A segment: the parameters of one param group and state tier inside a unit, as the
+optimizer's math sees them.
+
+The planner keeps a segment's tensors adjacent in the unit's buffer, so on each rank
+the segment is one range `[lo, hi)` of the unit's local slice: element-wise math runs on
+`local_params` / `local_grads()` (views of the unit's shards) and the state tensors are
+exactly that long. `layout` is the unit's layout restricted to the segment's tensors
+(indices are the segment's, coordinates the unit's).
+
+Besides views it keeps what torch keeps per parameter: the step count (`steps`; 0 means
+never stepped, so no state), whether it takes the current step (`active`, agreed over
+ranks by the optimizer) and whether it has a gradient (`marked`). `runs()` cuts the
+segment into maximal ranges that one element-wise call can update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..shard import Layout
+from ..units.unit import LOW_PRECISION, Unit
+
+FROZEN = "frozen"  # the tier of parameters frozen at construction: no state, no steps
+
+
+class Segment:
+    def __init__(self, unit: Unit, members: list[int], indices: list[int], group: dict, tier: str):
+        self.unit, self.members, self.indices, self.group, self.tier = unit, members, indices, group, tier
+        self.params = [unit.params[m] for m in members]
+        lay = unit.layout
+        self.layout = Layout(
+            lay.world_size,
+            lay.shard_size,
+            tuple(lay.sizes[m] for m in members),
+            tuple(lay.units[m] for m in members),
+            tuple(lay.offsets[m] for m in members),
+        )
+        key = lay.segments[members[0]]
+        self.ranges = [lay.segment_range(key, r) for r in range(lay.world_size)]  # per rank, local
+        self.lo, self.hi = self.ranges[unit.comm.rank]
+        nonempty = [lay.offsets[m] for m in members if lay.sizes[m]]
+        self.start = min(nonempty) if nonempty else 0  # where the segment begins in the unit's buffer
+        self.marked = [p.grad is not None for p in self.params]  # has a gradient since zero_grad
+        self.steps = [0] * len(members)
+        self.active = [False] * len(members)
+        self.state_names: list[str] = []  # element-wise state under torch's names
+        self.state: dict[str, torch.Tensor] = {}
+        self._spans = self._local_spans()
+
+    # --- views -------------------------------------------------------------------------
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def counts(self) -> list[int]:
+        """The segment's length on every rank."""
+        return [b - a for a, b in self.ranges]
+
+    def rank_start(self, rank: int) -> int:
+        """Where the segment begins in `rank`'s local slice of the unit."""
+        return self.ranges[rank][0]
+
+    @property
+    def local_params(self) -> torch.Tensor:
+        """The rank's parameter elements the update writes (fp32 for bf16/fp16 parameters)."""
+        return self.unit.shard[self.lo : self.hi]
+
+    def local_grads(self) -> torch.Tensor:
+        """The rank's averaged-gradient elements, in the parameters' update precision."""
+        return self.unit.grad[self.lo : self.hi]
+
+    @property
+    def master(self) -> torch.Tensor | None:
+        """The fp32 master of bf16/fp16 parameters (the unit's shard), else None."""
+        return self.local_params if self.unit.orig_dtype in LOW_PRECISION else None
+
+    def local_range(self, i: int) -> tuple[int, int]:
+        """Where parameter `i`'s piece lies in the segment on this rank, as [start, stop)."""
+        start, stop = self.unit.full.local_range(self.members[i])
+        return (start - self.lo, stop - self.lo) if stop > start else (0, 0)
+
+    def tensor_range(self, i: int) -> tuple[int, int]:
+        """Which flat elements of parameter `i` this rank holds, as [start, stop)."""
+        return self.unit.full.tensor_range(self.members[i])
+
+    def flat_offset(self, i: int) -> int:
+        """Where parameter `i` starts in the segment's ranks' pieces concatenated in order."""
+        return self.layout.offsets[i] - self.start
+
+    # --- steps ---------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step count every parameter of the segment shares (for optimizers that step
+        whole segments); raises if they differ."""
+        if len(set(self.steps)) != 1:
+            raise RuntimeError(f"parameters {self.indices} of one segment have different steps {self.steps}")
+        return self.steps[0]
+
+    def advance(self) -> None:
+        """Count a step for every active parameter."""
+        self.steps = [s + a for s, a in zip(self.steps, self.active)]
+
+    @property
+    def any_active(self) -> bool:
+        return any(self.active)
+
+    def _local_spans(self) -> list[tuple[int, int, int]]:
+        """(param, lo, hi) over the segment in order, each parameter's piece extended to the
+        next piece (or the segment's ends), so padding rides with a neighbour and a span
+        starts where its parameter starts — on a quantization block in 8-bit segments."""
+        starts = sorted(
+            (lo, i) for i in range(len(self.params)) for lo, hi in [self.local_range(i)] if hi > lo
+        )
+        ends = [lo for lo, _ in starts[1:]] + [self.numel]
+        return [(i, 0 if k == 0 else lo, hi) for k, ((lo, i), hi) in enumerate(zip(starts, ends))]
+
+    def runs(self, key: Callable[[int], object] | None = None) -> Iterator[tuple[int, int, object]]:
+        """Maximal ranges `[lo, hi)` of the segment whose parameters are all active and share
+        `key(param)` (by default the step count), as `(lo, hi, key)`."""
+        key = key or self.steps.__getitem__
+        run = None
+        for i, lo, hi in self._spans:
+            k = key(i) if self.active[i] else None
+            if run is not None and k is not None and k == run[2]:
+                run[1] = hi
+                continue
+            if run is not None:
+                yield tuple(run)
+            run = [lo, hi, k] if k is not None else None
+        if run is not None:
+            yield tuple(run)
+
+    def __repr__(self) -> str:
+        return f"Segment(unit {self.unit.name or self.unit.index}, {self.tier}, params {self.indices})"
+
+
+__all__ = ["FROZEN", "Segment"]
