@@ -11,7 +11,7 @@ class Block(nn.Module):
     def __init__(self, dim: int = DIM):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.attn = nn.Linear(dim, 3 * dim)
+        self.attn = nn.Linear(dim, 3 * dim, bias=False)  # a key bias would get only rounding noise
         self.proj = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 

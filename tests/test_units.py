@@ -148,7 +148,7 @@ def _meta(mode):
     torch.manual_seed(0) if comm.rank == 0 else None
     units, modules = make_units(model, [*model.layers, model], comm, sharded=mode == "zero3")
     ModelState(units, modules)
-    materialize(units, model)
+    materialize(units, [model])
     peak = max(u.transient_bytes() for u in units)
     return {k: v.clone() for k, v in model.state_dict().items()}, peak
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -91,6 +92,11 @@ class AdamW(ShardedOptimizer):
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
+        shard_modules: Sequence[torch.nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         check_params_arg(params)
         defaults = dict(
@@ -109,6 +115,11 @@ class AdamW(ShardedOptimizer):
             skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel,
             sync_params=sync_params,
+            shard_modules=shard_modules,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            device=device,
         )
 
     def add_param_group(self, param_group: dict) -> None:

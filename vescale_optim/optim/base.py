@@ -111,7 +111,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 self._segments.append(seg)
         self._where = {id(p): (s, i) for s in self._segments for i, p in enumerate(s.params)}
         if any(u.meta for u in self._units):
-            materialize(self._units, self._root)
+            materialize(self._units, [m for m in modules if m is not None])
         for seg in self._segments:
             seg.state_names = [] if seg.tier == FROZEN else self._state_names(seg)
             seg.state = self._init_state(seg)
@@ -142,12 +142,11 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     def _unit_name(self, k: int, module: nn.Module | None) -> str:
         if module is None:
             return f"bucket{k}"
-        if module is self._root:
-            return type(module).__name__
-        for name, m in self._root.named_modules():
-            if m is module:
-                return name
-        return f"unit{k}"
+        if self._root is not None and module is not self._root:
+            for name, m in self._root.named_modules():
+                if m is module:
+                    return name
+        return f"{type(module).__name__}[{k}]"
 
     def _tier(self, p: torch.Tensor) -> str:
         return lowbit.tier(p, self.state_bits) if p.requires_grad else FROZEN

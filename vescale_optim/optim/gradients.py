@@ -106,7 +106,7 @@ class GradTrackingMixin:
             for i, p in enumerate(u.params):
                 if p.dtype != u.compute_dtype or p.device != u.device or p.shape != u.full.shapes[i]:
                     continue
-                view = u.full.view(i)
+                view = u.views[i]
                 if p.data_ptr() != view.data_ptr():
                     u.write_param(i, p.detach())
                     p.data = view

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Real
 
@@ -183,6 +183,11 @@ class Muon(ShardedOptimizer):
         ns_backend: str = "auto",
         state_bits: int = 32,
         sync_params: bool = True,
+        shard_modules: Sequence[torch.nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -205,6 +210,8 @@ class Muon(ShardedOptimizer):
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
+            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, device=device,
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}
         for k, b in enumerate(self._segments):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -86,6 +87,11 @@ class Shampoo(ShardedOptimizer):
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
+        shard_modules: Sequence[torch.nn.Module] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
@@ -100,6 +106,8 @@ class Shampoo(ShardedOptimizer):
         super().__init__(
             params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
+            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, device=device,
         )  # fmt: skip
         self._plan_tiles()
 

@@ -8,32 +8,26 @@ import torch
 from torch import nn
 
 
-def _ancestry(root: nn.Module) -> tuple[dict[int, list[int]], dict[int, str]]:
-    """For every module under `root`: the ids of its ancestors (root first) and its name."""
-    chains: dict[int, list[int]] = {id(root): []}
-    names: dict[int, str] = {id(root): ""}
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        for name, child in module.named_children():
-            if id(child) in chains:
-                continue
-            chains[id(child)] = [*chains[id(module)], id(module)]
-            names[id(child)] = f"{names[id(module)]}.{name}" if names[id(module)] else name
-            stack.append(child)
-    return chains, names
-
-
-def outermost(modules: Sequence[nn.Module]) -> nn.Module:
-    """The listed module that contains every other listed module."""
+def outermost(modules: Sequence[nn.Module]) -> nn.Module | None:
+    """The listed module that contains every other listed module, if there is one."""
     for candidate in modules:
         inside = {id(m) for m in candidate.modules()}
         if all(id(m) in inside for m in modules):
             return candidate
-    raise ValueError(
-        "shard_modules must have one module that contains all the others (usually the model "
-        "itself, listed last: shard_modules=[*model.layers, model])"
-    )
+    return None
+
+
+def module_order(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Every module under the listed ones, once each, in the order a model builds them:
+    the outermost module's `modules()`, or each listed module's in turn."""
+    root = outermost(modules)
+    seen, out = set(), []
+    for top in [root] if root is not None else modules:
+        for m in top.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out
 
 
 def assign_units(
@@ -47,46 +41,42 @@ def assign_units(
     listed ancestor. A parameter outside every listed module, or a tie with no common
     listed ancestor, is a `ValueError` naming it.
     """
-    if not shard_modules:
-        raise ValueError("shard_modules is empty; list the modules to shard (e.g. [*model.layers, model])")
     listed = list(dict.fromkeys(shard_modules))  # drop repeats, keep order
+    if not listed:
+        raise ValueError("shard_modules is empty; list the modules to shard (e.g. [*model.layers, model])")
+    inside = [{id(m) for m in top.modules()} for top in listed]
+    size = [len(s) for s in inside]
+    holders: dict[int, list[nn.Module]] = {}  # parameter id -> modules holding it directly
+    names: dict[int, str] = {}
     root = outermost(listed)
-    chains, module_names = _ancestry(root)
-    listed_ids = {id(m): k for k, m in enumerate(listed)}
-    owners: dict[int, list[int]] = {}  # parameter id -> ids of modules holding it directly
-    param_names: dict[int, str] = {}
-    for module in root.modules():
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(id(module))
-            prefix = module_names.get(id(module), "")
-            param_names.setdefault(id(p), f"{prefix}.{pname}" if prefix else pname)
+    for top in [root] if root is not None else listed:
+        for mname, module in top.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                holders.setdefault(id(p), [])
+                if module not in holders[id(p)]:
+                    holders[id(p)].append(module)
+                names.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
+
+    def innermost(ids: set[int]) -> int | None:
+        """The smallest listed module containing every module in `ids`."""
+        found = [k for k, s in enumerate(inside) if ids <= s]
+        return min(found, key=lambda k: size[k]) if found else None
+
     unit_of = []
     for i, p in enumerate(params):
-        holders = owners.get(id(p))
-        if holders is None:
+        if id(p) not in holders:
             raise ValueError(
                 f"parameter {i} (shape {tuple(p.shape)}) is not inside any module of shard_modules; "
-                "list a module that holds it"
+                "list a module that holds it (the model itself, last, holds everything)"
             )
-        name = param_names[id(p)]
-        candidates = []
-        for holder in holders:
-            chain = [*chains[holder], holder]
-            inner = [m for m in chain if m in listed_ids]
-            if not inner:
-                raise ValueError(f"parameter '{name}' is not inside any module of shard_modules")
-            candidates.append(chain[: chain.index(inner[-1]) + 1])
-        common = candidates[0]
-        for chain in candidates[1:]:
-            k = 0
-            while k < min(len(common), len(chain)) and common[k] == chain[k]:
-                k += 1
-            common = common[:k]
-        owner = [m for m in common if m in listed_ids]
-        if not owner:
+        homes = {innermost({id(h)}) for h in holders[id(p)]}
+        if None in homes:
+            raise ValueError(f"parameter '{names[id(p)]}' is not inside any module of shard_modules")
+        owner = homes.pop() if len(homes) == 1 else innermost({id(listed[k]) for k in homes})
+        if owner is None:
             raise ValueError(
-                f"parameter '{name}' is shared by modules with no common module in shard_modules; "
+                f"parameter '{names[id(p)]}' is shared by modules with no common module in shard_modules; "
                 "list a module that contains all its uses (e.g. the model)"
             )
-        unit_of.append(listed_ids[owner[-1]])
-    return unit_of, listed, {i: param_names[id(p)] for i, p in enumerate(params)}
+        unit_of.append(owner)
+    return unit_of, listed, {i: names[id(p)] for i, p in enumerate(params)}

@@ -1,6 +1,6 @@
 """Initialise a model built on the meta device one unit at a time.
 
-Modules are visited in `root.modules()` order (the order a model usually builds them),
+Modules are visited in the outermost module's `modules()` order (the order a model usually builds them),
 each calling its own `reset_parameters()` into its unit's unsharded buffer; once every
 module of a unit is done, the rank keeps its shard and frees the buffer, so the peak is
 about one unit (plus the outermost one, whose modules come first and last). A parameter
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..shard.collectives import broadcast_
+from .assign import module_order
 from .unit import State, Unit
 
 
@@ -30,8 +31,9 @@ def _rank0_rng_state(unit: Unit, device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def materialize(units: Sequence[Unit], root: nn.Module) -> None:
-    """Initialise every parameter of `units` that was on the meta device."""
+def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
+    """Initialise every parameter of `units` (the units of `modules`) that was on the meta
+    device."""
     owner: dict[int, tuple[Unit, int]] = {}
     for unit in units:
         if getattr(unit, "meta", False):
@@ -41,7 +43,7 @@ def materialize(units: Sequence[Unit], root: nn.Module) -> None:
         return
     plan: list[tuple[nn.Module, list[tuple[Unit, int]]]] = []
     remaining: dict[int, int] = {}
-    for module in root.modules():
+    for module in module_order(modules):
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         if not mine:
             continue

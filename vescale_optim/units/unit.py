@@ -171,14 +171,18 @@ class Unit:
         with torch.no_grad():
             for i, p in enumerate(params):
                 grad = p.grad
-                if p.is_meta:
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(self.full.view(i), p.requires_grad))
+                if p.is_meta:  # a real parameter in its place (the same object for everyone holding it)
+                    real = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                                              requires_grad=p.requires_grad)  # fmt: skip
+                    real.data = self.full.view(i)  # its own version counter, as for `.data` below
+                    torch.utils.swap_tensors(p, real)
                 else:
                     p.data = self.full.view(i)
                 p.grad = None
                 if grad is not None:
                     self.grad_view(i).copy_(grad)
                     p.grad = self.full_grad.view(i)
+        self.views = [self.full.view(i) for i in range(len(params))]  # what each `.data` is
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
         self._pending: Handle | None = None  # the reduction writing `grad`, until waited
         if sharded:
