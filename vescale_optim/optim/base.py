@@ -34,6 +34,7 @@ from . import lowbit
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
+from .moves import Move, run_moves
 from .segment import FROZEN, Segment
 
 
@@ -170,9 +171,10 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         params = seg.local_params
         return lowbit.new_state(seg.state_names, self._kind(seg), seg.numel, params.device, params.dtype)
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
-        averaged local `grads`."""
+        averaged local `grads`; math that needs whole matrices or tiles returns a `Move`
+        that the base runs with every other segment's (see `moves`)."""
         raise NotImplementedError
 
     def _check_group(self, gi: int, group: dict) -> str | None:
@@ -308,10 +310,15 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         return loss
 
     def _step_segments(self) -> None:
-        """Update every segment that steps (element-wise; override for matrix math)."""
+        """Update every segment that steps: element-wise math at once, then the moves of
+        the segments that need them, overlapped."""
+        moves = []
         for seg in self._segments:
             if seg.any_active:
-                self._update(seg, seg.local_grads())
+                move = self._update(seg, seg.local_grads())
+                if move is not None:
+                    moves.append(move)
+        run_moves(moves, self._comm)
 
     def _publish(self, units: Sequence[Unit] | None = None) -> None:
         """Unsharded units: gather the updated shards into the parameters every rank keeps
