@@ -27,7 +27,7 @@ from ..shard.collectives import all_gather_object
 from ..units import Unit
 from ..units.assign import assign_units, outermost
 from ..units.materialize import materialize
-from ..units.model_state import ModelState
+from ..units.model_state import ModelState, sharded_model_state
 from ..units.schedule import Schedule
 from ..units.unit import LOW_PRECISION
 from . import lowbit
@@ -367,6 +367,40 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
+
+    # --- the model's own state ----------------------------------------------------------
+
+    def _param_names(self, model: nn.Module | None) -> dict[int, str]:
+        root = model if model is not None else self._root
+        if root is None:
+            raise ValueError("pass the model: without shard_modules the optimizer does not know its names")
+        names = {}
+        for name, p in root.named_parameters():
+            names.setdefault(id(p), name)
+        missing = [self._labels[id(p)] for u in self._units for p in u.params if id(p) not in names]
+        if missing:
+            raise ValueError(f"the model does not hold parameters {missing} of this optimizer")
+        return names
+
+    def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
+        """The model's parameters as this rank's pieces of them, `{name: DcpPiece}` (views
+        of the shards in full precision: fp32 for bf16/fp16 models), for
+        `torch.distributed.checkpoint`: each rank writes only its pieces and a load at any
+        world size reads into them in place. Finish a load with
+        `load_sharded_model_state_dict`. Names are `model.named_parameters()`'s (the
+        outermost of `shard_modules` by default). Not collective."""
+        return sharded_model_state(self._units, self._param_names(model))
+
+    @torch.no_grad()
+    def load_sharded_model_state_dict(self, state_dict: dict) -> None:
+        """Finish `dcp.load` into `sharded_model_state_dict()`'s pieces: the shards hold the
+        loaded parameters; units that keep whole parameters gather them (collective)."""
+        from ..shard.dcp import DcpPiece
+
+        bad = [k for k, v in state_dict.items() if not isinstance(v, DcpPiece)]
+        if bad:
+            raise TypeError(f"{bad[:3]} are not pieces from sharded_model_state_dict(); pass its dict")
+        self._publish()
 
     # --- memory -------------------------------------------------------------------------
 
