@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..shard import Comm, Piece, plan_gather_to_owner, plan_scatter_from_owner
+from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
+from ..shard.mesh import Topology
 from ..shard.plan import owner_offsets
 from ._shampoo_math import (
     Tile,
@@ -58,30 +59,37 @@ class TileGroup:
 
 
 class BucketTiles:
-    """One seg's tiles seen from this rank: the tiles it owns (grouped by shape), and the
+    """One segment's tiles seen from this rank: the tiles it owns (grouped by shape), and the
     plans that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
     and grafting update) and the tile's update back. Between steps it holds only factors and
-    roots: tiles are read from the step's flat tensors and staging buffers live for one step."""
+    roots: tiles are read from the step's flat tensors and staging buffers live for one step.
 
-    def __init__(self, seg: Segment, tiles: list[Tile], owners: list[int], held, comm: Comm):
-        self.tiles, self.owners, self.held, self.comm = tiles, owners, held, comm
+    Owners are ranks of the world (`topology`); `held[k][s]` are the rows of tile k that
+    shard rank s holds, in every replica. With replicas, an owner gathers from its own
+    replica and sends the update to every replica, so each tile is computed once."""
+
+    def __init__(self, seg: Segment, tiles: list[Tile], owners: list[int], held, topology: Topology, me: int):
+        self.tiles, self.owners, self.held, self.topology, self.me = tiles, owners, held, topology, me
         self.seg, self.like = seg, seg.local_params
         self.where = {}  # param -> (local range, first local row, columns)
         for t in tiles:
             n = matrix_shape(seg.params[t.param].shape)[1]
             lo, hi = seg.local_range(t.param)
             self.where[t.param] = (lo, hi, seg.tensor_range(t.param)[0] // n, n)
-        moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
+        if topology.replicas == 1:  # a tile whose owner holds all its rows stays in place
+            moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
+        else:
+            moved = list(range(len(tiles)))
         # by first holder, so that runs from one rank arrive in order (received in place)
         moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
         self.moved = len(moved)
-        self.kept = 0  # roots kept instead of refreshed, counted by `step`
+        self.kept = self.roots = 0  # roots kept instead of refreshed, and roots computed, by `step`
         recv_at, result_at = self._plan_moves(moved) if moved else ([], [])
         groups: dict[tuple[bool, int, int], TileGroup] = {}
         self.owned: dict[int, tuple[TileGroup, int]] = {}
         position = {k: j for j, k in enumerate(moved)}
         for k, t in enumerate(tiles):
-            if owners[k] != comm.rank:
+            if owners[k] != me:
                 continue
             remote = k in position
             g = groups.setdefault((remote, t.h, t.w), TileGroup(t.h, t.w, self.like))
@@ -102,25 +110,32 @@ class BucketTiles:
 
     def _plan_moves(self, moved: list[int]):
         """Gather plan: moved tile j is three tensors `3j + c` (c: gradient, mhat, grafting
-        update) that each holder sends its rows of; scatter plan: tensor j, the update, back."""
-        me, world, tiles, held = self.comm.rank, self.comm.world_size, self.tiles, self.held
+        update) that each holder in the owner's replica sends its rows of; scatter plan:
+        tensor j, the update, back to every holder of every replica."""
+        topo, me, tiles, held = self.topology, self.me, self.tiles, self.held
+        world = topo.world_size
         numels = [tiles[k].h * tiles[k].w for k in moved]
         owners1 = [self.owners[k] for k in moved]
+        from_replica = [topo.coords(o)[0] for o in owners1]
         gather, back, send_numel, back_numel = [], [], [], []
         self.pack, self.unpack = [], []  # (tile, rows a, b, offset in send / back buffer)
-        for r in range(world):
+        for w in range(world):
+            replica, r = topo.coords(w)
             off3 = off1 = 0
             for j in sorted(range(len(moved)), key=lambda j: (owners1[j], j)):  # send order
                 a, b = held[moved[j]][r]
                 if b <= a:
                     continue
-                t = tiles[moved[j]]
-                gather += [Piece(r, 3 * j + c, off3 + c * (b - a) * t.w, a * t.w, b * t.w) for c in range(3)]
-                back.append(Piece(r, j, off1, a * t.w, b * t.w))
-                if r == me:
-                    self.pack.append((t, a, b, off3))
+                t, n = tiles[moved[j]], (b - a) * tiles[moved[j]].w
+                if from_replica[j] == replica:
+                    gather += [Piece(w, 3 * j + c, off3 + c * n, a * t.w, b * t.w) for c in range(3)]
+                    if w == me:
+                        self.pack.append((t, a, b, off3))
+                    off3 += 3 * n
+                back.append(Piece(w, j, off1, a * t.w, b * t.w))
+                if w == me:
                     self.unpack.append((t, a, b, off1))
-                off3, off1 = off3 + 3 * (b - a) * t.w, off1 + (b - a) * t.w
+                off1 += n
             send_numel.append(off3)
             back_numel.append(off1)
         owners3, numels3 = [o for o in owners1 for _ in "gma"], [n for n in numels for _ in "gma"]
@@ -139,7 +154,7 @@ class BucketTiles:
         the tiles' updates overwrite theirs in `update`, then `finish()` applies it. Tiles
         that travel make this a `Move` (returned); otherwise it all happens now. Roots kept
         instead of refreshed are added to `self.kept`."""
-        bc1, (apply, _) = bias_correction(group["betas"][0], step), schedule(group, step)
+        bc1, (apply, refresh) = bias_correction(group["betas"][0], step), schedule(group, step)
         flats = (grads, exp_avg, update)
 
         def local() -> None:
@@ -148,6 +163,7 @@ class BucketTiles:
                 grad, mhat, graft = (torch.stack(v) for v in views)
                 out, n = g.step(group, step, grad, mhat.div_(bc1), graft)
                 self.kept += n
+                self.roots += 2 * len(g.tiles) if refresh else 0
                 for view, u in zip(views[2], out if out is not None else ()):
                     view.copy_(u)
 
@@ -173,6 +189,7 @@ class BucketTiles:
                 grad, mhat, graft = (x.view(shape) for x in channels)
                 out, k = g.step(group, step, grad, mhat, graft)
                 self.kept += k
+                self.roots += 2 * len(g.tiles) if refresh else 0
                 for (_, r), u in zip(g.at, out if out is not None else ()):
                     result[r : r + n].view(g.h, g.w).copy_(u)
             return result

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..shard import Comm, all_reduce_, bucket_indices, plan_layout
+from ..shard import all_reduce_, bucket_indices, plan_layout
 from ..shard.collectives import all_gather_object
+from ..shard.mesh import resolve as resolve_mesh
 from ..units import Unit
 from ..units.assign import assign_units, outermost
 from ..units.materialize import materialize
@@ -36,6 +37,14 @@ from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
 from .moves import Move, run_moves
 from .segment import FROZEN, Segment
+
+STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received")
+
+
+def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
+    """Bytes a rank sends (and receives) to gather or reduce-scatter `shard_bytes` per rank
+    over `world` ranks (an all-reduce of `world * shard_bytes` is two passes)."""
+    return passes * (world - 1) * shard_bytes
 
 
 class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer):
@@ -58,6 +67,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         defaults: dict,
         *,
         process_group=None,
+        mesh=None,
         shard_modules: Sequence[nn.Module] | None = None,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
@@ -70,9 +80,12 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     ):
         self._segments = None
         super().__init__(params, defaults)
-        self._comm = Comm(process_group)
+        groups = resolve_mesh(mesh, process_group)
+        self._comm, self._replicate, self._world = groups.shard, groups.replicate, groups.world
+        self._topology = groups.topology
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
+        self.step_stats = dict.fromkeys(STEP_STATS, 0)
         self._grads_reduced = False
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(all_params)
@@ -103,7 +116,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             unit = Unit(
                 ps, [names[i] for i in idx], layout, self._comm, index=k, name=self._unit_name(k, module),
                 sharded=shard_modules is not None, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                device=device, sync_params=sync_params,
+                device=device, sync_params=sync_params, replicate=self._replicate, world=self._world,
             )  # fmt: skip
             self._units.append(unit)
             for key in dict.fromkeys(keys):
@@ -210,7 +223,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
 
     def _check_same_on_every_rank(self) -> None:
         """Raise (on every rank, so nobody hangs later) if ranks passed different params."""
-        sigs = all_gather_object(self._signature(), self._comm)
+        sigs = all_gather_object(self._signature(), self._world)
         for rank, sig in enumerate(sigs):
             if sig == sigs[0]:
                 continue
@@ -255,12 +268,27 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         with self._schedule.no_sync():
             yield
 
+    @contextlib.contextmanager
+    def no_all_reduce(self):
+        """With a `replicate` mesh dimension: backward passes inside reduce-scatter their
+        gradients within each shard group as usual but keep them unsynced across replicas;
+        the first backward after it, or the step, all-reduces everything across replicas
+        once. Fewer bytes across replicas for one extra gradient shard of memory."""
+        for u in self._units:
+            u.defer_replicas = True
+        try:
+            yield
+        finally:
+            for u in self._units:
+                u.defer_replicas = False
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Finish averaging gradients over ranks into each rank's shards and agree which
         parameters step (collective; once per step, `step()` calls it)."""
         if self._grads_reduced:
             return
+        self.step_stats = dict.fromkeys(STEP_STATS, 0)
         with record_function("vescale_optim.sync_grads"):
             self._schedule.finish()
             self._reattach()
@@ -268,7 +296,18 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             handles = [u.reduce_grad(async_op=True) for u in pending]
             for h in handles:
                 h.wait()
+            for u in pending:
+                self._traffic(ring(u.comm.world_size, u.shard.numel() * u.full_grad.data.element_size()))
+            for u in self._units:
+                if u.grad_unsynced is not None or (u in pending and u.replicate.active):
+                    self._traffic(ring(u.replicate.world_size, u.grad.numel() * u.grad.element_size(), 2))
+                u.sync_replicas()
         self._grads_reduced = True
+
+    def _traffic(self, volume: int) -> None:
+        """Count `volume` bytes sent and as many received by this step's collectives."""
+        self.step_stats["bytes_sent"] += volume
+        self.step_stats["bytes_received"] += volume
 
     @property
     def _device(self) -> torch.device:
@@ -281,7 +320,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             if not torch.isfinite(u.grad).all():
                 flag.fill_(1)
                 break
-        all_reduce_(flag, self._comm, "max")
+        all_reduce_(flag, self._world, "max")
         return bool(flag.item())
 
     @torch.no_grad()
@@ -318,16 +357,19 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 move = self._update(seg, seg.local_grads())
                 if move is not None:
                     moves.append(move)
-        run_moves(moves, self._comm)
+        sent, received = run_moves(moves, self._world)
+        self.step_stats["bytes_sent"] += sent
+        self.step_stats["bytes_received"] += received
 
     def _publish(self, units: Sequence[Unit] | None = None) -> None:
         """Unsharded units: gather the updated shards into the parameters every rank keeps
         (sharded units gather before their next forward instead)."""
         with record_function("vescale_optim.gather_params"):
-            handles = [u.gather_after_step(async_op=True) for u in (self._units if units is None else units)]
-            for h in handles:
-                if h is not None:
-                    h.wait()
+            units = [u for u in (self._units if units is None else units) if not u.sharded]
+            handles = [u.gather_after_step(async_op=True) for u in units]
+            for u, h in zip(units, handles):
+                h.wait()
+                self._traffic(ring(u.comm.world_size, u.shard.numel() * u.full.data.element_size()))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_segments", None) is not None:

@@ -44,11 +44,19 @@ class Move:
     _received: torch.Tensor | None = field(default=None, repr=False)
 
 
-def run_moves(moves: Sequence[Move], comm: Comm) -> None:
-    """Run `moves` with their communication overlapped (see the module's docstring)."""
+def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
+    """Run `moves` with their communication overlapped (see the module's docstring); return
+    the bytes this rank sent to and received from other ranks."""
     rank = comm.rank
     programs = [m.programs or (m.gather.program(rank), m.scatter.program(rank) if m.scatter else None)
                 for m in moves]  # fmt: skip
+    sent = received = 0
+    for m, pair in zip(moves, programs):
+        size = m.src.element_size()
+        for p in pair:
+            if p is not None:
+                sent += size * (sum(p.send_splits) - p.send_splits[rank])
+                received += size * (sum(p.recv_splits) - p.recv_splits[rank])
     with record_function("vescale_optim.moves.gather"):
         gathers = []
         for m, (gp, _) in zip(moves, programs):
@@ -72,3 +80,4 @@ def run_moves(moves: Sequence[Move], comm: Comm) -> None:
                 handle.wait()
             m._received = None
             m.finish()
+    return sent, received

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Real
 
 import torch
 
 from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
+from ..shard.mesh import Topology
 from ..shard.plan import owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
@@ -64,18 +65,19 @@ class _MuonPlan:
     unit's; each rank's buffers hold its part of the segment, from `seg.rank_start(r)`.
     """
 
-    def __init__(self, seg: Segment, world: int, ns_steps: int):
+    def __init__(self, seg: Segment, topology: Topology, ns_steps: int):
         layout = seg.layout
-        self.world, self.shard = world, layout.shard_size
-        self.starts = [seg.rank_start(r) for r in range(world)]
+        self.topology, self.shard = topology, layout.shard_size
+        shards = topology.shards
+        self.starts = [seg.rank_start(r) for r in range(shards)]
         self.sizes = seg.counts
         self.matrices: list[_Matrix] = []
         for i, p in enumerate(seg.params):
             count, rows, cols = matrix_view(tuple(p.shape))
             for s in range(count):
                 self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
-        self.homes: list[int | None] = []  # the only rank holding a matrix, if one does
-        self.pieces: list[Piece] = []
+        self.homes: list[int | None] = []  # the only shard rank holding a matrix, if one does
+        self.pieces: list[Piece] = []  # by shard rank
         for t, m in enumerate(self.matrices):
             first, last = m.start // self.shard, (m.start + m.numel - 1) // self.shard  # ranks it spans
             for r in range(first, last + 1):
@@ -85,24 +87,44 @@ class _MuonPlan:
             self.homes.append(first if first == last else None)
         self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
 
+    def world_homes(self) -> list[int | None]:
+        """Homes as world ranks: with replicas, the home shard rank of one replica (matrix t
+        in replica t mod R, spreading them), since every replica holds the matrix there."""
+        topo = self.topology
+        return [None if h is None else topo.world_rank(t % topo.replicas, h)
+                for t, h in enumerate(self.homes)]  # fmt: skip
+
     def assign(self, owners: list[int], rank: int) -> None:
-        """Plan the moves to `owners` and this rank's batched work."""
-        world, shard = self.world, self.shard
+        """Plan the moves to `owners` (world ranks) and this rank's (world rank) batched work.
+
+        The owner gathers a matrix from its own replica's pieces; with replicas, the result
+        goes back to the pieces of every replica, so each matrix is orthogonalized once in
+        the world. A matrix its owner holds whole already stays in place (one replica)."""
+        topo = self.topology
+        world, replicas = topo.world_size, topo.replicas
         self.owners = owners
-        moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
-        pieces = [p for p in self.pieces if p.tensor in moved]
+        if replicas == 1:
+            moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
+        else:
+            moved = set(range(len(self.matrices)))
+        mine = [p for p in self.pieces if p.tensor in moved]
+        owner_replica = [topo.coords(o)[0] for o in owners]
+        gather = [replace(p, rank=topo.world_rank(owner_replica[p.tensor], p.rank)) for p in mine]
+        scatter = [replace(p, rank=topo.world_rank(r, p.rank)) for r in range(replicas) for p in mine]
         numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
-        self.gather = plan_gather_to_owner(pieces, numels, owners, world, self.sizes)
-        self.scatter = plan_scatter_from_owner(pieces, numels, owners, world, self.sizes)
+        sizes = [self.sizes[topo.shard_of(w)] for w in range(world)]
+        self.gather = plan_gather_to_owner(gather, numels, owners, world, sizes)
+        self.scatter = plan_scatter_from_owner(scatter, numels, owners, world, sizes)
         self.gather_program = self.gather.program(rank)
         self.scatter_program = self.scatter.program(rank)
         offsets, _ = owner_offsets(numels, owners, world)
         # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)];
         # a matrix whose owner already holds all of it is orthogonalized in place.
+        me = topo.shard_of(rank)
         self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
         for t, m in enumerate(self.matrices):
             if owners[t] == rank:
-                here = m.start - rank * shard - self.starts[rank]
+                here = m.start - me * self.shard - self.starts[me]
                 entry = (True, offsets[t]) if t in moved else (False, here)
                 self.batches.setdefault((m.rows, m.cols), []).append(entry)
 
@@ -178,6 +200,7 @@ class Muon(ShardedOptimizer):
         *,
         betas: tuple[float, float] = (0.9, 0.95),
         process_group=None,
+        mesh=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         ns_backend: str = "auto",
@@ -208,7 +231,7 @@ class Muon(ShardedOptimizer):
             adamw = {"eps": _ADAMW_EPS, "betas": betas}
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(
-            params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
+            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
             shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, device=device,
@@ -216,15 +239,16 @@ class Muon(ShardedOptimizer):
         self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
         for b in self._segments:
             if b.group["use_muon"] and b.tier != FROZEN:
-                self._plans[id(b)] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
-        # One assignment over every matrix of the step, so the step's total is balanced.
-        plans = list(self._plans.values())
-        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
-        owners = assign_owners(costs, self.world_size, homes)
-        self.ns_load = [0.0] * self.world_size  # Newton–Schulz FLOPs per rank per step
+                self._plans[id(b)] = _MuonPlan(b, self._topology, b.group["ns_steps"])
+        # One assignment over every matrix of the step and every rank of the world (replicas
+        # too), so the step's total is balanced and each matrix is orthogonalized once.
+        plans, world = list(self._plans.values()), self._world.world_size
+        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.world_homes()]
+        owners = assign_owners(costs, world, homes)
+        self.ns_load = [0.0] * world  # Newton–Schulz FLOPs per world rank per step
         start = 0
         for plan in plans:
-            plan.assign(owners[start : start + len(plan.costs)], self.rank)
+            plan.assign(owners[start : start + len(plan.costs)], self._world.rank)
             start += len(plan.costs)
             for o, c in zip(plan.owners, plan.costs):
                 self.ns_load[o] += c
@@ -326,6 +350,8 @@ class Muon(ShardedOptimizer):
             for view, o in zip(views, out.view(len(views), rows, cols)):
                 view.copy_(o)
             self.orthogonalized += len(views)
+            self.step_stats["ns_matrices"] += len(views)
+            self.step_stats["ns_flops"] += len(views) * ns_flops(rows, cols, group["ns_steps"])
         return buf
 
 

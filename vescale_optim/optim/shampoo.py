@@ -24,6 +24,7 @@ from ._shampoo_math import (
 )
 from ._shampoo_tiles import FACTORS, BucketTiles
 from .base import ShardedOptimizer
+from .checkpoint import _Gather
 from .moves import Move
 from .segment import FROZEN, Segment
 
@@ -85,6 +86,7 @@ class Shampoo(ShardedOptimizer):
         grafting_epsilon: float = 1e-8,
         root_dtype: torch.dtype = torch.float32,
         process_group=None,
+        mesh=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
@@ -105,7 +107,7 @@ class Shampoo(ShardedOptimizer):
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._kept, self._refreshed = 0, False
         super().__init__(
-            params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
+            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
             shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, device=device,
@@ -158,9 +160,10 @@ class Shampoo(ShardedOptimizer):
     def _step_segments(self) -> None:
         self._refreshed = False
         for bt in self._tiles.values():
-            bt.kept = 0
+            bt.kept = bt.roots = 0
         super()._step_segments()
         self._kept = sum(bt.kept for bt in self._tiles.values())
+        self.step_stats["roots"] += sum(bt.roots for bt in self._tiles.values())
         if self._refreshed:
             self._count_kept_roots()
 
@@ -168,7 +171,7 @@ class Shampoo(ShardedOptimizer):
         """Sum over ranks the roots kept this step (one small all-reduce on steps that
         refresh roots); count them in `kept_roots` and warn."""
         kept = torch.tensor([float(self._kept)], device=self._device)
-        all_reduce_(kept, self._comm, "sum")
+        all_reduce_(kept, self._world, "sum")
         n = int(kept.item())
         if n:
             self.kept_roots += n
@@ -182,24 +185,33 @@ class Shampoo(ShardedOptimizer):
     # --- tile placement -------------------------------------------------------------
 
     def _plan_tiles(self) -> None:
-        world = self.world_size
+        topo = self._topology
+        shards = topo.shards
         found = []
         for b in self._segments:
             d = b.group["max_preconditioner_dim"]
             params = [] if b.tier == FROZEN else b.params  # frozen parameters have no preconditioners
             tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
-            held = [[self._rows_held(b, t, r) for r in range(world)] for t in tiles]
-            native = [max(range(world), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
+            held = [[self._rows_held(b, t, r) for r in range(shards)] for t in tiles]
+            native = [max(range(shards), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
             found.append((b, tiles, held, native))
         costs = [t.cost for _, tiles, _, _ in found for t in tiles]
-        native = [o for *_, owners in found for o in owners]
-        owners = balance(costs, native, world)
-        self.native_root_work = rank_loads(costs, native, world)
-        self.root_work = rank_loads(costs, owners, world)
+        native = [topo.world_rank(0, o) for *_, owners in found for o in owners]
+        owners = [topo.world_rank(0, o) for o in balance(costs, [topo.shard_of(o) for o in native], shards)]
+        if topo.replicas > 1:  # each shard rank's tiles split over the replicas: once in the world
+            loads = [[0] * topo.replicas for _ in range(shards)]
+            for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+                s = topo.shard_of(owners[k])
+                r = min(range(topo.replicas), key=lambda r: (loads[s][r], r))
+                loads[s][r] += costs[k]
+                owners[k] = topo.world_rank(r, s)
+        self.native_root_work = rank_loads(costs, native, topo.world_size)
+        self.root_work = rank_loads(costs, owners, topo.world_size)
         self._tiles: dict[int, BucketTiles] = {}
         pos = 0
         for b, tiles, held, _ in found:
-            self._tiles[id(b)] = BucketTiles(b, tiles, owners[pos : pos + len(tiles)], held, self._comm)
+            mine = owners[pos : pos + len(tiles)]
+            self._tiles[id(b)] = BucketTiles(b, tiles, mine, held, topo, self._world.rank)
             pos += len(tiles)
         self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
@@ -243,19 +255,23 @@ class Shampoo(ShardedOptimizer):
             numels = [2 * (t.h**2 + t.w**2) for t in bt.tiles]
             if not numels:
                 continue
-            offsets, totals = owner_offsets(numels, bt.owners, self.world_size)
+            offsets, totals = owner_offsets(numels, bt.owners, self._world.world_size)
             mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
             local = torch.cat(mine) if mine else bt.like.new_zeros(0)
             full = gather(local, totals)
             if full is None:
                 continue
-            starts = [sum(totals[:r]) for r in range(self.world_size)]
+            starts = [sum(totals[:r]) for r in range(self._world.world_size)]
             for k, (o, n) in enumerate(zip(bt.owners, numels)):
                 out[id(b), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
         return out
 
     def _fill_state(self, state_dict: dict, gather) -> None:
-        self._gathered = self._gather_factors(gather)
+        if self._topology.replicas > 1:  # factors live once in the world: gather them from all of it
+            factors = self._gather_factors(_Gather(self._world, None, gather.cpu_offload))
+            self._gathered = factors if gather.receives else {}
+        else:
+            self._gathered = self._gather_factors(gather)
         try:
             super()._fill_state(state_dict, gather)
         finally:

@@ -27,7 +27,7 @@ def _rank0_rng_state(unit: Unit, device: torch.device) -> list[torch.Tensor]:
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     for state in states:
-        broadcast_(state, 0, unit.comm)
+        broadcast_(state, 0, unit.world)
     return states
 
 

@@ -252,7 +252,7 @@ class Schedule:
     def _settle_order(self) -> None:
         """Units without a module reduce in the order they completed in the first backward
         on rank 0 (every rank must issue them in one order); until then, at its end."""
-        comm = self.units[0].comm
+        comm = self.units[0].world  # one order in every replica too: their all-reduces pair up
         seen = [u.index for u in self._completed]
         order = all_gather_object(seen, comm)[0]
         by_index = {u.index: u for u in self._static}

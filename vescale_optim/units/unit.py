@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..shard import Comm, FlatBuffer, Layout
-from ..shard.collectives import Handle, all_gather_into_, broadcast_, reduce_scatter_into_
+from ..shard.collectives import Handle, all_gather_into_, all_reduce_, broadcast_, reduce_scatter_into_
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -128,10 +128,16 @@ class Unit:
         reduce_dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         sync_params: bool = True,
+        replicate: Comm | None = None,
+        world: Comm | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
         self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
+        self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
+        self.world = world or comm  # every rank: parameters start from world rank 0's
+        self.defer_replicas = False  # accumulate the replicas' gradients unsynced (`grad_unsynced`)
+        self.grad_unsynced: torch.Tensor | None = None
         self.index, self.name, self.sharded = index, name, sharded
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -195,12 +201,12 @@ class Unit:
     def _initial_shard(self, sync_params: bool) -> torch.Tensor:
         """This rank's shard of the parameters' current values (rank 0's with `sync_params`)."""
         s, rank = self.layout.shard_size, self.comm.rank
-        if sync_params and self.comm.active:
+        if sync_params and self.world.active:
             staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
             for i, p in enumerate(self.params):
                 start = self.layout.offsets[i]
                 staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
-            broadcast_(staged, 0, self.comm)
+            broadcast_(staged, 0, self.world)
             return staged[rank * s : (rank + 1) * s].clone()
         shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         for i, p in enumerate(self.params):
@@ -329,6 +335,8 @@ class Unit:
         start, stop = self.full.local_range(i)
         if stop > start:
             self.grad[start:stop].zero_()
+            if self.grad_unsynced is not None:
+                self.grad_unsynced[start:stop].zero_()
 
     def take_grad(self, i: int, grad: torch.Tensor) -> None:
         """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
@@ -352,10 +360,15 @@ class Unit:
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
                 data = data.to(self.reduce_dtype)
-            handle = reduce_scatter_into_(
-                data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
-            )
-        self.grad_has_values = True
+            if not self.replicate.active:
+                handle = reduce_scatter_into_(
+                    data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
+                )
+                self.grad_has_values = True
+            else:
+                part = torch.empty_like(self.grad)
+                rs = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True)
+                handle = rs.then(lambda: self._add_over_replicas(part))
 
         def done() -> None:
             buf.free()
@@ -365,6 +378,33 @@ class Unit:
         if not async_op:
             handle.wait()
         return handle
+
+    def _add_over_replicas(self, part: torch.Tensor) -> None:
+        """Average this shard group's reduction `part` over the replicas into `grad` (or
+        keep it, unsynced, while `defer_replicas`)."""
+        if self.grad_unsynced is not None:
+            part.add_(self.grad_unsynced)
+            self.grad_unsynced = None
+        if self.defer_replicas:
+            self.grad_unsynced = part
+            return
+        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{self.name}]"):
+            all_reduce_(part, self.replicate, "mean")
+        if self.grad_has_values:
+            self.grad.add_(part)
+        else:
+            self.grad.copy_(part)
+        self.grad_has_values = True
+
+    def sync_replicas(self) -> None:
+        """Average what was kept unsynced over the replicas into `grad` (collective over
+        the replicas when there is something; every replica has or has not)."""
+        self.wait_grad()
+        if self.grad_unsynced is not None:
+            part, self.grad_unsynced = self.grad_unsynced, None
+            deferred, self.defer_replicas = self.defer_replicas, False
+            self._add_over_replicas(part)
+            self.defer_replicas = deferred
 
     def wait_grad(self) -> None:
         """Block until `grad` holds every reduction issued so far."""
@@ -377,6 +417,7 @@ class Unit:
         there was a gradient."""
         self.grad.zero_()
         self.grad_has_values = False
+        self.grad_unsynced = None
         if self.has_full_grad:
             self.full_grad.free()
         for i, p in enumerate(self.params):
