@@ -4,6 +4,7 @@ The README's torchrun script runs on 2 ranks too."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -53,7 +54,7 @@ def test_example_trains_saves_and_resumes(tmp_path):
     assert "on 2 rank(s), cpu; from scratch" in first
     assert f"saved {ckpt / 'step-4'}" in first and f"saved {ckpt / 'step-8'}" in first
     losses = _losses(first)
-    assert list(losses) == [4, 8] and losses[8] < losses[4] < 5.6, losses
+    assert list(losses) == [4, 8] and losses[8] < min(losses[4], math.log(256)), losses
     assert "unsharded 0 KiB" in first
 
     # resume from step 4 (as if the run had stopped there): the same weights at step 8
