@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shard import Comm, Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
+from ..shard import Comm, Piece, plan_gather_to_owner, plan_scatter_from_owner
 from ..shard.plan import owner_offsets
 from ._shampoo_math import (
     Tile,
@@ -17,6 +17,7 @@ from ._shampoo_math import (
     schedule,
     update_factors_,
 )
+from .moves import Move
 from .segment import Segment
 
 FACTORS = ("L", "R", "L_inv_root", "R_inv_root")
@@ -74,6 +75,7 @@ class BucketTiles:
         # by first holder, so that runs from one rank arrive in order (received in place)
         moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
         self.moved = len(moved)
+        self.kept = 0  # roots kept instead of refreshed, counted by `step`
         recv_at, result_at = self._plan_moves(moved) if moved else ([], [])
         groups: dict[tuple[bool, int, int], TileGroup] = {}
         self.owned: dict[int, tuple[TileGroup, int]] = {}
@@ -130,46 +132,61 @@ class BucketTiles:
         self.numels = (send_numel[me], recv_numel[me], result_numel[me], back_numel[me])
         return recv_at, result_at
 
-    def step(self, group: dict, step: int, grads: torch.Tensor, exp_avg: torch.Tensor, update: torch.Tensor):
+    def step(self, group: dict, step: int, grads: torch.Tensor, exp_avg: torch.Tensor,
+             update: torch.Tensor, finish) -> Move | None:  # fmt: skip
         """Factor updates, roots and preconditioned, grafted updates of every tile, from the
         local flat `grads`, `exp_avg` (mhat is `exp_avg / (1 - b1^t)`) and grafting `update`;
-        the tiles' updates overwrite theirs in `update`. Returns how many roots were kept."""
+        the tiles' updates overwrite theirs in `update`, then `finish()` applies it. Tiles
+        that travel make this a `Move` (returned); otherwise it all happens now. Roots kept
+        instead of refreshed are added to `self.kept`."""
         bc1, (apply, _) = bias_correction(group["betas"][0], step), schedule(group, step)
-        flats, handle, kept = (grads, exp_avg, update), None, 0
-        if self.moved:
-            send_numel, recv_numel, result_numel, back_numel = self.numels
-            send, recv = self.like.new_empty(send_numel), self.like.new_empty(recv_numel)
-            for t, a, b, off in self.pack:
-                out = send[off : off + 3 * (b - a) * t.w].view(3, b - a, t.w)
-                for c, flat in enumerate(flats):
-                    out[c].copy_(self._rows(flat, t, a, b))
-                out[1].div_(bc1)
-            handle = run_plan(self.gather, send, recv, self.comm, self.programs[0], async_op=True)
-        for g in self.local:
-            views = [[self._rows(f, self.tiles[k], 0, g.h) for k in g.tiles] for f in flats]
-            grad, mhat, graft = (torch.stack(v) for v in views)
-            out, n = g.step(group, step, grad, mhat.div_(bc1), graft)
-            kept += n
-            for view, u in zip(views[2], out if out is not None else ()):
-                view.copy_(u)
-        if handle is None:
-            return kept
-        handle.wait()
-        result = self.like.new_empty(result_numel if apply else 0)
-        for g in self.remote:
-            n, shape = g.h * g.w, (len(g.tiles), g.h, g.w)
-            channels = [torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at]) for c in range(3)]
-            grad, mhat, graft = (x.view(shape) for x in channels)
-            out, k = g.step(group, step, grad, mhat, graft)
-            kept += k
-            for (_, r), u in zip(g.at, out if out is not None else ()):
-                result[r : r + n].view(g.h, g.w).copy_(u)
-        if apply:
-            back = self.like.new_empty(back_numel)
-            run_plan(self.scatter, result, back, self.comm, self.programs[1])
-            for t, a, b, off in self.unpack:
-                self._rows(update, t, a, b).copy_(back[off : off + (b - a) * t.w].view(b - a, t.w))
-        return kept
+        flats = (grads, exp_avg, update)
+
+        def local() -> None:
+            for g in self.local:
+                views = [[self._rows(f, self.tiles[k], 0, g.h) for k in g.tiles] for f in flats]
+                grad, mhat, graft = (torch.stack(v) for v in views)
+                out, n = g.step(group, step, grad, mhat.div_(bc1), graft)
+                self.kept += n
+                for view, u in zip(views[2], out if out is not None else ()):
+                    view.copy_(u)
+
+        if not self.moved:
+            local()
+            finish()
+            return None
+        send_numel, _, result_numel, back_numel = self.numels
+        send = self.like.new_empty(send_numel)
+        for t, a, b, off in self.pack:
+            out = send[off : off + 3 * (b - a) * t.w].view(3, b - a, t.w)
+            for c, flat in enumerate(flats):
+                out[c].copy_(self._rows(flat, t, a, b))
+            out[1].div_(bc1)
+        back = self.like.new_empty(back_numel)
+
+        def compute(recv: torch.Tensor) -> torch.Tensor:
+            result = self.like.new_empty(result_numel if apply else 0)
+            for g in self.remote:
+                n, shape = g.h * g.w, (len(g.tiles), g.h, g.w)
+                channels = [torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at])
+                            for c in range(3)]  # fmt: skip
+                grad, mhat, graft = (x.view(shape) for x in channels)
+                out, k = g.step(group, step, grad, mhat, graft)
+                self.kept += k
+                for (_, r), u in zip(g.at, out if out is not None else ()):
+                    result[r : r + n].view(g.h, g.w).copy_(u)
+            return result
+
+        def done() -> None:
+            if apply:
+                for t, a, b, off in self.unpack:
+                    self._rows(update, t, a, b).copy_(back[off : off + (b - a) * t.w].view(b - a, t.w))
+            finish()
+
+        return Move(
+            gather=self.gather, src=send, compute=compute, finish=done, local=local, label="shampoo",
+            scatter=self.scatter if apply else None, dst=back, programs=self.programs,
+        )  # fmt: skip
 
     def factors(self, k: int) -> dict[str, torch.Tensor]:
         g, i = self.owned[k]

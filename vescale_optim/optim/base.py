@@ -27,13 +27,14 @@ from ..shard.collectives import all_gather_object
 from ..units import Unit
 from ..units.assign import assign_units, outermost
 from ..units.materialize import materialize
-from ..units.model_state import ModelState
+from ..units.model_state import ModelState, sharded_model_state
 from ..units.schedule import Schedule
 from ..units.unit import LOW_PRECISION
 from . import lowbit
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
+from .moves import Move, run_moves
 from .segment import FROZEN, Segment
 
 
@@ -170,9 +171,10 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         params = seg.local_params
         return lowbit.new_state(seg.state_names, self._kind(seg), seg.numel, params.device, params.dtype)
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
-        averaged local `grads`."""
+        averaged local `grads`; math that needs whole matrices or tiles returns a `Move`
+        that the base runs with every other segment's (see `moves`)."""
         raise NotImplementedError
 
     def _check_group(self, gi: int, group: dict) -> str | None:
@@ -308,10 +310,15 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         return loss
 
     def _step_segments(self) -> None:
-        """Update every segment that steps (element-wise; override for matrix math)."""
+        """Update every segment that steps: element-wise math at once, then the moves of
+        the segments that need them, overlapped."""
+        moves = []
         for seg in self._segments:
             if seg.any_active:
-                self._update(seg, seg.local_grads())
+                move = self._update(seg, seg.local_grads())
+                if move is not None:
+                    moves.append(move)
+        run_moves(moves, self._comm)
 
     def _publish(self, units: Sequence[Unit] | None = None) -> None:
         """Unsharded units: gather the updated shards into the parameters every rank keeps
@@ -360,6 +367,40 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
+
+    # --- the model's own state ----------------------------------------------------------
+
+    def _param_names(self, model: nn.Module | None) -> dict[int, str]:
+        root = model if model is not None else self._root
+        if root is None:
+            raise ValueError("pass the model: without shard_modules the optimizer does not know its names")
+        names = {}
+        for name, p in root.named_parameters():
+            names.setdefault(id(p), name)
+        missing = [self._labels[id(p)] for u in self._units for p in u.params if id(p) not in names]
+        if missing:
+            raise ValueError(f"the model does not hold parameters {missing} of this optimizer")
+        return names
+
+    def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
+        """The model's parameters as this rank's pieces of them, `{name: DcpPiece}` (views
+        of the shards in full precision: fp32 for bf16/fp16 models), for
+        `torch.distributed.checkpoint`: each rank writes only its pieces and a load at any
+        world size reads into them in place. Finish a load with
+        `load_sharded_model_state_dict`. Names are `model.named_parameters()`'s (the
+        outermost of `shard_modules` by default). Not collective."""
+        return sharded_model_state(self._units, self._param_names(model))
+
+    @torch.no_grad()
+    def load_sharded_model_state_dict(self, state_dict: dict) -> None:
+        """Finish `dcp.load` into `sharded_model_state_dict()`'s pieces: the shards hold the
+        loaded parameters; units that keep whole parameters gather them (collective)."""
+        from ..shard.dcp import DcpPiece
+
+        bad = [k for k, v in state_dict.items() if not isinstance(v, DcpPiece)]
+        if bad:
+            raise TypeError(f"{bad[:3]} are not pieces from sharded_model_state_dict(); pass its dict")
+        self._publish()
 
     # --- memory -------------------------------------------------------------------------
 

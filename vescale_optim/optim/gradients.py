@@ -34,7 +34,7 @@ class GradTrackingMixin:
         busy = self._schedule.unfinished_forward()
         if busy is not None:
             return (
-                f"step() while unit '{busy}' is still gathered by a forward that has not finished; "
+                f"step() while units {busy} are still gathered by a forward that has not finished; "
                 "finish the forward (and its backward) before stepping"
             )
         for u in self._units:

@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from numbers import Real
 
 import torch
-from torch.profiler import record_function
 
 from ..kernels import newton_schulz
-from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
+from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
 from ..shard.plan import owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
+from .moves import Move
 from .owners import assign_owners, ns_flops
 from .segment import FROZEN, Segment
 
@@ -213,10 +213,10 @@ class Muon(ShardedOptimizer):
             shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, device=device,
         )  # fmt: skip
-        self._plans: dict[int, _MuonPlan] = {}
-        for k, b in enumerate(self._segments):
+        self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
+        for b in self._segments:
             if b.group["use_muon"] and b.tier != FROZEN:
-                self._plans[k] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
+                self._plans[id(b)] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
         # One assignment over every matrix of the step, so the step's total is balanced.
         plans = list(self._plans.values())
         costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
@@ -266,28 +266,23 @@ class Muon(ShardedOptimizer):
         return None
 
     def _step_segments(self) -> None:
-        muon, pending = [], []
         self.orthogonalized = 0
-        for k, b in enumerate(self._segments):
-            if not b.any_active:
-                continue
-            if k not in self._plans:
-                adamw_segment_step(b, self._kind(b), b.local_grads())
-                continue
-            plan, update = self._plans[k], self._momentum(b)
-            received = update.new_empty(plan.gather.dst_numel[self.rank])
-            handle = run_plan(plan.gather, update, received, self._comm, plan.gather_program, async_op=True)
-            muon.append((k, b, update, received, handle))
-        for k, b, update, received, handle in muon:
-            handle.wait()
-            plan = self._plans[k]
-            with record_function("vescale_optim.newton_schulz"):
-                self._orthogonalize(plan, b.group, update, received)
-            pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
-        for h in pending:
-            h.wait()
-        for _, b, update, _, _ in muon:
-            self._apply(b, update)
+        super()._step_segments()
+
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
+        plan = self._plans.get(id(seg))
+        if plan is None:
+            adamw_segment_step(seg, self._kind(seg), grads)
+            return None
+        update = self._momentum(seg)
+        group = seg.group
+        return Move(
+            gather=plan.gather, src=update, scatter=plan.scatter, dst=update,
+            programs=(plan.gather_program, plan.scatter_program), label="newton_schulz",
+            local=lambda: self._orthogonalize(plan, group, update, moved=False),
+            compute=lambda received: self._orthogonalize(plan, group, received, moved=True),
+            finish=lambda: self._apply(seg, update),
+        )  # fmt: skip
 
     def _momentum(self, b: Segment) -> torch.Tensor:
         """Momentum on the active runs of the local slice; returns the (nesterov) update
@@ -317,16 +312,21 @@ class Muon(ShardedOptimizer):
         for lo, hi, alr in _chunks(runs, keep=True):
             params[lo:hi].mul_(decay).add_(update[lo:hi], alpha=-alr)
 
-    def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
-        """Newton–Schulz on every matrix this rank owns, batched by shape, in place."""
-        for (rows, cols), entries in plan.batches.items():
+    def _orthogonalize(self, plan: _MuonPlan, group: dict, buf: torch.Tensor, moved: bool) -> torch.Tensor:
+        """Newton–Schulz, in place in `buf`, on every matrix this rank owns that lies there:
+        those it received (`moved`) or those it held whole already; batched by shape."""
+        for (rows, cols), everything in plan.batches.items():
+            entries = [e for e in everything if e[0] == moved]
+            if not entries:
+                continue
             n = rows * cols
-            views = [(received if moved else local)[o : o + n].view(rows, cols) for moved, o in entries]
+            views = [buf[o : o + n].view(rows, cols) for _, o in entries]
             x = views[0] if len(views) == 1 else torch.stack(views)  # one matrix: torch's exact path
             out = newton_schulz(x, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend)
             for view, o in zip(views, out.view(len(views), rows, cols)):
                 view.copy_(o)
             self.orthogonalized += len(views)
+        return buf
 
 
 _HEAD_NAMES = ("lm_head", "head", "output", "classifier", "fc")

@@ -24,6 +24,7 @@ from ._shampoo_math import (
 )
 from ._shampoo_tiles import FACTORS, BucketTiles
 from .base import ShardedOptimizer
+from .moves import Move
 from .segment import FROZEN, Segment
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
@@ -133,7 +134,7 @@ class Shampoo(ShardedOptimizer):
     def _init_state(self, seg: Segment) -> dict[str, torch.Tensor]:
         return {name: torch.zeros_like(seg.local_params) for name in seg.state_names}
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         g, step, bt = seg.group, seg.step, self._tiles[id(seg)]
         exp_avg = seg.state["exp_avg"]
         update = torch.empty_like(exp_avg)
@@ -141,17 +142,25 @@ class Shampoo(ShardedOptimizer):
             grads, exp_avg, seg.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
             beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"], grafting=g["grafting"],
         )  # fmt: skip
-        if bt.tiles:
-            self._kept += bt.step(g, step, grads, exp_avg, update)
-            self._refreshed |= schedule(g, step)[1]
-        lr, p = float(g["lr"]), seg.local_params
-        if g["weight_decay"] != 0:
-            p.mul_(1 - lr * g["weight_decay"])
-        p.add_(update, alpha=-lr)
+
+        def apply() -> None:
+            lr, p = float(g["lr"]), seg.local_params
+            if g["weight_decay"] != 0:
+                p.mul_(1 - lr * g["weight_decay"])
+            p.add_(update, alpha=-lr)
+
+        if not bt.tiles:
+            apply()
+            return None
+        self._refreshed |= schedule(g, step)[1]
+        return bt.step(g, step, grads, exp_avg, update, apply)
 
     def _step_segments(self) -> None:
-        self._kept, self._refreshed = 0, False
+        self._refreshed = False
+        for bt in self._tiles.values():
+            bt.kept = 0
         super()._step_segments()
+        self._kept = sum(bt.kept for bt in self._tiles.values())
         if self._refreshed:
             self._count_kept_roots()
 

@@ -245,11 +245,9 @@ class Schedule:
         self._busy = False
 
     def unfinished_forward(self) -> str | None:
-        """The name of a unit whose forward started and has not finished, if any."""
-        for unit in self.units:
-            if unit.in_forward:
-                return unit.name or str(unit.index)
-        return None
+        """The names of the units whose forward started and has not finished, if any."""
+        busy = [f"'{unit.name or unit.index}'" for unit in self.units if unit.in_forward]
+        return ", ".join(busy) or None
 
     def _settle_order(self) -> None:
         """Units without a module reduce in the order they completed in the first backward
