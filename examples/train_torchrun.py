@@ -94,12 +94,12 @@ def latest_checkpoint(root: Path) -> tuple[Path, int] | None:
     return (max(found)[1], max(found)[0]) if found else None
 
 
-def checkpoint_state(model: nn.Module, opt: vo.AdamW, sched, step: int) -> dict:
-    """What a checkpoint holds. `opt.sharded_state_dict()` is this rank's pieces of the optimizer
-    state (no copies); the param groups' hyperparameters, which the scheduler changes, travel
-    beside it. `model.state_dict()` gathers the model's full tensors unit by unit (collective)."""
+def checkpoint_state(opt: vo.AdamW, sched, step: int) -> dict:
+    """What a checkpoint holds: this rank's pieces of the model's parameters and of the
+    optimizer state (views of its shards, no copies); the param groups' hyperparameters,
+    which the scheduler changes, travel beside them."""
     return {
-        "model": model.state_dict(),
+        "model": opt.sharded_model_state_dict(),
         "optim": opt.sharded_state_dict(),
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "sched": sched.state_dict(),
@@ -107,17 +107,17 @@ def checkpoint_state(model: nn.Module, opt: vo.AdamW, sched, step: int) -> dict:
     }
 
 
-def save(path: Path, model: nn.Module, opt: vo.AdamW, sched, step: int) -> None:
-    """Collective: each rank writes its own pieces; DCP writes the model's tensors once."""
-    dcp.save(checkpoint_state(model, opt, sched, step), checkpoint_id=path)
+def save(path: Path, opt: vo.AdamW, sched, step: int) -> None:
+    """Collective: each rank writes only its own pieces."""
+    dcp.save(checkpoint_state(opt, sched, step), checkpoint_id=path)
 
 
-def load(path: Path, model: nn.Module, opt: vo.AdamW, sched) -> int:
-    """Collective, at any world size: fill this run's model shards, optimizer state and schedule;
-    returns the step the checkpoint was saved at."""
-    state = checkpoint_state(model, opt, sched, 0)
+def load(path: Path, opt: vo.AdamW, sched) -> int:
+    """Collective, at any world size: read this rank's pieces of the model and optimizer into
+    its shards and restore the schedule; returns the step the checkpoint was saved at."""
+    state = checkpoint_state(opt, sched, 0)
     dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])  # each rank keeps its own piece, in its shards
+    opt.load_sharded_model_state_dict(state["model"])
     opt.load_sharded_state_dict(state["optim"])
     for group, saved in zip(opt.param_groups, state["groups"]):
         group.update(saved)
@@ -156,7 +156,7 @@ def main() -> None:
         start = 0
         found = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
         if found is not None:
-            start = load(found[0], model, opt, sched)
+            start = load(found[0], opt, sched)
         if rank == 0:
             print(f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
                   + (f"resumed from {found[0]}" if found else "from scratch"), flush=True)  # fmt: skip
@@ -176,7 +176,7 @@ def main() -> None:
                     print(f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
                           f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}", flush=True)  # fmt: skip
             if args.checkpoint_dir and (done % args.save_every == 0 or done == args.steps):
-                save(args.checkpoint_dir / f"step-{done}", model, opt, sched, done)
+                save(args.checkpoint_dir / f"step-{done}", opt, sched, done)
                 if rank == 0:
                     print(f"saved {args.checkpoint_dir / f'step-{done}'}", flush=True)
 
