@@ -322,3 +322,32 @@ def _bad_units(case):
 def test_units_that_miss_or_split_a_parameter_are_refused(world, case):
     assert _bad_units(case)
     assert world(2).run(_bad_units, case, timeout=60) == [True, True]
+
+
+def _between_steps():
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    loss_fn(model, *batch(0, rank)).backward()
+    opt.step()
+    stand_in = model.layers[0].proj.weight.detach()
+    readable = bool(stand_in.isnan().all())  # no memory behind it, yet reading never crashes
+    with torch.no_grad():  # evaluation runs through the same hooks and frees after itself
+        logits = model(batch(1, rank)[0])
+    freed = opt.memory_stats()["unsharded"] == 0
+    model.double()  # the next gather refuses it, naming the parameter (not a silent revert)
+    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is now torch.float64 on cpu, but"):
+        loss_fn(model, *batch(1, rank))
+    return readable, freed, logits
+
+
+def test_between_steps_parameters_read_nan_eval_works_and_casts_are_refused(world):
+    model = reference_model = _reference_model()
+    opt = _Reference("adamw", reference_model)
+    for r in range(2):
+        (loss_fn(model, *batch(0, r)) / 2).backward()
+    opt.step()
+    for rank, (readable, freed, logits) in enumerate(world(2).run(_between_steps, timeout=60)):
+        assert readable and freed
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(batch(1, rank)[0]), rtol=1e-5, atol=1e-5)

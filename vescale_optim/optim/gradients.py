@@ -107,7 +107,7 @@ class GradTrackingMixin:
                 if p.dtype != u.compute_dtype or p.device != u.device or p.shape != u.full.shapes[i]:
                     continue
                 view = u.views[i]
-                if p.data_ptr() != view.data_ptr():
+                if p.data_ptr() != view.data_ptr() and not u.holds_stand_in(i):
                     u.write_param(i, p.detach())
                     p.data = view
                 g = p.grad

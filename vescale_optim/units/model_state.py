@@ -94,8 +94,7 @@ class ModelState:
             if unit.was_gathered:
                 unit.wait_unshard()
             else:
-                unit.full.allocate()  # somewhere for torch's own copy to land
-            unit.state = State.GATHERED
+                unit.open_empty()  # somewhere for torch's own copy to land
 
         return hook
 

@@ -182,7 +182,9 @@ class Unit:
                 if grad is not None:
                     self.grad_view(i).copy_(grad)
                     p.grad = self.full_grad.view(i)
-        self.views = [self.full.view(i) for i in range(len(params))]  # what each `.data` is
+        self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
+        nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)
+        self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
         self._pending: Handle | None = None  # the reduction writing `grad`, until waited
         if sharded:
@@ -229,7 +231,13 @@ class Unit:
             with torch.profiler.record_function(f"vescale::wait_unshard[{self.name}]"):
                 self._gather.wait()
             self._gather = None
-            self.state = State.GATHERED
+            self._show()
+
+    def open_empty(self) -> None:
+        """Give the unsharded parameters memory without gathering (for whoever fills them)."""
+        if self.state is State.RESHARDED:
+            self.full.allocate()
+            self._show()
 
     def reshard(self) -> None:
         """Free the unsharded parameters (sharded units only)."""
@@ -239,8 +247,31 @@ class Unit:
             self._gather.wait()
             self._gather = None
         with torch.profiler.record_function(f"vescale::reshard[{self.name}]"):
+            self._hide()
             self.full.free()
+
+    def _show(self) -> None:
+        """Parameters are views of the (gathered) unsharded buffer."""
+        for name, p, view in zip(self.names, self.params, self.views):
+            if p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"parameter '{name}' is now {p.dtype} on {p.device}, but its unit holds it as "
+                    f"{view.dtype} on {view.device}: it was moved or cast after the optimizer was built "
+                    "(model.double(), .half(), .to(...)); move the model first, then build the optimizer"
+                )
+            p.data = view
+        self.state = State.GATHERED
+
+    def _hide(self) -> None:
+        """Between uses a parameter holds a stand-in, not a view of freed memory: reading it
+        gives NaN (never a crash), writing it fails, and `model.double()`/`.to()` produce a
+        parameter the next step refuses by name."""
+        for p, stand_in in zip(self.params, self.stand_ins):
+            p.data = stand_in
         self.state = State.RESHARDED
+
+    def holds_stand_in(self, i: int) -> bool:
+        return self.params[i].data_ptr() == self.stand_ins[i].data_ptr()
 
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
