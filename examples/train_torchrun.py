@@ -96,12 +96,11 @@ def latest_checkpoint(root: Path) -> tuple[Path, int] | None:
 
 def checkpoint_state(opt: vo.AdamW, sched, step: int) -> dict:
     """What a checkpoint holds: this rank's pieces of the model's parameters and of the
-    optimizer state (views of its shards, no copies); the param groups' hyperparameters,
-    which the scheduler changes, travel beside them."""
+    optimizer state (views of its shards, no copies; the optimizer's part carries the param
+    groups' hyperparameters, which the scheduler changes), and the scheduler's state."""
     return {
         "model": opt.sharded_model_state_dict(),
         "optim": opt.sharded_state_dict(),
-        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "sched": sched.state_dict(),
         "step": step,
     }
@@ -119,8 +118,6 @@ def load(path: Path, opt: vo.AdamW, sched) -> int:
     dcp.load(state, checkpoint_id=path)
     opt.load_sharded_model_state_dict(state["model"])
     opt.load_sharded_state_dict(state["optim"])
-    for group, saved in zip(opt.param_groups, state["groups"]):
-        group.update(saved)
     sched.load_state_dict(state["sched"])
     return state["step"]
 

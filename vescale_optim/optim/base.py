@@ -392,13 +392,15 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         norm_type = float(norm_type)
         grads = [u.grad for u in self._units if u.grad.numel()]
         inf = math.isinf(norm_type)
-        parts = [g.abs().max().float() if inf else torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
-                 for g in grads]  # fmt: skip
-        total = torch.zeros(1, device=self._device)
+        # summed in float64, so that how parameters are grouped into units does not round it
+        f64 = torch.float64
+        parts = [g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64)
+                 ** norm_type for g in grads]  # fmt: skip
+        total = torch.zeros(1, dtype=f64, device=self._device)
         if parts:
             total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
         all_reduce_(total, self._comm, "max" if inf else "sum")
-        total = total[0] if inf else total[0] ** (1.0 / norm_type)
+        total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "

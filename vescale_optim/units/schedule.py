@@ -275,10 +275,11 @@ class Schedule:
             with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
                 unit.wait_unshard()
                 self._prefetch(self.forward_order, unit)
-            if not torch.is_grad_enabled():
-                return None
-            if not any(t.requires_grad for t in _tensors((args, kwargs))):
-                return None
+            if unit.compute_dtype != unit.orig_dtype:  # param_dtype: floating inputs are cast to it
+                cast = lambda t, to=unit.compute_dtype: t.to(to) if t.is_floating_point() else t  # noqa: E731
+                args, kwargs = _map_tensors(cast, (args, kwargs))
+            if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors((args, kwargs))):
+                return args, kwargs
             unit.forward_calls += 1
             flat: list[torch.Tensor] = []
             _map_tensors(lambda t: flat.append(t) or t, (args, kwargs))
