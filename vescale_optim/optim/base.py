@@ -320,7 +320,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             if not torch.isfinite(u.grad).all():
                 flag.fill_(1)
                 break
-        all_reduce_(flag, self._world, "max")
+        all_reduce_(flag, self._world, "max", what="the non-finite gradient check")
         return bool(flag.item())
 
     @torch.no_grad()
@@ -399,7 +399,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         total = torch.zeros(1, dtype=f64, device=self._device)
         if parts:
             total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        all_reduce_(total, self._comm, "max" if inf else "sum")
+        all_reduce_(total, self._comm, "max" if inf else "sum", what="clip_grad_norm_'s total norm")
         total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

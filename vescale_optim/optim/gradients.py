@@ -79,7 +79,7 @@ class GradTrackingMixin:
         unreduced = [u.has_full_grad for u in self._units]
         flags = [*marks, *unreduced, problem is not None]
         flags = torch.tensor(flags, dtype=torch.float32, device=self._device)
-        all_reduce_(flags, self._world, "max")
+        all_reduce_(flags, self._world, "max", what="the step's agreement on which parameters step")
         agreed = [x > 0 for x in flags.tolist()]
         if problem is not None:
             raise RuntimeError(problem)
