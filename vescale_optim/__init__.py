@@ -1,10 +1,13 @@
 """vescale_optim: structure-aware distributed optimizers over RaggedShard layouts."""
 
+from .checkpoint import CheckpointError, CheckpointManager
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
 
 __all__ = [
     "AdamW",
+    "CheckpointError",
+    "CheckpointManager",
     "CollectiveError",
     "Layout",
     "Muon",
