@@ -58,7 +58,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
-    _whole_buckets = False  # step every parameter of a segment when any of them steps
     _structural: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
 
     def __init__(

@@ -93,7 +93,7 @@ class GradTrackingMixin:
             pos += len(seg.params)
             if seg.tier == FROZEN:
                 active = [False] * len(active)
-            seg.active = [True] * len(active) if self._whole_buckets and any(active) else active
+            seg.active = active
         return [u for u, f in zip(self._units, agreed[pos : pos + len(self._units)]) if f]
 
     def _reattach(self) -> None:
