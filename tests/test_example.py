@@ -1,9 +1,10 @@
 """examples/train_torchrun.py under torchrun on 2 gloo ranks: it trains fully sharded, saves
 DCP checkpoints, resumes from one exactly, and a 2-rank checkpoint resumes in one process.
-The README's torchrun script runs on 2 ranks too."""
+The README's torchrun script runs on 2 ranks too, and its HSDP script on a 2x2 mesh."""
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 import re
@@ -83,3 +84,17 @@ def test_readme_torchrun_script_runs_on_two_ranks(tmp_path):
     script.write_text(_readme_torchrun_script())
     out = _run([*TORCHRUN, str(script)], tmp_path)
     assert (tmp_path / "checkpoint" / ".metadata").exists(), out[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_readme_hsdp_script_runs_as_two_replicas_of_two_shards(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    found = [b for b in blocks if "init_device_mesh" in b]
+    assert len(found) == 1, "the README shows one HSDP script"
+    script = tmp_path / "hsdp.py"
+    script.write_text(found[0])
+    out = _run([*TORCHRUN[:-3], "--nproc-per-node", "4", "--standalone", str(script)], tmp_path)
+    printed = [line.split(" ", 1)[1] for line in out.splitlines() if re.match(r"^\d \{'ns_matrices'", line)]
+    stats = [ast.literal_eval(p) for p in printed]
+    assert len(stats) == 4, out[-2000:]
+    assert sum(s["ns_matrices"] for s in stats) == 6  # 3 blocks x 2 matrices, once in the world

@@ -11,7 +11,6 @@ from ..shard.mesh import Topology
 from ..shard.plan import owner_offsets
 from ._shampoo_math import (
     Tile,
-    bias_correction,
     inverse_roots_,
     matrix_shape,
     precondition,
@@ -40,22 +39,50 @@ class TileGroup:
         self.state = dict(zip(FACTORS, (new(h), new(w), new(h), new(w))))
 
     def step(
-        self, group: dict, step: int, grad: torch.Tensor, mhat: torch.Tensor, graft: torch.Tensor
-    ) -> tuple[torch.Tensor | None, int]:
-        """Update the factors from `grad` `[K, h, w]`, refresh the roots when due; return the
-        grafted, preconditioned `mhat` (None before preconditioning starts) and how many roots
-        were kept instead of refreshed."""
-        apply, refresh = schedule(group, step)
+        self, group: dict, steps: list[int], grad: torch.Tensor, mhat: torch.Tensor, graft: torch.Tensor
+    ) -> tuple[torch.Tensor | None, int, int]:
+        """Update the factors from `grad` `[K, h, w]` and refresh the roots when due, for the
+        tiles whose parameter steps (`steps[j]`, its step count; 0: it takes none). Return
+        every tile's update (the grafting update `graft` where preconditioning has not
+        started; None if it started nowhere), how many roots were kept instead of refreshed,
+        and how many were computed."""
         s, beta2 = self.state, group["betas"][1]
-        update_factors_(s["L"], s["R"], grad, beta2)
-        kept = 0
-        if refresh:
-            kw = dict(step=step, beta2=beta2, epsilon=group["epsilon"], dtype=group["root_dtype"])
-            kept = sum(inverse_roots_(s[f"{f}_inv_root"], s[f], **kw) for f in "LR")
-        if not apply:
-            return None, kept
-        use = graft if group["grafting"] is not None else None
-        return precondition(s["L_inv_root"], mhat, s["R_inv_root"], use), kept
+        out, kept, roots = None, 0, 0
+        for step, idx in _by_step(steps):
+            pick = (lambda x: x) if idx is None else (lambda x, idx=idx: x[idx])
+            left, right = pick(s["L"]), pick(s["R"])
+            update_factors_(left, right, pick(grad), beta2)
+            apply, refresh = schedule(group, step)
+            if refresh:
+                kw = dict(step=step, beta2=beta2, epsilon=group["epsilon"], dtype=group["root_dtype"])
+                roots_lr = pick(s["L_inv_root"]), pick(s["R_inv_root"])
+                kept += inverse_roots_(roots_lr[0], left, **kw) + inverse_roots_(roots_lr[1], right, **kw)
+                roots += 2 * len(left)
+            if idx is not None:  # indexing copied: write back
+                s["L"][idx], s["R"][idx] = left, right
+                if refresh:
+                    s["L_inv_root"][idx], s["R_inv_root"][idx] = roots_lr
+            if apply:
+                out = graft.clone() if out is None else out
+                use = pick(graft) if group["grafting"] is not None else None
+                update = precondition(pick(s["L_inv_root"]), pick(mhat), pick(s["R_inv_root"]), use)
+                if idx is None:
+                    out = update
+                else:
+                    out[idx] = update
+        return out, kept, roots
+
+
+def _by_step(steps: list[int]):
+    """`(step, indices)` for each step count among the tiles that step (indices None when
+    every tile steps at one count: no indexing, the common case)."""
+    if steps and steps[0] and all(st == steps[0] for st in steps):
+        return [(steps[0], None)]
+    found: dict[int, list[int]] = {}
+    for j, st in enumerate(steps):
+        if st:
+            found.setdefault(st, []).append(j)
+    return [(st, torch.tensor(idx)) for st, idx in found.items()]
 
 
 class BucketTiles:
@@ -147,23 +174,27 @@ class BucketTiles:
         self.numels = (send_numel[me], recv_numel[me], result_numel[me], back_numel[me])
         return recv_at, result_at
 
-    def step(self, group: dict, step: int, grads: torch.Tensor, exp_avg: torch.Tensor,
+    def step(self, group: dict, steps: list[int], grads: torch.Tensor, mhat: torch.Tensor,
              update: torch.Tensor, finish) -> Move | None:  # fmt: skip
-        """Factor updates, roots and preconditioned, grafted updates of every tile, from the
-        local flat `grads`, `exp_avg` (mhat is `exp_avg / (1 - b1^t)`) and grafting `update`;
-        the tiles' updates overwrite theirs in `update`, then `finish()` applies it. Tiles
-        that travel make this a `Move` (returned); otherwise it all happens now. Roots kept
-        instead of refreshed are added to `self.kept`."""
-        bc1, (apply, refresh) = bias_correction(group["betas"][0], step), schedule(group, step)
-        flats = (grads, exp_avg, update)
+        """Factor updates, roots and preconditioned, grafted updates of the tiles whose
+        parameter steps (`steps[k]`: its step count, 0 for none), from the local flat
+        `grads`, bias-corrected momentum `mhat` and grafting `update`; the tiles' updates
+        overwrite theirs in `update`, then `finish()` applies it. Tiles that travel make this
+        a `Move` (returned); otherwise it all happens now. Roots kept instead of refreshed,
+        and roots computed, are added to `self.kept` and `self.roots`."""
+        apply = any(schedule(group, st)[0] for st in steps if st)
+        flats = (grads, mhat, update)
+
+        def run(g: TileGroup, grad, mhat_, graft):
+            out, kept, roots = g.step(group, [steps[k] for k in g.tiles], grad, mhat_, graft)
+            self.kept += kept
+            self.roots += roots
+            return out
 
         def local() -> None:
             for g in self.local:
                 views = [[self._rows(f, self.tiles[k], 0, g.h) for k in g.tiles] for f in flats]
-                grad, mhat, graft = (torch.stack(v) for v in views)
-                out, n = g.step(group, step, grad, mhat.div_(bc1), graft)
-                self.kept += n
-                self.roots += 2 * len(g.tiles) if refresh else 0
+                out = run(g, *(torch.stack(v) for v in views))
                 for view, u in zip(views[2], out if out is not None else ()):
                     view.copy_(u)
 
@@ -177,7 +208,6 @@ class BucketTiles:
             out = send[off : off + 3 * (b - a) * t.w].view(3, b - a, t.w)
             for c, flat in enumerate(flats):
                 out[c].copy_(self._rows(flat, t, a, b))
-            out[1].div_(bc1)
         back = self.like.new_empty(back_numel)
 
         def compute(recv: torch.Tensor) -> torch.Tensor:
@@ -186,12 +216,10 @@ class BucketTiles:
                 n, shape = g.h * g.w, (len(g.tiles), g.h, g.w)
                 channels = [torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at])
                             for c in range(3)]  # fmt: skip
-                grad, mhat, graft = (x.view(shape) for x in channels)
-                out, k = g.step(group, step, grad, mhat, graft)
-                self.kept += k
-                self.roots += 2 * len(g.tiles) if refresh else 0
-                for (_, r), u in zip(g.at, out if out is not None else ()):
-                    result[r : r + n].view(g.h, g.w).copy_(u)
+                out = run(g, *(x.view(shape) for x in channels))
+                if apply:  # every tile's update goes back (the grafting update where none started)
+                    for (_, r), u in zip(g.at, out if out is not None else channels[2]):
+                        result[r : r + n].view(g.h, g.w).copy_(u.view(g.h, g.w))
             return result
 
         def done() -> None:

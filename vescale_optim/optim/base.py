@@ -13,7 +13,6 @@ agree on that with one small all-reduce per step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -22,8 +21,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..shard import all_reduce_, bucket_indices, plan_layout
-from ..shard.collectives import all_gather_object
+from ..shard import bucket_indices, plan_layout
 from ..shard.mesh import resolve as resolve_mesh
 from ..units import Unit
 from ..units.assign import assign_units, outermost
@@ -32,6 +30,7 @@ from ..units.model_state import ModelState, sharded_model_state
 from ..units.schedule import Schedule
 from ..units.unit import LOW_PRECISION
 from . import lowbit
+from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
@@ -58,7 +57,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
-    _whole_buckets = False  # step every parameter of a segment when any of them steps
     _structural: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
 
     def __init__(
@@ -89,7 +87,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         self._grads_reduced = False
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(all_params)
-        self._check_same_on_every_rank()
+        check_same_on_every_rank(self.param_groups, self._world)
         self._labels = label_params(self.param_groups)
         for p in all_params:
             if p.requires_grad and p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
@@ -196,44 +194,9 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
 
     # --- construction checks --------------------------------------------------------
 
-    @staticmethod
-    def _check_params(params: list[torch.Tensor]) -> None:
-        seen = set()
-        for i, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) appears more than once")
-            seen.add(id(p))
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is sparse; only dense parameters")
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; need floating")
-
-    def _signature(self) -> list[tuple]:
-        sig = []
-        for gi, g in enumerate(self.param_groups):
-            hyper = tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
-            sig.append(("group", gi, len(g["params"]), hyper))
-            sig.extend(
-                ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad)
-                for j, p in enumerate(g["params"])
-            )
-        return sig
-
-    def _check_same_on_every_rank(self) -> None:
-        """Raise (on every rank, so nobody hangs later) if ranks passed different params."""
-        sigs = all_gather_object(self._signature(), self._world)
-        for rank, sig in enumerate(sigs):
-            if sig == sigs[0]:
-                continue
-            for a, b in zip(sigs[0], sig):
-                if a != b:
-                    raise ValueError(f"rank {rank} passed different parameters than rank 0: {b} vs {a}")
-            raise ValueError(
-                f"rank {rank} passed {sum(s[0] == 'param' for s in sig)} parameters, rank 0 passed "
-                f"{sum(s[0] == 'param' for s in sigs[0])}"
-            )
+    def _check_params(self, params: list[torch.Tensor]) -> None:
+        """Refuse what cannot be sharded (subclasses add their own conditions)."""
+        check_params(params)
 
     # --- the step pipeline --------------------------------------------------------
 
@@ -259,28 +222,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         # read by torch.amp.GradScaler.step; refuses a scaler whose skip decision is per rank
         check_amp_scaler(self._comm.active)
         return False
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside keep their gradients unreduced (summed in full buffers);
-        the first backward after it, or the step, reduce-scatters everything at once.
-        Faster accumulation for more memory; the result is the same."""
-        with self._schedule.no_sync():
-            yield
-
-    @contextlib.contextmanager
-    def no_all_reduce(self):
-        """With a `replicate` mesh dimension: backward passes inside reduce-scatter their
-        gradients within each shard group as usual but keep them unsynced across replicas;
-        the first backward after it, or the step, all-reduces everything across replicas
-        once. Fewer bytes across replicas for one extra gradient shard of memory."""
-        for u in self._units:
-            u.defer_replicas = True
-        try:
-            yield
-        finally:
-            for u in self._units:
-                u.defer_replicas = False
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -313,15 +254,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     def _device(self) -> torch.device:
         """Where this rank's units live (small control tensors go there too, for NCCL)."""
         return self._units[0].device if self._units else torch.device("cpu")
-
-    def _any_nonfinite(self) -> bool:
-        flag = torch.zeros(1, device=self._device)
-        for u in self._units:
-            if not torch.isfinite(u.grad).all():
-                flag.fill_(1)
-                break
-        all_reduce_(flag, self._world, "max", what="the non-finite gradient check")
-        return bool(flag.item())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -377,40 +309,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 f"{type(self).__name__} plans its buffers at construction; pass every param group then"
             )
         super().add_param_group(param_group)
-
-    @torch.no_grad()
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
-
-        Returns the total norm before clipping (the same on every rank, and what
-        `torch.nn.utils.clip_grad_norm_` gives on one process with the mean gradient).
-        Finishes the gradient reduction here; `step()` does not repeat it.
-        """
-        self.reduce_gradients()
-        norm_type = float(norm_type)
-        grads = [u.grad for u in self._units if u.grad.numel()]
-        inf = math.isinf(norm_type)
-        # summed in float64, so that how parameters are grouped into units does not round it
-        f64 = torch.float64
-        parts = [g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64)
-                 ** norm_type for g in grads]  # fmt: skip
-        total = torch.zeros(1, dtype=f64, device=self._device)
-        if parts:
-            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        all_reduce_(total, self._comm, "max" if inf else "sum", what="clip_grad_norm_'s total norm")
-        total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                "so it cannot be clipped. To disable this error and scale the gradients by the "
-                "non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
 
     # --- the model's own state ----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from ._guards import caller_stacklevel
 from ._shampoo_math import (
     Tile,
     balance,
+    bias_correction,
     check_hyperparameters,
     grafting_step_,
     matrix_shape,
@@ -123,7 +124,6 @@ class Shampoo(ShardedOptimizer):
 
     # --- hooks ----------------------------------------------------------------------
 
-    _whole_buckets = True  # a seg's tiles step together, with one step count
     _structural = ("max_preconditioner_dim", "grafting")
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
@@ -137,25 +137,31 @@ class Shampoo(ShardedOptimizer):
         return {name: torch.zeros_like(seg.local_params) for name in seg.state_names}
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        g, step, bt = seg.group, seg.step, self._tiles[id(seg)]
-        exp_avg = seg.state["exp_avg"]
-        update = torch.empty_like(exp_avg)
-        grafting_step_(
-            grads, exp_avg, seg.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
-            beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"], grafting=g["grafting"],
-        )  # fmt: skip
+        g, bt = seg.group, self._tiles[id(seg)]
+        exp_avg, second = seg.state["exp_avg"], seg.state.get(_SECOND.get(g["grafting"], ""))
+        update, mhat = torch.empty_like(exp_avg), torch.empty_like(exp_avg)
+        runs = list(seg.runs())
+        for lo, hi, step in runs:
+            grafting_step_(
+                grads[lo:hi], exp_avg[lo:hi], None if second is None else second[lo:hi], update[lo:hi],
+                step=step, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"],
+                grafting=g["grafting"],
+            )  # fmt: skip
+            torch.div(exp_avg[lo:hi], bias_correction(g["betas"][0], step), out=mhat[lo:hi])
 
         def apply() -> None:
             lr, p = float(g["lr"]), seg.local_params
-            if g["weight_decay"] != 0:
-                p.mul_(1 - lr * g["weight_decay"])
-            p.add_(update, alpha=-lr)
+            for lo, hi, _ in runs:
+                if g["weight_decay"] != 0:
+                    p[lo:hi].mul_(1 - lr * g["weight_decay"])
+                p[lo:hi].add_(update[lo:hi], alpha=-lr)
 
         if not bt.tiles:
             apply()
             return None
-        self._refreshed |= schedule(g, step)[1]
-        return bt.step(g, step, grads, exp_avg, update, apply)
+        steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in bt.tiles]
+        self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
+        return bt.step(g, steps, grads, mhat, update, apply)
 
     def _step_segments(self) -> None:
         self._refreshed = False
@@ -305,10 +311,11 @@ class Shampoo(ShardedOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for b in self._segments:
-            if b.step == 0:
-                for g in self._tiles[id(b)].local + self._tiles[id(b)].remote:
-                    for x in g.state.values():
+        for b in self._segments:  # a parameter without state has fresh preconditioners
+            bt = self._tiles[id(b)]
+            for k in bt.owned:
+                if b.steps[bt.tiles[k].param] == 0:
+                    for x in bt.factors(k).values():
                         x.zero_()
 
     def sharded_state_dict(self) -> dict:

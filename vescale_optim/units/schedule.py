@@ -27,7 +27,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..shard.collectives import Handle, all_gather_object
-from .unit import ReducedGrad, State, Unit
+from .reduced_grad import ReducedGrad
+from .unit import State, Unit
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
