@@ -19,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
-import time
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -35,10 +33,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from . import _manifest
 from ._dcp_tree import blank, check_files, map_leaves, snapshot, take
+from ._manifest import MANIFEST
+from ._rng import rng_state, set_rng_state
 
-FORMAT = 1
-MANIFEST = "vescale_optim.json"  # written last, inside the folder, before it gets its name
 _NAME = re.compile(r"step-(\d+)")
 
 
@@ -77,45 +76,6 @@ class _Staged:
         pass
 
 
-def _qualname(obj) -> str | None:
-    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
-def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-def _rng_state() -> dict:
-    """This process's random states: torch (CPU, and CUDA when in use), Python's, numpy's."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            warnings.warn(f"the checkpoint has the random states of {len(cuda)} CUDA devices, this process "
-                          f"sees {torch.cuda.device_count()}: CUDA's random states are not restored",
-                          stacklevel=3)  # fmt: skip
-        else:
-            torch.cuda.set_rng_state_all(cuda)
-    np = _numpy()
-    if "numpy" in state and np is not None:
-        np.random.set_state(state["numpy"])
-
-
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers `model.state_dict()` holds, by name, without gathering any parameter."""
     out = {}
@@ -125,6 +85,13 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if b is not None and name not in skip:
                 out[f"{prefix}.{name}" if prefix else name] = b
     return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line per failing rank for DCP's error (which carries every rank's traceback)."""
+    if not isinstance(e, dcp.CheckpointException):
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
 
 
 @contextlib.contextmanager
@@ -220,7 +187,7 @@ class CheckpointManager:
             "model": {**params, **_persistent_buffers(self.model)},
             "optim": self.optimizer.sharded_state_dict(),
             "extra": _Blob(extra),
-            "rng": {str(r): _Blob(_rng_state() if r == self.rank else None) for r in rng_ranks},
+            "rng": {str(r): _Blob(rng_state() if r == self.rank else None) for r in rng_ranks},
         }
         if self.scheduler is not None:
             sd["scheduler"] = _Blob(self.scheduler.state_dict())
@@ -229,22 +196,9 @@ class CheckpointManager:
         return sd
 
     def _manifest(self, step: int, sd: dict) -> dict:
-        from . import __version__
-
-        opt = self.optimizer
-        return {
-            "format": FORMAT,
-            "step": step,
-            "world_size": self.world_size,
-            "saved_at": time.time(),
-            "vescale_optim": __version__,
-            "optimizer": _qualname(opt),
-            "groups": [{"params": len(g["params"]), **{k: g.get(k) for k in opt._structural}}
-                       for g in opt.param_groups],  # fmt: skip
-            "scheduler": _qualname(self.scheduler),
-            "model": {k: list(v.shape) for k, v in sd["model"].items()},
-            "stateful": sorted(self.stateful),
-        }
+        model = {k: v.shape for k, v in sd["model"].items()}
+        opt, sched = self.optimizer, self.scheduler
+        return _manifest.describe(step, self.world_size, opt, sched, model, list(self.stateful))
 
     def _barrier(self) -> None:
         if self._distributed:
@@ -374,8 +328,8 @@ class CheckpointManager:
             with _quiet():
                 dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
             self.optimizer._validate_groups(loaded["optim"]["param_groups"])
-        except Exception as e:
-            raise CheckpointError(f"cannot load {path}: {e}. Nothing was changed.") from e
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+            raise CheckpointError(f"cannot load {path}: {_reason(e)}. Nothing was changed.") from e
         with torch.no_grad():
             take(live, loaded)
         self.optimizer.load_sharded_model_state_dict({k: live["model"][k] for k in self._params})
@@ -385,7 +339,7 @@ class CheckpointManager:
         for name, obj in self.stateful.items():
             obj.load_state_dict(loaded["stateful"][name].value)
         if same_world:
-            _set_rng_state(loaded["rng"][str(self.rank)].value)
+            set_rng_state(loaded["rng"][str(self.rank)].value)
         elif self.rank == 0:
             warnings.warn(f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
                           f"{self.world_size}: the random states are not restored", stacklevel=2)  # fmt: skip
@@ -393,36 +347,10 @@ class CheckpointManager:
 
     def _read_manifest(self, path: Path, step: int) -> tuple[dict | None, list[str]]:
         """The checkpoint's manifest, and what in it does not fit these objects."""
-        file = path / MANIFEST
-        if not file.is_file():
-            return None, [f"it has no {MANIFEST}: not complete" if path.exists() else "no such checkpoint"]
-        try:
-            manifest = json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            return None, [f"{file} is damaged ({e})"]
-        if manifest.get("format") != FORMAT or manifest.get("step") != step:
-            return None, [f"{file} is not a manifest of format {FORMAT} for step {step}"]
-        ours = self._manifest(step, self._state(None, []))
-        problems = []
-        for key, what in (("optimizer", "optimizer"), ("scheduler", "LR scheduler")):
-            if manifest[key] != ours[key]:
-                problems.append(f"its {what} is {manifest[key]}, this one is {ours[key]}")
-        if not problems and manifest["groups"] != ours["groups"]:
-            problems.append(
-                f"its param groups are {manifest['groups']}, this optimizer's are {ours['groups']} "
-                "(their sizes and the hyperparameters that shape the state)"
-            )
-        model, theirs = ours["model"], manifest["model"]
-        missing, unexpected = sorted(set(model) - set(theirs)), sorted(set(theirs) - set(model))
-        shapes = [f"{k} {theirs[k]} there, {v} here" for k, v in model.items() if theirs.get(k, v) != v]
-        for items, what in ((missing, "it lacks"), (unexpected, "this model has no"), (shapes, "shapes:")):
-            if items:
-                more = f" and {len(items) - 5} more" if len(items) > 5 else ""
-                problems.append(f"another model: {what} {', '.join(items[:5])}{more}")
-        absent = sorted(set(self.stateful) - set(manifest["stateful"]))
-        if absent:
-            problems.append(f"it has no state for stateful {absent}")
-        return manifest, problems
+        manifest, problems = _manifest.read(path, step)
+        if manifest is None:
+            return None, problems
+        return manifest, _manifest.mismatches(manifest, self._manifest(step, self._state(None, [])))
 
 
 __all__ = ["CheckpointError", "CheckpointManager", "Loaded"]
