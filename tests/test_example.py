@@ -1,5 +1,6 @@
 """examples/train_torchrun.py under torchrun on 2 gloo ranks: it trains fully sharded, saves
-DCP checkpoints, resumes from one exactly, and a 2-rank checkpoint resumes in one process.
+checkpoints through CheckpointManager (synchronously and asynchronously), resumes from one
+exactly, and a 2-rank checkpoint resumes in one process.
 The README's torchrun script runs on 2 ranks too, and its HSDP script on a 2x2 mesh."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import ast
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,10 +60,10 @@ def test_example_trains_saves_and_resumes(tmp_path):
     assert list(losses) == [4, 8] and losses[8] < min(losses[4], math.log(256)), losses
     assert "unsharded 0 KiB" in first
 
-    # resume from step 4 (as if the run had stopped there): the same weights at step 8
-    (ckpt / "step-8" / ".metadata").unlink()
-    resumed = _run([*TORCHRUN, *args, "--steps", "8"], tmp_path)
-    assert f"resumed from {ckpt / 'step-4'}" in resumed
+    # resume from step 4 (as if the run had stopped there), saving asynchronously: the same weights
+    shutil.rmtree(ckpt / "step-8")
+    resumed = _run([*TORCHRUN, *args, "--steps", "8", "--async-save"], tmp_path)
+    assert f"resumed from {ckpt / 'step-4'}" in resumed and f"saving {ckpt / 'step-8'}" in resumed
     assert _losses(resumed)[8] == losses[8]
     assert _fingerprint(resumed) == _fingerprint(first)
 
