@@ -83,15 +83,16 @@ def _model(theirs: dict, ours: dict) -> list[str]:
 def mismatches(theirs: dict, ours: dict) -> list[str]:
     """Why a checkpoint described by `theirs` cannot be loaded into objects described by `ours`."""
     problems = []
-    for key, what in (("optimizer", "optimizer"), ("scheduler", "LR scheduler")):
-        if theirs[key] != ours[key]:
-            problems.append(f"its {what} is {theirs[key]}, this one is {ours[key]}")
-    if not problems:
+    if theirs["optimizer"] != ours["optimizer"]:
+        problems.append(f"its optimizer is {theirs['optimizer']}, this one is {ours['optimizer']}")
+    else:  # the same class: its param groups and storage must match too
         problems += _groups(theirs["groups"], ours["groups"])
         bits = theirs.get("state_bits", ours["state_bits"])
         if bits != ours["state_bits"]:
             problems.append(f"its optimizer state is stored in {bits} bits, this optimizer's in "
                             f"{ours['state_bits']} (build it with state_bits={bits})")  # fmt: skip
+    if theirs["scheduler"] != ours["scheduler"]:
+        problems.append(f"its LR scheduler is {theirs['scheduler']}, this one is {ours['scheduler']}")
     problems += _model(theirs["model"], ours["model"])
     absent = sorted(set(ours["stateful"]) - set(theirs["stateful"]))
     if absent:
