@@ -195,7 +195,7 @@ class CheckpointManager:
             sd["stateful"] = {name: _Blob(obj.state_dict()) for name, obj in self.stateful.items()}
         return sd
 
-    def _manifest(self, step: int, sd: dict) -> dict:
+    def _describe(self, step: int, sd: dict) -> dict:
         model = {k: v.shape for k, v in sd["model"].items()}
         opt, sched = self.optimizer, self.scheduler
         return _manifest.describe(step, self.world_size, opt, sched, model, list(self.stateful))
@@ -223,7 +223,7 @@ class CheckpointManager:
             tmp.mkdir()
         self._barrier()
         sd = self._state(dict(extra or {}), [self.rank])
-        manifest = self._manifest(step, sd) if self.rank == 0 else None
+        manifest = self._describe(step, sd) if self.rank == 0 else None
         if not self.async_save:
             with _quiet():
                 dcp.save(sd, checkpoint_id=tmp, process_group=self._group, no_dist=not self._distributed)
@@ -350,7 +350,7 @@ class CheckpointManager:
         manifest, problems = _manifest.read(path, step)
         if manifest is None:
             return None, problems
-        return manifest, _manifest.mismatches(manifest, self._manifest(step, self._state(None, [])))
+        return manifest, _manifest.mismatches(manifest, self._describe(step, self._state(None, [])))
 
 
 __all__ = ["CheckpointError", "CheckpointManager", "Loaded"]
