@@ -2,25 +2,30 @@
 
     torchrun --nproc-per-node 2 examples/train_torchrun.py --steps 40 --checkpoint-dir ckpt
     torchrun --nproc-per-node 4 examples/train_torchrun.py --steps 80 --checkpoint-dir ckpt  # resumes at 40
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/train_torchrun.py --checkpoint-dir ckpt
 
 Every block of a small model, and the model itself, is a unit of `shard_modules`: between
 steps each rank holds only its shard of the parameters, gradients and optimizer state
 (ZeRO-3). The model is built on the meta device and materialised one unit at a time.
 Each process joins torchrun's group: NCCL on its own GPU when there is one, gloo on CPU.
 Run without torchrun, it trains in one process with no process group.
+
+A `vescale_optim.CheckpointManager` saves the model, optimizer, schedule and random states
+into `step-N` folders (atomically: a folder with that name is complete) and the run starts
+from the newest one, so a run that torchrun restarts after a failure continues where it
+left off. A rank that dies or hangs makes the others fail within `--timeout` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
-import re
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
@@ -58,17 +63,21 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def setup() -> tuple[torch.device, int, int]:
-    """Join torchrun's process group (when launched by torchrun); this rank's device, rank, world size."""
+def setup(timeout: timedelta) -> tuple[torch.device, int, int]:
+    """Join torchrun's process group (when launched by torchrun); this rank's device, rank, world size.
+
+    `timeout` bounds every collective wait: the process group's own (NCCL, gloo, DCP) and, on
+    gloo, the optimizer's (`set_collective_timeout`: its error names the collective)."""
     if "RANK" not in os.environ:  # plain `python train_torchrun.py`: one process, no group
         return torch.device("cuda" if torch.cuda.is_available() else "cpu"), 0, 1
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+        dist.init_process_group("gloo", timeout=timeout)
+        vo.set_collective_timeout(timeout)
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -87,41 +96,6 @@ def mean_over_ranks(x: torch.Tensor, world: int) -> float:
     return x.item() / world
 
 
-def latest_checkpoint(root: Path) -> tuple[Path, int] | None:
-    """The newest complete `step-N` folder (DCP writes `.metadata` last)."""
-    found = [(int(m.group(1)), d) for d in root.glob("step-*")
-             if (m := re.fullmatch(r"step-(\d+)", d.name)) and (d / ".metadata").exists()]  # fmt: skip
-    return (max(found)[1], max(found)[0]) if found else None
-
-
-def checkpoint_state(opt: vo.AdamW, sched, step: int) -> dict:
-    """What a checkpoint holds: this rank's pieces of the model's parameters and of the
-    optimizer state (views of its shards, no copies; the optimizer's part carries the param
-    groups' hyperparameters, which the scheduler changes), and the scheduler's state."""
-    return {
-        "model": opt.sharded_model_state_dict(),
-        "optim": opt.sharded_state_dict(),
-        "sched": sched.state_dict(),
-        "step": step,
-    }
-
-
-def save(path: Path, opt: vo.AdamW, sched, step: int) -> None:
-    """Collective: each rank writes only its own pieces."""
-    dcp.save(checkpoint_state(opt, sched, step), checkpoint_id=path)
-
-
-def load(path: Path, opt: vo.AdamW, sched) -> int:
-    """Collective, at any world size: read this rank's pieces of the model and optimizer into
-    its shards and restore the schedule; returns the step the checkpoint was saved at."""
-    state = checkpoint_state(opt, sched, 0)
-    dcp.load(state, checkpoint_id=path)
-    opt.load_sharded_model_state_dict(state["model"])
-    opt.load_sharded_state_dict(state["optim"])
-    sched.load_state_dict(state["sched"])
-    return state["step"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40, help="train until this step (default: %(default)s)")
@@ -134,9 +108,12 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10, help="steps between lines (default: %(default)s)")
     p.add_argument("--checkpoint-dir", type=Path, help="save step-N folders here; resume from the latest")
     p.add_argument("--save-every", type=int, default=20, help="steps between saves (default: %(default)s)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait for the other "
+                   "ranks before failing (default: %(default)s)")  # fmt: skip
     args = p.parse_args()
 
-    device, rank, world = setup()
+    device, rank, world = setup(timedelta(seconds=args.timeout))
     try:
         # Every rank is initialised from rank 0's random state, so the seed only needs to be
         # set here for the initial weights to be reproducible.
@@ -150,13 +127,14 @@ def main() -> None:
         warmup = 10
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         n_params = sum(p.numel() for p in model.parameters())
-        start = 0
-        found = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
-        if found is not None:
-            start = load(found[0], opt, sched)
+        manager, loaded = None, None
+        if args.checkpoint_dir:  # keeps the newest 3; every call of it is collective
+            manager = vo.CheckpointManager(args.checkpoint_dir, model, opt, sched, async_save=args.async_save)
+            loaded = manager.load()  # the newest complete checkpoint, or None
+        start = loaded.step if loaded else 0
         if rank == 0:
             print(f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
-                  + (f"resumed from {found[0]}" if found else "from scratch"), flush=True)  # fmt: skip
+                  + (f"resumed from {loaded.path}" if loaded else "from scratch"), flush=True)  # fmt: skip
 
         for step in range(start, args.steps):
             x, y = batch(step, rank, args, device)
@@ -172,16 +150,19 @@ def main() -> None:
                 if rank == 0:
                     print(f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
                           f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}", flush=True)  # fmt: skip
-            if args.checkpoint_dir and (done % args.save_every == 0 or done == args.steps):
-                save(args.checkpoint_dir / f"step-{done}", opt, sched, done)
+            if manager and (done % args.save_every == 0 or done == args.steps):
+                path = manager.save(done)  # with --async-save: returns once this rank's pieces are copied
                 if rank == 0:
-                    print(f"saved {args.checkpoint_dir / f'step-{done}'}", flush=True)
+                    print(f"{'saving' if args.async_save else 'saved'} {path}", flush=True)
+        if manager:
+            manager.close()  # waits for an asynchronous save to be complete
 
         weights = model.state_dict()  # collective: full tensors, gathered unit by unit
-        if rank == 0:
-            fingerprint = sum(v.double().abs().sum().item() for v in weights.values())
+        if rank == 0:  # equal for equal weights, bit for bit
+            data = b"".join(v.float().cpu().numpy().tobytes() for v in weights.values())
+            fingerprint = hashlib.sha256(data).hexdigest()[:16]
             memory = opt.memory_stats()
-            print(f"done at step {args.steps}; weights fingerprint {fingerprint!r}; held on rank 0: "
+            print(f"done at step {args.steps}; weights fingerprint {fingerprint}; held on rank 0: "
                   + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in memory.items()), flush=True)  # fmt: skip
     finally:
         if dist.is_initialized():

@@ -109,6 +109,12 @@ class World:
             raise RankError(f"rank {rank} of {self.size} failed:\n{errors[rank]}")
         return [out[r] for r in range(self.size)]
 
+    def kill(self) -> None:
+        """End every rank at once: for a world broken on purpose (a rank left a collective)."""
+        for p in self._procs:
+            p.kill()
+        self.close()
+
     def close(self) -> None:
         for q, p in zip(self._tasks, self._procs):
             if p.is_alive():

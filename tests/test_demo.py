@@ -1,11 +1,13 @@
 """Smoke tests of the demo: in-process training at world size 1 (ZeRO-3 and ZeRO-2 train the
-same model), the command line's help, and 2-rank CLI runs of both modes with their memory."""
+same model), the command line's help, and 2-rank CLI runs of both modes with their memory; a
+run resumed from a checkpoint ends bit for bit as an uninterrupted one."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vescale_optim.demo.__main__ import build_parser
+from vescale_optim.demo.__main__ import build_parser, parse_args
 from vescale_optim.demo.data import batch_generator, get_batch, load_corpus, val_windows
 from vescale_optim.demo.model import GPT
 from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier
@@ -124,3 +126,31 @@ def test_cli_two_ranks(tmp_path, zero):
         assert sum(params) >= whole and all(p < 0.55 * whole for p in params), (params, whole)
     else:  # each rank holds every parameter
         assert params == [whole, whole]
+
+
+@pytest.mark.timeout(120)
+def test_resume_continues_bit_for_bit_in_process(tmp_path, one_thread):
+    """Checkpoints every 3 steps; a run resumed from step 3 ends with the weights and losses
+    of the uninterrupted one, and reads the same batches after the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    cfg = replace(TINY, steps=6, lr=1e-2, progress=False, checkpoint_dir=str(ckpt), checkpoint_every=3)
+    whole = train(replace(cfg, out=str(tmp_path / "whole")))["runs"]["adamw"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-3", "step-6"]
+    assert (whole["final_step"], whole["resumed_from_step"]) == (6, 0)
+
+    with pytest.raises(ValueError, match="already holds checkpoints .* pass --resume"):
+        train(replace(cfg, out=str(tmp_path / "refused")))
+    shutil.rmtree(ckpt / "step-6")
+    resumed = train(replace(cfg, out=str(tmp_path / "resumed"), resume=True))["runs"]["adamw"]
+    assert (resumed["final_step"], resumed["resumed_from_step"]) == (6, 3)
+    assert resumed["params_sha256"] == whole["params_sha256"]
+    assert resumed["loss"] == whole["loss"]
+    _check_outputs(tmp_path / "resumed", ["adamw"], 6, 1)
+
+
+def test_checkpoint_flags_are_checked():
+    assert parse_args(["--resume", "--checkpoint-dir", "d"])[0].resume
+    for bad in (["--resume"], ["--checkpoint-dir", "d", "--optimizer", "all"], ["--checkpoint-every", "0"],
+                ["--timeout", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -1,10 +1,14 @@
 """vescale_optim: structure-aware distributed optimizers over RaggedShard layouts."""
 
+from .checkpoint import CheckpointError, CheckpointManager
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
-from .shard import Layout, RaggedShard, plan_layout
+from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
 
 __all__ = [
     "AdamW",
+    "CheckpointError",
+    "CheckpointManager",
+    "CollectiveError",
     "Layout",
     "Muon",
     "RaggedShard",
@@ -12,5 +16,6 @@ __all__ = [
     "Shampoo",
     "muon_param_groups",
     "plan_layout",
+    "set_collective_timeout",
 ]
 __version__ = "0.1.0"

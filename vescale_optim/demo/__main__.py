@@ -3,7 +3,9 @@
 Spawns `--world-size` CPU ranks joined by gloo (or trains in this process for
 `--world-size 1`); under torchrun each process joins the torchrun group instead.
 By default every block and the model are units of `shard_modules` (ZeRO-3);
-`--zero 2` keeps the parameters whole on every rank.
+`--zero 2` keeps the parameters whole on every rank. With `--checkpoint-dir` the run
+saves checkpoints, and with `--resume` continues from the newest complete one, so that
+`torchrun --max-restarts N ... --resume` restarts a failed run where it left off.
 """
 
 from __future__ import annotations
@@ -61,6 +63,33 @@ def build_parser() -> argparse.ArgumentParser:
     add("--val-tokens", type=int, default=d.val_tokens, help="validation tokens scored at the end")
     add("--seed", type=int, default=d.seed, help="initial weights and batches")
     add("--progress", action=argparse.BooleanOptionalAction, default=d.progress, help="rank 0's progress bar")
+    add(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=d.checkpoint_dir,
+        help="save checkpoints into DIR/step-N (of one optimizer)",
+    )
+    add(
+        "--checkpoint-every",
+        metavar="N",
+        type=int,
+        default=d.checkpoint_every,
+        help="steps between checkpoints (and one at the last step)",
+    )
+    add(
+        "--resume",
+        action="store_true",
+        default=d.resume,
+        help="continue from the newest complete checkpoint in --checkpoint-dir, if there is one",
+    )
+    add(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=d.timeout,
+        help="seconds a collective may wait for the other ranks before failing with an error that "
+        "names it (the process group's timeout; on gloo also vescale_optim.set_collective_timeout)",
+    )
     return p
 
 
@@ -71,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    try:
+        cfg.optimizer_names()
+    except ValueError as e:
+        p.error(str(e))
+    if cfg.timeout <= 0:
+        p.error("--timeout must be positive")
     return cfg, args.world_size
 
 

@@ -57,6 +57,29 @@ def get_batch(
     return chunk[:, :-1], chunk[:, 1:]
 
 
+class Batches:
+    """This rank's training batches, one per step, in an order fixed by (seed, rank, position).
+
+    A checkpoint keeps its `state_dict()` (the seed and how many batches were drawn; the same
+    on every rank), so a resumed run reads the batches an uninterrupted one would have.
+    """
+
+    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int):
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.seed, self.rank, self.position = seed, rank, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = batch_generator(self.seed, self.rank, self.position)
+        self.position += 1
+        return get_batch(self.data, self.batch_size, self.seq_len, gen)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.position = int(state["seed"]), int(state["position"])
+
+
 def val_windows(data: torch.Tensor, seq_len: int, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed, evenly spread windows of the validation bytes covering about `max_tokens` targets.
 

@@ -14,8 +14,6 @@ import torch.multiprocessing as mp
 
 from .train import TrainConfig, train
 
-_TIMEOUT = timedelta(minutes=10)
-
 
 def _threads_per_rank(world_size: int) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -25,8 +23,9 @@ def _threads_per_rank(world_size: int) -> int:
 def _worker(rank: int, world_size: int, init_file: str, cfg: TrainConfig, launch_time: float) -> None:
     """One spawned CPU rank: join the gloo group through the shared file, train, leave."""
     torch.set_num_threads(_threads_per_rank(world_size))
+    timeout = timedelta(seconds=cfg.timeout)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=_TIMEOUT
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
     )
     try:
         train(cfg, launch_time)
@@ -36,12 +35,13 @@ def _worker(rank: int, world_size: int, init_file: str, cfg: TrainConfig, launch
 
 def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
     """One torchrun rank: env:// init, NCCL on the local GPU when there is one."""
+    timeout = timedelta(seconds=cfg.timeout)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=_TIMEOUT)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=_TIMEOUT)
+        dist.init_process_group("gloo", timeout=timeout)
     try:
         train(cfg, launch_time)
     finally:

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .data import batch_generator, get_batch, load_corpus, stdlib_files, val_windows
+from .checkpoints import Checkpoints, collective_timeout, params_sha256
+from .data import Batches, load_corpus, stdlib_files, val_windows
 from .model import GPT, GPTConfig
 from .optimizers import OPTIMIZERS, make_scheduler
 
@@ -28,7 +29,10 @@ from .optimizers import OPTIMIZERS, make_scheduler
 @dataclass
 class TrainConfig:
     """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default,
-    `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank."""
+    `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank.
+    With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
+    `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
+    every collective wait."""
 
     optimizer: str = "adamw"
     zero: int = 3
@@ -45,6 +49,10 @@ class TrainConfig:
     seed: int = 0
     out: str = "demo_out"
     progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    resume: bool = False
+    timeout: float = 60.0
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -54,6 +62,12 @@ class TrainConfig:
     def optimizer_names(self) -> list[str]:
         if self.zero not in (2, 3):
             raise ValueError(f"zero must be 2 or 3, not {self.zero!r}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint_dir")
+        if self.checkpoint_dir is not None and self.optimizer == "all":
+            raise ValueError("checkpoints are of one run: pick one optimizer, not 'all'")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be at least 1, not {self.checkpoint_every}")
         if self.optimizer == "all":
             return list(OPTIMIZERS)
         if self.optimizer not in OPTIMIZERS:
@@ -137,18 +151,24 @@ def _autocast(device: torch.device) -> torch.autocast:
 def train_one(
     name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: _World
 ) -> dict:
-    """Train a fresh model (same seed, so the same initial weights) with optimizer `name`."""
+    """Train a fresh model (same seed, so the same initial weights) with optimizer `name`, or
+    continue the newest checkpoint's run with `cfg.resume`."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(world.device)
     opt = OPTIMIZERS[name](model, cfg)
     sched = make_scheduler(opt, cfg)
+    batches = Batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed, world.rank)
+    checkpoints = Checkpoints(cfg, model, opt, sched, batches)
+    first, losses = checkpoints.resume()
+    if first and world.rank == 0:
+        print(f"resumed from {checkpoints.manager.path(first)}", flush=True)
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
-    losses: list[float] = []
-    bar = tqdm(range(cfg.steps), desc=name, disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(range(first, cfg.steps), desc=name, initial=first, total=cfg.steps,
+               disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)  # fmt: skip
     start = time.perf_counter()
     for step in bar:
-        x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, batch_generator(cfg.seed, world.rank, step))
+        x, y = batches.next()
         x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
         with _autocast(world.device):
             loss = model.loss(x, y)
@@ -163,12 +183,17 @@ def train_one(
         # every rank has batch_size x seq_len tokens: the mean of the ranks' means is the mean over all
         losses.append(world.sum(loss.detach().float().reshape(1)).item() / world.size)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
+        saved = checkpoints.after_step(step + 1, losses)
+        if saved and world.rank == 0:
+            bar.write(f"saved {saved}")
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     train_time = time.perf_counter() - start
     bar.close()
+    final_step = max(first, cfg.steps)
+    digest = params_sha256(model)
     val_loss, val_tokens = evaluate(model, val_data, cfg, world)
-    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * world.size
+    tokens = (final_step - first) * cfg.batch_size * cfg.seq_len * world.size
     held = held_memory(opt)  # between steps: what a rank keeps
     tail = losses[-min(TAIL, len(losses)) :]
     result = {
@@ -178,12 +203,15 @@ def train_one(
         "final_loss_steps": len(tail),
         "val_loss": val_loss,
         "val_tokens": val_tokens,
-        "tokens_per_s": tokens / train_time,
+        "tokens_per_s": tokens / train_time if tokens else 0.0,
         "train_time_s": train_time,
+        "final_step": final_step,
+        "resumed_from_step": first,
+        "params_sha256": digest,
         "peak_memory": [{"rank": r, **m} for r, m in enumerate(world.gather(peak_memory(world.device)))],
         "held_bytes": world.gather(held),
     }
-    del model, opt, sched
+    del model, opt, sched, checkpoints
     gc.collect()
     return result
 
@@ -207,7 +235,8 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
             f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens; {SHARDING[cfg.zero]}",
             flush=True,
         )
-    runs = {name: train_one(name, cfg, train_data, val_data, world) for name in names}
+    with collective_timeout(cfg.timeout, world.backend):
+        runs = {name: train_one(name, cfg, train_data, val_data, world) for name in names}
     summary = {
         "config": asdict(cfg),
         "model": asdict(cfg.model_config()),

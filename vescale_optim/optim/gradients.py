@@ -83,7 +83,7 @@ class GradTrackingMixin:
         unreduced = [u.has_full_grad for u in self._units]
         flags = [*marks, *unreduced, problem is not None]
         flags = torch.tensor(flags, dtype=torch.float32, device=self._device)
-        all_reduce_(flags, self._world, "max")
+        all_reduce_(flags, self._world, "max", what="the step's agreement on which parameters step")
         agreed = [x > 0 for x in flags.tolist()]
         if problem is not None:
             raise RuntimeError(problem)
@@ -165,7 +165,7 @@ class GradTrackingMixin:
             if not torch.isfinite(u.grad).all():
                 flag.fill_(1)
                 break
-        all_reduce_(flag, self._world, "max")
+        all_reduce_(flag, self._world, "max", what="the non-finite gradient check")
         return bool(flag.item())
 
     @torch.no_grad()
@@ -189,7 +189,7 @@ class GradTrackingMixin:
         total = torch.zeros(1, dtype=f64, device=self._device)
         if parts:
             total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        all_reduce_(total, self._comm, "max" if inf else "sum")
+        all_reduce_(total, self._comm, "max" if inf else "sum", what="clip_grad_norm_'s total norm")
         total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

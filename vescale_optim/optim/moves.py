@@ -61,7 +61,8 @@ def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
         gathers = []
         for m, (gp, _) in zip(moves, programs):
             m._received = m.src.new_empty(m.gather.dst_numel[rank])
-            gathers.append(run_plan(m.gather, m.src, m._received, comm, gp, async_op=True))
+            gathers.append(run_plan(m.gather, m.src, m._received, comm, gp, async_op=True,
+                                    what=f"{m.label}: gather to owners"))  # fmt: skip
     for m in moves:
         with record_function(f"vescale_optim.{m.label}"):
             m.local()
@@ -71,7 +72,8 @@ def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
         with record_function(f"vescale_optim.{m.label}"):
             out = m.compute(m._received)
         if m.scatter is not None:
-            scatters.append(run_plan(m.scatter, out, m.dst, comm, sp, async_op=True))
+            scatters.append(run_plan(m.scatter, out, m.dst, comm, sp, async_op=True,
+                                     what=f"{m.label}: scatter from owners"))  # fmt: skip
         else:
             scatters.append(None)
     with record_function("vescale_optim.moves.finish"):

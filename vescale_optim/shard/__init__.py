@@ -2,6 +2,7 @@
 
 from .buffer import FlatBuffer, bind_parameters
 from .collectives import (
+    CollectiveError,
     Comm,
     Handle,
     all_gather_,
@@ -12,6 +13,7 @@ from .collectives import (
     redistribute,
     reduce_scatter_,
     run_plan,
+    set_collective_timeout,
 )
 from .plan import (
     Piece,
@@ -27,6 +29,7 @@ from .planner import Layout, bucket_indices, plan_layout
 from .spec import RaggedShard, flat_range_boxes
 
 __all__ = [
+    "CollectiveError",
     "Comm",
     "FlatBuffer",
     "Handle",
@@ -52,4 +55,5 @@ __all__ = [
     "redistribute",
     "reduce_scatter_",
     "run_plan",
+    "set_collective_timeout",
 ]

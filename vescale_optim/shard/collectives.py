@@ -4,11 +4,18 @@ Every call works on a process group, on world size 1, and with no process group 
 all (one process). Backend quirks are hidden here: gloo cannot send fp8 (data
 movement sends a uint8 view instead), and gathers of uneven pieces are padded.
 Calls with `async_op=True` return a `Handle`; `wait()` finishes any unpacking.
+
+Every wait is bounded: by `set_collective_timeout(...)` when set, else by the process group's own
+timeout. A collective that fails or times out (another rank died, or did not make the
+same call) raises `CollectiveError` naming the operation, its tensor and its group, so a
+dead rank surfaces as an error on the others instead of a hang.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,57 @@ _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, tor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+_timeout: timedelta | None = None
+
+
+class CollectiveError(RuntimeError):
+    """A collective of this library failed or timed out on this rank: another rank died,
+    or did not make the same call in time. The process group is unusable afterwards."""
+
+
+def set_collective_timeout(timeout: float | timedelta | None) -> None:
+    """Bound every wait of this library's collectives to `timeout` (seconds or a
+    `timedelta`); None (the default) leaves it to the process group's own `timeout=`.
+
+    A collective still waiting then raises `CollectiveError` naming it. On NCCL a bounded
+    wait blocks the host until the collective finishes (the unbounded one only orders the
+    streams), so prefer the process group's timeout there outside of debugging.
+    """
+    global _timeout
+    if timeout is not None:
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+    _timeout = timeout
+
+
+def get_collective_timeout() -> timedelta | None:
+    """The bound `set_collective_timeout` set, or None for the process groups' own timeouts."""
+    return _timeout
+
+
+class Op:
+    """What a collective is, for error messages: kind, purpose, tensor and group."""
+
+    def __init__(self, kind: str, what: str | None, tensor: torch.Tensor | None, comm: Comm):
+        self.kind, self.what, self.comm = kind, what, comm
+        self.numel = tensor.numel() if tensor is not None else None
+        self.dtype = tensor.dtype if tensor is not None else None
+
+    def __str__(self) -> str:
+        size = f"group of {self.comm.world_size} ranks"
+        if self.numel is not None:
+            size = f"{self.numel:,} {str(self.dtype).removeprefix('torch.')} elements, {size}"
+        return f"{self.kind} of {self.what or 'a tensor'} ({size})"
+
+    def error(self, cause: BaseException, timed_out: bool) -> CollectiveError:
+        """The error to raise on this rank when the collective failed with `cause`."""
+        when = f" within {_timeout.total_seconds():g} s (set_collective_timeout)" if timed_out else ""
+        return CollectiveError(
+            f"{self} did not complete on rank {self.comm.rank}{when}: {str(cause).strip()}\n"
+            "Another rank died, or did not make this call: every rank of the group must make the "
+            "same collective calls in the same order."
+        )
 
 
 class Comm:
@@ -61,20 +119,37 @@ class Comm:
 
 
 class Handle:
-    """Completion of one or more asynchronous collectives; `wait()` is idempotent."""
+    """Completion of one or more asynchronous collectives; `wait()` is idempotent and
+    raises `CollectiveError` naming `op` if a collective fails or outlasts the timeout."""
 
-    def __init__(self, work=None, finish: Callable[[], None] | None = None):
+    def __init__(self, work=None, finish: Callable[[], None] | None = None, op: Op | None = None):
         self._works = work if isinstance(work, list) else [work] if work is not None else []
-        self._finish, self._done = finish, False
+        self._finish, self._done, self._op = finish, False, op
 
     def wait(self) -> None:
         if self._done:
             return
+        deadline = None if _timeout is None else time.monotonic() + _timeout.total_seconds()
         for work in self._works:
-            work.wait()
+            if isinstance(work, Handle):
+                work.wait()
+            else:
+                self._wait(work, deadline)
         if self._finish is not None:
             self._finish()
         self._done = True
+
+    def _wait(self, work, deadline: float | None) -> None:
+        try:
+            if deadline is None:
+                work.wait()
+            else:  # at least 1 ms: a zero timeout means "forever" to torch
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except RuntimeError as e:
+            if self._op is None:
+                raise
+            timed_out = deadline is not None and time.monotonic() >= deadline - 0.1
+            raise self._op.error(e, timed_out) from e
 
     def then(self, finish: Callable[[], None]) -> Handle:
         """A handle that waits for this one, then runs `finish`."""
@@ -96,12 +171,14 @@ def _op(op: str):
     return _OPS[op]
 
 
-def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False) -> Handle:
+def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False, what: str | None = None) -> Handle:
     """Fill the whole buffer from every rank's local slice, in place (no copies)."""
-    return _gather_in_place(buf.data, buf.shard_size, comm, async_op)
+    return _gather_in_place(buf.data, buf.shard_size, comm, async_op, what)
 
 
-def _gather_in_place(data: torch.Tensor, shard_size: int, comm: Comm, async_op: bool) -> Handle:
+def _gather_in_place(
+    data: torch.Tensor, shard_size: int, comm: Comm, async_op: bool, what: str | None = None
+) -> Handle:
     """Every rank's slice `[r*S, (r+1)*S)` of `data` from that rank, in place.
 
     On gloo, whose all-gather stages through a temporary buffer and copies out, every
@@ -116,16 +193,19 @@ def _gather_in_place(data: torch.Tensor, shard_size: int, comm: Comm, async_op: 
                            async_op=True)
             for r in range(comm.world_size)
         ]  # fmt: skip
-        handle = Handle(works)
+        handle = Handle(works, op=Op("all-gather", what, data, comm))
     else:
         local = data[comm.rank * s : (comm.rank + 1) * s]
-        handle = Handle(_all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True))
+        work = _all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True)
+        handle = Handle(work, op=Op("all-gather", what, data, comm))
     if not async_op:
         handle.wait()
     return handle
 
 
-def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: bool = False) -> Handle:
+def reduce_scatter_(
+    buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: bool = False, what: str | None = None
+) -> Handle:
     """Reduce the whole buffer over ranks into each rank's local slice, in place.
 
     Only the local slice is meaningful afterwards. On gloo, whose reduce-scatter
@@ -138,17 +218,19 @@ def reduce_scatter_(buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: boo
     if comm.gloo:
         summed = dist.ReduceOp.SUM if op == "mean" else reduce_op
         work = dist.all_reduce(buf.data, op=summed, group=comm.group, async_op=True)
-        handle = Handle(work, (lambda: buf.local.div_(comm.world_size)) if op == "mean" else None)
+        handle = Handle(work, (lambda: buf.local.div_(comm.world_size)) if op == "mean" else None,
+                        Op("reduce-scatter", what, buf.data, comm))  # fmt: skip
     else:
-        handle = Handle(
-            _reduce_scatter_single(buf.local, buf.data, op=reduce_op, group=comm.group, async_op=True)
-        )
+        work = _reduce_scatter_single(buf.local, buf.data, op=reduce_op, group=comm.group, async_op=True)
+        handle = Handle(work, op=Op("reduce-scatter", what, buf.data, comm))
     if not async_op:
         handle.wait()
     return handle
 
 
-def all_gather_into_(data: torch.Tensor, shard: torch.Tensor, comm: Comm, async_op: bool = False) -> Handle:
+def all_gather_into_(
+    data: torch.Tensor, shard: torch.Tensor, comm: Comm, async_op: bool = False, what: str | None = None
+) -> Handle:
     """Fill `data` (`W*S` elements) from every rank's `shard` (its `S` elements, any dtype).
 
     The shard is gathered straight into `data` when the backend can (NCCL, same dtype);
@@ -158,15 +240,15 @@ def all_gather_into_(data: torch.Tensor, shard: torch.Tensor, comm: Comm, async_
     s = shard.numel()
     local = data[comm.rank * s : (comm.rank + 1) * s]
     if shard.data_ptr() == local.data_ptr() and shard.dtype == data.dtype:
-        return _gather_in_place(data, s, comm, async_op)
+        return _gather_in_place(data, s, comm, async_op, what)
     if comm.active and not comm.gloo and shard.dtype == data.dtype:
         work = _all_gather_single(_movable(data), _movable(shard), group=comm.group, async_op=True)
-        handle = Handle(work)
+        handle = Handle(work, op=Op("all-gather", what, data, comm))
         if not async_op:
             handle.wait()
         return handle
     local.copy_(shard)
-    return _gather_in_place(data, s, comm, async_op)
+    return _gather_in_place(data, s, comm, async_op, what)
 
 
 def reduce_scatter_into_(
@@ -176,6 +258,7 @@ def reduce_scatter_into_(
     op: str = "mean",
     accumulate: bool = False,
     async_op: bool = False,
+    what: str | None = None,
 ) -> Handle:
     """Reduce `data` (`W*S` elements) over ranks into `out` (the rank's `S` elements, any
     dtype), or add the reduction to `out` when `accumulate`.
@@ -197,7 +280,7 @@ def reduce_scatter_into_(
         work = _reduce_scatter_single(src, data, op=reduce_op, group=comm.group, async_op=True)
         divisor = 1
         if direct:
-            handle = Handle(work)
+            handle = Handle(work, op=Op("reduce-scatter", what, data, comm))
             if not async_op:
                 handle.wait()
             return handle
@@ -212,28 +295,36 @@ def reduce_scatter_into_(
         else:
             out.copy_(src)
 
-    handle = Handle(work, finish)
+    handle = Handle(work, finish, Op("reduce-scatter", what, data, comm))
     if not async_op:
         handle.wait()
     return handle
 
 
-def broadcast_(tensor: torch.Tensor, src: int, comm: Comm, async_op: bool = False) -> Handle:
+def broadcast_(
+    tensor: torch.Tensor, src: int, comm: Comm, async_op: bool = False, what: str | None = None
+) -> Handle:
     """Every rank's `tensor` becomes rank `src`'s (a rank of `comm`'s group), in place."""
     if not comm.active:
         return Handle()
     work = dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=True)
-    handle = Handle(work)
+    handle = Handle(work, op=Op(f"broadcast from rank {src}", what, tensor, comm))
     if not async_op:
         handle.wait()
     return handle
 
 
-def all_reduce_(tensor: torch.Tensor, comm: Comm, op: str = "sum", async_op: bool = False) -> Handle:
+def all_reduce_(
+    tensor: torch.Tensor, comm: Comm, op: str = "sum", async_op: bool = False, what: str | None = None
+) -> Handle:
     reduce_op = _op(op)
     if not comm.active:
         return Handle()
-    return Handle(dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=async_op))
+    work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
+    handle = Handle(work, op=Op(f"all-reduce ({op})", what, tensor, comm))
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def run_plan(
@@ -243,6 +334,7 @@ def run_plan(
     comm: Comm,
     program: RankProgram | None = None,
     async_op: bool = False,
+    what: str | None = None,
 ) -> Handle:
     """Execute `plan` from this rank's flat `src` into its flat `dst` with one
     `all_to_all_single`. Runs of contiguous, in-order intervals are sent and received
@@ -276,9 +368,9 @@ def run_plan(
         _scale(prog.recv_splits, recv),
         _scale(prog.send_splits, send),
         group=comm.group,
-        async_op=async_op,
+        async_op=True,
     )
-    handle = Handle(work, finish)
+    handle = Handle(work, finish, Op("all-to-all", what, send, comm))
     if not async_op:
         handle.wait()
     return handle
@@ -309,23 +401,22 @@ def full_tensor(
     width = max(lengths)
     if width == 0:
         return out, Handle()
+    gather = Op("all-gather", "a ragged tensor", local, comm)
     if all(n == width for n in lengths):
-        work = _all_gather_single(
-            _movable(out.view(-1)), _movable(local), group=comm.group, async_op=async_op
-        )
-        handle = Handle(work)
+        work = _all_gather_single(_movable(out.view(-1)), _movable(local), group=comm.group, async_op=True)
+        handle = Handle(work, op=gather)
     else:
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=async_op)
+        work = _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=True)
 
         def unpad() -> None:
             flat = out.view(-1)
             for r, (a, b) in enumerate(ranges):
                 flat[a:b].copy_(gathered[r * width : r * width + b - a])
 
-        handle = Handle(work, unpad)
+        handle = Handle(work, unpad, gather)
     if not async_op:
         handle.wait()
     return out, handle
@@ -354,7 +445,8 @@ def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
     if not comm.active:
         return local
     out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
-    _all_gather_single(_movable(out), _movable(local.reshape(-1)), group=comm.group)
+    work = _all_gather_single(_movable(out), _movable(local.reshape(-1)), group=comm.group, async_op=True)
+    Handle(work, op=Op("all-gather", "equal pieces", local, comm)).wait()
     return out
 
 
@@ -369,5 +461,8 @@ def all_gather_object(obj, comm: Comm) -> list:
     if not comm.active:
         return [obj]
     out = [None] * comm.world_size
-    dist.all_gather_object(out, obj, group=comm.group)
+    try:
+        dist.all_gather_object(out, obj, group=comm.group)
+    except RuntimeError as e:
+        raise Op("all-gather", "Python objects", None, comm).error(e, False) from e
     return out

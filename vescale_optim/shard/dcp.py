@@ -81,6 +81,32 @@ class DcpPiece(torch.Tensor):
         out, self._loaded = self._loaded, None
         return out
 
+    def copy(self, device: torch.device | str | None = None) -> DcpPiece:
+        """A piece of the same chunks over a copy of this one's values (decoded, for a
+        reader) on `device` (default: this piece's): what `dcp.async_save` can write while
+        training goes on changing the original."""
+        fresh = self._values is None and self._loaded is None  # a reader returns new memory
+        values = self._flat(0, self._numel)
+        values = values.to(device or values.device, copy=not fresh)
+        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, values)
+
+    def blank(self, device: torch.device | str | None = None) -> DcpPiece:
+        """A piece of the same chunks over new zeroed memory on `device` (default: this
+        piece's): `dcp.load` fills it without touching this piece's values."""
+        values = torch.zeros(self._numel, dtype=self.dtype, device=device or self.device)
+        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, values)
+
+    def load_from(self, other: DcpPiece) -> None:
+        """Take the values `other` (a piece of the same range) holds: written into this
+        piece's memory, or, for a reader, kept as what it loaded until `take_loaded()`."""
+        if other._chunks != self._chunks:
+            raise ValueError(f"{other!r} does not cover the same range as {self!r}")
+        values = other._flat(0, other._numel)
+        if self._values is not None:
+            self._values.copy_(values)
+        else:
+            self._loaded = values.to(device=self.device, dtype=self.dtype)
+
     def _flat(self, pos: int, n: int) -> torch.Tensor:
         if self._loaded is not None:
             return self._loaded[pos : pos + n]

@@ -32,7 +32,7 @@ def gather_full(unit: Unit) -> torch.Tensor:
     """The unit's whole flat parameter buffer in the original dtype, gathered from the
     shards (a new tensor; collective)."""
     full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.device)
-    all_gather_into_(full, unit.shard, unit.comm)
+    all_gather_into_(full, unit.shard, unit.comm, what=f"unit {unit.name}'s parameters for the state dict")
     return full if unit.orig_dtype == full.dtype else full.to(unit.orig_dtype)
 
 

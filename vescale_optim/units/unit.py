@@ -93,7 +93,7 @@ class Unit:
             self.shard = self._initial_shard(sync_params)
             if not sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
                 if sync_params:
-                    all_gather_into_(self.full.data, self.shard, comm)
+                    all_gather_into_(self.full.data, self.shard, comm, what=f"unit {self.name}'s parameters")
                 else:
                     for i, p in enumerate(params):
                         self.full.view(i).copy_(p.detach())
@@ -135,7 +135,7 @@ class Unit:
             for i, p in enumerate(self.params):
                 start = self.layout.offsets[i]
                 staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
-            broadcast_(staged, 0, self.world)
+            broadcast_(staged, 0, self.world, what=f"unit {self.name}'s initial parameters")
             return staged[rank * s : (rank + 1) * s].clone()
         shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         for i, p in enumerate(self.params):
@@ -153,7 +153,8 @@ class Unit:
             return
         with torch.profiler.record_function(f"vescale::unshard[{self.name}]"):
             self.full.allocate()
-            self._gather = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True)
+            self._gather = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True,
+                                            what=f"unit {self.name}'s parameters")  # fmt: skip
             self.state = State.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -213,7 +214,8 @@ class Unit:
         if self.sharded:
             return None
         with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
-            return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op)
+            return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op,
+                                    what=f"unit {self.name}'s parameters")  # fmt: skip
 
     def write_param(self, i: int, value: torch.Tensor) -> None:
         """Set parameter `i` to `value` (its full tensor): this rank's piece goes into the
@@ -291,12 +293,14 @@ class Unit:
                 data = data.to(self.reduce_dtype)
             if not self.replicate.active:
                 handle = reduce_scatter_into_(
-                    data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
-                )
+                    data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True,
+                    what=f"unit {self.name}'s gradients",
+                )  # fmt: skip
                 self.grad_has_values = True
             else:
                 part = torch.empty_like(self.grad)
-                rs = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True)
+                rs = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True,
+                                          what=f"unit {self.name}'s gradients")  # fmt: skip
                 handle = rs.then(lambda: self._add_over_replicas(part))
 
         def done() -> None:
@@ -318,7 +322,7 @@ class Unit:
             self.grad_unsynced = part
             return
         with torch.profiler.record_function(f"vescale::all_reduce_replicas[{self.name}]"):
-            all_reduce_(part, self.replicate, "mean")
+            all_reduce_(part, self.replicate, "mean", what=f"unit {self.name}'s gradients over replicas")
         if self.grad_has_values:
             self.grad.add_(part)
         else:

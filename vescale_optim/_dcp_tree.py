@@ -1,0 +1,106 @@
+"""How the checkpoint manager walks, copies and checks a state dict as DCP sees it.
+
+DCP flattens nested dicts (and lists of dicts) into dotted keys; a leaf is a tensor, a
+`DcpPiece` (this rank's piece of a sharded tensor) or any other value (one pickled item).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .shard.dcp import DcpPiece
+
+
+def leaves(x, prefix: str = ""):
+    """(key, value) of every leaf as DCP flattens a state dict: dicts always, lists when
+    they hold dicts or lists."""
+    if isinstance(x, Mapping):
+        for k, v in x.items():
+            yield from leaves(v, f"{prefix}{k}.")
+    elif isinstance(x, list) and any(isinstance(v, (Mapping, list)) for v in x):
+        for i, v in enumerate(x):
+            yield from leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], x
+
+
+def map_leaves(x, fn):
+    if isinstance(x, Mapping):
+        return {k: map_leaves(v, fn) for k, v in x.items()}
+    if isinstance(x, list):
+        return [map_leaves(v, fn) for v in x]
+    return fn(x)
+
+
+def snapshot(x):
+    """A copy that training cannot change: pieces and tensors to CPU, the rest deep-copied."""
+    if isinstance(x, DcpPiece):
+        return x.copy("cpu")
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    return copy.deepcopy(x)
+
+
+def blank(x):
+    """Somewhere for `dcp.load` to put `x`'s saved value without touching `x`."""
+    if isinstance(x, DcpPiece):
+        return x.blank("cpu")
+    if isinstance(x, torch.Tensor):
+        return torch.zeros(x.shape, dtype=x.dtype)
+    return copy.deepcopy(x)
+
+
+def take(live, loaded):
+    """Write what `loaded` (a `blank` copy of `live` that DCP filled) holds into `live`'s
+    memory; returns the new value of a leaf that is not a tensor."""
+    if isinstance(live, Mapping):
+        for k in live:
+            live[k] = take(live[k], loaded[k])
+        return live
+    if isinstance(live, list):
+        for i in range(len(live)):
+            live[i] = take(live[i], loaded[i])
+        return live
+    if isinstance(live, DcpPiece):
+        live.load_from(loaded)
+        return live
+    if isinstance(live, torch.Tensor):
+        live.copy_(loaded)
+        return live
+    return loaded
+
+
+def check_files(path: Path, live: dict) -> list[str]:
+        """DCP's metadata must be readable, list every key we load with its shape, and
+        every file it points into must be whole."""
+        try:
+            md = dcp.FileSystemReader(path).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any failure to read it means a damaged checkpoint
+            return [f"its metadata cannot be read ({type(e).__name__}: {e})"]
+        problems, need = [], {}
+        for info in md.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(need.items()):
+            f = path / name
+            if not f.is_file():
+                problems.append(f"{name} is missing")
+            elif f.stat().st_size < size:
+                have = f.stat().st_size
+                problems.append(f"{name} is truncated ({have:,} bytes; the metadata needs {size:,})")
+        saved = md.state_dict_metadata
+        for key, value in leaves(live):
+            entry = saved.get(key)
+            if entry is None:
+                problems.append(f"it lacks {key}")
+            elif isinstance(value, torch.Tensor):
+                shape = getattr(entry, "size", None)
+                if shape is None:
+                    problems.append(f"{key} is not a tensor there")
+                elif tuple(shape) != tuple(value.shape):
+                    problems.append(f"{key} has shape {tuple(shape)} there, {tuple(value.shape)} here")
+        return problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])

@@ -1,0 +1,356 @@
+"""Checkpoints of a training run: atomic, resumable at any world size, optionally asynchronous.
+
+`CheckpointManager` saves the model's parameters and buffers, the optimizer's state and
+param groups, an LR scheduler, every rank's random states, `stateful` objects (anything
+with `state_dict()` / `load_state_dict()`) and user `extra` values through
+`torch.distributed.checkpoint` into `DIR/step-N/`. Each rank writes only its own pieces
+and a load at another world size or mesh reshards them.
+
+A save is written under a hidden temporary name and renamed by rank 0 once every rank
+has written its part, so a crash in the middle of a save leaves the earlier checkpoints
+as they were, and the newest `step-N` is always complete. A load checks what it can
+before it changes anything (the manifest, DCP's metadata, every file's size, the
+optimizer's class and state-shaping hyperparameters, the model's names and shapes),
+reads into new CPU buffers, and only then writes them into the live objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from . import _manifest
+from ._dcp_tree import blank, check_files, map_leaves, snapshot, take
+from ._manifest import MANIFEST
+from ._rng import rng_state, set_rng_state
+
+_NAME = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into these objects; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What `CheckpointManager.load` restored: the step, its folder and the saved `extra`."""
+
+    step: int
+    path: Path
+    extra: dict
+
+
+class _Blob:
+    """A value DCP keeps as one pickled item (scheduler state, extras, random states)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _Staged:
+    """DCP's stager for state this module already copied to CPU: hands it over as is."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds, by name, without gathering any parameter."""
+    out = {}
+    for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set  # what state_dict() itself leaves out
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in skip:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line per failing rank for DCP's error (which carries every rank's traceback)."""
+    if not isinstance(e, dcp.CheckpointException):
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Without a process group DCP says it works in one process, each time: we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Save and resume a training run in `directory/step-N/`; every call is collective.
+
+    `model` and `optimizer` (a vescale_optim optimizer, with or without `shard_modules`,
+    any mesh) are always saved, `scheduler` when given, `stateful` objects (by name) with
+    their `state_dict()`, which every rank has the same (rank 0's is kept), and each
+    rank's random states (torch's, CUDA's when in use, Python's, numpy's; restored when
+    the world size is unchanged). `keep` is how many checkpoints up to the newest stay
+    (None: all). With `async_save=True` a save copies this rank's pieces to CPU and
+    writes them in a background thread over a gloo process group of its own (created
+    here, with `timeout`), while training goes on. `directory` must be one that every
+    rank sees.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler=None,
+        *,
+        stateful: Mapping[str, object] | None = None,
+        keep: int | None = 3,
+        async_save: bool = False,
+        timeout: timedelta | None = None,
+    ):
+        if not hasattr(optimizer, "sharded_state_dict"):
+            raise TypeError(f"{type(optimizer).__name__} is not a vescale_optim optimizer")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive number of checkpoints or None, not {keep!r}")
+        stateful = dict(stateful or {})
+        for name, obj in stateful.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"stateful[{name!r}] has no state_dict() and load_state_dict()")
+        self.directory, self.model, self.optimizer = Path(directory), model, optimizer
+        self.scheduler, self.stateful, self.keep, self.async_save = scheduler, stateful, keep, async_save
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size() if self._distributed else 1
+        if optimizer._world.world_size != self.world_size:
+            raise ValueError(
+                f"the optimizer spans {optimizer._world.world_size} of the {self.world_size} ranks; "
+                "checkpoints are of the whole world: build it over every rank"
+            )
+        self._group = None
+        if async_save and self._distributed:  # DCP's collectives from the background thread
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._pending: Future | None = None
+        self._params = list(optimizer.sharded_model_state_dict(model))
+
+    # --- where checkpoints are ----------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the directory, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = [int(m[1]) for d in self.directory.iterdir()
+                 if (m := _NAME.fullmatch(d.name)) and (d / MANIFEST).is_file()]  # fmt: skip
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        """The step of the newest complete checkpoint, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step}"
+
+    # --- saving -------------------------------------------------------------------------
+
+    def _state(self, extra, rng_ranks: list[int]) -> dict:
+        """What a checkpoint holds, as DCP sees it: live pieces and tensors, no copies."""
+        params = self.optimizer.sharded_model_state_dict(self.model)
+        sd = {
+            "model": {**params, **_persistent_buffers(self.model)},
+            "optim": self.optimizer.sharded_state_dict(),
+            "extra": _Blob(extra),
+            "rng": {str(r): _Blob(rng_state() if r == self.rank else None) for r in rng_ranks},
+        }
+        if self.scheduler is not None:
+            sd["scheduler"] = _Blob(self.scheduler.state_dict())
+        if self.stateful:
+            sd["stateful"] = {name: _Blob(obj.state_dict()) for name, obj in self.stateful.items()}
+        return sd
+
+    def _describe(self, step: int, sd: dict) -> dict:
+        model = {k: v.shape for k, v in sd["model"].items()}
+        opt, sched = self.optimizer, self.scheduler
+        return _manifest.describe(step, self.world_size, opt, sched, model, list(self.stateful))
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self._group)
+
+    def save(self, step: int, *, extra: dict | None = None) -> Path:
+        """Save everything as `step` (collective); returns the folder it becomes.
+
+        `extra`: values every rank has the same (picklable, tensors too), returned by
+        `load()`. Synchronous saves return once the folder is complete; asynchronous ones
+        once this rank's pieces are copied to CPU (`wait()` for the rest). A previous
+        asynchronous save is finished first.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self.wait()
+        final, tmp = self.path(step), self.directory / f".step-{step}.tmp"
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(".step-*"):  # left by a save that never finished
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        self._barrier()
+        sd = self._state(dict(extra or {}), [self.rank])
+        manifest = self._describe(step, sd) if self.rank == 0 else None
+        if not self.async_save:
+            with _quiet():
+                dcp.save(sd, checkpoint_id=tmp, process_group=self._group, no_dist=not self._distributed)
+            if self.rank == 0:
+                self._commit(tmp, final, manifest)
+            self._barrier()
+            return final
+        staged = map_leaves(sd, snapshot)
+        with _quiet():
+            written = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group,
+                                     async_stager=_Staged(), no_dist=not self._distributed)  # fmt: skip
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            try:
+                f.result()
+                if self.rank == 0:
+                    self._commit(tmp, final, manifest)
+                done.set_result(final)
+            except BaseException as e:  # noqa: BLE001 - handed to wait()
+                done.set_exception(e)
+
+        written.add_done_callback(finish)
+        self._pending = done
+        return final
+
+    def _commit(self, tmp: Path, final: Path, manifest: dict) -> None:
+        """Rank 0, once every rank's part is written: the manifest, then the name."""
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, default=repr)
+            f.flush()
+            os.fsync(f.fileno())
+        old = None
+        if final.exists():  # the same step saved again: the new one replaces it
+            old = final.with_name(f".{final.name}.old")
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(self.directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.keep is not None:
+            older = [s for s in self.steps() if s < manifest["step"]]
+            for s in older[: max(0, len(older) - (self.keep - 1))]:
+                shutil.rmtree(self.path(s), ignore_errors=True)
+
+    def wait(self) -> None:
+        """Finish an asynchronous save (collective when one was in flight): when it
+        returns, the checkpoint is complete and named on every rank. Raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.result()
+        self._barrier()
+
+    def close(self) -> None:
+        """Finish any asynchronous save."""
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+
+    # --- loading ------------------------------------------------------------------------
+
+    def _agree(self, value):
+        """Rank 0's `value` on every rank."""
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _refuse(self, path: Path, problems: list[str]) -> None:
+        """Raise on every rank if any rank found a problem (so none goes on alone)."""
+        if self._distributed:
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, problems, group=self._group)
+            problems = list(dict.fromkeys(p for mine in everyone for p in mine))
+        if problems:
+            raise CheckpointError(f"cannot load {path}: {'; '.join(problems)}. Nothing was changed.")
+
+    def load(self, step: int | None = None) -> Loaded | None:
+        """Restore the checkpoint of `step`, by default the newest complete one
+        (collective). Returns what was loaded, or None when `step` is None and there is
+        no checkpoint. A checkpoint that does not fit raises `CheckpointError` on every
+        rank before anything is changed."""
+        self.wait()
+        chosen = self._agree(self.latest() if step is None else step)
+        if chosen is None:
+            return None
+        path = self.path(chosen)
+        manifest, problems = self._read_manifest(path, chosen)
+        self._refuse(path, problems)
+        same_world = manifest["world_size"] == self.world_size
+        live = self._state(None, [self.rank] if same_world else [])
+        self._refuse(path, check_files(path, live))
+        loaded = map_leaves(live, blank)
+        try:
+            with _quiet():
+                dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
+            self.optimizer._validate_groups(loaded["optim"]["param_groups"])
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+            raise CheckpointError(f"cannot load {path}: {_reason(e)}. Nothing was changed.") from e
+        with torch.no_grad():
+            take(live, loaded)
+        self.optimizer.load_sharded_model_state_dict({k: live["model"][k] for k in self._params})
+        self.optimizer.load_sharded_state_dict(live["optim"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(loaded["scheduler"].value)
+        for name, obj in self.stateful.items():
+            obj.load_state_dict(loaded["stateful"][name].value)
+        if same_world:
+            set_rng_state(loaded["rng"][str(self.rank)].value)
+        elif self.rank == 0:
+            warnings.warn(f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
+                          f"{self.world_size}: the random states are not restored", stacklevel=2)  # fmt: skip
+        return Loaded(chosen, path, loaded["extra"].value)
+
+    def _read_manifest(self, path: Path, step: int) -> tuple[dict | None, list[str]]:
+        """The checkpoint's manifest, and what in it does not fit these objects."""
+        manifest, problems = _manifest.read(path, step)
+        if manifest is None:
+            return None, problems
+        return manifest, _manifest.mismatches(manifest, self._describe(step, self._state(None, [])))
+
+
+__all__ = ["CheckpointError", "CheckpointManager", "Loaded"]
