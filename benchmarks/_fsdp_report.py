@@ -118,6 +118,7 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
         ax.set(ylabel="ms per train step (median of each phase)")
         ax.set_title(f"{model}: time by phase", fontsize=9)
         ax.legend(fontsize=7)
+    fig.tight_layout()
     return save_png(name, fig)
 
 
