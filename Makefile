@@ -2,6 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORLD_SIZE ?= 4
+ZERO ?= 3
 
 .PHONY: setup test lint demo bench aot gpu-check clean
 
@@ -22,7 +23,7 @@ test: setup lint
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE)
+	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE) --zero $(ZERO)
 
 bench: setup
 	$(PY) benchmarks/padding.py

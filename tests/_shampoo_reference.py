@@ -53,7 +53,9 @@ class ReferenceShampoo:
 
     def _step_param(self, p: torch.Tensor, group: dict) -> None:
         beta1, beta2 = group["betas"]
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if p.grad is None:  # as torch: a parameter without a gradient takes no step
+            return
+        grad = p.grad
         state = self.state.setdefault(p, {"step": 0, "exp_avg": torch.zeros_like(p)})
         state["step"] += 1
         t = state["step"]

@@ -155,3 +155,199 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
         moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
         assert diff.max() <= 2 * ADAMW["lr"] * STEPS
         assert 0 < diff.mean() <= 0.05 * moved.mean()
+
+
+# --- memory, asserted from storage sizes inside forward hooks ---------------------------
+
+
+def _memory():
+    rank = dist.get_rank()
+    model = build(layers=4)
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    units = {u.name: u for u in opt.units}
+    gathered_at = {}
+
+    def holding():
+        """Names of units whose unsharded parameters hold memory, and total unsharded gradient bytes."""
+        return {n for n, u in units.items() if u.full.nbytes}, sum(u.full_grad.nbytes for u in units.values())
+
+    def probe(k):
+        def hook(module, args):  # runs after the unit's own pre-forward hook: inside its forward
+            gathered_at.setdefault(k, holding())
+
+        return hook
+
+    for k, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(probe(k))
+    shard_bytes = sum(u.shard.numel() * 4 + u.grad.numel() * 4 for u in units.values())
+    between = []
+    for t in range(2):
+        gathered_at.clear()
+        loss_fn(model, *batch(t, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        between.append((holding(), opt.memory_stats()))
+    total = sum(p.numel() for p in model.parameters())
+    return gathered_at, between, shard_bytes, total, opt.world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_only_shards_between_steps_and_two_units_in_forward(world, world_size):
+    for gathered_at, between, shard_bytes, total, w in world(world_size).run(_memory):
+        for k, (names, grad_bytes) in gathered_at.items():
+            # the root (outermost: kept for backward), layer k and the one prefetched after it
+            want = {"TinyGPT[0]", f"layers.{k}"} | ({f"layers.{k + 1}"} if k + 1 < 4 else set())
+            assert names == want and grad_bytes == 0, (k, names)
+        for (names, grad_bytes), stats in between:
+            assert names == set() and grad_bytes == 0
+            assert stats["unsharded"] == 0
+            assert stats["parameters"] + stats["gradients"] == shard_bytes
+            # a rank's shards: its 1/W of parameters and gradients, plus the planner's padding
+            assert shard_bytes <= 2 * 4 * (total / w) * 1.15 + 2 * 4 * 64 * len(gathered_at)
+
+
+# --- model state: full tensors outside forward/backward, sharded through DCP ---------------
+
+
+def _state_dict_round_trip():
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    loss_fn(model, *batch(0, rank)).backward()
+    opt.step()
+    full = model.state_dict()
+    fresh = build(seed=3)
+    model.load_state_dict(fresh.state_dict())
+    loaded = model.state_dict()
+    same = all(torch.equal(loaded[k], v) for k, v in fresh.state_dict().items())
+    # training continues from the loaded weights
+    loss = loss_fn(model, *batch(1, rank)).item()
+    return {k: v.clone() for k, v in full.items()}, same, loss, loss_fn(fresh, *batch(1, rank)).item()
+
+
+def test_model_state_dict_is_full_and_loads_into_the_shards(world):
+    want = reference("adamw", 3, steps=1)
+    for full, same, loss, fresh_loss in world(3).run(_state_dict_round_trip):
+        _assert_equal(full, want)
+        assert same and loss == pytest.approx(fresh_loss, rel=1e-6)
+
+
+def _save(path, steps):
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    for t in range(steps):
+        loss_fn(model, *batch(t, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
+    return model.state_dict(), opt.state_dict()
+
+
+def _resume(path, full, steps, more):
+    """Load the checkpoint (`path`: DCP, else the full state dicts `full`) and train `more` steps."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    model = build(seed=5)  # other weights: everything must come from the checkpoint
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    if path is not None:
+        sd = {"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        opt.load_sharded_model_state_dict(sd["model"])
+        opt.load_sharded_state_dict(sd["optim"])
+    else:
+        model.load_state_dict(full[0])
+        opt.load_state_dict(full[1])
+    loaded = (model.state_dict(), opt.state_dict())
+    for t in range(steps, steps + more):
+        loss_fn(model, *batch(t, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return loaded, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_dcp_saved_at_4_loads_at_3_and_training_continues_exactly(world, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = world(4).run(_save, path, 2)[0]
+    from_dcp = world(3).run(_resume, path, None, 2, 2)[0]
+    from_full = world(3).run(_resume, None, saved, 2, 2)[0]
+    (model_sd, opt_sd), after = from_dcp
+    for k, v in saved[0].items():
+        assert torch.equal(model_sd[k], v), k
+    for i, st in saved[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt_sd["state"][i][k], v), (i, k)
+    for k, v in from_full[1].items():
+        assert torch.equal(after[k], v), k
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def _step_inside_forward():
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    loss_fn(model, *batch(0, dist.get_rank())).backward()
+
+    def step_now(module, args):
+        opt.step()
+
+    model.layers[1].register_forward_pre_hook(step_now)
+    with pytest.raises(RuntimeError, match=r"step\(\) while units .*'layers.1'.* are still gathered"):
+        model(batch(1, 0)[0])
+    return True
+
+
+def test_step_inside_a_forward_is_refused_on_every_rank(world):
+    assert world(2).run(_step_inside_forward, timeout=60) == [True, True]
+
+
+def _bad_units(case):
+    model = build()
+    if case == "missing":
+        with pytest.raises(ValueError, match="parameter 0 .* not inside any module of shard_modules"):
+            vo.AdamW(model.parameters(), shard_modules=list(model.layers))
+    else:  # a weight shared by two layers, with no listed module above both
+        model.layers[1].proj.weight = model.layers[0].proj.weight
+        params = [p for layer in model.layers for p in layer.parameters()]
+        with pytest.raises(ValueError, match="'proj.weight' is shared by modules with no common module"):
+            vo.AdamW(dict.fromkeys(params), shard_modules=list(model.layers))
+    return True
+
+
+@pytest.mark.parametrize("case", ["missing", "tie"])
+def test_units_that_miss_or_split_a_parameter_are_refused(world, case):
+    assert _bad_units(case)
+    assert world(2).run(_bad_units, case, timeout=60) == [True, True]
+
+
+def _between_steps():
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    loss_fn(model, *batch(0, rank)).backward()
+    opt.step()
+    stand_in = model.layers[0].proj.weight.detach()
+    readable = bool(stand_in.isnan().all())  # no memory behind it, yet reading never crashes
+    with torch.no_grad():  # evaluation runs through the same hooks and frees after itself
+        logits = model(batch(1, rank)[0])
+    freed = opt.memory_stats()["unsharded"] == 0
+    model.double()  # the next gather refuses it, naming the parameter (not a silent revert)
+    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is now torch.float64 on cpu, but"):
+        loss_fn(model, *batch(1, rank))
+    return readable, freed, logits
+
+
+def test_between_steps_parameters_read_nan_eval_works_and_casts_are_refused(world):
+    model = reference_model = _reference_model()
+    opt = _Reference("adamw", reference_model)
+    for r in range(2):
+        (loss_fn(model, *batch(0, r)) / 2).backward()
+    opt.step()
+    for rank, (readable, freed, logits) in enumerate(world(2).run(_between_steps, timeout=60)):
+        assert readable and freed
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model(batch(1, rank)[0]), rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import vescale_optim as vo
-from vescale_optim.units.unit import ReducedGrad
+from vescale_optim.units import ReducedGrad
 
 STEPS = 6
 LR = dict(muon=0.02, adam=0.01)

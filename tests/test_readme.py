@@ -1,4 +1,5 @@
-"""Every ```python block of the README runs as written (one process, no process group)."""
+"""Every ```python block of the README runs as written (one process, no process group, in a
+fresh working directory: blocks may write files)."""
 
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
+def test_readme_example_runs(index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     code = BLOCKS[index]
     exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "__readme__"})

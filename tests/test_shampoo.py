@@ -423,3 +423,49 @@ def test_local_state_counts_every_tensor_held(world, world_size):
     for held, counted, numel, _ in results:
         assert held == counted == 4 * numel  # fp32 throughout
     assert (results[0][3] > 0) == (world_size > 1)  # tiles that travel hold no buffers either
+
+
+# --- parameters without a gradient take no step, as in torch ---------------------------------
+
+SKIPPED = {1: {0}, 2: {0, 2}, 3: {2}}  # step -> parameters with no gradient on any rank
+PARTIAL = {2: 1}  # step -> a parameter only rank 0 has a gradient for
+
+
+def _sparse_grads(params, t, rank, world):
+    set_grads(params, t, rank, world)
+    for i in SKIPPED.get(t, ()):
+        params[i].grad = None
+    if t in PARTIAL and rank:
+        params[PARTIAL[t]].grad = None
+
+
+def _train_sparse():
+    params = make_params()
+    opt = vo.Shampoo(groups(params, MIXED))
+    for t in range(STEPS):
+        opt.zero_grad()
+        _sparse_grads(params, t, opt.rank, opt.world_size)
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_parameters_without_a_gradient_take_no_step(world, world_size):
+    params = make_params()
+    ref = ReferenceShampoo(groups(params, MIXED))
+    for t in range(STEPS):
+        for i, p in enumerate(params):
+            if i in SKIPPED.get(t, ()):
+                p.grad = None
+            elif t in PARTIAL and i == PARTIAL[t]:  # rank 0's gradient alone, averaged over all ranks
+                rank0 = base_grad(t, i, p.shape) - (world_size - 1) / 2 * dyadic(p.shape, 7 + 1000 * t + i)
+                p.grad = rank0 / world_size
+            else:
+                p.grad = base_grad(t, i, p.shape)
+        ref.step()
+    for got, sd in world(world_size).run(_train_sparse):
+        for a, b in zip(got, params):
+            torch.testing.assert_close(a, b.detach(), **TOL)
+        order = [i for idx, _ in MIXED for i in idx]
+        for pos, i in enumerate(order):
+            assert float(sd["state"][pos]["step"]) == ref.state[params[i]]["step"], i

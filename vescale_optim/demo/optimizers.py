@@ -2,8 +2,9 @@
 
 Register a new one by adding a factory to `OPTIMIZERS`: it gets the model (already
 on its device) and the run's `TrainConfig` and returns the optimizer. `cfg.lr` is
-None unless the user passed `--lr`; use the optimizer's own tuned default then.
-Every optimizer gets the same warmup + cosine multiplier (`make_scheduler`).
+None unless the user passed `--lr`; use the optimizer's own tuned default then, and
+pass `**sharding(model, cfg)` so that `--zero` applies. Every optimizer gets the same
+warmup + cosine multiplier (`make_scheduler`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,21 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def sharding(model: nn.Module, cfg: TrainConfig) -> dict:
+    """`--zero 3`: every block is a unit, and the model (embeddings, final norm, head) the
+    outermost one: parameters, gradients and state sharded. `--zero 2`: no units listed,
+    parameters whole on every rank."""
+    if cfg.zero == 3:
+        return {"shard_modules": [*model.blocks, model]}
+    if cfg.zero == 2:
+        return {}
+    raise ValueError(f"zero must be 2 or 3, not {cfg.zero!r}")
+
+
 def make_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Sharded AdamW, betas (0.9, 0.95), weight decay 0.1 on matrices only."""
     lr = cfg.lr if cfg.lr is not None else 3e-3
-    return vo.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return vo.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8, **sharding(model, cfg))
 
 
 def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -44,7 +56,7 @@ def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     norms and biases take AdamW steps at AdamW's tuned lr, without weight decay."""
     lr = cfg.lr if cfg.lr is not None else 0.02
     groups = vo.muon_param_groups(model, exclude=[model.head], adamw_lr=3e-3, adamw_weight_decay=0.0)
-    return vo.Muon(groups, lr=lr, weight_decay=0.1, adjust_lr_fn="original")
+    return vo.Muon(groups, lr=lr, weight_decay=0.1, adjust_lr_fn="original", **sharding(model, cfg))
 
 
 def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -52,7 +64,7 @@ def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     lr = cfg.lr if cfg.lr is not None else 3e-3
     return vo.Shampoo(
         decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), epsilon=1e-8, max_preconditioner_dim=128,
-        precondition_frequency=10, grafting="adam",
+        precondition_frequency=10, grafting="adam", **sharding(model, cfg),
     )  # fmt: skip
 
 

@@ -27,9 +27,11 @@ from .optimizers import OPTIMIZERS, make_scheduler
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default."""
+    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default,
+    `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank."""
 
     optimizer: str = "adamw"
+    zero: int = 3
     steps: int = 200
     batch_size: int = 8
     seq_len: int = 128
@@ -50,6 +52,8 @@ class TrainConfig:
         )
 
     def optimizer_names(self) -> list[str]:
+        if self.zero not in (2, 3):
+            raise ValueError(f"zero must be 2 or 3, not {self.zero!r}")
         if self.optimizer == "all":
             return list(OPTIMIZERS)
         if self.optimizer not in OPTIMIZERS:
@@ -81,6 +85,22 @@ class _World:
         return out
 
 
+SHARDING = {
+    3: "ZeRO-3: shard_modules = every block + the model (parameters, gradients, state sharded)",
+    2: "ZeRO-2: no shard_modules (parameters whole on every rank; gradients, state sharded)",
+}
+
+# The train loss reported at the end: the mean over the last TAIL steps of each step's
+# loss, itself the mean next-byte cross-entropy over every rank's tokens of that step.
+TAIL = 10
+
+
+def held_memory(opt: torch.optim.Optimizer) -> dict[str, int] | None:
+    """Bytes the optimizer holds on this rank now (`memory_stats()`), None for one without it."""
+    stats = getattr(opt, "memory_stats", None)
+    return stats() if stats is not None else None
+
+
 def peak_memory(device: torch.device) -> dict[str, float | None]:
     """This process's peak RSS and (on GPU) max CUDA memory allocated, in MiB, and its CPU seconds."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -94,8 +114,8 @@ def peak_memory(device: torch.device) -> dict[str, float | None]:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> float:
-    """Mean loss over fixed validation windows, split across ranks."""
+def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> tuple[float, int]:
+    """Mean loss over fixed validation windows, split across ranks, and how many tokens it scored."""
     model.eval()
     x, y = val_windows(val, cfg.seq_len, cfg.val_tokens)
     x, y = x[world.rank :: world.size], y[world.rank :: world.size]
@@ -107,7 +127,7 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> 
         total[1] += yb.numel()
     model.train()
     total = world.sum(total)
-    return (total[0] / total[1]).item()
+    return (total[0] / total[1]).item(), int(total[1].item())
 
 
 def _autocast(device: torch.device) -> torch.autocast:
@@ -140,23 +160,28 @@ def train_one(
         opt.step()
         opt.zero_grad()
         sched.step()
+        # every rank has batch_size x seq_len tokens: the mean of the ranks' means is the mean over all
         losses.append(world.sum(loss.detach().float().reshape(1)).item() / world.size)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     train_time = time.perf_counter() - start
     bar.close()
-    val_loss = evaluate(model, val_data, cfg, world)
+    val_loss, val_tokens = evaluate(model, val_data, cfg, world)
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len * world.size
-    tail = losses[-min(10, len(losses)) :]
+    held = held_memory(opt)  # between steps: what a rank keeps
+    tail = losses[-min(TAIL, len(losses)) :]
     result = {
         "loss": losses,
         "peak_lr": sched.base_lrs[0],
         "final_loss": sum(tail) / len(tail),
+        "final_loss_steps": len(tail),
         "val_loss": val_loss,
+        "val_tokens": val_tokens,
         "tokens_per_s": tokens / train_time,
         "train_time_s": train_time,
         "peak_memory": [{"rank": r, **m} for r, m in enumerate(world.gather(peak_memory(world.device)))],
+        "held_bytes": world.gather(held),
     }
     del model, opt, sched
     gc.collect()
@@ -179,7 +204,7 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
             f"byte-level GPT, {n_params / 1e6:.2f}M params, on {len(stdlib_files())} stdlib files "
             f"({train_data.numel() / 1e6:.2f} MB train, {val_data.numel() / 1e6:.2f} MB val); "
             f"{world.size} rank(s), {world.backend} on {world.device.type}; {cfg.steps} steps of "
-            f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens",
+            f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens; {SHARDING[cfg.zero]}",
             flush=True,
         )
     runs = {name: train_one(name, cfg, train_data, val_data, world) for name in names}
@@ -210,6 +235,23 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def memory_table(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Per optimizer and rank: the bytes the optimizer holds between steps, and the process peaks."""
+    on_gpu = summary["device"] == "cuda"
+    held = ["params", "grads", "state", "unsharded"]
+    headers = ["optimizer", "rank", *(f"{h} MiB" for h in held), "peak RSS MiB"]
+    headers += ["CUDA max alloc MiB"] if on_gpu else []
+    headers += ["CPU s"]
+    keys = ["parameters", "gradients", "state", "unsharded"]
+    rows = []
+    for name, r in summary["runs"].items():
+        for m, b in zip(r["peak_memory"], r["held_bytes"]):
+            cells = [f"{b[k] / 2**20:.2f}" for k in keys] if b is not None else ["-"] * len(keys)
+            cuda = [f"{m['cuda_max_allocated_mib']:.0f}"] if on_gpu else []
+            rows.append([name, str(m["rank"]), *cells, f"{m['rss_mib']:.0f}", *cuda, f"{m['cpu_s']:.1f}"])
+    return headers, rows
+
+
 def write_report(summary: dict, out: Path) -> None:
     """Print the result and memory tables; write `summary.json` and `loss.png` into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -225,14 +267,18 @@ def write_report(summary: dict, out: Path) -> None:
         for name, r in runs.items()
     ]
     print(format_table(["optimizer", "train loss", "val loss", "tokens/s (global)", "train s"], rows))
-    on_gpu = summary["device"] == "cuda"
-    headers = ["optimizer", "rank", "peak RSS MiB"] + (["CUDA max alloc MiB"] if on_gpu else []) + ["CPU s"]
-    rows = []
-    for name, r in runs.items():
-        for m in r["peak_memory"]:
-            cuda = [f"{m['cuda_max_allocated_mib']:.0f}"] if on_gpu else []
-            rows.append([name, str(m["rank"]), f"{m['rss_mib']:.0f}", *cuda, f"{m['cpu_s']:.1f}"])
-    print(format_table(headers, rows))
+    first = next(iter(runs.values()))
+    print(
+        f"train loss: mean next-byte cross-entropy (nats) over every rank's tokens, averaged over the "
+        f"last {first['final_loss_steps']} steps; val loss: over {first['val_tokens']:,} held-out tokens "
+        "after training"
+    )
+    print(format_table(*memory_table(summary)))
+    print(
+        "held between steps, from opt.memory_stats(): parameter and gradient shards (whole parameters "
+        "with --zero 2), optimizer state (fp32 masters included), unsharded = gathered parameters or "
+        "unreduced gradients still alive; peak RSS: the whole process"
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_losses(summary, out / "loss.png")
     print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'}")

@@ -2,7 +2,8 @@
 
 from .adamw import AdamW, adamw_update_
 from .base import ShardedOptimizer
-from .muon import Muon, muon_param_groups
+from .muon import Muon
+from .muon_groups import muon_param_groups
 from .owners import assign_owners, ns_flops
 from .shampoo import Shampoo
 

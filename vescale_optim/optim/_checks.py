@@ -11,6 +11,8 @@ from numbers import Real
 
 import torch
 
+from ..shard.collectives import Comm, all_gather_object
+
 
 def check_params_arg(params) -> None:
     """A bare tensor is not an iterable of parameters (iterating it would yield its rows)."""
@@ -76,3 +78,44 @@ def check_adamw_group(group: dict) -> None:
     check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
     check_betas(group["betas"])
     check_at_least(group["weight_decay"], 0.0, "Invalid weight_decay value: {}")
+
+
+def check_params(params: list[torch.Tensor]) -> None:
+    """Dense floating-point tensors, each once."""
+    seen = set()
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) appears more than once")
+        seen.add(id(p))
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is sparse; only dense parameters")
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; need floating")
+
+
+def _signature(param_groups: list[dict]) -> list[tuple]:
+    sig = []
+    for gi, g in enumerate(param_groups):
+        hyper = tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+        sig.append(("group", gi, len(g["params"]), hyper))
+        sig.extend(
+            ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(g["params"])
+        )
+    return sig
+
+
+def check_same_on_every_rank(param_groups: list[dict], comm: Comm) -> None:
+    """Raise (on every rank, so nobody hangs later) if ranks passed different params."""
+    sigs = all_gather_object(_signature(param_groups), comm)
+    for rank, sig in enumerate(sigs):
+        if sig == sigs[0]:
+            continue
+        for a, b in zip(sigs[0], sig):
+            if a != b:
+                raise ValueError(f"rank {rank} passed different parameters than rank 0: {b} vs {a}")
+        raise ValueError(
+            f"rank {rank} passed {sum(s[0] == 'param' for s in sig)} parameters, rank 0 passed "
+            f"{sum(s[0] == 'param' for s in sigs[0])}"
+        )

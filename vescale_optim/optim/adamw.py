@@ -89,6 +89,7 @@ class AdamW(ShardedOptimizer):
         fused: bool | None = None,
         state_bits: int = 32,
         process_group=None,
+        mesh=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
@@ -111,7 +112,7 @@ class AdamW(ShardedOptimizer):
         super().__init__(
             params,
             defaults,
-            process_group=process_group,
+            process_group=process_group, mesh=mesh,
             skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel,
             sync_params=sync_params,

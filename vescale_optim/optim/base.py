@@ -13,7 +13,6 @@ agree on that with one small all-reduce per step.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -22,19 +21,29 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..shard import Comm, all_reduce_, bucket_indices, plan_layout
-from ..shard.collectives import all_gather_object
+from ..shard import bucket_indices, plan_layout
+from ..shard.mesh import resolve as resolve_mesh
 from ..units import Unit
 from ..units.assign import assign_units, outermost
 from ..units.materialize import materialize
-from ..units.model_state import ModelState
+from ..units.model_state import ModelState, sharded_model_state
 from ..units.schedule import Schedule
 from ..units.unit import LOW_PRECISION
 from . import lowbit
+from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
+from .moves import Move, run_moves
 from .segment import FROZEN, Segment
+
+STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received")
+
+
+def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
+    """Bytes a rank sends (and receives) to gather or reduce-scatter `shard_bytes` per rank
+    over `world` ranks (an all-reduce of `world * shard_bytes` is two passes)."""
+    return passes * (world - 1) * shard_bytes
 
 
 class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer):
@@ -48,7 +57,6 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
-    _whole_buckets = False  # step every parameter of a segment when any of them steps
     _structural: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
 
     def __init__(
@@ -57,6 +65,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         defaults: dict,
         *,
         process_group=None,
+        mesh=None,
         shard_modules: Sequence[nn.Module] | None = None,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
@@ -69,13 +78,16 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
     ):
         self._segments = None
         super().__init__(params, defaults)
-        self._comm = Comm(process_group)
+        groups = resolve_mesh(mesh, process_group)
+        self._comm, self._replicate, self._world = groups.shard, groups.replicate, groups.world
+        self._topology = groups.topology
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
+        self.step_stats = dict.fromkeys(STEP_STATS, 0)
         self._grads_reduced = False
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._check_params(all_params)
-        self._check_same_on_every_rank()
+        check_same_on_every_rank(self.param_groups, self._world)
         self._labels = label_params(self.param_groups)
         for p in all_params:
             if p.requires_grad and p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
@@ -102,7 +114,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             unit = Unit(
                 ps, [names[i] for i in idx], layout, self._comm, index=k, name=self._unit_name(k, module),
                 sharded=shard_modules is not None, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                device=device, sync_params=sync_params,
+                device=device, sync_params=sync_params, replicate=self._replicate, world=self._world,
             )  # fmt: skip
             self._units.append(unit)
             for key in dict.fromkeys(keys):
@@ -170,9 +182,10 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         params = seg.local_params
         return lowbit.new_state(seg.state_names, self._kind(seg), seg.numel, params.device, params.dtype)
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
-        averaged local `grads`."""
+        averaged local `grads`; math that needs whole matrices or tiles returns a `Move`
+        that the base runs with every other segment's (see `moves`)."""
         raise NotImplementedError
 
     def _check_group(self, gi: int, group: dict) -> str | None:
@@ -181,44 +194,9 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
 
     # --- construction checks --------------------------------------------------------
 
-    @staticmethod
-    def _check_params(params: list[torch.Tensor]) -> None:
-        seen = set()
-        for i, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) appears more than once")
-            seen.add(id(p))
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is sparse; only dense parameters")
-            if not p.is_floating_point():
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; need floating")
-
-    def _signature(self) -> list[tuple]:
-        sig = []
-        for gi, g in enumerate(self.param_groups):
-            hyper = tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
-            sig.append(("group", gi, len(g["params"]), hyper))
-            sig.extend(
-                ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad)
-                for j, p in enumerate(g["params"])
-            )
-        return sig
-
-    def _check_same_on_every_rank(self) -> None:
-        """Raise (on every rank, so nobody hangs later) if ranks passed different params."""
-        sigs = all_gather_object(self._signature(), self._comm)
-        for rank, sig in enumerate(sigs):
-            if sig == sigs[0]:
-                continue
-            for a, b in zip(sigs[0], sig):
-                if a != b:
-                    raise ValueError(f"rank {rank} passed different parameters than rank 0: {b} vs {a}")
-            raise ValueError(
-                f"rank {rank} passed {sum(s[0] == 'param' for s in sig)} parameters, rank 0 passed "
-                f"{sum(s[0] == 'param' for s in sigs[0])}"
-            )
+    def _check_params(self, params: list[torch.Tensor]) -> None:
+        """Refuse what cannot be sharded (subclasses add their own conditions)."""
+        check_params(params)
 
     # --- the step pipeline --------------------------------------------------------
 
@@ -245,20 +223,13 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         check_amp_scaler(self._comm.active)
         return False
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside keep their gradients unreduced (summed in full buffers);
-        the first backward after it, or the step, reduce-scatters everything at once.
-        Faster accumulation for more memory; the result is the same."""
-        with self._schedule.no_sync():
-            yield
-
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Finish averaging gradients over ranks into each rank's shards and agree which
         parameters step (collective; once per step, `step()` calls it)."""
         if self._grads_reduced:
             return
+        self.step_stats = dict.fromkeys(STEP_STATS, 0)
         with record_function("vescale_optim.sync_grads"):
             self._schedule.finish()
             self._reattach()
@@ -266,21 +237,23 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             handles = [u.reduce_grad(async_op=True) for u in pending]
             for h in handles:
                 h.wait()
+            for u in pending:
+                self._traffic(ring(u.comm.world_size, u.shard.numel() * u.full_grad.data.element_size()))
+            for u in self._units:
+                if u.grad_unsynced is not None or (u in pending and u.replicate.active):
+                    self._traffic(ring(u.replicate.world_size, u.grad.numel() * u.grad.element_size(), 2))
+                u.sync_replicas()
         self._grads_reduced = True
+
+    def _traffic(self, volume: int) -> None:
+        """Count `volume` bytes sent and as many received by this step's collectives."""
+        self.step_stats["bytes_sent"] += volume
+        self.step_stats["bytes_received"] += volume
 
     @property
     def _device(self) -> torch.device:
         """Where this rank's units live (small control tensors go there too, for NCCL)."""
         return self._units[0].device if self._units else torch.device("cpu")
-
-    def _any_nonfinite(self) -> bool:
-        flag = torch.zeros(1, device=self._device)
-        for u in self._units:
-            if not torch.isfinite(u.grad).all():
-                flag.fill_(1)
-                break
-        all_reduce_(flag, self._comm, "max")
-        return bool(flag.item())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -308,19 +281,27 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         return loss
 
     def _step_segments(self) -> None:
-        """Update every segment that steps (element-wise; override for matrix math)."""
+        """Update every segment that steps: element-wise math at once, then the moves of
+        the segments that need them, overlapped."""
+        moves = []
         for seg in self._segments:
             if seg.any_active:
-                self._update(seg, seg.local_grads())
+                move = self._update(seg, seg.local_grads())
+                if move is not None:
+                    moves.append(move)
+        sent, received = run_moves(moves, self._world)
+        self.step_stats["bytes_sent"] += sent
+        self.step_stats["bytes_received"] += received
 
     def _publish(self, units: Sequence[Unit] | None = None) -> None:
         """Unsharded units: gather the updated shards into the parameters every rank keeps
         (sharded units gather before their next forward instead)."""
         with record_function("vescale_optim.gather_params"):
-            handles = [u.gather_after_step(async_op=True) for u in (self._units if units is None else units)]
-            for h in handles:
-                if h is not None:
-                    h.wait()
+            units = [u for u in (self._units if units is None else units) if not u.sharded]
+            handles = [u.gather_after_step(async_op=True) for u in units]
+            for u, h in zip(units, handles):
+                h.wait()
+                self._traffic(ring(u.comm.world_size, u.shard.numel() * u.full.data.element_size()))
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_segments", None) is not None:
@@ -329,37 +310,39 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             )
         super().add_param_group(param_group)
 
-    @torch.no_grad()
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
+    # --- the model's own state ----------------------------------------------------------
 
-        Returns the total norm before clipping (the same on every rank, and what
-        `torch.nn.utils.clip_grad_norm_` gives on one process with the mean gradient).
-        Finishes the gradient reduction here; `step()` does not repeat it.
-        """
-        self.reduce_gradients()
-        norm_type = float(norm_type)
-        grads = [u.grad for u in self._units if u.grad.numel()]
-        inf = math.isinf(norm_type)
-        parts = [g.abs().max().float() if inf else torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
-                 for g in grads]  # fmt: skip
-        total = torch.zeros(1, device=self._device)
-        if parts:
-            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        all_reduce_(total, self._comm, "max" if inf else "sum")
-        total = total[0] if inf else total[0] ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                "so it cannot be clipped. To disable this error and scale the gradients by the "
-                "non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+    def _param_names(self, model: nn.Module | None) -> dict[int, str]:
+        root = model if model is not None else self._root
+        if root is None:
+            raise ValueError("pass the model: without shard_modules the optimizer does not know its names")
+        names = {}
+        for name, p in root.named_parameters():
+            names.setdefault(id(p), name)
+        missing = [self._labels[id(p)] for u in self._units for p in u.params if id(p) not in names]
+        if missing:
+            raise ValueError(f"the model does not hold parameters {missing} of this optimizer")
+        return names
+
+    def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
+        """The model's parameters as this rank's pieces of them, `{name: DcpPiece}` (views
+        of the shards in full precision: fp32 for bf16/fp16 models), for
+        `torch.distributed.checkpoint`: each rank writes only its pieces and a load at any
+        world size reads into them in place. Finish a load with
+        `load_sharded_model_state_dict`. Names are `model.named_parameters()`'s (the
+        outermost of `shard_modules` by default). Not collective."""
+        return sharded_model_state(self._units, self._param_names(model))
+
+    @torch.no_grad()
+    def load_sharded_model_state_dict(self, state_dict: dict) -> None:
+        """Finish `dcp.load` into `sharded_model_state_dict()`'s pieces: the shards hold the
+        loaded parameters; units that keep whole parameters gather them (collective)."""
+        from ..shard.dcp import DcpPiece
+
+        bad = [k for k, v in state_dict.items() if not isinstance(v, DcpPiece)]
+        if bad:
+            raise TypeError(f"{bad[:3]} are not pieces from sharded_model_state_dict(); pass its dict")
+        self._publish()
 
     # --- memory -------------------------------------------------------------------------
 

@@ -146,12 +146,8 @@ class CheckpointMixin:
                     state[index] = self._param_state(b, i, flat)
         state_dict["state"] = state
 
-    def _validate(self, state_dict: dict) -> dict[int, dict]:
-        """Check everything that shapes state before anything changes; return the state
-        by param index."""
-        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise ValueError("optimizer state dict must have 'state' and 'param_groups'")
-        saved = state_dict["param_groups"]
+    def _validate_groups(self, saved: list[dict]) -> None:
+        """Saved param groups must match ours in number, sizes and state-shaping keys."""
         if len(saved) != len(self.param_groups):
             raise ValueError(
                 f"state dict has {len(saved)} param groups, the optimizer has {len(self.param_groups)}"
@@ -168,6 +164,19 @@ class CheckpointMixin:
                         f"param group {gi}: state dict has {key}={s[key]!r}, the optimizer {key}="
                         f"{g.get(key)!r}; it shapes the state, so build the optimizer with {key}={s[key]!r}"
                     )
+
+    def _install_groups(self, saved: list[dict]) -> None:
+        """Take the saved hyperparameters (learning rates a scheduler set included)."""
+        for g, s in zip(self.param_groups, saved):
+            g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
+
+    def _validate(self, state_dict: dict) -> dict[int, dict]:
+        """Check everything that shapes state before anything changes; return the state
+        by param index."""
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("optimizer state dict must have 'state' and 'param_groups'")
+        saved = state_dict["param_groups"]
+        self._validate_groups(saved)
         order = [i for s in saved for i in s["params"]]
         if len(set(order)) != len(order):
             raise ValueError("state dict lists a parameter in more than one place")
@@ -178,7 +187,6 @@ class CheckpointMixin:
         by_index = {position[k]: v for k, v in state_dict["state"].items()}
         for b in self._segments:
             present = [i for i, index in enumerate(b.indices) if index in by_index]
-            steps = set()
             for i in present:
                 index, st = b.indices[i], by_index[b.indices[i]]
                 expected = self._expected_state(b, i)
@@ -190,12 +198,7 @@ class CheckpointMixin:
                     got = tuple(torch.as_tensor(st[name]).shape)
                     if got != shape:
                         raise ValueError(f"parameter {index}: '{name}' has shape {got}, expected {shape}")
-                steps.add(_step_count(st, index))
-            if self._whole_buckets and present and (len(present) != len(b.indices) or len(steps) > 1):
-                raise ValueError(
-                    f"parameters {b.indices} share a seg whose parameters step together, but the state "
-                    f"dict has state for {[b.indices[i] for i in present]} with steps {sorted(steps)}"
-                )
+                _step_count(st, index)  # a count of steps, or refused
         return by_index
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -230,8 +233,7 @@ class CheckpointMixin:
     @torch.no_grad()
     def _load_state(self, state_dict: dict) -> None:
         by_index = self._validate(state_dict)
-        for g, s in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
+        self._install_groups(state_dict["param_groups"])
         for b in self._segments:
             present = [i for i, index in enumerate(b.indices) if index in by_index]
             b.steps = [_step_count(by_index[index], index) if index in by_index else 0 for index in b.indices]
@@ -300,7 +302,9 @@ class CheckpointMixin:
         Pass it to `torch.distributed.checkpoint.save`; to restore, build the optimizer
         (any world size), call `dcp.load` on a fresh `sharded_state_dict()` and then
         `load_sharded_state_dict` with it. fp32 state is handed as views; bf16 and 8-bit
-        state is decoded chunk by chunk only while DCP writes it. Not collective itself.
+        state is decoded chunk by chunk only while DCP writes it. The param groups'
+        hyperparameters ride along (a scheduler's learning rates come back). Not collective
+        itself.
         """
         state = {}
         for b in self._segments:
@@ -309,7 +313,12 @@ class CheckpointMixin:
                 entry = {"step": torch.tensor(float(b.steps[i]))}
                 entry.update({name: self._piece(b, i, name) for name in names})
                 state[str(index)] = entry
-        return {"state": state}
+        groups, start = [], 0
+        for g in self.param_groups:
+            entry = {k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "param_names")}
+            groups.append({**entry, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state_dict: dict) -> None:
@@ -318,10 +327,10 @@ class CheckpointMixin:
         from ..shard.dcp import DcpPiece
 
         entries = state_dict["state"]
+        groups = state_dict.get("param_groups")
+        if groups is not None:
+            self._validate_groups(groups)
         for b in self._segments:
-            steps = {float(entries[str(index)]["step"]) for index in b.indices}
-            if self._whole_buckets and len(steps) != 1:
-                raise ValueError(f"parameters {b.indices} share a seg but have steps {sorted(steps)}")
             for index in b.indices:
                 for name in self._export_names(b):
                     if not isinstance(entries[str(index)].get(name), DcpPiece):
@@ -329,6 +338,8 @@ class CheckpointMixin:
                             f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
                             "pass the dict it returned, after dcp.load"
                         )
+        if groups is not None:
+            self._install_groups(groups)
         for b in self._segments:
             b.steps = [int(float(entries[str(index)]["step"])) for index in b.indices]
             loaded = {}

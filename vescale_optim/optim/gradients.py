@@ -13,16 +13,20 @@ together instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from ..shard import all_reduce_
 from ..units import Unit
-from ..units.unit import ReducedGrad
+from ..units.reduced_grad import ReducedGrad
 from .segment import FROZEN
 
 
 class GradTrackingMixin:
-    """Gradient marks, the per-step agreement and `zero_grad` for `ShardedOptimizer`."""
+    """Gradients for `ShardedOptimizer`: marks, the per-step agreement, `zero_grad`, when
+    they are reduced (`no_sync`, `no_all_reduce`), clipping and non-finite checks."""
 
     def _mark(self, p: torch.Tensor) -> None:
         where = self._where.get(id(p))
@@ -34,7 +38,7 @@ class GradTrackingMixin:
         busy = self._schedule.unfinished_forward()
         if busy is not None:
             return (
-                f"step() while unit '{busy}' is still gathered by a forward that has not finished; "
+                f"step() while units {busy} are still gathered by a forward that has not finished; "
                 "finish the forward (and its backward) before stepping"
             )
         for u in self._units:
@@ -79,7 +83,7 @@ class GradTrackingMixin:
         unreduced = [u.has_full_grad for u in self._units]
         flags = [*marks, *unreduced, problem is not None]
         flags = torch.tensor(flags, dtype=torch.float32, device=self._device)
-        all_reduce_(flags, self._comm, "max")
+        all_reduce_(flags, self._world, "max")
         agreed = [x > 0 for x in flags.tolist()]
         if problem is not None:
             raise RuntimeError(problem)
@@ -93,7 +97,7 @@ class GradTrackingMixin:
             pos += len(seg.params)
             if seg.tier == FROZEN:
                 active = [False] * len(active)
-            seg.active = [True] * len(active) if self._whole_buckets and any(active) else active
+            seg.active = active
         return [u for u, f in zip(self._units, agreed[pos : pos + len(self._units)]) if f]
 
     def _reattach(self) -> None:
@@ -107,7 +111,7 @@ class GradTrackingMixin:
                 if p.dtype != u.compute_dtype or p.device != u.device or p.shape != u.full.shapes[i]:
                     continue
                 view = u.views[i]
-                if p.data_ptr() != view.data_ptr():
+                if p.data_ptr() != view.data_ptr() and not u.holds_stand_in(i):
                     u.write_param(i, p.detach())
                     p.data = view
                 g = p.grad
@@ -132,3 +136,68 @@ class GradTrackingMixin:
             for seg in self._segments:
                 seg.marked = [False] * len(seg.params)
         self._grads_reduced = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients unreduced (summed in full buffers);
+        the first backward after it, or the step, reduce-scatters everything at once.
+        Faster accumulation for more memory; the result is the same."""
+        with self._schedule.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def no_all_reduce(self):
+        """With a `replicate` mesh dimension: backward passes inside reduce-scatter their
+        gradients within each shard group as usual but keep them unsynced across replicas;
+        the first backward after it, or the step, all-reduces everything across replicas
+        once. Fewer bytes across replicas for one extra gradient shard of memory."""
+        for u in self._units:
+            u.defer_replicas = True
+        try:
+            yield
+        finally:
+            for u in self._units:
+                u.defer_replicas = False
+
+    def _any_nonfinite(self) -> bool:
+        flag = torch.zeros(1, device=self._device)
+        for u in self._units:
+            if not torch.isfinite(u.grad).all():
+                flag.fill_(1)
+                break
+        all_reduce_(flag, self._world, "max")
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
+
+        Returns the total norm before clipping (the same on every rank, and what
+        `torch.nn.utils.clip_grad_norm_` gives on one process with the mean gradient).
+        Finishes the gradient reduction here; `step()` does not repeat it.
+        """
+        self.reduce_gradients()
+        norm_type = float(norm_type)
+        grads = [u.grad for u in self._units if u.grad.numel()]
+        inf = math.isinf(norm_type)
+        # summed in float64, so that how parameters are grouped into units does not round it
+        f64 = torch.float64
+        parts = [g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64)
+                 ** norm_type for g in grads]  # fmt: skip
+        total = torch.zeros(1, dtype=f64, device=self._device)
+        if parts:
+            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+        all_reduce_(total, self._comm, "max" if inf else "sum")
+        total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the "
+                "non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from numbers import Real
 
 import torch
-from torch.profiler import record_function
 
 from ..kernels import newton_schulz
-from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner, run_plan
+from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
+from ..shard.mesh import Topology
 from ..shard.plan import owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
+from .moves import Move
 from .owners import assign_owners, ns_flops
 from .segment import FROZEN, Segment
 
@@ -64,18 +64,19 @@ class _MuonPlan:
     unit's; each rank's buffers hold its part of the segment, from `seg.rank_start(r)`.
     """
 
-    def __init__(self, seg: Segment, world: int, ns_steps: int):
+    def __init__(self, seg: Segment, topology: Topology, ns_steps: int):
         layout = seg.layout
-        self.world, self.shard = world, layout.shard_size
-        self.starts = [seg.rank_start(r) for r in range(world)]
+        self.topology, self.shard = topology, layout.shard_size
+        shards = topology.shards
+        self.starts = [seg.rank_start(r) for r in range(shards)]
         self.sizes = seg.counts
         self.matrices: list[_Matrix] = []
         for i, p in enumerate(seg.params):
             count, rows, cols = matrix_view(tuple(p.shape))
             for s in range(count):
                 self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
-        self.homes: list[int | None] = []  # the only rank holding a matrix, if one does
-        self.pieces: list[Piece] = []
+        self.homes: list[int | None] = []  # the only shard rank holding a matrix, if one does
+        self.pieces: list[Piece] = []  # by shard rank
         for t, m in enumerate(self.matrices):
             first, last = m.start // self.shard, (m.start + m.numel - 1) // self.shard  # ranks it spans
             for r in range(first, last + 1):
@@ -85,24 +86,44 @@ class _MuonPlan:
             self.homes.append(first if first == last else None)
         self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
 
+    def world_homes(self) -> list[int | None]:
+        """Homes as world ranks: with replicas, the home shard rank of one replica (matrix t
+        in replica t mod R, spreading them), since every replica holds the matrix there."""
+        topo = self.topology
+        return [None if h is None else topo.world_rank(t % topo.replicas, h)
+                for t, h in enumerate(self.homes)]  # fmt: skip
+
     def assign(self, owners: list[int], rank: int) -> None:
-        """Plan the moves to `owners` and this rank's batched work."""
-        world, shard = self.world, self.shard
+        """Plan the moves to `owners` (world ranks) and this rank's (world rank) batched work.
+
+        The owner gathers a matrix from its own replica's pieces; with replicas, the result
+        goes back to the pieces of every replica, so each matrix is orthogonalized once in
+        the world. A matrix its owner holds whole already stays in place (one replica)."""
+        topo = self.topology
+        world, replicas = topo.world_size, topo.replicas
         self.owners = owners
-        moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
-        pieces = [p for p in self.pieces if p.tensor in moved]
+        if replicas == 1:
+            moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
+        else:
+            moved = set(range(len(self.matrices)))
+        mine = [p for p in self.pieces if p.tensor in moved]
+        owner_replica = [topo.coords(o)[0] for o in owners]
+        gather = [replace(p, rank=topo.world_rank(owner_replica[p.tensor], p.rank)) for p in mine]
+        scatter = [replace(p, rank=topo.world_rank(r, p.rank)) for r in range(replicas) for p in mine]
         numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
-        self.gather = plan_gather_to_owner(pieces, numels, owners, world, self.sizes)
-        self.scatter = plan_scatter_from_owner(pieces, numels, owners, world, self.sizes)
+        sizes = [self.sizes[topo.shard_of(w)] for w in range(world)]
+        self.gather = plan_gather_to_owner(gather, numels, owners, world, sizes)
+        self.scatter = plan_scatter_from_owner(scatter, numels, owners, world, sizes)
         self.gather_program = self.gather.program(rank)
         self.scatter_program = self.scatter.program(rank)
         offsets, _ = owner_offsets(numels, owners, world)
         # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)];
         # a matrix whose owner already holds all of it is orthogonalized in place.
+        me = topo.shard_of(rank)
         self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
         for t, m in enumerate(self.matrices):
             if owners[t] == rank:
-                here = m.start - rank * shard - self.starts[rank]
+                here = m.start - me * self.shard - self.starts[me]
                 entry = (True, offsets[t]) if t in moved else (False, here)
                 self.batches.setdefault((m.rows, m.cols), []).append(entry)
 
@@ -178,6 +199,7 @@ class Muon(ShardedOptimizer):
         *,
         betas: tuple[float, float] = (0.9, 0.95),
         process_group=None,
+        mesh=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         ns_backend: str = "auto",
@@ -208,23 +230,24 @@ class Muon(ShardedOptimizer):
             adamw = {"eps": _ADAMW_EPS, "betas": betas}
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(
-            params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
+            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
             shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, device=device,
         )  # fmt: skip
-        self._plans: dict[int, _MuonPlan] = {}
-        for k, b in enumerate(self._segments):
+        self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
+        for b in self._segments:
             if b.group["use_muon"] and b.tier != FROZEN:
-                self._plans[k] = _MuonPlan(b, self.world_size, b.group["ns_steps"])
-        # One assignment over every matrix of the step, so the step's total is balanced.
-        plans = list(self._plans.values())
-        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
-        owners = assign_owners(costs, self.world_size, homes)
-        self.ns_load = [0.0] * self.world_size  # Newton–Schulz FLOPs per rank per step
+                self._plans[id(b)] = _MuonPlan(b, self._topology, b.group["ns_steps"])
+        # One assignment over every matrix of the step and every rank of the world (replicas
+        # too), so the step's total is balanced and each matrix is orthogonalized once.
+        plans, world = list(self._plans.values()), self._world.world_size
+        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.world_homes()]
+        owners = assign_owners(costs, world, homes)
+        self.ns_load = [0.0] * world  # Newton–Schulz FLOPs per world rank per step
         start = 0
         for plan in plans:
-            plan.assign(owners[start : start + len(plan.costs)], self.rank)
+            plan.assign(owners[start : start + len(plan.costs)], self._world.rank)
             start += len(plan.costs)
             for o, c in zip(plan.owners, plan.costs):
                 self.ns_load[o] += c
@@ -266,28 +289,23 @@ class Muon(ShardedOptimizer):
         return None
 
     def _step_segments(self) -> None:
-        muon, pending = [], []
         self.orthogonalized = 0
-        for k, b in enumerate(self._segments):
-            if not b.any_active:
-                continue
-            if k not in self._plans:
-                adamw_segment_step(b, self._kind(b), b.local_grads())
-                continue
-            plan, update = self._plans[k], self._momentum(b)
-            received = update.new_empty(plan.gather.dst_numel[self.rank])
-            handle = run_plan(plan.gather, update, received, self._comm, plan.gather_program, async_op=True)
-            muon.append((k, b, update, received, handle))
-        for k, b, update, received, handle in muon:
-            handle.wait()
-            plan = self._plans[k]
-            with record_function("vescale_optim.newton_schulz"):
-                self._orthogonalize(plan, b.group, update, received)
-            pending.append(run_plan(plan.scatter, received, update, self._comm, plan.scatter_program, True))
-        for h in pending:
-            h.wait()
-        for _, b, update, _, _ in muon:
-            self._apply(b, update)
+        super()._step_segments()
+
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
+        plan = self._plans.get(id(seg))
+        if plan is None:
+            adamw_segment_step(seg, self._kind(seg), grads)
+            return None
+        update = self._momentum(seg)
+        group = seg.group
+        return Move(
+            gather=plan.gather, src=update, scatter=plan.scatter, dst=update,
+            programs=(plan.gather_program, plan.scatter_program), label="newton_schulz",
+            local=lambda: self._orthogonalize(plan, group, update, moved=False),
+            compute=lambda received: self._orthogonalize(plan, group, received, moved=True),
+            finish=lambda: self._apply(seg, update),
+        )  # fmt: skip
 
     def _momentum(self, b: Segment) -> torch.Tensor:
         """Momentum on the active runs of the local slice; returns the (nesterov) update
@@ -317,108 +335,20 @@ class Muon(ShardedOptimizer):
         for lo, hi, alr in _chunks(runs, keep=True):
             params[lo:hi].mul_(decay).add_(update[lo:hi], alpha=-alr)
 
-    def _orthogonalize(self, plan: _MuonPlan, group: dict, local: torch.Tensor, received: torch.Tensor):
-        """Newton–Schulz on every matrix this rank owns, batched by shape, in place."""
-        for (rows, cols), entries in plan.batches.items():
+    def _orthogonalize(self, plan: _MuonPlan, group: dict, buf: torch.Tensor, moved: bool) -> torch.Tensor:
+        """Newton–Schulz, in place in `buf`, on every matrix this rank owns that lies there:
+        those it received (`moved`) or those it held whole already; batched by shape."""
+        for (rows, cols), everything in plan.batches.items():
+            entries = [e for e in everything if e[0] == moved]
+            if not entries:
+                continue
             n = rows * cols
-            views = [(received if moved else local)[o : o + n].view(rows, cols) for moved, o in entries]
+            views = [buf[o : o + n].view(rows, cols) for _, o in entries]
             x = views[0] if len(views) == 1 else torch.stack(views)  # one matrix: torch's exact path
             out = newton_schulz(x, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend)
             for view, o in zip(views, out.view(len(views), rows, cols)):
                 view.copy_(o)
             self.orthogonalized += len(views)
-
-
-_HEAD_NAMES = ("lm_head", "head", "output", "classifier", "fc")
-_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-
-
-def muon_param_groups(
-    model: torch.nn.Module,
-    *,
-    exclude: Iterable[torch.nn.Module | torch.Tensor | str] = (),
-    adamw_lr: float | None = None,
-    adamw_betas: tuple[float, float] | None = None,
-    adamw_weight_decay: float | None = None,
-    **muon_kwargs,
-) -> list[dict]:
-    """Split `model`'s trainable parameters into a Muon group and an AdamW group (`use_muon=False`).
-
-    AdamW takes embeddings (and a head tied to one), everything with fewer than two
-    dimensions, biases (stacked per-expert biases included) and whatever `exclude` names:
-    modules (all their parameters), parameters, or the qualified names of either
-    (`"lm_head"`, `"2.weight"`). Every other matrix goes to Muon, the output layer included
-    unless it is excluded; a warning names each Linear that looks like an output layer yet
-    goes to Muon (named like one, the model's last Linear, or with as many outputs as an
-    embedding has rows, or a vocabulary-sized `out_features`).
-
-    Only the hyperparameters given are set: `muon_kwargs` (`lr`, `weight_decay`,
-    `momentum`, ...) on the Muon group, `adamw_*` on the AdamW group. Everything else
-    comes from the optimizer, e.g. `vo.Muon(groups, lr=0.02, weight_decay=0.1)` sets both
-    groups' `lr` and `weight_decay`, and its `betas` the AdamW group's.
-    """
-    modules = dict(model.named_modules(remove_duplicate=False))
-    named = dict(model.named_parameters(remove_duplicate=False))
-    own = {id(p) for p in named.values()}
-    adam_ids = set()
-    for item in [exclude] if isinstance(exclude, str | torch.nn.Module | torch.Tensor) else exclude:
-        if isinstance(item, str):
-            if item not in modules and item not in named:
-                raise ValueError(f"exclude: the model has no module or parameter named {item!r}")
-            item = modules.get(item, named.get(item))
-        if isinstance(item, torch.nn.Module):
-            ids = {id(p) for p in item.parameters()}
-        elif isinstance(item, torch.Tensor):
-            ids = {id(item)}
-        else:
-            raise TypeError(f"exclude takes modules, parameters or names; got {type(item).__name__}")
-        if not ids & own:
-            raise ValueError(f"exclude: {type(item).__name__} holds no parameter of the model")
-        adam_ids |= ids
-    for module in model.modules():
-        if isinstance(module, _EMBEDDINGS):
-            adam_ids.update(id(p) for p in module.parameters(recurse=False))
-    muon, adam = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        aux = id(p) in adam_ids or p.ndim < 2 or name.rsplit(".", 1)[-1].endswith("bias")
-        (adam if aux else muon).append(p)
-    heads = _likely_heads(model, {id(p) for p in muon})
-    if heads:
-        warnings.warn(
-            f"muon_param_groups: {'; '.join(heads)} looks like an output layer but goes to Muon; "
-            "pass it in exclude= to give it AdamW steps (or filter this warning if Muon is meant)",
-            stacklevel=2,
-        )
-    adam_group = {"params": adam, "use_muon": False}
-    for key, value in (("lr", adamw_lr), ("betas", adamw_betas), ("weight_decay", adamw_weight_decay)):
-        if value is not None:
-            adam_group[key] = value
-    return [{**muon_kwargs, "params": muon, "use_muon": True}, adam_group]
-
-
-def _likely_heads(model: torch.nn.Module, muon_ids: set[int]) -> list[str]:
-    """'name (why)' for each Linear in `muon_ids` that looks like an output layer."""
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    # rows of vocabulary-like embeddings (more rows than columns; not, say, positions)
-    embeddings = [e for e in model.modules() if isinstance(e, _EMBEDDINGS)]
-    vocab = {e.num_embeddings for e in embeddings if e.num_embeddings > e.embedding_dim}
-    out = []
-    for k, (name, m) in enumerate(linears):
-        if id(m.weight) not in muon_ids:
-            continue
-        widens = m.out_features > m.in_features
-        why = [
-            reason
-            for reason, hit in (
-                ("named like one", name.rsplit(".", 1)[-1] in _HEAD_NAMES),
-                ("the model's last Linear", k == len(linears) - 1),
-                ("out_features equals an embedding's rows", widens and m.out_features in vocab),
-                ("vocabulary-sized out_features", m.out_features >= max(1024, 8 * m.in_features)),
-            )
-            if hit
-        ]
-        if why:
-            out.append(f"'{name or type(model).__name__}' ({', '.join(why)})")
-    return out
+            self.step_stats["ns_matrices"] += len(views)
+            self.step_stats["ns_flops"] += len(views) * ns_flops(rows, cols, group["ns_steps"])
+        return buf

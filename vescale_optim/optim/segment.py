@@ -81,7 +81,7 @@ class Segment:
     def local_range(self, i: int) -> tuple[int, int]:
         """Where parameter `i`'s piece lies in the segment on this rank, as [start, stop)."""
         start, stop = self.unit.full.local_range(self.members[i])
-        return (start - self.lo, stop - self.lo) if stop > start else (0, 0)
+        return (start - self.lo, stop - self.lo) if stop > start else (0, 0)  # (relative to the segment)
 
     def tensor_range(self, i: int) -> tuple[int, int]:
         """Which flat elements of parameter `i` this rank holds, as [start, stop)."""

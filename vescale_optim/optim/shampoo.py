@@ -14,6 +14,7 @@ from ._guards import caller_stacklevel
 from ._shampoo_math import (
     Tile,
     balance,
+    bias_correction,
     check_hyperparameters,
     grafting_step_,
     matrix_shape,
@@ -24,6 +25,8 @@ from ._shampoo_math import (
 )
 from ._shampoo_tiles import FACTORS, BucketTiles
 from .base import ShardedOptimizer
+from .checkpoint import _Gather
+from .moves import Move
 from .segment import FROZEN, Segment
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
@@ -84,6 +87,7 @@ class Shampoo(ShardedOptimizer):
         grafting_epsilon: float = 1e-8,
         root_dtype: torch.dtype = torch.float32,
         process_group=None,
+        mesh=None,
         skip_nonfinite: bool = False,
         bucket_cap_numel: int = 64 * 1024 * 1024,
         sync_params: bool = True,
@@ -104,7 +108,7 @@ class Shampoo(ShardedOptimizer):
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._kept, self._refreshed = 0, False
         super().__init__(
-            params, defaults, process_group=process_group, skip_nonfinite=skip_nonfinite,
+            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
             shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, device=device,
@@ -120,7 +124,6 @@ class Shampoo(ShardedOptimizer):
 
     # --- hooks ----------------------------------------------------------------------
 
-    _whole_buckets = True  # a seg's tiles step together, with one step count
     _structural = ("max_preconditioner_dim", "grafting")
 
     def _unit(self, p: torch.Tensor, group: dict) -> int:
@@ -133,25 +136,40 @@ class Shampoo(ShardedOptimizer):
     def _init_state(self, seg: Segment) -> dict[str, torch.Tensor]:
         return {name: torch.zeros_like(seg.local_params) for name in seg.state_names}
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
-        g, step, bt = seg.group, seg.step, self._tiles[id(seg)]
-        exp_avg = seg.state["exp_avg"]
-        update = torch.empty_like(exp_avg)
-        grafting_step_(
-            grads, exp_avg, seg.state.get(_SECOND.get(g["grafting"], "")), update, step=step,
-            beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"], grafting=g["grafting"],
-        )  # fmt: skip
-        if bt.tiles:
-            self._kept += bt.step(g, step, grads, exp_avg, update)
-            self._refreshed |= schedule(g, step)[1]
-        lr, p = float(g["lr"]), seg.local_params
-        if g["weight_decay"] != 0:
-            p.mul_(1 - lr * g["weight_decay"])
-        p.add_(update, alpha=-lr)
+    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
+        g, bt = seg.group, self._tiles[id(seg)]
+        exp_avg, second = seg.state["exp_avg"], seg.state.get(_SECOND.get(g["grafting"], ""))
+        update, mhat = torch.empty_like(exp_avg), torch.empty_like(exp_avg)
+        runs = list(seg.runs())
+        for lo, hi, step in runs:
+            grafting_step_(
+                grads[lo:hi], exp_avg[lo:hi], None if second is None else second[lo:hi], update[lo:hi],
+                step=step, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"],
+                grafting=g["grafting"],
+            )  # fmt: skip
+            torch.div(exp_avg[lo:hi], bias_correction(g["betas"][0], step), out=mhat[lo:hi])
+
+        def apply() -> None:
+            lr, p = float(g["lr"]), seg.local_params
+            for lo, hi, _ in runs:
+                if g["weight_decay"] != 0:
+                    p[lo:hi].mul_(1 - lr * g["weight_decay"])
+                p[lo:hi].add_(update[lo:hi], alpha=-lr)
+
+        if not bt.tiles:
+            apply()
+            return None
+        steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in bt.tiles]
+        self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
+        return bt.step(g, steps, grads, mhat, update, apply)
 
     def _step_segments(self) -> None:
-        self._kept, self._refreshed = 0, False
+        self._refreshed = False
+        for bt in self._tiles.values():
+            bt.kept = bt.roots = 0
         super()._step_segments()
+        self._kept = sum(bt.kept for bt in self._tiles.values())
+        self.step_stats["roots"] += sum(bt.roots for bt in self._tiles.values())
         if self._refreshed:
             self._count_kept_roots()
 
@@ -159,7 +177,7 @@ class Shampoo(ShardedOptimizer):
         """Sum over ranks the roots kept this step (one small all-reduce on steps that
         refresh roots); count them in `kept_roots` and warn."""
         kept = torch.tensor([float(self._kept)], device=self._device)
-        all_reduce_(kept, self._comm, "sum")
+        all_reduce_(kept, self._world, "sum")
         n = int(kept.item())
         if n:
             self.kept_roots += n
@@ -173,24 +191,33 @@ class Shampoo(ShardedOptimizer):
     # --- tile placement -------------------------------------------------------------
 
     def _plan_tiles(self) -> None:
-        world = self.world_size
+        topo = self._topology
+        shards = topo.shards
         found = []
         for b in self._segments:
             d = b.group["max_preconditioner_dim"]
             params = [] if b.tier == FROZEN else b.params  # frozen parameters have no preconditioners
             tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
-            held = [[self._rows_held(b, t, r) for r in range(world)] for t in tiles]
-            native = [max(range(world), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
+            held = [[self._rows_held(b, t, r) for r in range(shards)] for t in tiles]
+            native = [max(range(shards), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
             found.append((b, tiles, held, native))
         costs = [t.cost for _, tiles, _, _ in found for t in tiles]
-        native = [o for *_, owners in found for o in owners]
-        owners = balance(costs, native, world)
-        self.native_root_work = rank_loads(costs, native, world)
-        self.root_work = rank_loads(costs, owners, world)
+        native = [topo.world_rank(0, o) for *_, owners in found for o in owners]
+        owners = [topo.world_rank(0, o) for o in balance(costs, [topo.shard_of(o) for o in native], shards)]
+        if topo.replicas > 1:  # each shard rank's tiles split over the replicas: once in the world
+            loads = [[0] * topo.replicas for _ in range(shards)]
+            for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+                s = topo.shard_of(owners[k])
+                r = min(range(topo.replicas), key=lambda r: (loads[s][r], r))
+                loads[s][r] += costs[k]
+                owners[k] = topo.world_rank(r, s)
+        self.native_root_work = rank_loads(costs, native, topo.world_size)
+        self.root_work = rank_loads(costs, owners, topo.world_size)
         self._tiles: dict[int, BucketTiles] = {}
         pos = 0
         for b, tiles, held, _ in found:
-            self._tiles[id(b)] = BucketTiles(b, tiles, owners[pos : pos + len(tiles)], held, self._comm)
+            mine = owners[pos : pos + len(tiles)]
+            self._tiles[id(b)] = BucketTiles(b, tiles, mine, held, topo, self._world.rank)
             pos += len(tiles)
         self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
@@ -234,19 +261,23 @@ class Shampoo(ShardedOptimizer):
             numels = [2 * (t.h**2 + t.w**2) for t in bt.tiles]
             if not numels:
                 continue
-            offsets, totals = owner_offsets(numels, bt.owners, self.world_size)
+            offsets, totals = owner_offsets(numels, bt.owners, self._world.world_size)
             mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
             local = torch.cat(mine) if mine else bt.like.new_zeros(0)
             full = gather(local, totals)
             if full is None:
                 continue
-            starts = [sum(totals[:r]) for r in range(self.world_size)]
+            starts = [sum(totals[:r]) for r in range(self._world.world_size)]
             for k, (o, n) in enumerate(zip(bt.owners, numels)):
                 out[id(b), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
         return out
 
     def _fill_state(self, state_dict: dict, gather) -> None:
-        self._gathered = self._gather_factors(gather)
+        if self._topology.replicas > 1:  # factors live once in the world: gather them from all of it
+            factors = self._gather_factors(_Gather(self._world, None, gather.cpu_offload))
+            self._gathered = factors if gather.receives else {}
+        else:
+            self._gathered = self._gather_factors(gather)
         try:
             super()._fill_state(state_dict, gather)
         finally:
@@ -280,10 +311,11 @@ class Shampoo(ShardedOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for b in self._segments:
-            if b.step == 0:
-                for g in self._tiles[id(b)].local + self._tiles[id(b)].remote:
-                    for x in g.state.values():
+        for b in self._segments:  # a parameter without state has fresh preconditioners
+            bt = self._tiles[id(b)]
+            for k in bt.owned:
+                if b.steps[bt.tiles[k].param] == 0:
+                    for x in bt.factors(k).values():
                         x.zero_()
 
     def sharded_state_dict(self) -> dict:

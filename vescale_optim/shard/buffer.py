@@ -80,8 +80,11 @@ class FlatBuffer:
         return self.data[start : start + self.layout.sizes[i]].view(self.shapes[i])
 
     def local_range(self, i: int) -> tuple[int, int]:
-        """Where tensor `i`'s piece lies in the local slice, as [start, stop)."""
+        """Where tensor `i`'s piece lies in the local slice, as [start, stop) ((0, 0) when
+        this rank holds none of it)."""
         start, stop = self.layout.rank_range(i, self.rank)
+        if stop <= start:
+            return 0, 0
         base = self.rank * self.layout.shard_size
         return start - base, stop - base
 

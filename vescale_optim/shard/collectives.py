@@ -36,6 +36,13 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.gloo = self.distributed and dist.get_backend(group) == "gloo"
 
+    @classmethod
+    def alone(cls) -> Comm:
+        """A group of this process alone (nothing to talk to), even under torch.distributed."""
+        comm = cls.__new__(cls)
+        comm.distributed, comm.group, comm.rank, comm.world_size, comm.gloo = False, None, 0, 1, False
+        return comm
+
     def global_rank(self, rank: int) -> int:
         """The default group's rank of this group's `rank`."""
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..shard.collectives import broadcast_
 from .assign import module_order
-from .unit import State, Unit
+from .unit import Unit
 
 
 def _rank0_rng_state(unit: Unit, device: torch.device) -> list[torch.Tensor]:
@@ -27,7 +27,7 @@ def _rank0_rng_state(unit: Unit, device: torch.device) -> list[torch.Tensor]:
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     for state in states:
-        broadcast_(state, 0, unit.comm)
+        broadcast_(state, 0, unit.world)
     return states
 
 
@@ -62,9 +62,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
             torch.cuda.set_rng_state(states[1], device)
         for module, mine in plan:
             for unit, _ in mine:
-                if unit.state is State.RESHARDED:
-                    unit.full.allocate()
-                    unit.state = State.GATHERED
+                unit.open_empty()
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_meta:
                     setattr(module, name, torch.empty_like(buf, device=device))

@@ -36,6 +36,21 @@ def gather_full(unit: Unit) -> torch.Tensor:
     return full if unit.orig_dtype == full.dtype else full.to(unit.orig_dtype)
 
 
+def sharded_model_state(units: Sequence[Unit], names: dict[int, str]) -> dict:
+    """`{name: DcpPiece}` of every unit parameter: this rank's piece of it in its unit's
+    shard (full precision), as a view for `torch.distributed.checkpoint` to save from and
+    load into. `names` maps `id(parameter)` to its state-dict key."""
+    from ..shard.dcp import dcp_piece
+
+    out = {}
+    for unit in units:
+        for i, p in enumerate(unit.params):
+            start, stop = unit.full.tensor_range(i)
+            lo, hi = unit.full.local_range(i)
+            out[names[id(p)]] = dcp_piece(tuple(p.shape), start, stop, unit.shard[lo:hi])
+    return out
+
+
 class ModelState:
     """Registers the state-dict hooks on each sharded unit's module."""
 
@@ -79,8 +94,7 @@ class ModelState:
             if unit.was_gathered:
                 unit.wait_unshard()
             else:
-                unit.full.allocate()  # somewhere for torch's own copy to land
-            unit.state = State.GATHERED
+                unit.open_empty()  # somewhere for torch's own copy to land
 
         return hook
 

@@ -27,7 +27,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ..shard.collectives import Handle, all_gather_object
-from .unit import ReducedGrad, State, Unit
+from .reduced_grad import ReducedGrad
+from .unit import State, Unit
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj):
@@ -245,16 +246,14 @@ class Schedule:
         self._busy = False
 
     def unfinished_forward(self) -> str | None:
-        """The name of a unit whose forward started and has not finished, if any."""
-        for unit in self.units:
-            if unit.in_forward:
-                return unit.name or str(unit.index)
-        return None
+        """The names of the units whose forward started and has not finished, if any."""
+        busy = [f"'{unit.name or unit.index}'" for unit in self.units if unit.in_forward]
+        return ", ".join(busy) or None
 
     def _settle_order(self) -> None:
         """Units without a module reduce in the order they completed in the first backward
         on rank 0 (every rank must issue them in one order); until then, at its end."""
-        comm = self.units[0].comm
+        comm = self.units[0].world  # one order in every replica too: their all-reduces pair up
         seen = [u.index for u in self._completed]
         order = all_gather_object(seen, comm)[0]
         by_index = {u.index: u for u in self._static}
@@ -277,10 +276,11 @@ class Schedule:
             with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
                 unit.wait_unshard()
                 self._prefetch(self.forward_order, unit)
-            if not torch.is_grad_enabled():
-                return None
-            if not any(t.requires_grad for t in _tensors((args, kwargs))):
-                return None
+            if unit.compute_dtype != unit.orig_dtype:  # param_dtype: floating inputs are cast to it
+                cast = lambda t, to=unit.compute_dtype: t.to(to) if t.is_floating_point() else t  # noqa: E731
+                args, kwargs = _map_tensors(cast, (args, kwargs))
+            if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors((args, kwargs))):
+                return args, kwargs
             unit.forward_calls += 1
             flat: list[torch.Tensor] = []
             _map_tensors(lambda t: flat.append(t) or t, (args, kwargs))

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from ..shard import Comm, FlatBuffer, Layout
-from ..shard.collectives import Handle, all_gather_into_, broadcast_, reduce_scatter_into_
+from ..shard.collectives import Handle, all_gather_into_, all_reduce_, broadcast_, reduce_scatter_into_
+from .reduced_grad import ReducedGrad
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -27,78 +28,6 @@ class State(enum.Enum):
     RESHARDED = "resharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
-
-
-_METADATA = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
-    torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
-    torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point, torch.Tensor.untyped_storage,
-    torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.requires_grad_,
-    torch.Tensor.is_leaf.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
-    torch.Tensor.is_complex,
-}  # fmt: skip
-_CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
-          torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda}  # fmt: skip
-
-
-class ReducedGrad(torch.Tensor):
-    """What a parameter's `.grad` holds once its unit's gradients were reduce-scattered: the
-    gradient exists (`p.grad is not None`, as in torch after backward) but lives in the
-    optimizer's shards, so it has the parameter's shape, dtype and device and no values.
-
-    Loss scalers work on it (`torch.amp.GradScaler.unscale_` unscales and checks this
-    rank's piece of the shard; `ShardedGradScaler` agrees on infs over ranks), `zero_()`
-    zeroes the piece, and casts give a placeholder of the new dtype or device (so
-    `model.to(...)` runs; the step then refuses the moved parameter). Anything else that
-    would read values raises and says why; assigning a tensor to `.grad` replaces the
-    gradient."""
-
-    _unit: Unit
-    _index: int
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA:
-            return super().__torch_function__(func, types, args, kwargs)
-        if func in _CASTS:
-            self = args[0]
-            probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
-            return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device)
-        if func is torch._has_compatible_shallow_copy_type:
-            return False  # so `model.to(...)` assigns the cast placeholder instead of mutating this one
-        if func is torch.Tensor.zero_:
-            args[0]._piece().zero_()
-            return args[0]
-        if func is torch._amp_foreach_non_finite_check_and_unscale_:
-            grads, found_inf, inv_scale = args
-            for g in grads:
-                piece = g._piece() if isinstance(g, ReducedGrad) else g
-                torch._amp_foreach_non_finite_check_and_unscale_([piece], found_inf, inv_scale)
-            return None
-        name = getattr(func, "__name__", repr(func))
-        raise RuntimeError(
-            f"{name}() on a gradient that was reduce-scattered into the optimizer's shards: after "
-            "backward, gradients are averaged over ranks and sharded, so .grad holds no values. Use "
-            "opt.clip_grad_norm_() to clip; assign a tensor to .grad to replace the gradient"
-        )
-
-    def _piece(self) -> torch.Tensor:
-        """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
-        unit = self._unit
-        unit.wait_grad()
-        start, stop = unit.full.local_range(self._index)
-        return unit.grad[start:stop]
-
-    def __repr__(self) -> str:
-        return f"ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: in the optimizer's shards)"
-
-    @staticmethod
-    def _of(unit: Unit, i: int, shape, dtype, device) -> ReducedGrad:
-        out = torch.empty((), dtype=dtype, device=device).expand(shape).as_subclass(ReducedGrad)
-        out._unit, out._index = unit, i
-        return out
 
 
 def shard_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -128,10 +57,16 @@ class Unit:
         reduce_dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         sync_params: bool = True,
+        replicate: Comm | None = None,
+        world: Comm | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
         self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
+        self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
+        self.world = world or comm  # every rank: parameters start from world rank 0's
+        self.defer_replicas = False  # accumulate the replicas' gradients unsynced (`grad_unsynced`)
+        self.grad_unsynced: torch.Tensor | None = None
         self.index, self.name, self.sharded = index, name, sharded
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -182,7 +117,9 @@ class Unit:
                 if grad is not None:
                     self.grad_view(i).copy_(grad)
                     p.grad = self.full_grad.view(i)
-        self.views = [self.full.view(i) for i in range(len(params))]  # what each `.data` is
+        self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
+        nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)
+        self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
         self._pending: Handle | None = None  # the reduction writing `grad`, until waited
         if sharded:
@@ -193,12 +130,12 @@ class Unit:
     def _initial_shard(self, sync_params: bool) -> torch.Tensor:
         """This rank's shard of the parameters' current values (rank 0's with `sync_params`)."""
         s, rank = self.layout.shard_size, self.comm.rank
-        if sync_params and self.comm.active:
+        if sync_params and self.world.active:
             staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
             for i, p in enumerate(self.params):
                 start = self.layout.offsets[i]
                 staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
-            broadcast_(staged, 0, self.comm)
+            broadcast_(staged, 0, self.world)
             return staged[rank * s : (rank + 1) * s].clone()
         shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         for i, p in enumerate(self.params):
@@ -229,7 +166,13 @@ class Unit:
             with torch.profiler.record_function(f"vescale::wait_unshard[{self.name}]"):
                 self._gather.wait()
             self._gather = None
-            self.state = State.GATHERED
+            self._show()
+
+    def open_empty(self) -> None:
+        """Give the unsharded parameters memory without gathering (for whoever fills them)."""
+        if self.state is State.RESHARDED:
+            self.full.allocate()
+            self._show()
 
     def reshard(self) -> None:
         """Free the unsharded parameters (sharded units only)."""
@@ -239,8 +182,31 @@ class Unit:
             self._gather.wait()
             self._gather = None
         with torch.profiler.record_function(f"vescale::reshard[{self.name}]"):
+            self._hide()
             self.full.free()
+
+    def _show(self) -> None:
+        """Parameters are views of the (gathered) unsharded buffer."""
+        for name, p, view in zip(self.names, self.params, self.views):
+            if p.dtype != view.dtype or p.device != view.device:
+                raise RuntimeError(
+                    f"parameter '{name}' is now {p.dtype} on {p.device}, but its unit holds it as "
+                    f"{view.dtype} on {view.device}: it was moved or cast after the optimizer was built "
+                    "(model.double(), .half(), .to(...)); move the model first, then build the optimizer"
+                )
+            p.data = view
+        self.state = State.GATHERED
+
+    def _hide(self) -> None:
+        """Between uses a parameter holds a stand-in, not a view of freed memory: reading it
+        gives NaN (never a crash), writing it fails, and `model.double()`/`.to()` produce a
+        parameter the next step refuses by name."""
+        for p, stand_in in zip(self.params, self.stand_ins):
+            p.data = stand_in
         self.state = State.RESHARDED
+
+    def holds_stand_in(self, i: int) -> bool:
+        return self.params[i].data_ptr() == self.stand_ins[i].data_ptr()
 
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
@@ -298,6 +264,8 @@ class Unit:
         start, stop = self.full.local_range(i)
         if stop > start:
             self.grad[start:stop].zero_()
+            if self.grad_unsynced is not None:
+                self.grad_unsynced[start:stop].zero_()
 
     def take_grad(self, i: int, grad: torch.Tensor) -> None:
         """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
@@ -321,10 +289,15 @@ class Unit:
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
                 data = data.to(self.reduce_dtype)
-            handle = reduce_scatter_into_(
-                data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
-            )
-        self.grad_has_values = True
+            if not self.replicate.active:
+                handle = reduce_scatter_into_(
+                    data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True
+                )
+                self.grad_has_values = True
+            else:
+                part = torch.empty_like(self.grad)
+                rs = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True)
+                handle = rs.then(lambda: self._add_over_replicas(part))
 
         def done() -> None:
             buf.free()
@@ -334,6 +307,33 @@ class Unit:
         if not async_op:
             handle.wait()
         return handle
+
+    def _add_over_replicas(self, part: torch.Tensor) -> None:
+        """Average this shard group's reduction `part` over the replicas into `grad` (or
+        keep it, unsynced, while `defer_replicas`)."""
+        if self.grad_unsynced is not None:
+            part.add_(self.grad_unsynced)
+            self.grad_unsynced = None
+        if self.defer_replicas:
+            self.grad_unsynced = part
+            return
+        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{self.name}]"):
+            all_reduce_(part, self.replicate, "mean")
+        if self.grad_has_values:
+            self.grad.add_(part)
+        else:
+            self.grad.copy_(part)
+        self.grad_has_values = True
+
+    def sync_replicas(self) -> None:
+        """Average what was kept unsynced over the replicas into `grad` (collective over
+        the replicas when there is something; every replica has or has not)."""
+        self.wait_grad()
+        if self.grad_unsynced is not None:
+            part, self.grad_unsynced = self.grad_unsynced, None
+            deferred, self.defer_replicas = self.defer_replicas, False
+            self._add_over_replicas(part)
+            self.defer_replicas = deferred
 
     def wait_grad(self) -> None:
         """Block until `grad` holds every reduction issued so far."""
@@ -346,6 +346,7 @@ class Unit:
         there was a gradient."""
         self.grad.zero_()
         self.grad_has_values = False
+        self.grad_unsynced = None
         if self.has_full_grad:
             self.full_grad.free()
         for i, p in enumerate(self.params):

@@ -1,0 +1,100 @@
+"""examples/train_torchrun.py under torchrun on 2 gloo ranks: it trains fully sharded, saves
+DCP checkpoints, resumes from one exactly, and a 2-rank checkpoint resumes in one process.
+The README's torchrun script runs on 2 ranks too, and its HSDP script on a 2x2 mesh."""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_torchrun.py"
+README = ROOT / "README.md"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
+    """Run `cmd` in its own session; on timeout kill the session (torchrun and its ranks)."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _losses(out: str) -> dict[int, float]:
+    return {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.]+) \(mean over all ranks", out)}
+
+
+def _fingerprint(out: str) -> str:
+    found = re.findall(r"weights fingerprint (\S+);", out)
+    assert len(found) == 1, out[-2000:]
+    return found[0]
+
+
+@pytest.mark.timeout(480)
+def test_example_trains_saves_and_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = [str(EXAMPLE), *SMALL, "--log-every", "4", "--save-every", "4", "--checkpoint-dir", str(ckpt)]
+    first = _run([*TORCHRUN, *args, "--steps", "8"], tmp_path)
+    assert "on 2 rank(s), cpu; from scratch" in first
+    assert f"saved {ckpt / 'step-4'}" in first and f"saved {ckpt / 'step-8'}" in first
+    losses = _losses(first)
+    assert list(losses) == [4, 8] and losses[8] < min(losses[4], math.log(256)), losses
+    assert "unsharded 0 KiB" in first
+
+    # resume from step 4 (as if the run had stopped there): the same weights at step 8
+    (ckpt / "step-8" / ".metadata").unlink()
+    resumed = _run([*TORCHRUN, *args, "--steps", "8"], tmp_path)
+    assert f"resumed from {ckpt / 'step-4'}" in resumed
+    assert _losses(resumed)[8] == losses[8]
+    assert _fingerprint(resumed) == _fingerprint(first)
+
+    # a checkpoint written by 2 ranks loads in one process, without torchrun
+    alone = _run([sys.executable, *args, "--steps", "10"], tmp_path)
+    assert f"on 1 rank(s), cpu; resumed from {ckpt / 'step-8'}" in alone
+    assert 10 in _losses(alone)
+
+
+def _readme_torchrun_script() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    found = [b for b in blocks if "init_process_group" in b and "shard_modules" in b and "dcp.save" in b]
+    assert len(found) == 1, "the README shows one fully sharded torchrun script"
+    return found[0]
+
+
+@pytest.mark.timeout(240)
+def test_readme_torchrun_script_runs_on_two_ranks(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_readme_torchrun_script())
+    out = _run([*TORCHRUN, str(script)], tmp_path)
+    assert (tmp_path / "checkpoint" / ".metadata").exists(), out[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_readme_hsdp_script_runs_as_two_replicas_of_two_shards(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    found = [b for b in blocks if "init_device_mesh" in b]
+    assert len(found) == 1, "the README shows one HSDP script"
+    script = tmp_path / "hsdp.py"
+    script.write_text(found[0])
+    out = _run([*TORCHRUN[:-3], "--nproc-per-node", "4", "--standalone", str(script)], tmp_path)
+    printed = [line.split(" ", 1)[1] for line in out.splitlines() if re.match(r"^\d \{'ns_matrices'", line)]
+    stats = [ast.literal_eval(p) for p in printed]
+    assert len(stats) == 4, out[-2000:]
+    assert sum(s["ns_matrices"] for s in stats) == 6  # 3 blocks x 2 matrices, once in the world
