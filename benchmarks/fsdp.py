@@ -77,13 +77,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-import vescale_optim as vo  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
-from benchmarks._optim import ADAMW, MUON, MUON_ADAMW, muon_groups, muon_names  # noqa: E402
+from benchmarks._optim import fsdp2, ours  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon", "FSDP2 Muon", "ours Z2 Muon"]
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon"]
@@ -115,41 +114,11 @@ def peer(config: str) -> str:
 # ---------------------------------------------------------------- one configuration
 
 
-class _Steps:
-    """Several optimizers stepped as one (FSDP2 + torch Muon, and AdamW for the rest)."""
-
-    def __init__(self, *opts):
-        self.opts = opts
-
-    def step(self):
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self):
-        for o in self.opts:
-            o.zero_grad()
-
-
 def _optimizer(config: str, model: torch.nn.Module):
-    units = [*model.blocks, model]
+    family = config.split()[-1]
     if config.startswith("ours"):
-        z3 = {"shard_modules": units} if " Z3 " in config else {}
-        if config.endswith("AdamW"):
-            return vo.AdamW(model.parameters(), **ADAMW, **z3)
-        return vo.Muon(muon_groups(model), **z3)
-    from torch.distributed.fsdp import fully_shard
-
-    hidden = muon_names(model)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=True)
-    fully_shard(model)  # the default for the root: kept gathered from forward to backward, as ours
-    if config.endswith("AdamW"):
-        return torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
-    named = dict(model.named_parameters())  # DTensors now
-    return _Steps(
-        torch.optim.Muon([p for n, p in named.items() if n in hidden], **MUON),
-        torch.optim.AdamW([p for n, p in named.items() if n not in hidden], foreach=True, **MUON_ADAMW),
-    )
+        return ours(model, family, **({"shard_modules": [*model.blocks, model]} if " Z3 " in config else {}))
+    return fsdp2(model, family)
 
 
 class Trainer:
