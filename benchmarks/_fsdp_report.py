@@ -136,7 +136,7 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
     if "peak live MB" not in mine[0]:
         return
     print(f"\nmemory: each config alone in a fresh world, {run['memory_steps']} profiled steps, then "
-          f"{run['memory_steps']} for RSS, malloc={run['malloc']}; load average {load_average()}\n")
+          f"one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
     print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))

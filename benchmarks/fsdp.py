@@ -49,14 +49,14 @@ of ATen's allocator (`benchmarks._live`), so FSDP2's all-gather and reduce-scatt
 buffers, our unsharded units and gradient buffers, activations and gloo's staging all
 count alike; `at step start` is what a rank holds between steps; `peak at` names the
 phase and innermost library region open at the peak. Then, without the profiler, the
-peak RSS (`VmHWM` after resetting it) over as many steps, with glibc returning large
+peak RSS (`VmHWM` after resetting it) over one more step, with glibc returning large
 blocks at once (`--malloc live`), and the same minus the bare process's RSS. Scaling:
 peak live bytes per parameter of the `wide` model at W = 1, 2 and the main W.
 
 Sanity: every configuration's loss on each rank's first batch after training, against its
 FSDP2 peer; all must have lowered the loss.
 
-    python benchmarks/fsdp.py               # 4 ranks, both models (~15 min on 2 cores)
+    python benchmarks/fsdp.py               # 4 ranks, both models (~6 min on 2 cores)
     python benchmarks/fsdp.py --quick       # tiny wide model, 2 ranks, a few steps (a smoke test)
 """
 
@@ -85,7 +85,7 @@ from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon", "FSDP2 Muon", "ours Z2 Muon"]
-SCALING = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon"]
+SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
 MODELS = {
     "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
     "wide": dict(vocab=2048, d_model=768, n_layers=4, n_heads=12, seq_len=16, batch=1, seq=16),
@@ -227,7 +227,7 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
 
 def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
     """Each (model, shape, config) in turn: live tensor bytes over `steps` profiled steps,
-    then peak RSS over as many more without the profiler (see the module's docstring)."""
+    then peak RSS over one more without the profiler (see the module's docstring)."""
     tuned = live_malloc() if live else False
     results = []
     for model, shape, config in jobs:
@@ -244,8 +244,7 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
         del recorder
         gc.collect()
         reset = reset_peak()
-        for s in range(steps):
-            tr.step(*batches[s % 2])
+        tr.step(*batches[steps % 2])
         peak = trace.peak("bench::steady", REGIONS)
         results.append({
             "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],
@@ -325,9 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 8, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--memory-steps", type=int, default=3, help="profiled, then as many for RSS; 0: none")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 5, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--memory-steps", type=int, default=2, help="profiled, then one for RSS; 0: none")
     ap.add_argument("--malloc", choices=["live", "default"], default="live")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: both (--quick: wide)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
@@ -335,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny wide model, 2 ranks, one world per run kind")
     args = ap.parse_args(argv)
     world = args.world_size or (2 if args.quick else 4)
-    steps = args.steps or (2 if args.quick else 8)
+    steps = args.steps or (2 if args.quick else 5)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
     if memory_steps == 1:
@@ -365,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
                                {c: memory[(m, c)] for c in args.configs if (m, c) in memory})]  # fmt: skip
     scaling = []
     if "wide" in shapes and memory_steps and not args.no_scaling:
-        configs = [c for c in SCALING[: 2 if args.quick else None] if c in args.configs]
+        configs = [c for c in SCALING if c in args.configs]
         for w in sorted({1, 2} - {world}):
             scaling += [(w, res) for res in measure(w, [("wide", shapes["wide"], c) for c in configs])]
         scaling += [(world, memory[("wide", c)]) for c in configs]
