@@ -72,6 +72,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch, threads_per_rank  # noqa: E402
+from benchmarks._measure import (  # noqa: E402
+    Timer,
+    live_malloc,
+    median_of_max,
+    reset_peak,
+    slowest,
+    status_kb,
+)
+from benchmarks._optim import ADAMW  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 
 CONFIGS = ["ours", "FSDP2 reshard=True", "FSDP2 reshard=False", "ZeRO (DDP)", "DDP"]
@@ -85,7 +94,7 @@ STEP_CONTAINS = {
 }
 FULL = dict(vocab=8192, d_model=384, n_layers=8, n_heads=6, seq_len=256, batch=2, seq=32, pool=2)
 QUICK = dict(vocab=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32, pool=2)
-HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+HYPER = ADAMW
 # Imported once by the fork server instead of by every rank of every world (torch._dynamo,
 # which DDP and FSDP2 pull in, takes seconds to import).
 PRELOAD = [
@@ -103,51 +112,7 @@ MEMORY_COLUMNS = [*MEMORY_COLUMNS.split("|"), "loss after", "|Δ loss|"]
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
 
-# ---------------------------------------------------------------- memory
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-# ---------------------------------------------------------------- timers
-
-
-class _Timer:
-    """Adds up wall time spent inside wrapped callables."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        return timed
-
-    def take(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
-
-
-def _fsdp_comm_timers() -> dict[str, _Timer] | None:
+def _fsdp_comm_timers() -> dict[str, Timer] | None:
     """Wrap FSDP2's internal all-gather (+ copy-out) and reduce (private API)."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
@@ -156,7 +121,7 @@ def _fsdp_comm_timers() -> dict[str, _Timer] | None:
     names = {"AG": ("foreach_all_gather", "foreach_all_gather_copy_out"), "RS": ("foreach_reduce",)}
     if not all(hasattr(pg, n) for ns in names.values() for n in ns):
         return None
-    timers = {k: _Timer() for k in names}
+    timers = {k: Timer() for k in names}
     for k, ns in names.items():
         for n in ns:
             setattr(pg, n, timers[k].wrap(getattr(pg, n)))
@@ -185,7 +150,7 @@ def _setup(config: str, model: torch.nn.Module):
         import vescale_optim as vo
 
         opt = vo.AdamW(model.parameters(), **HYPER)
-        rs, ag = _Timer(), _Timer()
+        rs, ag = Timer(), Timer()
         opt.reduce_gradients = rs.wrap(opt.reduce_gradients)
         if hasattr(opt, "_gather_params"):
             opt._gather_params = ag.wrap(opt._gather_params)
@@ -302,36 +267,22 @@ def _time_all(rank: int, world: int, configs: list[str], shape: dict, warmup: in
     }
 
 
-def _live_malloc() -> bool:
-    """glibc: serve allocations of 128 KiB and more by mmap (returned to the OS on free)
-    and trim the heap eagerly, so RSS follows the live tensors rather than the allocator's
-    high-water marks."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 128 * 1024) and libc.mallopt(m_trim_threshold, 128 * 1024))
-    except (OSError, AttributeError):
-        return False
-
-
 def _memory(rank: int, world: int, config: str, shape: dict, steps: int, live: bool) -> dict:
     """Peak RSS of one config in a fresh world over `steps` training steps."""
-    tuned = _live_malloc() if live else False
+    tuned = live_malloc() if live else False
     gc.collect()
-    base_kb = _status_kb("VmRSS")
+    base_kb = status_kb("VmRSS")
     batches = _batches(shape, rank, world)
     tr = _Trainer(config, shape)
     gc.collect()
-    setup_kb = _status_kb("VmRSS")
-    reset = _reset_peak()
+    setup_kb = status_kb("VmRSS")
+    reset = reset_peak()
     for s in range(steps):
         tr.step(*batches[s % len(batches)], record=True)
     return {
         "rss_base_kb": base_kb,
         "rss_setup_kb": setup_kb,
-        "rss_peak_kb": _status_kb("VmHWM"),
+        "rss_peak_kb": status_kb("VmHWM"),
         "peak_reset": reset,
         "live_malloc": tuned,
         "state_bytes": tr.state_bytes(),
@@ -341,28 +292,18 @@ def _memory(rank: int, world: int, config: str, shape: dict, steps: int, live: b
 # ---------------------------------------------------------------- summary
 
 
-def _slowest(per_rank: list[list[float]]) -> list[float]:
-    """The slowest rank's time in each step."""
-    return [max(col) for col in zip(*per_rank)]
-
-
-def _median_of_max(per_rank: list[list[float]]) -> float:
-    """Median over steps of the slowest rank's time in each step."""
-    return statistics.median(_slowest(per_rank))
-
-
 def summarize(config: str, timed: list[dict], memory: list[dict] | None) -> dict:
     """One table row from every rank's timing results (and memory results) of `config`."""
     keys = timed[0]["times_s"].keys()
-    ms = {k: 1e3 * _median_of_max([r["times_s"][k] for r in timed]) for k in keys}
+    ms = {k: 1e3 * median_of_max([r["times_s"][k] for r in timed]) for k in keys}
     train = [[sum(step) for step in zip(*(r["times_s"][p] for p in PHASES))] for r in timed]
     row = {
         "config": config,
         "opt.step() contains": STEP_CONTAINS[config],
         "step ms": ms["step"],
-        "train ms": 1e3 * _median_of_max(train),
-        "step s per step": _slowest([r["times_s"]["step"] for r in timed]),
-        "train s per step": _slowest(train),
+        "train ms": 1e3 * median_of_max(train),
+        "step s per step": slowest([r["times_s"]["step"] for r in timed]),
+        "train s per step": slowest(train),
         "fwd ms": ms["fwd"],
         "bwd ms": ms["bwd"],
         "zero_grad ms": ms["zero_grad"],
@@ -375,9 +316,9 @@ def summarize(config: str, timed: list[dict], memory: list[dict] | None) -> dict
         rs = [r["times_s"]["comm RS"] for r in timed]
         ag = [r["times_s"]["comm AG"] for r in timed]
         upd = [[s - a - b for s, a, b in zip(r["times_s"]["step"], x, y)] for r, x, y in zip(timed, rs, ag)]
-        row["RS ms"] = 1e3 * _median_of_max(rs)
-        row["update ms"] = 1e3 * _median_of_max(upd)
-        row["AG ms"] = 1e3 * _median_of_max(ag)
+        row["RS ms"] = 1e3 * median_of_max(rs)
+        row["update ms"] = 1e3 * median_of_max(upd)
+        row["AG ms"] = 1e3 * median_of_max(ag)
     elif "comm AG" in ms:
         row["RS ms"] = ms["comm RS"]
         row["AG ms"] = ms["comm AG"]

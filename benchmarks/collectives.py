@@ -92,29 +92,11 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from benchmarks._copies import count_copies  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 from vescale_optim.shard import Comm, all_gather_, bind_parameters, plan_layout, reduce_scatter_  # noqa: E402
 
 ALIGN = 16
-COPY_OPS = frozenset(
-    {
-        "aten::copy_",
-        "aten::_foreach_copy_",
-        "aten::clone",
-        "aten::_to_copy",
-        "aten::contiguous",
-        "aten::cat",
-        "aten::stack",
-        "aten::_chunk_cat",
-        "aten::chunk_cat",
-        "aten::split_with_sizes_copy",
-        "aten::narrow_copy",
-        "aten::index_select",
-        "fsdp::all_gather_copy_in",
-        "fsdp::split_with_sizes_copy",
-        "fsdp::chunk_cat",
-    }
-)
 OPS = ("param all-gather", "grad reduce-scatter", "backward + grad RS")
 
 
@@ -286,97 +268,6 @@ class _ReduceTimer:
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
-
-
-# ---------------------------------------------------------------- copy counting
-
-
-def _numel(shape) -> int:
-    """Elements of a recorded input: a shape, or a list of shapes for a tensor list."""
-    if not shape:
-        return 1 if shape == [] else 0
-    if isinstance(shape[0], list | tuple):
-        return sum(_numel(s) for s in shape)
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-_LIST_OPS = frozenset(
-    {"aten::_foreach_copy_", "aten::cat", "aten::stack", "aten::_chunk_cat", "aten::chunk_cat",
-     "fsdp::all_gather_copy_in", "fsdp::chunk_cat"}
-)
-
-
-def _written(e) -> int:
-    """Elements a copy op writes. Its first input is the destination (`copy_`) or a source
-    of the same size (`clone`, `split_with_sizes_copy`, FSDP2's copy-out); the profiler
-    records no shapes for tensor lists, so ops taking one are sized by the copies nested in
-    them (`_foreach_copy_`, FSDP2's copy-in) or by their largest tensor argument, the `out=`
-    buffer (FSDP2's `chunk_cat`)."""
-    shapes = list(getattr(e, "input_shapes", None) or [])
-    if e.name not in _LIST_OPS:
-        return _numel(shapes[0]) if shapes else 0
-    nested, stack = 0, list(e.cpu_children)
-    while stack:
-        child = stack.pop()
-        if child.name == "aten::copy_":
-            nested += _numel((child.input_shapes or [[]])[0])
-        else:
-            stack.extend(child.cpu_children)
-    if nested:
-        return nested
-    return max((_numel(s) for s in shapes[1:] if s and not isinstance(s[0], list | tuple)), default=0)
-
-
-def _in_c10d(e, main_thread: int) -> bool:
-    if e.thread != main_thread:
-        return True
-    parent = e.cpu_parent  # with `with_stack`, Python frames are events in the tree too
-    while parent is not None:
-        if parent.name.startswith("c10d::") or "torch/distributed/distributed_c10d.py" in parent.name:
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
-def count_copies(prof, regions: list[str]) -> dict[str, dict]:
-    """Outermost copy ops inside each `record_function(region)` window, split into the
-    framework's and those made inside torch.distributed."""
-    events = list(prof.events())
-    windows = {}
-    for e in events:
-        if e.name in regions:
-            windows[e.name] = (e.time_range.start, e.time_range.end, e.thread)
-    out = {r: {"copies": 0, "elements": 0, "c10d_copies": 0, "c10d_elements": 0, "events": Counter()}
-           for r in regions}
-    for e in events:
-        if e.name not in COPY_OPS:
-            continue
-        parent = e.cpu_parent
-        nested = False
-        while parent is not None:
-            if parent.name in COPY_OPS:
-                nested = True
-                break
-            parent = parent.cpu_parent
-        if nested:
-            continue
-        n = _written(e)
-        if n <= 1:
-            continue
-        for region, (start, end, thread) in windows.items():
-            if not start <= e.time_range.start < end:
-                continue
-            where = "c10d" if _in_c10d(e, thread) else "framework"
-            bucket = out[region]
-            bucket["c10d_copies" if where == "c10d" else "copies"] += 1
-            bucket["c10d_elements" if where == "c10d" else "elements"] += n
-            bucket["events"][f"{where}: {e.name} x {n}"] += 1
-    for region in out.values():
-        region["events"] = dict(sorted(region["events"].items()))
-    return out
 
 
 # ---------------------------------------------------------------- the ranks

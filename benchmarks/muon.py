@@ -43,6 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch, threads_per_rank  # noqa: E402
+from benchmarks._measure import median_of_max  # noqa: E402
+from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices  # noqa: E402
 from vescale_optim.optim import muon as muon_mod  # noqa: E402
@@ -55,8 +57,6 @@ LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + 
 # DDP's replicated Newton-Schulz (12 GFLOP per rank and step) within minutes.
 FULL = dict(vocab=50304, d_model=192, n_layers=6, n_heads=6, seq_len=128, batch=2, seq=64)
 QUICK = dict(vocab=2048, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32)
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.optim", "torch.nn.parallel",
            "torch.distributed.tensor", "vescale_optim", "benchmarks.muon"]  # fmt: skip
 BUCKET_CAP = inspect.signature(vo.Muon).parameters["bucket_cap_numel"].default
@@ -156,16 +156,6 @@ def _model(shape: dict):
     return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"])
 
 
-def _groups(model) -> list[dict]:
-    adamw = dict(adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_weight_decay=ADAMW["weight_decay"])
-    return vo.muon_param_groups(model, **MUON, exclude=[model.head], **adamw)
-
-
-def _hidden_names(model) -> set[str]:
-    ids = {id(p) for p in _groups(model)[0]["params"]}
-    return {n for n, p in model.named_parameters() if id(p) in ids}
-
-
 def _ns_total(params) -> int:
     return sum(ns_flops(p.shape[0], math.prod(p.shape[1:]), MUON["ns_steps"]) for p in params)
 
@@ -176,7 +166,7 @@ def _named(model) -> dict[str, torch.Tensor]:
 
 
 def _setup_ours(config, model, rank, world):
-    groups = _groups(model)
+    groups = muon_groups(model)
     opt, spent = vo.Muon(groups), {}
     hooks = [("RS", opt, "reduce_gradients"), ("momentum", opt, "_momentum"), ("NS", opt, "_orthogonalize"),
              ("gather/scatter", muon_mod, "run_plan"), ("AdamW", muon_mod, "adamw_bucket_step"),
@@ -223,7 +213,7 @@ def _setup_ours(config, model, rank, world):
 
 
 def _setup_peer(config, model, rank, world):
-    names = _hidden_names(model)
+    names = muon_names(model)
     if config == "FSDP2":
         from torch.distributed.fsdp import fully_shard
 
@@ -239,9 +229,9 @@ def _setup_peer(config, model, rank, world):
         from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
 
         muon = ZeRO(hidden, optimizer_class=torch.optim.Muon, **MUON)
-        adamw = ZeRO(aux, optimizer_class=torch.optim.AdamW, foreach=True, **ADAMW)
+        adamw = ZeRO(aux, optimizer_class=torch.optim.AdamW, foreach=True, **MUON_ADAMW)
     else:
-        muon, adamw = torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(aux, foreach=True, **ADAMW)
+        muon, adamw = torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(aux, foreach=True, **MUON_ADAMW)
     spent: dict[str, float] = {}
     muon_step, adamw_step = _timed(spent, "Muon", muon.step), _timed(spent, "AdamW", adamw.step)
 
@@ -321,17 +311,13 @@ def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, s
     return {"configs": out, "allreduce_s": allreduce[warmup:]}
 
 
-def _med_max(per_rank: list[list[float]]) -> float:  # median over steps of the slowest rank
-    return statistics.median(max(col) for col in zip(*per_rank))
-
-
 def part_a(world: int, shape: dict, warmup: int, steps: int, configs: list[str]) -> dict:
     t0 = time.perf_counter()
     per_rank = launch(_rank, world, configs, shape, warmup, steps, preload=PRELOAD)
     print(f"# part (a): {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = {c: [r["configs"][c] for r in per_rank] for c in configs}
     model = _model(shape)
-    init, names, hidden = _named(model), _hidden_names(model), _groups(model)[0]["params"]
+    init, names, hidden = _named(model), muon_names(model), muon_groups(model)[0]["params"]
     ref = results.get("DDP", [{}])[0].get("after_first_step")  # (popped below: not for the JSON)
     rows = []
     for config, res in results.items():
@@ -341,10 +327,10 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, configs: list[str])
         if failed is not None:
             row.update(error=f"rank {failed['rank']}: {failed['error']}", traceback=failed["traceback"])
             continue
-        row["step ms"] = 1e3 * _med_max([r["times_s"] for r in res])
-        row["step CPU ms"] = 1e3 * _med_max([r["cpu_s"] for r in res])
+        row["step ms"] = 1e3 * median_of_max([r["times_s"] for r in res])
+        row["step CPU ms"] = 1e3 * median_of_max([r["cpu_s"] for r in res])
         if config in ("DDP", "ZeRO"):
-            row["AR in bwd ms"] = 1e3 * _med_max([r["allreduce_s"] for r in per_rank])
+            row["AR in bwd ms"] = 1e3 * median_of_max([r["allreduce_s"] for r in per_rank])
         # Breakdown: the slowest rank's parts in the median step (so that the parts add up).
         slowest = [max(res, key=lambda r, i=i: r["times_s"][i]) for i in range(len(r0["times_s"]))]
         i = sorted(range(len(slowest)), key=lambda i: slowest[i]["times_s"][i])[(len(slowest) - 1) // 2]
@@ -439,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
     t0 = time.perf_counter()
     out: dict = {"env": environment(), "world_size": args.world_size, "shape": shape, "muon": MUON,
-                 "adamw": ADAMW, "warmup": args.warmup, "steps": args.steps, "goals": {}}  # fmt: skip
+                 "adamw": MUON_ADAMW, "warmup": args.warmup, "steps": args.steps, "goals": {}}  # fmt: skip
     if "a" in args.part:
         out["a"] = part_a(args.world_size, shape, args.warmup, args.steps, args.configs)
         out["goals"].update(print_a(out["a"], args.world_size, shape, args.warmup, args.steps))

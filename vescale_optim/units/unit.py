@@ -136,7 +136,10 @@ class Unit:
                 start = self.layout.offsets[i]
                 staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
             broadcast_(staged, 0, self.world, what=f"unit {self.name}'s initial parameters")
-            return staged[rank * s : (rank + 1) * s].clone()
+            shard = staged[rank * s : (rank + 1) * s].clone()
+            # a finished broadcast's work can outlive wait() and keep `staged` (seen on gloo): free it now
+            staged.untyped_storage().resize_(0)
+            return shard
         shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         for i, p in enumerate(self.params):
             start, stop = self.layout.rank_range(i, rank)

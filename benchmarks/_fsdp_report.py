@@ -1,0 +1,170 @@
+"""The tables, goals, plot and JSON of `benchmarks/fsdp.py` (see its docstring)."""
+
+from __future__ import annotations
+
+from benchmarks._measure import load_average
+from benchmarks._report import environment, save_json, save_png, table
+
+TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "fwd ms", "bwd ms",
+        "zero_grad ms",
+        "exposed comm ms", "MB sent", "copies", "own slice copies", "c10d copies",
+        "compute copies"]  # fmt: skip
+MEMORY = ["config", "peak live MB", "peak live x", "at step start MB", "peak at", "peak RSS MB",
+          "peak RSS x", "RSS-base MB", "loss first", "loss after", "|Δ loss|"]  # fmt: skip
+COMM = ["config", "exposed fwd", "exposed bwd", "exposed step", "MB sent by kind (calls)"]
+BY = ["config", "peak live MB", "alive at the peak, MB by where it was allocated"]
+SCALING = ["config", "W", "peak live MB", "peak B/param", "at step start B/param",
+           "at step start B/param x W"]  # fmt: skip
+PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
+# Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
+# order), so the updates differ by bf16 rounding.
+LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
+
+
+def _comm_row(r: dict) -> dict:
+    sent, calls = r["MB sent by kind"], r["calls"]
+    kinds = [f"{k} {v:.3g} ({calls.get(k, 0)})" for k, v in sorted(sent.items())]
+    kinds += [f"{k} ({n})" for k, n in sorted(calls.items()) if k not in sent and n]
+    e = r["exposed/phase ms"]
+    return {"config": r["config"], "exposed fwd": e["fwd"], "exposed bwd": e["bwd"],
+            "exposed step": e["step"], "MB sent by kind (calls)": ", ".join(kinds)}  # fmt: skip
+
+
+def _by_row(r: dict) -> dict:
+    by = sorted(r["peak by"].items(), key=lambda kv: -kv[1])
+    shown = [f"{k} {v / 2**20:.3g}" for k, v in by if v >= 0.02 * r["peak live MB"] * 2**20]
+    return {"config": r["config"], "peak live MB": r["peak live MB"],
+            "alive at the peak, MB by where it was allocated": "; ".join(shown)}  # fmt: skip
+
+
+def _goals(rows: list[dict]) -> dict[str, bool]:
+    goals = {}
+    for r in rows:
+        if not r["config"].startswith("ours Z3"):
+            continue
+        m, fam = r["model"], r["config"].split()[-1]
+        if "peak live x" in r:
+            limit = PEAK_GOAL[m]
+            goals[f"{m} {fam}: peak live bytes <= {limit}x FSDP2 ({r['peak live x']:.3f}x)"] = (
+                r["peak live x"] <= limit
+            )
+        if "train x" in r:
+            goals[f"{m} {fam}: train step <= 0.8x FSDP2 ({r['train x']:.3f}x)"] = r["train x"] <= 0.8
+            goals[f"{m} {fam}: opt.step() <= 0.5x FSDP2 ({r['step x']:.3f}x; its update alone "
+                  f"{r['update x']:.3f}x)"] = r["step x"] <= 0.5
+        goals[f"{m} {fam}: 0 copies on the collective path ({r['copies']})"] = r["copies"] == 0
+    return goals
+
+
+def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
+    ok, notes = True, []
+    for r in rows:
+        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
+        lowered = r["loss after"] < r["loss first"]
+        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
+        ok &= lowered and close
+        if not (lowered and close):
+            notes.append(f"{r['model']} {r['config']}: lowered {lowered}, |Δ loss| {delta:.2e}")
+    return ok, notes
+
+
+def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
+    rows = []
+    for w, res in sorted(scaling, key=lambda s: (s[1][0]["config"], s[0])):
+        n = res[0]["params"]
+        peak, start = max(m["live_peak"] for m in res), max(m["live_start"] for m in res)
+        rows.append({"config": res[0]["config"], "W": w, "peak live MB": peak / 2**20,
+                     "peak B/param": peak / n, "at step start B/param": start / n,
+                     "at step start B/param x W": start / n * w})  # fmt: skip
+    return rows
+
+
+def _plot(rows: list[dict], scaling: list[dict], name: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, 1 + len(models), figsize=(5 + 5 * len(models), 4.4))
+    ax = axes[0]
+    for config in dict.fromkeys(r["config"] for r in scaling):
+        mine = [r for r in scaling if r["config"] == config]
+        ws = [r["W"] for r in mine]
+        line = ax.plot(ws, [r["peak B/param"] for r in mine], "o-", label=f"{config}")[0]
+        ax.plot(ws, [r["at step start B/param"] for r in mine], "x--", color=line.get_color(), alpha=0.6)
+    if scaling:
+        ws = sorted({r["W"] for r in scaling})
+        ax.plot(ws, [16 / w for w in ws], ":", color="gray", label="16/W (AdamW param+grad+2 states)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(ws, [str(w) for w in ws])
+    ax.set(xlabel="world size W", ylabel="bytes per parameter")
+    ax.set_title("wide model: peak (o) and between steps (x)", fontsize=9)
+    ax.legend(fontsize=7)
+    colors = {"fwd": "tab:blue", "bwd": "tab:orange", "step": "tab:green", "zero_grad": "tab:gray"}
+    for ax, model in zip(axes[1:], models):
+        mine = [r for r in rows if r["model"] == model]
+        x, bottom = range(len(mine)), [0.0] * len(mine)
+        for phase, color in colors.items():
+            vals = [r[f"{phase} ms"] for r in mine]
+            ax.bar(x, vals, bottom=bottom, color=color, label=phase)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        exposed = [r["exposed comm ms"] for r in mine]
+        ax.scatter(x, exposed, marker="_", s=400, color="black", label="exposed comm", zorder=3)
+        ax.set_xticks(x, [r["config"] for r in mine], rotation=30, ha="right", fontsize=8)
+        ax.set(ylabel="ms per train step (median of each phase)")
+        ax.set_title(f"{model}: time by phase", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_png(name, fig)
+
+
+def _print_model(model: str, mine: list[dict], run: dict) -> None:
+    shape, w = run["shapes"][model], run["world"]
+    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, "
+          f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
+          f"tokens/rank/step, W={w} (gloo); {run['warmup']} warm-up + {run['steps']} interleaved "
+          f"steps, median of the slowest rank; x = vs FSDP2 with the same optimizer\n")  # fmt: skip
+    print(f"load average {load_average()}\n")
+    print(table(mine, TIME, floatfmt=".4g"))
+    print(f"\nexposed comm ms by phase (median, slowest rank) and what moved per rank and step; "
+          f"load average {load_average()}\n")  # fmt: skip
+    print(table([_comm_row(r) for r in mine], COMM, floatfmt=".4g"))
+    if "peak live MB" not in mine[0]:
+        return
+    print(f"\nmemory: each config alone in a fresh world, {run['memory_steps']} profiled steps, then "
+          f"one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
+    print(table(mine, MEMORY, floatfmt=".4g"))
+    print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
+    print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))
+
+
+def report(rows: list[dict], scaling: list, run: dict) -> dict:
+    quick, w = run["quick"], run["world"]
+    if quick:
+        print("--quick: a smoke run on tiny models; its ratios say nothing about the goals")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        _print_model(model, [r for r in rows if r["model"] == model], run)
+    scale = _scaling_rows(scaling)
+    if scale:
+        print(f"\n## Peak live bytes per parameter, wide model, by world size; load average "
+              f"{load_average()}\n")  # fmt: skip
+        print(table(scale, SCALING, floatfmt=".4g"))
+    goals = _goals(rows)
+    print(f"\nGoals (ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}):")
+    for k, ok in goals.items():
+        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    sane, notes = _loss_check(rows)
+    print(f"\nLoss check (loss after training vs FSDP2 with the same optimizer, relative tolerance "
+          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
+          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    name = "fsdp_quick" if quick else "fsdp"
+    png = _plot(rows, scale, name)
+    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
+               "loss_check_ok": sane, "rows": rows, "scaling": scale}  # fmt: skip
+    path = save_json(name, payload)
+    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
+    return payload

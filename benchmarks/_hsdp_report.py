@@ -1,0 +1,144 @@
+"""The tables, goals, plot and JSON of `benchmarks/hsdp.py` (see its docstring)."""
+
+from __future__ import annotations
+
+from benchmarks._measure import load_average
+from benchmarks._report import environment, save_json, save_png, table
+
+TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms",
+        "exposed comm ms"]  # fmt: skip
+BYTES = ["config", "MB inside", "MB across", "MB mixed", "step MB inside", "step MB across", "step MB mixed",
+         "step MB all-to-all", "stats MB", "MB by kind (rank 0, last step)"]  # fmt: skip
+NS = ["config", "NS total GF", "NS GF per rank (stats)", "NS GF per rank (measured)", "NS max rank / total",
+      "NS sum / total", "NS matrices per rank"]  # fmt: skip
+LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
+# Relative. Muon: Newton–Schulz runs in bf16, and FSDP2's on DTensor shards (sums in another
+# order), so the updates differ by bf16 rounding.
+LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
+BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
+
+
+def _listed(rows: list[dict]) -> list[dict]:
+    """Per-rank lists and dicts as text, for a table."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        for k, v in r.items():
+            if isinstance(v, list):
+                r[k] = " / ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in v)
+            elif isinstance(v, dict):
+                r[k] = ", ".join(f"{n} {x:.3g}" for n, x in sorted(v.items()))
+        out.append(r)
+    return out
+
+
+def _goals(rows: list[dict]) -> dict[str, bool]:
+    goals = {}
+    for r in rows:
+        if not r["config"].endswith("Muon"):
+            continue
+        name, total = r["config"], r["NS total GF"]
+        replicas = 2 if "2x2" in name else 1
+        if "NS GF per rank (stats)" in r:
+            s = sum(r["NS GF per rank (stats)"])
+            goals[f"{name}: step_stats ns_flops over ranks = the total ({s:.4g} of {total:.4g} GF)"] = (
+                abs(s - total) <= 1e-9 * total
+            )
+            done = sum(r["NS matrices per rank"])
+            goals[f"{name}: every matrix once in the world ({done} of {r['NS matrices']})"] = (
+                done == r["NS matrices"]
+            )
+        if name.startswith("ours"):
+            worst = r["NS max rank / total"]
+            goals[f"{name}: busiest rank <= {BALANCE} x total/4 ({worst:.3f} x total, measured)"] = (
+                worst <= BALANCE / 4
+            )
+        else:
+            peer = (f"{name} (peer, for reference): busiest rank {r['NS max rank / total']:.3f} x total, "
+                    f"ranks together {r['NS sum / total']:.3f} x total ({replicas} replicas)")  # fmt: skip
+            goals[peer] = True
+    return goals
+
+
+def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
+    ok, notes = True, []
+    for r in rows:
+        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
+        lowered = r["loss after"] < r["loss first"]
+        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
+        ok &= lowered and close
+        if not (lowered and close):
+            notes.append(f"{r['config']}: lowered {lowered}, |Δ loss| {delta:.2e}")
+    return ok, notes
+
+
+def _plot(rows: list[dict], name: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    muon = [r for r in rows if r["config"].endswith("Muon")]
+    width = 0.8 / max(1, len(muon))
+    for i, r in enumerate(muon):
+        per_rank = r["NS GF per rank (measured)"]
+        ax.bar([k + i * width for k in range(len(per_rank))], per_rank, width, label=r["config"])
+    if muon:
+        total = muon[0]["NS total GF"]
+        for share, style in ((4, ":"), (2, "--")):
+            ax.axhline(total / share, color="gray", linestyle=style, label=f"total/{share}")
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(4)], [f"rank {k}" for k in range(4)])
+    ax.set(ylabel="Newton–Schulz GFLOP per step (measured)")
+    ax.set_title("Muon: orthogonalization work per rank", fontsize=9)
+    ax.legend(fontsize=7)
+    bottom = [0.0] * len(rows)
+    for where, color in (("inside", "tab:blue"), ("across", "tab:orange"), ("mixed", "tab:gray")):
+        vals = [r[f"MB {where}"] for r in rows]
+        bx.bar(range(len(rows)), vals, bottom=bottom, color=color, label=where)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(len(rows)), [r["config"] for r in rows], rotation=30, ha="right", fontsize=8)
+    bx.set(ylabel="MB sent per rank per train step")
+    bx.set_title("bytes by where they go", fontsize=9)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    return save_png(name, fig)
+
+
+def report(rows: list[dict], run: dict) -> dict:
+    shape = run["shape"]
+    if run["quick"]:
+        print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
+    print(f"\n## HSDP: {rows[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, d {shape['d_model']}, "
+          f"{shape['n_layers']} layers), {shape['batch']}x{shape['seq']} tokens/rank/step, W={run['world']} "
+          f"(gloo); {run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; "
+          f"x = vs FSDP2 2x2 with the same optimizer\n")  # fmt: skip
+    print(f"load average {load_average()}\n")
+    print(table(rows, TIME, floatfmt=".4g"))
+    print(f"\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes; "
+          f"step = inside opt.step(); load average {load_average()}\n")  # fmt: skip
+    print(table(_listed(rows), BYTES, floatfmt=".4g"))
+    muon = [r for r in rows if r["config"].endswith("Muon")]
+    if muon:
+        print(f"\nNewton–Schulz GFLOP per step, per rank (ranks 0 / 1 / 2 / 3); load average "
+              f"{load_average()}\n")  # fmt: skip
+        print(table(_listed(muon), NS, floatfmt=".4g"))
+    print()
+    print(table(rows, LOSS, floatfmt=".5g"))
+    goals = _goals(rows)
+    print(f"\nGoals (W={run['world']}):")
+    for k, ok in goals.items():
+        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    sane, notes = _loss_check(rows)
+    print(f"\nLoss check (loss after training vs FSDP2 2x2 with the same optimizer, relative tolerance "
+          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
+          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    name = "hsdp_quick" if run["quick"] else "hsdp"
+    png = _plot(rows, name)
+    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
+               "loss_check_ok": sane, "rows": rows}  # fmt: skip
+    path = save_json(name, payload)
+    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
+    return payload

@@ -1,0 +1,171 @@
+"""Live tensor bytes over time, from the torch profiler's record of ATen's CPU allocator.
+
+    recorder = LiveBytes().start()    # before anything of interest is allocated
+    ... with record_function("bench::fwd"): ...
+    trace = recorder.stop()           # the allocator's timeline and the recorded windows
+    trace.peak("bench::steady")       # max bytes alive inside those windows, where, and by whom
+    trace.at_start("bench::steady")   # bytes alive when the first such window opened
+
+Method: with `profile_memory=True` the profiler records every allocation and free that
+ATen's CPU allocator makes on the threads it covers (the caller's, intra-op workers and
+gloo's workers, which inherit its state) together with the running total of the bytes
+allocated since profiling began and not yet freed. Started before the model is built,
+that total is the storage of every tensor the process holds — parameters, gradients,
+optimizer state, activations, communication buffers, gloo's staging — to the byte, after
+every allocation, so its maximum is the peak. A storage resized to 0 (FSDP2's and our
+freed unsharded buffers) counts as freed. Not counted: memory outside ATen's allocator
+(Python objects, gloo's own C++ buffers, the allocator's overhead), which RSS includes.
+Tensors tracked by an earlier profiling session of the process and still alive are
+subtracted (`Trace.base`), so sessions in one process measure alike.
+
+At the peak, the bytes alive are attributed to where each block was allocated: the
+`bench::` phase open then (before the first phase: `setup`) and the innermost region of
+the libraries' own (`FSDP::`, `vescale::`, unit names dropped), else `AccumulateGrad`
+when autograd's gradient accumulation allocated it, else `compute`; blocks allocated on
+another thread than the phase's (gloo's workers) are `c10d thread`.
+
+The timeline is read from the profiler's Chrome trace (`export_chrome_trace`, public).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["LiveBytes", "Trace"]
+
+LIBRARY = ("FSDP::", "vescale::", "vescale_optim.")
+
+
+def _region(name: str) -> str:
+    """A library region without its unit's name: `FSDP::all_gather (blocks.1)` -> `FSDP::all_gather`."""
+    return re.sub(r"\s*(\(.*\)|\[.*\])$", "", name)
+
+
+@dataclass
+class Trace:
+    times: list[float]  # µs, ascending: one entry per allocator event
+    totals: list[int]  # bytes alive after that event
+    windows: list[tuple[str, float, float]] = field(default_factory=list)  # bench::/library regions, by start
+    base: int = 0  # bytes alive, tracked by an earlier profiling session, before this one began
+    allocs: list[tuple[float, float, int, str]] = field(default_factory=list)  # (from, to, bytes, who)
+
+    def _spans(self, name: str) -> list[tuple[float, float]]:
+        return [(s, e) for n, s, e in self.windows if n == name]
+
+    def at_start(self, name: str) -> int:
+        """Bytes alive when the first `name` window opened."""
+        spans = self._spans(name)
+        if not spans:
+            raise KeyError(name)
+        i = bisect.bisect_right(self.times, spans[0][0]) - 1
+        return (self.totals[i] if i >= 0 else self.base) - self.base
+
+    def peak(self, name: str, prefixes: tuple[str, ...] = ("bench::", *LIBRARY)) -> dict:
+        """The most bytes alive inside any `name` window; the windows (named with one of
+        `prefixes`) open at that moment, outermost first; the bytes alive then by who
+        allocated them (see the module's docstring)."""
+        best, when = -1, None
+        for start, end in self._spans(name):
+            lo, hi = bisect.bisect_left(self.times, start), bisect.bisect_right(self.times, end)
+            before = self.totals[lo - 1] if lo > 0 else self.base
+            if before > best:
+                best, when = before, start
+            for i in range(lo, hi):
+                if self.totals[i] > best:
+                    best, when = self.totals[i], self.times[i]
+        if when is None:
+            raise KeyError(name)
+        where = [n for n, s, e in self.windows if s <= when <= e and n.startswith(prefixes)]
+        alive = Counter()
+        for t0, t1, nbytes, who in self.allocs:
+            if t0 <= when < t1:
+                alive[who] += nbytes
+        return {"bytes": best - self.base, "where": where, "by": dict(alive.most_common())}
+
+
+def _attribute(events: list[dict]) -> list[tuple[float, float, int, str]]:
+    """(alloc time, free time, bytes, who allocated) for every block allocated in the trace."""
+    main = next((e["tid"] for e in events if e.get("name", "").startswith("bench::")), None)
+    marks = []  # (time, order, kind, payload): window ends before starts before allocations at a tie
+    for i, e in enumerate(events):
+        if e.get("ph") == "X" and e.get("tid") == main:
+            name, t0, t1 = e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+            if name.startswith(("bench::", *LIBRARY)) or "AccumulateGrad" in name:
+                marks += [(t0, 1, "open", (t1, i, name)), (t1, 0, "close", (t1, i, name))]
+        elif e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0:
+            marks.append((float(e["ts"]), 2, "mem", e))
+    marks.sort(key=lambda m: (m[0], m[1]))
+    open_: list[tuple] = []
+    live: dict[int, tuple[float, int, str]] = {}
+    out = []
+    for t, _, kind, payload in marks:
+        if kind == "open":
+            open_.append(payload)
+        elif kind == "close":
+            if payload in open_:
+                open_.remove(payload)
+        else:
+            args = payload["args"]
+            addr, nbytes = args.get("Addr"), int(args["Bytes"])
+            if nbytes > 0:
+                live[addr] = (t, nbytes, _who(open_, payload.get("tid") == main))
+            elif addr in live:
+                t0, n, who = live.pop(addr)
+                out.append((t0, t, n, who))
+    out += [(t0, float("inf"), n, who) for t0, n, who in live.values()]
+    return out
+
+
+def _who(open_: list[tuple], on_main: bool) -> str:
+    if not on_main:
+        return "c10d thread"
+    names = [name for _, _, name in open_]
+    phases = [n for n in names if n.startswith("bench::") and n[7:] in ("fwd", "bwd", "step", "zero_grad")]
+    phase = phases[-1][7:] if phases else "setup"
+    library = [n for n in names if n.startswith(LIBRARY)]
+    if library:
+        return f"{phase}: {_region(library[-1])}"
+    return f"{phase}: {'AccumulateGrad' if any('AccumulateGrad' in n for n in names) else 'compute'}"
+
+
+class LiveBytes:
+    """The profiler, recording allocations (see the module's docstring)."""
+
+    def __init__(self):
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def start(self) -> LiveBytes:
+        self._prof.start()
+        return self
+
+    def stop(self) -> Trace:
+        self._prof.stop()
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            self._prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        finally:
+            os.unlink(path)
+        self._prof = None
+        memory = sorted(
+            (float(e["ts"]), i, int(e["args"]["Total Allocated"]), int(e["args"]["Bytes"]))
+            for i, e in enumerate(events)
+            if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
+        )
+        windows = sorted(
+            ((e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation"),
+            key=lambda w: w[1],
+        )  # fmt: skip
+        base = memory[0][2] - memory[0][3] if memory else 0
+        return Trace([m[0] for m in memory], [m[2] for m in memory], windows, base, _attribute(events))

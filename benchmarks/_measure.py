@@ -1,0 +1,88 @@
+"""Measuring helpers the training benchmarks share: RSS, timers, medians, machine load.
+
+    live_malloc()                       # glibc: large blocks by mmap, so RSS follows live tensors
+    base = status_kb("VmRSS"); reset_peak(); ...; status_kb("VmHWM")   # peak RSS since the reset
+    t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
+    median_of_max(per_rank_times)       # median over steps of the slowest rank's time
+    load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+__all__ = ["Timer", "live_malloc", "load_average", "median_of_max", "reset_peak", "slowest", "status_kb"]
+
+
+def status_kb(field: str) -> int:
+    """A `/proc/self/status` field in KiB (`VmRSS`, `VmHWM`)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak RSS (`VmHWM`) to its current RSS; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def live_malloc() -> bool:
+    """glibc: serve allocations of 128 KiB and more by mmap (returned to the OS on free)
+    and trim the heap eagerly, so RSS follows the live tensors rather than the allocator's
+    high-water marks."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 128 * 1024) and libc.mallopt(m_trim_threshold, 128 * 1024))
+    except (OSError, AttributeError):
+        return False
+
+
+class Timer:
+    """Adds up wall time spent inside wrapped callables."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def slowest(per_rank: list[list[float]]) -> list[float]:
+    """The slowest rank's time in each step."""
+    return [max(col) for col in zip(*per_rank)]
+
+
+def median_of_max(per_rank: list[list[float]]) -> float:
+    """Median over steps of the slowest rank's time in each step."""
+    return statistics.median(slowest(per_rank))
+
+
+def load_average() -> str:
+    """The machine's load average over 1, 5 and 15 minutes, for printing beside a table."""
+    try:
+        return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"

@@ -1,0 +1,79 @@
+"""Optimizer settings the training benchmarks share, Muon's split of a GPT's parameters, and
+the two training set-ups they compare.
+
+    vo.AdamW(model.parameters(), **ADAMW)
+    vo.Muon(muon_groups(model))                  # hidden matrices -> Muon, the rest -> AdamW
+    names = muon_names(model)                    # the Muon group's parameter names, for a peer's split
+    torch.optim.Muon(hidden, **MUON); torch.optim.AdamW(rest, **MUON_ADAMW)
+    opt = ours(model, "Muon", shard_modules=[*model.blocks, model], mesh=mesh)
+    opt = fsdp2(model, "Muon", mesh=mesh)        # fully_shard per block and the root + torch.optim
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import vescale_optim as vo
+
+__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "Steps", "fsdp2", "muon_groups", "muon_names", "ours"]
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+MUON_ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)  # Muon's AdamW group
+
+
+def muon_groups(model: nn.Module) -> list[dict]:
+    """`vo.muon_param_groups` of a GPT (`benchmarks._gpt`): its head goes to AdamW."""
+    adamw = dict(adamw_lr=MUON_ADAMW["lr"], adamw_betas=MUON_ADAMW["betas"],
+                 adamw_weight_decay=MUON_ADAMW["weight_decay"])  # fmt: skip
+    return vo.muon_param_groups(model, **MUON, exclude=[model.head], **adamw)
+
+
+def muon_names(model: nn.Module) -> set[str]:
+    """Names of the parameters `muon_groups` puts in the Muon group."""
+    ids = {id(p) for p in muon_groups(model)[0]["params"]}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+class Steps:
+    """Several optimizers stepped as one (torch.optim.Muon, and AdamW for the rest)."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.opts:
+            o.zero_grad()
+
+
+def ours(model: nn.Module, family: str, **kwargs):
+    """`vo.AdamW` or `vo.Muon` (with `muon_groups`) over a GPT, with `kwargs` (`shard_modules`,
+    `mesh`, ...)."""
+    if family == "AdamW":
+        return vo.AdamW(model.parameters(), **ADAMW, **kwargs)
+    return vo.Muon(muon_groups(model), **kwargs)
+
+
+def fsdp2(model: nn.Module, family: str, mesh=None):
+    """FSDP2's `fully_shard` on every block (resharded after forward), then on the root (kept
+    gathered from forward to backward, as our outermost unit), over `mesh` (2-D: HSDP); then
+    `torch.optim.AdamW`, or `torch.optim.Muon` on the hidden matrices and `torch.optim.AdamW`
+    on the rest, on the DTensor parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    hidden = muon_names(model)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    if family == "AdamW":
+        return torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
+    named = dict(model.named_parameters())  # DTensors now
+    return Steps(
+        torch.optim.Muon([p for n, p in named.items() if n in hidden], **MUON),
+        torch.optim.AdamW([p for n, p in named.items() if n not in hidden], foreach=True, **MUON_ADAMW),
+    )

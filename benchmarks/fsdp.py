@@ -1,0 +1,377 @@
+"""Fully sharded training (ZeRO-3) against FSDP2 on gloo: step time, exposed communication,
+peak memory, bytes moved and copies.
+
+Configurations, each training its own copy of the same seeded model on the same per-rank
+batches (a pool of two, cycled, so a working optimizer lowers the loss):
+
+* `ours Z3 AdamW` - `vo.AdamW(model.parameters(), **ADAMW, shard_modules=[*model.blocks, model])`
+* `ours Z3 Muon`  - `vo.Muon(muon_groups(model), shard_modules=...)` (hidden matrices through
+                    Muon, embeddings, norms, biases and the head through AdamW)
+* `FSDP2 AdamW`   - `fully_shard(block, reshard_after_forward=True)` for every block, then
+                    `fully_shard(model)` (the root stays gathered from forward to backward, as
+                    our outermost unit does), `torch.optim.AdamW(foreach=True)`
+* `FSDP2 Muon`    - the same with `torch.optim.Muon` on the hidden matrices and
+                    `torch.optim.AdamW` on the rest, on the DTensor parameters
+* `ours Z2 AdamW`, `ours Z2 Muon` - our optimizers without `shard_modules`: parameters whole
+                    on every rank, gradients still reduce-scattered during backward
+
+Each of ours is compared with the FSDP2 configuration of its optimizer (`x` columns).
+Models (`benchmarks._gpt.build_gpt`): `gpt`, the benchmark GPT, where activations weigh
+about as much as the sharded training state; `wide`, wide layers and 16-token sequences,
+where parameters, gradients and optimizer state dominate memory as in large-model training.
+
+Time (one world per model, all configurations in it, one step each in turn with the order
+rotating, so load on the machine hits them alike): every step starts after a barrier and is
+timed per rank: `fwd` (`model.loss`), `bwd`, `step` (`opt.step()`), `zero_grad`; `train` is
+their sum; `update` is `step` less the communication exposed in it (ours waits there for
+the last unit's gradient reduction, which FSDP2 finishes inside backward). A number is the
+median over steps of the slowest rank's; a ratio is the median of the per-step ratios.
+`exposed comm` is the time the training thread spent inside collective calls or waiting
+for them (`benchmarks._comm`: issue, synchronous calls, `Work.wait`, DTensor's
+`wait_tensor`), i.e. communication not hidden behind compute. On CPU, FSDP2 issues every
+collective synchronously (its overlap needs CUDA streams), so all of its communication is
+exposed; ours are asynchronous on gloo with the next unit prefetched. `MB sent` is per
+rank and step, by the kind of collective called (`benchmarks._comm` says how it is
+counted).
+
+Copies: rank 0 runs one more step of each configuration under the profiler (shapes and
+Python stacks) and counts the outermost copy ops of the step (`benchmarks._copies`) by
+path: `collective path` (inside FSDP2's or our communication code: `FSDP::` and
+`vescale::` regions, their modules' frames, DTensor's redistribution), `grad accum`
+(inside autograd's AccumulateGrad), `c10d` (gloo's own staging), `own slice` (ours only:
+on gloo our all-gather copies the rank's shard into its slice of the unsharded buffer,
+then broadcasts in place; NCCL gathers from the shard directly) and `compute` (the model
+and the optimizers' math; context only). `copies` = collective path + grad accum.
+
+Memory (each configuration alone in a fresh world): `peak live` is the most tensor bytes
+alive on a rank during a training step after the first, read from the profiler's record
+of ATen's allocator (`benchmarks._live`), so FSDP2's all-gather and reduce-scatter
+buffers, our unsharded units and gradient buffers, activations and gloo's staging all
+count alike; `at step start` is what a rank holds between steps; `peak at` names the
+phase and innermost library region open at the peak. Then, without the profiler, the
+peak RSS (`VmHWM` after resetting it) over one more step, with glibc returning large
+blocks at once (`--malloc live`), and the same minus the bare process's RSS. Scaling:
+peak live bytes per parameter of the `wide` model at W = 1, 2 and the main W.
+
+Sanity: every configuration's loss on each rank's first batch after training, against its
+FSDP2 peer; all must have lowered the loss.
+
+    python benchmarks/fsdp.py               # 4 ranks, both models (~6 min on 2 cores)
+    python benchmarks/fsdp.py --quick       # tiny wide model, 2 ranks, a few steps (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from benchmarks._comm import CommMeter  # noqa: E402
+from benchmarks._copies import copies_by_path  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
+from benchmarks._optim import fsdp2, ours  # noqa: E402
+
+CONFIGS = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon", "FSDP2 Muon", "ours Z2 Muon"]
+SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
+MODELS = {
+    "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
+    "wide": dict(vocab=2048, d_model=768, n_layers=4, n_heads=12, seq_len=16, batch=1, seq=16),
+}
+QUICK = {
+    "gpt": dict(vocab=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
+    "wide": dict(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=8, batch=1, seq=8),
+}
+PHASES = ["fwd", "bwd", "step", "zero_grad"]
+PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
+           "benchmarks.fsdp"]  # fmt: skip
+REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
+COLLECTIVE_CODE = (
+    "vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params",
+    "vescale_optim/shard/collectives.py", "vescale_optim/units/", "FSDP::", "fsdp::",
+    "torch/distributed/fsdp/",
+    "torch/distributed/tensor/_redistribute", "torch/distributed/tensor/placement_types",
+    "torch/distributed/tensor/_collective_utils", "torch/distributed/_functional_collectives",
+)  # fmt: skip
+
+
+def peer(config: str) -> str:
+    return "FSDP2 " + config.split()[-1]
+
+
+# ---------------------------------------------------------------- one configuration
+
+
+def _optimizer(config: str, model: torch.nn.Module):
+    family = config.split()[-1]
+    if config.startswith("ours"):
+        return ours(model, family, **({"shard_modules": [*model.blocks, model]} if " Z3 " in config else {}))
+    return fsdp2(model, family)
+
+
+class Trainer:
+    """One configuration: its model copy, its optimizer, and what its steps measured."""
+
+    def __init__(self, config: str, shape: dict, meter: CommMeter | None = None):
+        self.config, self.meter = config, meter
+        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
+                               shape["seq_len"], seed=0)  # fmt: skip
+        self.params = param_count(self.model)
+        self.opt = _optimizer(config, self.model)
+        self.times: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.exposed: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.comm: dict = {}
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True) -> None:
+        meter = self.meter
+        if meter is not None:
+            meter.take()
+        (meter.barrier if meter is not None else dist.barrier)()
+        times, comm, loss = {}, {}, None
+        for name in PHASES:
+            with record_function(f"bench::{name}"):
+                t0 = time.perf_counter()
+                if name == "fwd":
+                    loss = self.model.loss(x, y)
+                elif name == "bwd":
+                    loss.backward()
+                else:
+                    getattr(self.opt, name)()
+                times[name] = time.perf_counter() - t0
+            if meter is not None:
+                comm[name] = meter.take()
+        self.losses.append(loss.item())
+        if not record:
+            return
+        for k in PHASES:
+            self.times[k].append(times[k])
+            if meter is not None:
+                self.exposed[k].append(comm[k]["exposed_s"])
+        if meter is not None:
+            total = {"calls": Counter(), "sent": Counter()}
+            for c in comm.values():
+                total["calls"].update(c["calls"])
+                total["sent"].update(c["sent"])
+            self.comm = {k: dict(v) for k, v in total.items()}
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.model.loss(x, y).item()
+
+
+def _batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + i * world + rank)
+            for i in range(2)]  # fmt: skip
+
+
+def _classify(event, context: list[str]) -> str:
+    text = " | ".join(context)
+    if "vescale::unshard[" in text:
+        return "own slice"
+    if any(m in text for m in COLLECTIVE_CODE):
+        return "collective path"
+    if "AccumulateGrad" in text:
+        return "grad accum"
+    return "compute"
+
+
+def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
+    """One step of `tr`, under the profiler on rank 0: its copies by path."""
+    if rank != 0:
+        tr.step(x, y, record=False)
+        return None
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True)
+    with prof, record_function("bench::train"):
+        tr.step(x, y, record=False)
+    return copies_by_path(prof, "bench::train", _classify)
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: int, steps: int) -> dict:
+    """Per model: every configuration in this world, interleaved step by step."""
+    meter = CommMeter().install()
+    out = {}
+    for name, shape in models.items():
+        batches = _batches(shape, rank, world)
+        trainers = [Trainer(c, shape, meter) for c in configs]
+        for s in range(warmup + steps):
+            k = s % len(trainers)
+            for tr in trainers[k:] + trainers[:k]:
+                tr.step(*batches[s % len(batches)], record=s >= warmup)
+        copies = {tr.config: _count_copies(rank, tr, *batches[0]) for tr in trainers}
+        out[name] = {
+            tr.config: {"params": tr.params, "times_s": tr.times, "exposed_s": tr.exposed, "comm": tr.comm,
+                        "losses": tr.losses, "loss_after": tr.eval_loss(*batches[0]),
+                        "copies": copies[tr.config]}
+            for tr in trainers
+        }  # fmt: skip
+        del trainers
+        gc.collect()
+    return out
+
+
+def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
+    """Each (model, shape, config) in turn: live tensor bytes over `steps` profiled steps,
+    then peak RSS over one more without the profiler (see the module's docstring)."""
+    tuned = live_malloc() if live else False
+    results = []
+    for model, shape, config in jobs:
+        gc.collect()
+        base_kb = status_kb("VmRSS")
+        batches = _batches(shape, rank, world)
+        recorder = LiveBytes().start()
+        tr = Trainer(config, shape)
+        for s in range(steps):
+            with record_function("bench::first" if s == 0 else "bench::steady"):
+                tr.step(*batches[s % 2])
+        trace = recorder.stop()
+        stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
+        del recorder
+        gc.collect()
+        reset = reset_peak()
+        tr.step(*batches[steps % 2])
+        peak = trace.peak("bench::steady", REGIONS)
+        results.append({
+            "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],
+            "live_where": peak["where"], "live_by": peak["by"],
+            "live_first": trace.peak("bench::first", REGIONS)["bytes"],
+            "live_start": trace.at_start("bench::steady"), "memory_stats": stats, "rss_base_kb": base_kb,
+            "rss_peak_kb": status_kb("VmHWM"), "peak_reset": reset, "live_malloc": tuned,
+        })  # fmt: skip
+        del tr, trace
+        gc.collect()
+    return results
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _per_step_max(per_rank: list[list[float]]) -> list[float]:
+    return [max(col) for col in zip(*per_rank)]
+
+
+def _ms(per_step: list[float]) -> float:
+    return 1e3 * statistics.median(per_step)
+
+
+def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> dict:
+    """One configuration's row from every rank's timing (and memory) results."""
+    phases = {k: _per_step_max([r["times_s"][k] for r in res]) for k in PHASES}
+    exposed = {k: _per_step_max([r["exposed_s"][k] for r in res]) for k in PHASES}
+    r0, copies = res[0], res[0]["copies"] or {}
+    sent = r0["comm"].get("sent", {})
+    update = _per_step_max([[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])]
+                            for r in res])  # fmt: skip
+    row = {"model": model, "config": config, "params": r0["params"],
+           "_train": [sum(t) for t in zip(*phases.values())], "_step": phases["step"], "_update": update,
+           "update ms": _ms(update),
+           **{f"{k} ms": _ms(v) for k, v in phases.items()},
+           "exposed comm ms": _ms([sum(t) for t in zip(*exposed.values())]),
+           "exposed/phase ms": {k: _ms(v) for k, v in exposed.items()},
+           "MB sent": sum(sent.values()) / 2**20, "MB sent by kind": {k: v / 2**20 for k, v in sent.items()},
+           "calls": r0["comm"].get("calls", {}),
+           "copies": sum(copies.get(p, {}).get("copies", 0) for p in ("collective path", "grad accum")),
+           **{f"{p} copies": copies.get(p, {}).get("copies", 0) for p in ("own slice", "c10d", "compute")},
+           "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
+           "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
+    row["train ms"] = _ms(row["_train"])
+    if mem:
+        top = max(mem, key=lambda m: m["live_peak"])
+        row.update({"peak live MB": top["live_peak"] / 2**20,
+                    "at step start MB": max(m["live_start"] for m in mem) / 2**20,
+                    "peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"],
+                    "peak RSS MB": max(m["rss_peak_kb"] for m in mem) / 1024,
+                    "RSS-base MB": max(m["rss_peak_kb"] - m["rss_base_kb"] for m in mem) / 1024,
+                    "memory": mem})  # fmt: skip
+    return row
+
+
+def summarize(model: str, timed: dict[str, list[dict]], memory: dict[str, list[dict]]) -> list[dict]:
+    """Table rows for one model, with ratios against each configuration's FSDP2 peer."""
+    rows = {c: _row(model, c, res, memory.get(c)) for c, res in timed.items()}
+    for row in rows.values():
+        base = rows.get(peer(row["config"]))
+        if base is None:
+            continue
+        for k in ("train", "step", "update"):
+            row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
+        for k in ("peak live MB", "peak RSS MB"):
+            if row.get(k) and base.get(k):
+                row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
+        row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
+    for row in rows.values():
+        del row["_train"], row["_step"], row["_update"]
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from benchmarks._fsdp_report import report
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 5, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--memory-steps", type=int, default=2, help="profiled, then one for RSS; 0: none")
+    ap.add_argument("--malloc", choices=["live", "default"], default="live")
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: both (--quick: wide)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--no-scaling", action="store_true", help="skip the W = 1, 2 memory runs")
+    ap.add_argument("--quick", action="store_true", help="tiny wide model, 2 ranks, one world per run kind")
+    args = ap.parse_args(argv)
+    world = args.world_size or (2 if args.quick else 4)
+    steps = args.steps or (2 if args.quick else 5)
+    warmup = min(args.warmup, 1) if args.quick else args.warmup
+    memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
+    if memory_steps == 1:
+        ap.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
+    models = args.models or (["wide"] if args.quick else list(MODELS))
+    shapes = {m: (QUICK if args.quick else MODELS)[m] for m in models}
+    live = args.malloc == "live"
+    t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
+
+    timed = launch(_time_all, world, shapes, args.configs, warmup, steps, preload=PRELOAD)
+    log(f"timing: {time.perf_counter() - t0:.0f} s")
+
+    def measure(w: int, jobs: list[tuple[str, dict, str]]) -> list[dict]:
+        # fresh world per configuration (RSS is per process); --quick runs them all in one
+        batches = [jobs] if args.quick else [[j] for j in jobs]
+        out = []
+        for b in batches:
+            per_rank = launch(_memory, w, b, memory_steps, live, preload=PRELOAD)
+            out += [[r[i] for r in per_rank] for i in range(len(b))]
+            log(f"memory W={w} {[j[2] for j in b]}: {time.perf_counter() - t0:.0f} s")
+        return out
+
+    jobs = [(m, shapes[m], c) for m in shapes for c in args.configs] if memory_steps else []
+    memory = dict(zip([(m, c) for m, _, c in jobs], measure(world, jobs)))
+    rows = [r for m in shapes
+            for r in summarize(m, {c: [rk[m][c] for rk in timed] for c in args.configs},
+                               {c: memory[(m, c)] for c in args.configs if (m, c) in memory})]  # fmt: skip
+    scaling = []
+    if "wide" in shapes and memory_steps and not args.no_scaling:
+        configs = [c for c in SCALING if c in args.configs]
+        for w in sorted({1, 2} - {world}):
+            scaling += [(w, res) for res in measure(w, [("wide", shapes["wide"], c) for c in configs])]
+        scaling += [(world, memory[("wide", c)]) for c in configs]
+    return report(rows, scaling, dict(world=world, steps=steps, warmup=warmup, memory_steps=memory_steps,
+                                      malloc=args.malloc, shapes=shapes, quick=args.quick,
+                                      wall_s=time.perf_counter() - t0))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

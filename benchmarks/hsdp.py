@@ -1,0 +1,275 @@
+"""HSDP on a 2-D mesh (replicate x shard) against FSDP2's HSDP on gloo: step time, bytes
+inside and across shard groups, Newton–Schulz FLOPs per rank.
+
+Configurations, on 4 ranks, each training its own copy of the same seeded GPT on the same
+per-rank batches (a pool of two, cycled, so a working optimizer lowers the loss):
+
+* `ours 2x2 AdamW|Muon` - `vo.AdamW` / `vo.Muon(muon_groups(model))` with
+                          `mesh=init_device_mesh("cpu", (2, 2), ("replicate", "shard"))` and
+                          `shard_modules=[*model.blocks, model]`
+* `ours 1x4 AdamW|Muon` - the same on a `(1, 4)` mesh: one shard group of 4, no replicas
+* `FSDP2 2x2 AdamW|Muon` - `fully_shard(block, mesh=<the same 2x2 mesh>)` for every block,
+                          then the root (FSDP2's HSDP), `torch.optim.AdamW(foreach=True)`, or
+                          `torch.optim.Muon` on the hidden matrices (the split of
+                          `benchmarks._optim.muon_groups`) and AdamW on the rest
+
+Time: every configuration in one world, one step each in turn with the order rotating
+(as `benchmarks/fsdp.py`): `fwd`, `bwd`, `step` (`opt.step()`), `zero_grad` timed per rank
+after a barrier; `train` is their sum. A number is the median over steps of the slowest
+rank's; `x` is the median of the per-step ratios to FSDP2 2x2 with the same optimizer.
+
+Bytes (`benchmarks._comm`): every collective the training thread calls, by the ranks of its
+group: `inside` a shard group (a replica), `across` shard groups (replicate groups, and the
+peers of an all-to-all in another replica), `mixed` (a collective over a group that spans
+both, e.g. the world: its split depends on the algorithm, so it is left unsplit). Per rank
+and train step, the mean over ranks; `step` columns count what is sent inside `opt.step()`
+(ours: its Muon moves, and the replica all-reduce of the last unit's gradient, which it
+finishes there). `stats MB` is ours's own count of the step's collectives
+(`opt.step_stats["bytes_sent"]`, mean over ranks), a cross-check of the meter's all-to-all.
+Kinds are counted as asked: ours's gradient reduce-scatter is an in-place all-reduce on
+gloo (twice a reduce-scatter's bytes); gloo runs FSDP2's reduce-scatter as an all-reduce too,
+but it is counted as a reduce-scatter. `exposed comm` is the time the training thread
+spent in collectives or waiting for them.
+
+Newton–Schulz FLOPs per rank, per step: `total` is the model's (every Muon matrix once:
+`5 * (4a²b + 2a³)` for an `a x b` matrix, a <= b, the iteration torch.optim.Muon and ours
+run); ours report theirs in `step_stats["ns_flops"]`; `measured` is what each rank's matrix
+products in `opt.step()` cost, from the profiler's FLOP count of `aten::mm`, `addmm`, `bmm`
+and `baddbmm` on one more step (innermost products only, so a DTensor's product is counted
+on the local pieces it runs on). Ours: each matrix is orthogonalized once in the whole
+world, owners balanced over the 4 ranks, so a rank does about total/4. FSDP2 +
+torch.optim.Muon: every parameter and gradient is a DTensor, replicated over `replicate`
+and sharded on dim 0 over `shard`; torch.optim.Muon runs its iteration on the gradient as
+it is, and DTensor redistributes operands and partial results as each product's sharding
+rule asks (all-gathers and all-reduces inside the shard group, all-reduces across
+replicas: the `step MB` columns). Measured, a rank does about total/2 on 2x2 and the ranks
+together about twice the total: the work is split within a shard group, not across replicas.
+
+    python benchmarks/hsdp.py            # 4 ranks (~1 min on 2 cores)
+    python benchmarks/hsdp.py --quick    # tiny model, 4 ranks, a few steps (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from benchmarks._comm import CommMeter  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._measure import slowest  # noqa: E402
+from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
+from vescale_optim.optim import ns_flops  # noqa: E402
+
+WORLD = 4
+MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
+CONFIGS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
+MODEL = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
+QUICK = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
+PHASES = ["fwd", "bwd", "step", "zero_grad"]
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
+           "benchmarks.hsdp"]  # fmt: skip
+
+
+def peer(config: str) -> str:
+    return "FSDP2 2x2 " + config.split()[-1]
+
+
+def ns_total(model: torch.nn.Module) -> int:
+    """Newton–Schulz FLOPs of one step over every Muon matrix of `model`, each once."""
+    steps = MUON["ns_steps"]
+    return sum(ns_flops(p.shape[0], p.shape[1], steps) for p in muon_groups(model)[0]["params"])
+
+
+def matmul_flops(prof) -> int:
+    """FLOPs of the innermost matrix products the profiler saw (a product that calls
+    another, as a DTensor's calls its local one, counts as the inner one)."""
+
+    def calls_product(e) -> bool:
+        return any(c.name in PRODUCTS or calls_product(c) for c in e.cpu_children)
+
+    return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))
+
+
+class Trainer:
+    """One configuration: its model copy, optimizer, mesh, and what its steps measured."""
+
+    def __init__(self, config: str, shape: dict, meshes: dict, meter: CommMeter):
+        who, layout, family = config.split()
+        self.config, self.meter, mesh = config, meter, meshes[layout]
+        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
+                               shape["seq_len"], seed=0)  # fmt: skip
+        self.params, self.ns_total = param_count(self.model), ns_total(self.model)
+        self.ns_count = len(muon_groups(self.model)[0]["params"])
+        grid = mesh.mesh.tolist()
+        self.replica_of = {r: i for i, row in enumerate(grid) for r in row}
+        if who == "ours":
+            self.opt = ours(self.model, family, mesh=mesh, shard_modules=[*self.model.blocks, self.model])
+        else:
+            self.opt = fsdp2(self.model, family, mesh=mesh)
+        self.times: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.exposed: list[float] = []  # per step: seconds the training thread spent in collectives
+        self.sent: list[dict] = []  # per step: "where kind" -> bytes, over the whole train step
+        self.step_sent: list[dict] = []  # per step: "where kind" -> bytes, inside opt.step()
+        self.stats: list[dict] = []  # ours: opt.step_stats after each step
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, flops: bool = False) -> int:
+        """One train step; with `flops`, the FLOPs of the matrix products in `opt.step()`."""
+        meter = self.meter
+        meter.replica_of = self.replica_of
+        meter.take()
+        meter.barrier()
+        times, comm, loss, prof = {}, {}, None, None
+        for name in PHASES:
+            with contextlib.ExitStack() as stack:
+                if flops and name == "step":
+                    prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU], with_flops=True))
+                stack.enter_context(record_function(f"bench::{name}"))
+                t0 = time.perf_counter()
+                if name == "fwd":
+                    loss = self.model.loss(x, y)
+                elif name == "bwd":
+                    loss.backward()
+                else:
+                    getattr(self.opt, name)()
+                times[name] = time.perf_counter() - t0
+            comm[name] = meter.take()
+        self.losses.append(loss.item())
+        if record:
+            for k in PHASES:
+                self.times[k].append(times[k])
+            self.exposed.append(sum(c["exposed_s"] for c in comm.values()))
+            total = Counter()
+            for c in comm.values():
+                total.update(c["sent_by"])
+            self.sent.append(dict(total))
+            self.step_sent.append(comm["step"]["sent_by"])
+            self.stats.append(dict(getattr(self.opt, "step_stats", {})))
+        return matmul_flops(prof) if prof is not None else 0
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.model.loss(x, y).item()
+
+
+def _batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + i * world + rank)
+            for i in range(2)]  # fmt: skip
+
+
+def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, steps: int) -> dict:
+    """Every configuration in this world, interleaved step by step; then one profiled step each."""
+    meter = CommMeter().install()
+    meshes = {k: init_device_mesh("cpu", s, mesh_dim_names=("replicate", "shard")) for k, s in MESHES.items()}
+    batches = _batches(shape, rank, world)
+    trainers = [Trainer(c, shape, meshes, meter) for c in configs]
+    for s in range(warmup + steps):
+        k = s % len(trainers)
+        for tr in trainers[k:] + trainers[:k]:
+            tr.step(*batches[s % len(batches)], record=s >= warmup)
+    measured = {tr.config: tr.step(*batches[0], record=False, flops=True) for tr in trainers}
+    return {tr.config: {"params": tr.params, "ns_total": tr.ns_total, "ns_count": tr.ns_count,
+                        "times_s": tr.times, "exposed_s": tr.exposed, "sent": tr.sent,
+                        "step_sent": tr.step_sent, "stats": tr.stats, "ns_measured": measured[tr.config],
+                        "losses": tr.losses, "loss_after": tr.eval_loss(*batches[0])}
+            for tr in trainers}  # fmt: skip
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _ms(per_step: list[float]) -> float:
+    return 1e3 * statistics.median(per_step)
+
+
+def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> float:
+    """Median over steps of the mean over ranks of the bytes sent `where` (of the `kind`), in MB."""
+    per_step = [statistics.mean(sum(v for k, v in d.items() if k.startswith(where) and k.endswith(kind))
+                                for d in col) for col in zip(*per_rank)]  # fmt: skip
+    return statistics.median(per_step) / 2**20 if per_step else 0.0
+
+
+def _row(config: str, res: list[dict]) -> dict:
+    """One configuration's row from every rank's results."""
+    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
+    train = [sum(t) for t in zip(*phases.values())]
+    sent, step_sent = [r["sent"] for r in res], [r["step_sent"] for r in res]
+    stats = [r["stats"][-1] for r in res]
+    total = res[0]["ns_total"] if config.endswith("Muon") else 0
+    kinds = {k: v / 2**20 for k, v in res[0]["sent"][-1].items()} if res[0]["sent"] else {}
+    row = {"config": config, "params": res[0]["params"], "_train": train, "_step": phases["step"],
+           "train ms": _ms(train), **{f"{k} ms": _ms(v) for k, v in phases.items()},
+           "exposed comm ms": _ms(slowest([r["exposed_s"] for r in res])),
+           **{f"MB {w}": _mean_mb(sent, w) for w in ("inside", "across", "mixed", "unknown")},
+           **{f"step MB {w}": _mean_mb(step_sent, w) for w in ("inside", "across", "mixed")},
+           "step MB all-to-all": _mean_mb(step_sent, kind="all-to-all"),
+           "MB by kind (rank 0, last step)": kinds,
+           "NS total GF": total / 1e9,
+           "NS GF per rank (measured)": [r["ns_measured"] / 1e9 for r in res],
+           "loss first": statistics.mean(r["losses"][0] for r in res),
+           "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
+    if config.startswith("ours"):
+        row["stats MB"] = statistics.mean(s["bytes_sent"] for s in stats) / 2**20
+        row["NS GF per rank (stats)"] = [s["ns_flops"] / 1e9 for s in stats]
+        row["NS matrices per rank"] = [s["ns_matrices"] for s in stats]
+    if config.endswith("Muon"):
+        row["NS matrices"] = res[0]["ns_count"]
+    if total:
+        measured = row["NS GF per rank (measured)"]
+        row["NS max rank / total"] = max(measured) * 1e9 / total
+        row["NS sum / total"] = sum(measured) * 1e9 / total
+    return row
+
+
+def summarize(timed: dict[str, list[dict]]) -> list[dict]:
+    """Table rows, with ratios against the FSDP2 configuration of the same optimizer."""
+    rows = {c: _row(c, res) for c, res in timed.items()}
+    for row in rows.values():
+        base = rows.get(peer(row["config"]))
+        if base is not None:
+            for k in ("train", "step"):
+                row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
+            row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
+    for row in rows.values():
+        del row["_train"], row["_step"]
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from benchmarks._hsdp_report import report
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 8, --quick 2)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
+    args = ap.parse_args(argv)
+    steps = args.steps or (2 if args.quick else 8)
+    warmup = min(args.warmup, 1) if args.quick else args.warmup
+    shape = QUICK if args.quick else MODEL
+    t0 = time.perf_counter()
+    timed = launch(_run, WORLD, shape, args.configs, warmup, steps, preload=PRELOAD)
+    rows = summarize({c: [rk[c] for rk in timed] for c in args.configs})
+    run = dict(world=WORLD, meshes=MESHES, steps=steps, warmup=warmup, shape=shape, quick=args.quick,
+               wall_s=time.perf_counter() - t0)  # fmt: skip
+    return report(rows, run)
+
+
+if __name__ == "__main__":
+    if not dist.is_available():
+        sys.exit("torch.distributed is not available")
+    main()
