@@ -27,11 +27,14 @@ Measured in one world per W, ours and the peer taking turns (the order alternati
   a wait for it at the cycle's end, so a cycle costs what a save every k steps costs in steady
   state (what the save did not hide included). The variants' cycles are interleaved; `async %`
   is the median over cycles of (cycle with a save / the same side's cycle without) - 1;
-  `stage ms` is the save call itself (copy to CPU, hand-off to the writer thread).
+  `stage ms` is the save call itself (copy to CPU, hand-off to the writer thread). AdamW only
+  by default (`--async-optims`): FSDP2 + `torch.optim.Muon` steps slowly on CPU.
 * before timing, a check per side: save, train a step, load; the loss on a fixed batch must be
   back to its value at the save (`restored`).
 
-    python benchmarks/checkpoint.py                  # W = 2 and 4, AdamW and Muon (~3 min on 2 cores)
+Tables to stdout with the load average, JSON (and a PNG) to `benchmarks/results/checkpoint.*`.
+
+    python benchmarks/checkpoint.py                  # W = 2 and 4, AdamW and Muon (~3 min on 2 busy cores)
     python benchmarks/checkpoint.py --quick          # tiny model, W = 2, AdamW (a smoke test)
     python benchmarks/checkpoint.py --world-sizes 2 --optims AdamW --rounds 9
 """
@@ -57,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
-from benchmarks._report import environment, save_json, table  # noqa: E402
+from benchmarks._report import environment, save_json, save_png, table  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
@@ -306,6 +309,34 @@ ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %",
          "peer stage ms"]
 
 
+def plot(rows: list[dict]) -> Path | None:
+    """Save and load time of both sides per (W, optimizer); async overhead where timed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    def names(rs):
+        return [f"W={r['W']} {r['optimizer']}" for r in rs]
+
+    bars = [("save ms", "ours save"), ("peer save ms", "peer save"), ("load ms", "ours load"),
+            ("peer load ms", "peer load")]  # fmt: skip
+    for j, (key, label) in enumerate(bars):
+        left.bar([i + 0.2 * j for i in range(len(rows))], [r[key] for r in rows], 0.2, label=label)
+    left.set(xticks=[i + 0.3 for i in range(len(rows))], xticklabels=names(rows), ylabel="ms (median)")
+    left.legend(fontsize=8)
+    timed = [r for r in rows if "async %" in r]
+    for j, (key, label) in enumerate([("async %", "ours"), ("peer async %", "peer")]):
+        right.bar([i + 0.3 * j for i in range(len(timed))], [r[key] for r in timed], 0.3, label=label)
+    right.set(xticks=[i + 0.15 for i in range(len(timed))], xticklabels=names(timed),
+              ylabel="step-time overhead %", title="async save every k steps")  # fmt: skip
+    right.legend(fontsize=8)
+    return save_png("checkpoint", fig)
+
+
 def load_average() -> str:
     return ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -314,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (--quick: 2)")
     ap.add_argument("--optims", nargs="+", choices=["AdamW", "Muon"], help="default both (--quick: AdamW)")
-    ap.add_argument("--rounds", type=int, help="save + load rounds per side (default 5, --quick 2)")
+    ap.add_argument("--rounds", type=int, help="save + load rounds per side (default 6, --quick 2)")
     ap.add_argument("--cycles", type=int, help="async cycles per variant (default 5, --quick 2)")
     ap.add_argument("--async-optims", nargs="*", choices=["AdamW", "Muon"], default=["AdamW"],
                     help="optimizers whose async saving is timed (default AdamW: FSDP2 + Muon steps slowly)")
@@ -325,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     q = args.quick
     worlds = args.world_sizes or ([2] if q else [2, 4])
     optims = args.optims or (["AdamW"] if q else ["AdamW", "Muon"])
-    rounds = args.rounds or (2 if q else 5)
+    rounds = args.rounds or (2 if q else 6)
     cycles = {o: (args.cycles or (2 if q else 5)) if o in args.async_optims else 0 for o in optims}
     every = args.every or (2 if q else 5)
     shape = QUICK if q else MODEL
@@ -354,8 +385,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                        for w, v in loads.items()))  # fmt: skip
     result = {"env": environment(), "shape": shape, "rounds": rounds, "cycles": cycles, "every": every,
               "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
-    path = save_json("checkpoint", result)
-    print(f"\n{path}")
+    print(f"\n{save_json('checkpoint', result)}")
+    png = plot(rows)
+    if png is not None:
+        print(png)
     return result
 
 
