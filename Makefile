@@ -35,6 +35,7 @@ bench: setup
 	$(PY) benchmarks/shampoo.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/checkpoint.py
 
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m vescale_optim.kernels.aot --out build/aot

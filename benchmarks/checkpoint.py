@@ -1,0 +1,398 @@
+"""Checkpoints: `vescale_optim.checkpoint.CheckpointManager` against FSDP2 + `torch.distributed.checkpoint`.
+
+Both sides train their own copy of the same seeded GPT (`benchmarks._gpt.build_gpt`, ~5.3 M fp32
+parameters by default: an AdamW checkpoint of ~64 MB) on the same per-rank batches, on gloo:
+
+* ours - `vo.AdamW` (or `vo.Muon`) with `shard_modules=[*model.blocks, model]` (ZeRO-3), saved by
+  `CheckpointManager(dir, model, opt, keep=None)`: `save(step)` and `load(step)`; asynchronously by
+  a second manager over the same model and optimizer with `async_save=True`.
+* peer - `fully_shard` on every block and on the model, `torch.optim.AdamW` (Muon: `torch.optim.Muon`
+  on the same hidden matrices, `torch.optim.AdamW` on the rest); save: `get_state_dict` +
+  `dcp.save` into `dir/step-N`; load: `get_state_dict` + `dcp.load` + `set_state_dict`; async:
+  `dcp.async_save` over a gloo group of its own (training's collectives use the default group
+  meanwhile, as with the manager).
+
+Measured in one world per W, ours and the peer taking turns (the order alternating):
+
+* `save ms`, `load ms`: wall time of the call, started after a barrier, on the slowest rank; the
+  median over `--rounds`; `x` is ours / peer, the median of the per-round ratios. Both write with
+  DCP's `FileSystemWriter` (files fsynced); ours also writes and fsyncs a manifest and renames
+  the folder (atomicity), and checks metadata and file sizes before a load. A load reads what
+  was just written (page cache warm for both). Checkpoints are deleted between rounds, untimed.
+* `MB/rank`: bytes of the DCP data files each rank wrote (`__RANK_*.distcp`), mean over ranks;
+  `B/param`: all data files / parameters (AdamW fp32: 12 = parameter + 2 moments); `meta KB`:
+  the rest of the folder (DCP's `.metadata`, our manifest).
+* async: cycles of `--every` training steps (forward, backward, step, zero_grad, each step after
+  a barrier), either without saving or with an asynchronous save in the cycle's first step and
+  a wait for it at the cycle's end, so a cycle costs what a save every k steps costs in steady
+  state (what the save did not hide included). The variants' cycles are interleaved; `async %`
+  is the median over cycles of (cycle with a save / the same side's cycle without) - 1;
+  `stage ms` is the save call itself (copy to CPU, hand-off to the writer thread). AdamW only
+  by default (`--async-optims`): FSDP2 + `torch.optim.Muon` steps slowly on CPU.
+* before timing, a check per side: save, train a step, load; the loss on a fixed batch must be
+  back to its value at the save (`restored`).
+
+Tables to stdout with the load average, JSON (and a PNG) to `benchmarks/results/checkpoint.*`.
+
+    python benchmarks/checkpoint.py                  # W = 2 and 4, AdamW and Muon (~3 min on 2 busy cores)
+    python benchmarks/checkpoint.py --quick          # tiny model, W = 2, AdamW (a smoke test)
+    python benchmarks/checkpoint.py --world-sizes 2 --optims AdamW --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+
+import vescale_optim as vo  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._report import environment, save_json, save_png, table  # noqa: E402
+from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
+
+MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
+QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=2, seq=16)
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "vescale_optim", "benchmarks.checkpoint"]  # fmt: skip
+SIDES = ("ours", "peer")
+
+
+def _muon_groups(model: torch.nn.Module) -> list[dict]:
+    return vo.muon_param_groups(model, exclude=[model.head])
+
+
+class _Side:
+    """One side's model copy and optimizer(s); subclasses say how they checkpoint."""
+
+    def __init__(self, shape: dict, root: Path):
+        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
+                               shape["seq_len"], seed=0)  # fmt: skip
+        self.params = param_count(self.model)
+        self.root = root
+        self.opts: list = []
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model.loss(x, y).backward()
+        for o in self.opts:
+            o.step()
+        for o in self.opts:
+            o.zero_grad()
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.model.loss(x, y).item()
+
+
+class Ours(_Side):
+    def __init__(self, shape: dict, optim: str, root: Path):
+        super().__init__(shape, root)
+        units = [*self.model.blocks, self.model]
+        if optim == "AdamW":
+            opt = vo.AdamW(self.model.parameters(), **ADAMW, shard_modules=units)
+        else:
+            opt = vo.Muon(_muon_groups(self.model), shard_modules=units)
+        self.opts = [opt]
+        self.sync = CheckpointManager(root / "sync", self.model, opt, keep=None)
+        self.background = CheckpointManager(root / "async", self.model, opt, keep=None, async_save=True)
+
+    def save(self, step: int) -> Path:
+        return self.sync.save(step)
+
+    def load(self, step: int) -> None:
+        self.sync.load(step)
+
+    def save_async(self, step: int) -> Path:
+        return self.background.save(step)
+
+    def wait(self) -> None:
+        self.background.wait()
+
+
+class Peer(_Side):
+    def __init__(self, shape: dict, optim: str, root: Path):
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(shape, root)
+        hidden = {id(p) for p in _muon_groups(self.model)[0]["params"]} if optim == "Muon" else set()
+        hidden = {n for n, p in self.model.named_parameters() if id(p) in hidden}
+        for block in self.model.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+        named = dict(self.model.named_parameters())  # DTensors now
+        if optim == "AdamW":
+            self.opts = [torch.optim.AdamW(named.values(), foreach=True, **ADAMW)]
+        else:
+            rest = [p for n, p in named.items() if n not in hidden]
+            self.opts = [torch.optim.Muon([p for n, p in named.items() if n in hidden]),
+                         torch.optim.AdamW(rest, foreach=True)]  # fmt: skip
+        self.group = dist.new_group(backend="gloo")
+        self.pending = None
+
+    def _state(self) -> dict:
+        model, optim = get_state_dict(self.model, self.opts)
+        return {"model": model, "optim": optim}
+
+    def save(self, step: int) -> Path:
+        path = self.root / "sync" / f"step-{step}"
+        dcp.save(self._state(), checkpoint_id=path)
+        return path
+
+    def load(self, step: int) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=self.root / "sync" / f"step-{step}")
+        set_state_dict(self.model, self.opts, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])  # fmt: skip
+
+    def save_async(self, step: int) -> Path:
+        self.wait()
+        path = self.root / "async" / f"step-{step}"
+        self.pending = dcp.async_save(self._state(), checkpoint_id=path, process_group=self.group)
+        return path
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def _timed(fn, *args):
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def _remove(rank: int, path: Path) -> None:
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def _bytes(rank: int, path: Path) -> dict:
+    """This rank's data files; on rank 0 also the rest of the folder (metadata, manifest)."""
+    files = [f for f in path.iterdir() if f.is_file()]
+    mine = sum(f.stat().st_size for f in files if f.name.startswith(f"__{rank}_") and f.suffix == ".distcp")
+    other = sum(f.stat().st_size for f in files if f.suffix != ".distcp") if rank == 0 else 0
+    return {"data": mine, "meta": other}
+
+
+def _check(rank: int, side: _Side, x, y) -> dict:
+    """Save, train a step, load: the loss on (x, y) must be back to its value at the save."""
+    saved = side.eval_loss(x, y)
+    path = side.save(0)
+    side.train_step(x, y)
+    moved = side.eval_loss(x, y)
+    side.load(0)
+    after = side.eval_loss(x, y)
+    _remove(rank, path)
+    return {"saved": saved, "moved": moved, "loaded": after}
+
+
+def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycles: int, every: int,
+               root: Path) -> dict:  # fmt: skip
+    sides = {"ours": Ours(shape, optim, root / "ours"), "peer": Peer(shape, optim, root / "peer")}
+    batches = [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=100 * rank + i)
+               for i in range(2)]  # fmt: skip
+    for side in sides.values():
+        for b in batches:  # optimizer state exists
+            side.train_step(*b)
+    out = {s: {"params": side.params, "check": _check(rank, side, *batches[0]), "save": [], "load": [],
+               "data": [], "meta": [], "plain": [], "async": [], "stage": []}
+           for s, side in sides.items()}  # fmt: skip
+    for r in range(1, rounds + 1):
+        for s in SIDES[:: 1 if r % 2 else -1]:
+            side, res = sides[s], out[s]
+            t, path = _timed(side.save, r)
+            res["save"].append(t)
+            dist.barrier()
+            b = _bytes(rank, path)
+            res["data"].append(b["data"])
+            res["meta"].append(b["meta"])
+            res["load"].append(_timed(side.load, r)[0])
+            _remove(rank, path)
+    variants = [(s, a) for s in SIDES for a in (False, True)]
+    for c in range(cycles):
+        k = c % len(variants)
+        for s, save in variants[k:] + variants[:k]:
+            side, steps, path = sides[s], [], None
+            for i in range(every):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if save and i == 0:
+                    path = side.save_async(1000 + c)
+                    out[s]["stage"].append(time.perf_counter() - t0)
+                side.train_step(*batches[i % 2])
+                steps.append(time.perf_counter() - t0)
+            if save:
+                steps.append(_timed(side.wait)[0])
+                _remove(rank, path)
+            out[s]["async" if save else "plain"].append(steps)
+    return out
+
+
+def _rank_main(rank: int, world: int, shape: dict, optims: list[str], rounds: int, cycles: dict[str, int],
+               every: int, root: str) -> dict:  # fmt: skip
+    return {o: _one_optim(rank, world, shape, o, rounds, cycles[o], every, Path(root) / o) for o in optims}
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    return [max(col) for col in zip(*per_rank)]
+
+
+def _cycles(per_rank: list[list[list[float]]]) -> list[float]:
+    """Each cycle's time: the sum over its steps of the slowest rank's."""
+    return [sum(_slowest(list(steps))) for steps in zip(*per_rank)]
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
+    """One row: ours against the peer at this W and optimizer."""
+    side = {s: {k: [r[s][k] for r in per_rank] for k in per_rank[0][s]} for s in SIDES}
+    row: dict = {"W": world, "optimizer": optim, "params": per_rank[0]["ours"]["params"]}
+    raw: dict = {}
+    for s in SIDES:
+        d, p = side[s], "" if s == "ours" else "peer "
+        save, load = _slowest(d["save"]), _slowest(d["load"])
+        data = [sum(col) for col in zip(*d["data"])]  # all ranks, per round
+        plain, cycle = _cycles(d["plain"]), _cycles(d["async"])
+        timed = {}
+        if plain:
+            timed = {f"{p}async %": 100 * (_ratio(cycle, plain) - 1),
+                     f"{p}stage ms": 1e3 * statistics.median(_slowest(d["stage"])),
+                     f"{p}step ms": 1e3 * statistics.median(plain) / len(d["plain"][0][0])}  # fmt: skip
+        raw[s] = {"save_s": save, "load_s": load, "plain_cycle_s": plain, "async_cycle_s": cycle,
+                  "data_bytes_by_rank": [statistics.median(b) for b in d["data"]],
+                  "check": d["check"]}  # fmt: skip
+        row.update({
+            f"{p}save ms": 1e3 * statistics.median(save), f"{p}load ms": 1e3 * statistics.median(load),
+            f"{p}MB/rank": statistics.median(data) / world / 2**20,
+            f"{p}B/param": statistics.median(data) / row["params"],
+            f"{p}meta KB": statistics.median(d["meta"][0]) / 1024,
+            **timed, f"{s} restored": all(c["loaded"] == c["saved"] != c["moved"] for c in d["check"]),
+        })  # fmt: skip
+    row["save x"] = _ratio(raw["ours"]["save_s"], raw["peer"]["save_s"])
+    row["load x"] = _ratio(raw["ours"]["load_s"], raw["peer"]["load_s"])
+    row["bytes x"] = row["MB/rank"] / row["peer MB/rank"]
+    row["restored"] = "/".join("yes" if row[f"{s} restored"] else "NO" for s in SIDES)
+    row["raw"] = raw
+    return row
+
+
+TIMES = ["W", "optimizer", "params", "save ms", "peer save ms", "save x", "load ms", "peer load ms",
+         "load x", "MB/rank", "peer MB/rank", "bytes x", "B/param", "peer B/param", "meta KB",
+         "peer meta KB", "restored"]  # fmt: skip
+ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms",
+         "peer stage ms"]
+
+
+def plot(rows: list[dict]) -> Path | None:
+    """Save and load time of both sides per (W, optimizer); async overhead where timed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    def names(rs):
+        return [f"W={r['W']} {r['optimizer']}" for r in rs]
+
+    bars = [("save ms", "ours save"), ("peer save ms", "peer save"), ("load ms", "ours load"),
+            ("peer load ms", "peer load")]  # fmt: skip
+    for j, (key, label) in enumerate(bars):
+        left.bar([i + 0.2 * j for i in range(len(rows))], [r[key] for r in rows], 0.2, label=label)
+    left.set(xticks=[i + 0.3 for i in range(len(rows))], xticklabels=names(rows), ylabel="ms (median)")
+    left.legend(fontsize=8)
+    timed = [r for r in rows if "async %" in r]
+    for j, (key, label) in enumerate([("async %", "ours"), ("peer async %", "peer")]):
+        right.bar([i + 0.3 * j for i in range(len(timed))], [r[key] for r in timed], 0.3, label=label)
+    right.set(xticks=[i + 0.15 for i in range(len(timed))], xticklabels=names(timed),
+              ylabel="step-time overhead %", title="async save every k steps")  # fmt: skip
+    right.legend(fontsize=8)
+    return save_png("checkpoint", fig)
+
+
+def load_average() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (--quick: 2)")
+    ap.add_argument("--optims", nargs="+", choices=["AdamW", "Muon"], help="default both (--quick: AdamW)")
+    ap.add_argument("--rounds", type=int, help="save + load rounds per side (default 6, --quick 2)")
+    ap.add_argument("--cycles", type=int, help="async cycles per variant (default 5, --quick 2)")
+    ap.add_argument("--async-optims", nargs="*", choices=["AdamW", "Muon"], default=["AdamW"],
+                    help="optimizers whose async saving is timed (default AdamW: FSDP2 + Muon steps slowly)")
+    ap.add_argument("--every", type=int, help="steps per async cycle: a save every k steps (default 5)")
+    ap.add_argument("--dir", help="where checkpoints go (in a temporary folder; default: the system's)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, W = 2, AdamW, few rounds")
+    args = ap.parse_args(argv)
+    q = args.quick
+    worlds = args.world_sizes or ([2] if q else [2, 4])
+    optims = args.optims or (["AdamW"] if q else ["AdamW", "Muon"])
+    rounds = args.rounds or (2 if q else 6)
+    cycles = {o: (args.cycles or (2 if q else 5)) if o in args.async_optims else 0 for o in optims}
+    every = args.every or (2 if q else 5)
+    shape = QUICK if q else MODEL
+    t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
+    root = Path(tempfile.mkdtemp(prefix="vo-ckpt-bench-", dir=args.dir))
+    rows, loads = [], {}
+    try:
+        for w in worlds:
+            before = load_average()
+            res = launch(_rank_main, w, shape, optims, rounds, cycles, every, str(root / f"W{w}"),
+                         preload=PRELOAD)  # fmt: skip
+            loads[w] = {"before": before, "after": load_average()}
+            rows += [summarize(w, o, [r[o] for r in res]) for o in optims]
+            log(f"W={w}: {time.perf_counter() - t0:.0f} s")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nsave / load / bytes per rank, ours (ZeRO-3 + CheckpointManager) vs FSDP2 + DCP; "
+          f"x = ours / peer, medians of {rounds} rounds\n")  # fmt: skip
+    print(table(rows, TIMES))
+    timed = [r for r in rows if "async %" in r]
+    if timed:
+        print(f"\nasync saving every {every} steps: step-time overhead vs no saving, "
+              f"medians of {max(cycles.values())} cycles\n")  # fmt: skip
+        print(table(timed, ASYNC))
+    print("\nload average (1, 5, 15 min): " + "; ".join(f"W={w}: {v['before']} -> {v['after']}"
+                                                       for w, v in loads.items()))  # fmt: skip
+    result = {"env": environment(), "shape": shape, "rounds": rounds, "cycles": cycles, "every": every,
+              "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
+    print(f"\n{save_json('checkpoint', result)}")
+    png = plot(rows)
+    if png is not None:
+        print(png)
+    return result
+
+
+if __name__ == "__main__":
+    from benchmarks.checkpoint import main as _main
+
+    _main()
