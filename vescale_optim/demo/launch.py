@@ -33,6 +33,19 @@ def _worker(rank: int, world_size: int, init_file: str, cfg: TrainConfig, launch
         dist.destroy_process_group()
 
 
+def _attempt_store(timeout: timedelta) -> dict:
+    """After an elastic restart, gloo's addresses under keys of this attempt only: a restarted
+    rank could otherwise read a dead worker's address and fail to connect."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)  # fmt: skip
+    store = dist.PrefixStore(f"vescale_demo/attempt_{attempt}", agent)
+    return dict(store=store, rank=rank, world_size=world_size)
+
+
 def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
     """One torchrun rank: env:// init, NCCL on the local GPU when there is one."""
     timeout = timedelta(seconds=cfg.timeout)
@@ -41,7 +54,7 @@ def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **_attempt_store(timeout))
     try:
         train(cfg, launch_time)
     finally:
