@@ -34,8 +34,10 @@ def _skip(where: str, timeout: float | None):
     rank = dist.get_rank()
     model = build()
     opt = _opt(model)
-    if where == "step":  # both ranks run forward and backward; rank 1 skips the step
+    if where == "step":  # both ranks run a step, then forward and backward; rank 1 skips the second step
         loss_fn(model, *batch(0, rank)).backward()
+        opt.step()
+        loss_fn(model, *batch(1, rank)).backward()
     if rank == 1:
         if where == "dies":  # after reporting back, as if killed
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()

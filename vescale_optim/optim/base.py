@@ -28,7 +28,7 @@ from ..units.assign import assign_units, outermost
 from ..units.materialize import materialize
 from ..units.model_state import ModelState, sharded_model_state
 from ..units.schedule import Schedule
-from ..units.unit import LOW_PRECISION
+from ..units.unit import LOW_PRECISION, ring
 from . import lowbit
 from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
@@ -38,12 +38,6 @@ from .moves import Move, run_moves
 from .segment import FROZEN, Segment
 
 STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received")
-
-
-def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
-    """Bytes a rank sends (and receives) to gather or reduce-scatter `shard_bytes` per rank
-    over `world` ranks (an all-reduce of `world * shard_bytes` is two passes)."""
-    return passes * (world - 1) * shard_bytes
 
 
 class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer):
@@ -230,19 +224,21 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         if self._grads_reduced:
             return
         self.step_stats = dict.fromkeys(STEP_STATS, 0)
+        sent_before = sum(u.sent_bytes for u in self._units)
         with record_function("vescale_optim.sync_grads"):
             self._schedule.finish()
             self._reattach()
             pending = self._agree()
-            handles = [u.reduce_grad(async_op=True) for u in pending]
-            for h in handles:
-                h.wait()
             for u in pending:
-                self._traffic(ring(u.comm.world_size, u.shard.numel() * u.full_grad.data.element_size()))
+                u.reduce_grad(async_op=True)
+            for u in pending:
+                u.advance_grad()
             for u in self._units:
-                if u.grad_unsynced is not None or (u in pending and u.replicate.active):
-                    self._traffic(ring(u.replicate.world_size, u.grad.numel() * u.grad.element_size(), 2))
                 u.sync_replicas()
+                u.advance_grad()
+            for u in self._units:
+                u.wait_grad()
+        self._traffic(sum(u.sent_bytes for u in self._units) - sent_before)
         self._grads_reduced = True
 
     def _traffic(self, volume: int) -> None:

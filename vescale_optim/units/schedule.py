@@ -8,12 +8,16 @@ to the model's structure, never to which parameters happened to receive gradient
 - backward: a unit gathers when the first gradient reaches its module's outputs
   (prefetching the next unit in the recorded backward order), and frees and
   reduce-scatters its gradients when the gradients of its module's inputs are done;
-- units without such a trigger (the outermost one, units of `no shard_modules`)
-  reduce-scatter in a fixed order: as soon as their own gradients are complete when no
-  gather can come between (no modules), and at the end of backward otherwise.
+- units without such a trigger (the outermost one, a module whose inputs need no
+  gradient, the buckets of no `shard_modules`) reduce-scatter in a fixed order as soon
+  as their own gradients are complete (a multi-grad hook over just their parameters).
 
-The end of backward is when the last gradient of all the optimizer's parameters has
-been accumulated (a multi-grad hook tells which parameters take part).
+One reduce-scatter is in flight at a time; when the next is issued, the one before has
+its all-reduce across replicas (HSDP) started, which runs on while backward goes on.
+A backward's round of reductions ends when every unit expected to reduce has (the
+trainable units without a module, and those whose module ran forward towards a loss):
+then it waits for every reduction, so that `step()` finds the gradients complete.
+Units that did not reduce in backward (no gradient came) reduce in `finish()`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from ..shard.collectives import Handle, all_gather_object
+from ..shard.collectives import all_gather_object
 from .reduced_grad import ReducedGrad
 from .unit import State, Unit
 
@@ -68,14 +72,15 @@ class _PostBackward(torch.autograd.Function):
 
 
 class _Arrivals:
-    """Counts the gradients of a set of parameters within one backward: `done()` turns
-    true once every parameter that takes part has been accumulated."""
+    """Calls `on_done` once every parameter of `params` that takes part in a backward has
+    had its gradient accumulated. The multi-grad hook holds the incoming gradients until
+    the last arrives, so it covers one unit's parameters, never the whole model."""
 
     def __init__(self, params: Sequence[torch.Tensor], on_done: Callable[[], None]):
         self.expected: int | None = None
         self.arrived = 0
         self.on_done = on_done
-        register_multi_grad_hook(list(params), self._participants, mode="all")
+        self.handle = register_multi_grad_hook(list(params), self._participants, mode="all")
 
     def _participants(self, grads) -> None:
         self.expected = sum(g is not None for g in grads)
@@ -114,15 +119,17 @@ class Schedule:
         self.forward_order: list[Unit] = []  # pre-forward order, recorded as units first run
         self.backward_order: list[Unit] = []  # reverse post-forward order of the last forward
         self._post_forward_seen: list[Unit] = []
-        self._reduced: set[int] = set()  # units reduce-scattered in this backward
+        self._reduced: set[int] = set()  # units reduced in this backward
+        self._in_flight: Unit | None = None  # the unit whose reduce-scatter has not been waited
         self._round_ended = False
         self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
         self._order = sorted(self.units, key=lambda u: -u.index)
-        self._static = [u for u in self._order if self.modules[self.units.index(u)] is None]
+        for unit, module in zip(self.units, self.modules):
+            unit.has_module = module is not None
+        self._static = [u for u in self._order if not u.has_module]
         self._completed: list[Unit] = []  # static units in the order they completed, first backward
         self._order_settled = False
-        self._in_flight: list[Handle] = []
         self._handles: list = []
         outer = {id(m) for m in modules if m is not None}
         for m in modules:
@@ -132,18 +139,18 @@ class Schedule:
         for unit, module in zip(self.units, self.modules):
             unit.in_forward = unit.in_backward = False
             unit.forward_calls = 0
+            unit.ran = False  # its forward ran towards a backward in this round
             trainable = [(i, p) for i, p in enumerate(unit.params) if p.requires_grad]
             unit.trainable = bool(trainable)  # a unit of frozen parameters never reduces
             for i, p in trainable:
                 self._handles.append(p.register_hook(self._attach(unit, i)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(unit)))
+            unit.arrivals = None
             if module is None and trainable:
-                unit.arrivals = _Arrivals([p for _, p in trainable], lambda u=unit: self._static_ready(u))
+                self._watch(unit)
             if module is not None:
                 pre = module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
                 self._handles += [pre, module.register_forward_hook(self._post_forward(unit, module))]
-        params = [p for u in self.units for p in u.params if p.requires_grad]
-        self._end = _Arrivals(params, self._end_of_backward) if params else None
 
     # --- gradients ------------------------------------------------------------------
 
@@ -155,7 +162,6 @@ class Schedule:
                 return  # moved or cast after construction: the step refuses it
             if p.grad is not None and not isinstance(p.grad, ReducedGrad) and unit.is_live_grad(i):
                 return
-            self.wait_reductions()  # before touching the shard a reduction may still write
             if p.grad is None:  # no gradient so far (zero_grad): nothing reduced earlier counts
                 unit.drop_grad(i)
                 p.grad = unit.grad_view(i)
@@ -170,23 +176,31 @@ class Schedule:
         def hook(p):
             if self.on_grad is not None:
                 self.on_grad(p)
-            if hasattr(unit, "arrivals"):
+            if unit.arrivals is not None:
                 unit.arrivals.arrive()
-            if self._end is not None:
-                self._end.arrive()
 
         return hook
+
+    def _watch(self, unit: Unit) -> None:
+        """Reduce `unit` when its own gradients are complete, in the fixed order of such units."""
+        trainable = [p for p in unit.params if p.requires_grad]
+        unit.arrivals = _Arrivals(trainable, lambda: self._static_ready(unit))
+        self._handles.append(unit.arrivals.handle)
+        if unit not in self._static:
+            self._static.append(unit)
+            self._order_settled = False
 
     def _static_ready(self, unit: Unit) -> None:
         """A unit without module hooks has all its gradients: reduce it and every unit
         before it in the fixed order that is also complete (never out of order)."""
         unit.complete = True
+        unit.in_backward = False
         if not self._order_settled:  # learning the order: reduce at the end of backward
             if unit not in self._completed:
                 self._completed.append(unit)
             return
         for u in self._static:
-            if u.index in self._reduced:
+            if u.index in self._reduced or (u.has_module and not u.ran):
                 continue
             if u.trainable and not getattr(u, "complete", False):
                 break
@@ -197,18 +211,28 @@ class Schedule:
             return
         self._reduced.add(unit.index)
         unit.complete = False
-        if not self.sync_grads or not unit.trainable:
-            return
-        # one reduce-scatter in flight: its buffer is freed before the next is issued
-        self.wait_reductions()
-        self._in_flight = [unit.reduce_grad(async_op=True)]
+        if self.sync_grads and unit.trainable:
+            # one reduce-scatter in flight: its buffer is freed before the next is issued
+            self._advance()
+            unit.reduce_grad(async_op=True)
+            self._in_flight = unit
+        expected = (u for u in self.units if u.trainable and (u.ran or not u.has_module))
+        if not self._round_ended and all(u.index in self._reduced for u in expected):
+            with torch.profiler.record_function("vescale::wait_reductions"):
+                self.wait_reductions()
+            self._round_ended = True
 
-    def _end_of_backward(self) -> None:
-        """Every parameter's gradient of this backward is in: reduce what is left, in a
-        fixed order (the same on every rank)."""
+    def _reduce_rest(self) -> None:
+        """Reduce the units this backward did not, in a fixed order (the same on every rank)."""
         for unit in self._static + [u for u in self._order if u not in self._static]:
             self._reduce(unit)
         self._round_ended = True
+
+    def _advance(self) -> None:
+        """Wait for the reduce-scatter in flight and start its all-reduce across replicas."""
+        if self._in_flight is not None:
+            self._in_flight.advance_grad()
+            self._in_flight = None
 
     def _new_round(self) -> None:
         """First event after a backward ended (or a step): forget that backward's marks."""
@@ -219,13 +243,14 @@ class Schedule:
             for unit in self.units:
                 unit.in_backward = False
                 unit.forward_calls = 0
+                unit.ran = False
                 unit.complete = False
 
     def wait_reductions(self) -> None:
-        """Wait for the reduce-scatters in flight."""
-        for h in self._in_flight:
-            h.wait()
-        self._in_flight = []
+        """Wait for every reduction issued (and the all-reduces across replicas they start)."""
+        self._advance()
+        for unit in self.units:
+            unit.wait_grad()
 
     def finish(self) -> None:
         """Before the step: finish the round of reductions a backward started (if its end
@@ -234,7 +259,7 @@ class Schedule:
         `unfinished_forward()` names it), and settle the order of reductions without a
         module (rank 0's, from the first backward)."""
         if self._busy and not self._round_ended:
-            self._end_of_backward()
+            self._reduce_rest()
         self.wait_reductions()
         for unit in self.units:
             if not unit.in_forward:
@@ -265,11 +290,13 @@ class Schedule:
 
     def _pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
+            if torch.is_grad_enabled() and unit.index in self._reduced and not unit.in_backward:
+                self._round_ended = True  # a round its backward left unfinished (some unit got no gradient)
+            if torch.is_grad_enabled():
+                self._new_round()
             if unit.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
-            if torch.is_grad_enabled():
-                self._new_round()
             unit.in_forward = True
             if unit not in self.forward_order:
                 self.forward_order.append(unit)
@@ -279,7 +306,11 @@ class Schedule:
             if unit.compute_dtype != unit.orig_dtype:  # param_dtype: floating inputs are cast to it
                 cast = lambda t, to=unit.compute_dtype: t.to(to) if t.is_floating_point() else t  # noqa: E731
                 args, kwargs = _map_tensors(cast, (args, kwargs))
-            if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors((args, kwargs))):
+            if not torch.is_grad_enabled():
+                return args, kwargs
+            if not any(t.requires_grad for t in _tensors((args, kwargs))):
+                if unit.trainable and unit.arrivals is None:  # no post-backward trigger: watch its gradients
+                    self._watch(unit)
                 return args, kwargs
             unit.forward_calls += 1
             flat: list[torch.Tensor] = []
@@ -302,6 +333,7 @@ class Schedule:
             outputs = [t for t in _tensors(output) if t.requires_grad]
             backward_comes = torch.is_grad_enabled() and bool(outputs)
             if backward_comes:
+                unit.ran = True
                 register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
             outermost = id(module) in self._outermost
             if not backward_comes or (self.reshard_after_forward and not outermost):

@@ -13,7 +13,7 @@ gradient of a backward to the reduce-scatter that empties it into `grad`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +22,31 @@ from ..shard.collectives import Handle, all_gather_into_, all_reduce_, broadcast
 from .reduced_grad import ReducedGrad
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
+    """Bytes a rank sends (and receives) to gather or reduce-scatter `shard_bytes` per rank
+    over `world` ranks (an all-reduce of `world * shard_bytes` is two passes)."""
+    return passes * (world - 1) * shard_bytes
+
+
+class _Reduction(Handle):
+    """A gradient reduction in two stages: `first` (the reduce-scatter), then the handle
+    `second()` issues (the all-reduce across replicas, if any). `advance()` waits for the
+    first stage and issues the second; `wait()` finishes both."""
+
+    def __init__(self, first: Handle, second: Callable[[], Handle] | None):
+        super().__init__()
+        self._first, self._start, self._second = first, second, None
+
+    def advance(self) -> None:
+        if self._second is None:
+            self._first.wait()
+            self._second = self._start() if self._start is not None else Handle()
+
+    def wait(self) -> None:
+        self.advance()
+        self._second.wait()
 
 
 class State(enum.Enum):
@@ -121,7 +146,8 @@ class Unit:
         nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)
         self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
-        self._pending: Handle | None = None  # the reduction writing `grad`, until waited
+        self._reduction: _Reduction | None = None  # the reduction writing `grad`, until waited
+        self.sent_bytes = 0  # by this unit's gradient reductions so far (as many received)
         if sharded:
             self.reshard()
 
@@ -265,7 +291,11 @@ class Unit:
         return g is not None and self.has_full_grad and g.data_ptr() == self.full_grad.view(i).data_ptr()
 
     def drop_grad(self, i: int) -> None:
-        """Forget what `grad` accumulated for parameter `i` (this rank's piece of it)."""
+        """Forget what parameter `i` accumulated: its part of the unreduced buffer and this
+        rank's piece of `grad`."""
+        self.wait_grad()
+        if self.has_full_grad:
+            self.full_grad.view(i).zero_()
         start, stop = self.full.local_range(i)
         if stop > start:
             self.grad[start:stop].zero_()
@@ -275,15 +305,20 @@ class Unit:
     def take_grad(self, i: int, grad: torch.Tensor) -> None:
         """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
         and what `grad` accumulated for it so far is dropped."""
-        self.grad_view(i).copy_(grad)
         self.drop_grad(i)
+        self.grad_view(i).copy_(grad)
         self.params[i].grad = self.full_grad.view(i)
 
     def reduce_grad(self, async_op: bool = True) -> Handle:
         """Average the unsharded gradients over ranks into `grad` (added to what it holds
         since the last `clear_grad()`). Each `.grad` that was a view of the buffer becomes a
         `ReducedGrad` at once: a later backward accumulates into a new buffer while this one
-        is reduced and freed."""
+        is reduced and freed.
+
+        With replicas this is two stages, a reduce-scatter in the shard group and then an
+        all-reduce of its result across replicas: `advance_grad()` waits for the first and
+        issues the second, which `wait_grad()` finishes."""
+        self.wait_grad()  # one reduction of a unit at a time (already done in a normal backward)
         if not self.has_full_grad:
             self.full_grad.allocate(zero=True)
         for i, p in enumerate(self.params):
@@ -294,63 +329,76 @@ class Unit:
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
                 data = data.to(self.reduce_dtype)
+            self.sent_bytes += ring(self.comm.world_size, self.grad.numel() * data.element_size())
+            what = f"unit {self.name}'s gradients"
             if not self.replicate.active:
-                handle = reduce_scatter_into_(
-                    data, self.grad, self.comm, "mean", accumulate=self.grad_has_values, async_op=True,
-                    what=f"unit {self.name}'s gradients",
-                )  # fmt: skip
+                add = self.grad_has_values
+                scatter = reduce_scatter_into_(data, self.grad, self.comm, "mean", add, True, what)
                 self.grad_has_values = True
+                across = None
             else:
                 part = torch.empty_like(self.grad)
-                rs = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True,
-                                          what=f"unit {self.name}'s gradients")  # fmt: skip
-                handle = rs.then(lambda: self._add_over_replicas(part))
-
-        def done() -> None:
-            buf.free()
-            self._pending = None
-
-        handle = self._pending = handle.then(done)
+                scatter = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True, what=what)
+                defer = self.defer_replicas
+                across = lambda: self._over_replicas(part, defer)  # noqa: E731
+        self._reduction = _Reduction(scatter.then(buf.free), across)
         if not async_op:
-            handle.wait()
-        return handle
+            self.wait_grad()
+        return self._reduction
 
-    def _add_over_replicas(self, part: torch.Tensor) -> None:
-        """Average this shard group's reduction `part` over the replicas into `grad` (or
-        keep it, unsynced, while `defer_replicas`)."""
+    def _over_replicas(self, part: torch.Tensor, defer: bool) -> Handle:
+        """Start averaging this shard group's reduction `part` over the replicas into `grad`
+        (or keep it, unsynced, when `defer`)."""
         if self.grad_unsynced is not None:
             part.add_(self.grad_unsynced)
             self.grad_unsynced = None
-        if self.defer_replicas:
+        if defer:
             self.grad_unsynced = part
-            return
-        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{self.name}]"):
-            all_reduce_(part, self.replicate, "mean", what=f"unit {self.name}'s gradients over replicas")
-        if self.grad_has_values:
-            self.grad.add_(part)
-        else:
-            self.grad.copy_(part)
-        self.grad_has_values = True
+            return Handle()
+        return self._all_reduce_replicas(part)
 
-    def sync_replicas(self) -> None:
-        """Average what was kept unsynced over the replicas into `grad` (collective over
-        the replicas when there is something; every replica has or has not)."""
+    def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
+        self.sent_bytes += ring(self.replicate.world_size, part.numel() * part.element_size(), 2)
+        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{self.name}]"):
+            handle = all_reduce_(part, self.replicate, "mean", async_op=True,
+                                 what=f"unit {self.name}'s gradients over replicas")  # fmt: skip
+
+        def add() -> None:
+            if self.grad_has_values:
+                self.grad.add_(part)
+            else:
+                self.grad.copy_(part)
+            self.grad_has_values = True
+
+        return handle.then(add)
+
+    def sync_replicas(self) -> Handle:
+        """Start averaging what was kept unsynced over the replicas into `grad` (collective
+        over the replicas when there is something; every replica has or has not)."""
         self.wait_grad()
-        if self.grad_unsynced is not None:
-            part, self.grad_unsynced = self.grad_unsynced, None
-            deferred, self.defer_replicas = self.defer_replicas, False
-            self._add_over_replicas(part)
-            self.defer_replicas = deferred
+        if self.grad_unsynced is None:
+            return Handle()
+        part, self.grad_unsynced = self.grad_unsynced, None
+        self._reduction = _Reduction(Handle(), lambda: self._all_reduce_replicas(part))
+        return self._reduction
+
+    def advance_grad(self) -> None:
+        """Wait for the reduce-scatter in flight and issue its all-reduce across replicas
+        (without waiting for it)."""
+        if self._reduction is not None:
+            self._reduction.advance()
 
     def wait_grad(self) -> None:
         """Block until `grad` holds every reduction issued so far."""
-        if self._pending is not None:
-            self._pending.wait()
+        if self._reduction is not None:
+            reduction, self._reduction = self._reduction, None
+            reduction.wait()
 
     def clear_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients: zero the shard, drop an unreduced buffer; every
         `.grad` becomes None, or with `set_to_none=False` a `ReducedGrad` (now zero) where
         there was a gradient."""
+        self.wait_grad()
         self.grad.zero_()
         self.grad_has_values = False
         self.grad_unsynced = None
