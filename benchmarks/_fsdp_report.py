@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import environment, save_json, save_png, table
+from benchmarks._report import save_png, table
+from benchmarks._verdict import verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "fwd ms", "bwd ms",
         "zero_grad ms",
@@ -16,9 +17,6 @@ BY = ["config", "peak live MB", "alive at the peak, MB by where it was allocated
 SCALING = ["config", "W", "peak live MB", "peak B/param", "at step start B/param",
            "at step start B/param x W"]  # fmt: skip
 PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
-# Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
-# order), so the updates differ by bf16 rounding.
-LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
 
 
 def _comm_row(r: dict) -> dict:
@@ -54,18 +52,6 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
                   f"{r['update x']:.3f}x)"] = r["step x"] <= 0.5
         goals[f"{m} {fam}: 0 copies on the collective path ({r['copies']})"] = r["copies"] == 0
     return goals
-
-
-def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
-    ok, notes = True, []
-    for r in rows:
-        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
-        lowered = r["loss after"] < r["loss first"]
-        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
-        ok &= lowered and close
-        if not (lowered and close):
-            notes.append(f"{r['model']} {r['config']}: lowered {lowered}, |Δ loss| {delta:.2e}")
-    return ok, notes
 
 
 def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
@@ -153,18 +139,5 @@ def report(rows: list[dict], scaling: list, run: dict) -> dict:
         print(f"\n## Peak live bytes per parameter, wide model, by world size; load average "
               f"{load_average()}\n")  # fmt: skip
         print(table(scale, SCALING, floatfmt=".4g"))
-    goals = _goals(rows)
-    print(f"\nGoals (ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}):")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
-    sane, notes = _loss_check(rows)
-    print(f"\nLoss check (loss after training vs FSDP2 with the same optimizer, relative tolerance "
-          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
-          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
-    name = "fsdp_quick" if quick else "fsdp"
-    png = _plot(rows, scale, name)
-    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
-               "loss_check_ok": sane, "rows": rows, "scaling": scale}  # fmt: skip
-    path = save_json(name, payload)
-    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
-    return payload
+    return verdict("fsdp", rows, run, _goals(rows), f"ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}",
+                   "FSDP2", lambda name: _plot(rows, scale, name), scaling=scale)  # fmt: skip

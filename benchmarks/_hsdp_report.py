@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import environment, save_json, save_png, table
+from benchmarks._report import save_png, table
+from benchmarks._verdict import verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms",
         "exposed comm ms"]  # fmt: skip
@@ -12,9 +13,6 @@ BYTES = ["config", "MB inside", "MB across", "MB mixed", "step MB inside", "step
 NS = ["config", "NS total GF", "NS GF per rank (stats)", "NS GF per rank (measured)", "NS max rank / total",
       "NS sum / total", "NS matrices per rank"]  # fmt: skip
 LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
-# Relative. Muon: Newton–Schulz runs in bf16, and FSDP2's on DTensor shards (sums in another
-# order), so the updates differ by bf16 rounding.
-LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
 BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
 
 
@@ -58,18 +56,6 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
                     f"ranks together {r['NS sum / total']:.3f} x total ({replicas} replicas)")  # fmt: skip
             goals[peer] = True
     return goals
-
-
-def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
-    ok, notes = True, []
-    for r in rows:
-        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
-        lowered = r["loss after"] < r["loss first"]
-        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
-        ok &= lowered and close
-        if not (lowered and close):
-            notes.append(f"{r['config']}: lowered {lowered}, |Δ loss| {delta:.2e}")
-    return ok, notes
 
 
 def _plot(rows: list[dict], name: str):
@@ -127,18 +113,5 @@ def report(rows: list[dict], run: dict) -> dict:
         print(table(_listed(muon), NS, floatfmt=".4g"))
     print()
     print(table(rows, LOSS, floatfmt=".5g"))
-    goals = _goals(rows)
-    print(f"\nGoals (W={run['world']}):")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
-    sane, notes = _loss_check(rows)
-    print(f"\nLoss check (loss after training vs FSDP2 2x2 with the same optimizer, relative tolerance "
-          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
-          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
-    name = "hsdp_quick" if run["quick"] else "hsdp"
-    png = _plot(rows, name)
-    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
-               "loss_check_ok": sane, "rows": rows}  # fmt: skip
-    path = save_json(name, payload)
-    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
-    return payload
+    return verdict("hsdp", rows, run, _goals(rows), f"W={run['world']}", "FSDP2 2x2",
+                   lambda name: _plot(rows, name))  # fmt: skip

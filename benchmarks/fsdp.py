@@ -74,15 +74,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
+from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon", "FSDP2 Muon", "ours Z2 Muon"]
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
@@ -94,7 +94,6 @@ QUICK = {
     "gpt": dict(vocab=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
     "wide": dict(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=8, batch=1, seq=8),
 }
-PHASES = ["fwd", "bwd", "step", "zero_grad"]
 PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
            "benchmarks.fsdp"]  # fmt: skip
 REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
@@ -137,23 +136,8 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True) -> None:
         meter = self.meter
-        if meter is not None:
-            meter.take()
-        (meter.barrier if meter is not None else dist.barrier)()
-        times, comm, loss = {}, {}, None
-        for name in PHASES:
-            with record_function(f"bench::{name}"):
-                t0 = time.perf_counter()
-                if name == "fwd":
-                    loss = self.model.loss(x, y)
-                elif name == "bwd":
-                    loss.backward()
-                else:
-                    getattr(self.opt, name)()
-                times[name] = time.perf_counter() - t0
-            if meter is not None:
-                comm[name] = meter.take()
-        self.losses.append(loss.item())
+        loss, times, comm = train_step(self.model, self.opt, x, y, meter)
+        self.losses.append(loss)
         if not record:
             return
         for k in PHASES:
@@ -170,11 +154,6 @@ class Trainer:
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         return self.model.loss(x, y).item()
-
-
-def _batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + i * world + rank)
-            for i in range(2)]  # fmt: skip
 
 
 def _classify(event, context: list[str]) -> str:
@@ -207,16 +186,13 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
     meter = CommMeter().install()
     out = {}
     for name, shape in models.items():
-        batches = _batches(shape, rank, world)
+        pool = batches(shape, rank, world)
         trainers = [Trainer(c, shape, meter) for c in configs]
-        for s in range(warmup + steps):
-            k = s % len(trainers)
-            for tr in trainers[k:] + trainers[:k]:
-                tr.step(*batches[s % len(batches)], record=s >= warmup)
-        copies = {tr.config: _count_copies(rank, tr, *batches[0]) for tr in trainers}
+        interleave(trainers, pool, warmup, steps)
+        copies = {tr.config: _count_copies(rank, tr, *pool[0]) for tr in trainers}
         out[name] = {
             tr.config: {"params": tr.params, "times_s": tr.times, "exposed_s": tr.exposed, "comm": tr.comm,
-                        "losses": tr.losses, "loss_after": tr.eval_loss(*batches[0]),
+                        "losses": tr.losses, "loss_after": tr.eval_loss(*pool[0]),
                         "copies": copies[tr.config]}
             for tr in trainers
         }  # fmt: skip
@@ -233,18 +209,18 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
     for model, shape, config in jobs:
         gc.collect()
         base_kb = status_kb("VmRSS")
-        batches = _batches(shape, rank, world)
+        pool = batches(shape, rank, world)
         recorder = LiveBytes().start()
         tr = Trainer(config, shape)
         for s in range(steps):
             with record_function("bench::first" if s == 0 else "bench::steady"):
-                tr.step(*batches[s % 2])
+                tr.step(*pool[s % 2])
         trace = recorder.stop()
         stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
         del recorder
         gc.collect()
         reset = reset_peak()
-        tr.step(*batches[steps % 2])
+        tr.step(*pool[steps % 2])
         peak = trace.peak("bench::steady", REGIONS)
         results.append({
             "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],

@@ -52,7 +52,6 @@ together about twice the total: the work is split within a shard group, not acro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -65,12 +64,13 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks._comm import CommMeter  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
 from benchmarks._measure import slowest  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
+from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
 from vescale_optim.optim import ns_flops  # noqa: E402
 
 WORLD = 4
@@ -78,7 +78,6 @@ MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
 CONFIGS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
 MODEL = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
 QUICK = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
-PHASES = ["fwd", "bwd", "step", "zero_grad"]
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
            "benchmarks.hsdp"]  # fmt: skip
@@ -129,26 +128,11 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, flops: bool = False) -> int:
         """One train step; with `flops`, the FLOPs of the matrix products in `opt.step()`."""
-        meter = self.meter
-        meter.replica_of = self.replica_of
-        meter.take()
-        meter.barrier()
-        times, comm, loss, prof = {}, {}, None, None
-        for name in PHASES:
-            with contextlib.ExitStack() as stack:
-                if flops and name == "step":
-                    prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU], with_flops=True))
-                stack.enter_context(record_function(f"bench::{name}"))
-                t0 = time.perf_counter()
-                if name == "fwd":
-                    loss = self.model.loss(x, y)
-                elif name == "bwd":
-                    loss.backward()
-                else:
-                    getattr(self.opt, name)()
-                times[name] = time.perf_counter() - t0
-            comm[name] = meter.take()
-        self.losses.append(loss.item())
+        self.meter.replica_of = self.replica_of
+        prof = profile(activities=[ProfilerActivity.CPU], with_flops=True) if flops else None
+        around = {"step": prof} if prof is not None else None
+        loss, times, comm = train_step(self.model, self.opt, x, y, self.meter, around)
+        self.losses.append(loss)
         if record:
             for k in PHASES:
                 self.times[k].append(times[k])
@@ -166,26 +150,18 @@ class Trainer:
         return self.model.loss(x, y).item()
 
 
-def _batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + i * world + rank)
-            for i in range(2)]  # fmt: skip
-
-
 def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, steps: int) -> dict:
     """Every configuration in this world, interleaved step by step; then one profiled step each."""
     meter = CommMeter().install()
     meshes = {k: init_device_mesh("cpu", s, mesh_dim_names=("replicate", "shard")) for k, s in MESHES.items()}
-    batches = _batches(shape, rank, world)
+    pool = batches(shape, rank, world)
     trainers = [Trainer(c, shape, meshes, meter) for c in configs]
-    for s in range(warmup + steps):
-        k = s % len(trainers)
-        for tr in trainers[k:] + trainers[:k]:
-            tr.step(*batches[s % len(batches)], record=s >= warmup)
-    measured = {tr.config: tr.step(*batches[0], record=False, flops=True) for tr in trainers}
+    interleave(trainers, pool, warmup, steps)
+    measured = {tr.config: tr.step(*pool[0], record=False, flops=True) for tr in trainers}
     return {tr.config: {"params": tr.params, "ns_total": tr.ns_total, "ns_count": tr.ns_count,
                         "times_s": tr.times, "exposed_s": tr.exposed, "sent": tr.sent,
                         "step_sent": tr.step_sent, "stats": tr.stats, "ns_measured": measured[tr.config],
-                        "losses": tr.losses, "loss_after": tr.eval_loss(*batches[0])}
+                        "losses": tr.losses, "loss_after": tr.eval_loss(*pool[0])}
             for tr in trainers}  # fmt: skip
 
 

@@ -60,3 +60,21 @@ def batch(step: int, rank: int, micro: int = 0, size: int = 3):
 def loss_fn(model, inputs, targets):
     logits = model(inputs)
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def train(model, opt, steps, rank: int) -> None:
+    """`opt` trains `model` on this rank's batch of each step number in `steps`."""
+    for t in steps:
+        loss_fn(model, *batch(t, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def world_grads(model, step: int, world: int, micro: int = 1) -> None:
+    """Set `model`'s gradients to those of the mean loss over every rank's micro-batches of
+    `step`: what a world of `world` ranks reduces, in one process."""
+    for p in model.parameters():
+        p.grad = None
+    for r in range(world):
+        for m in range(micro):
+            (loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()

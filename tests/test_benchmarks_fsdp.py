@@ -1,31 +1,16 @@
 """`benchmarks/fsdp.py --quick` end to end (tiny model, 2 gloo ranks): every configuration trains
 to its FSDP2 peer's loss, the measurements see what each configuration holds and moves."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _bench import config_row, results_in
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    import benchmarks._report as report
     from benchmarks import fsdp
 
-    saved = report.RESULTS_DIR
-    report.RESULTS_DIR = tmp_path_factory.mktemp("results")
-    try:
+    with results_in(tmp_path_factory.mktemp("results")):
         yield fsdp.main(["--quick"])
-    finally:
-        report.RESULTS_DIR = saved
-
-
-def _row(result, config):
-    return next(r for r in result["rows"] if r["config"] == config)
 
 
 @pytest.mark.timeout(240)
@@ -41,16 +26,16 @@ def test_every_config_trains_like_its_fsdp2_peer(result):
 
 @pytest.mark.timeout(240)
 def test_copies_are_counted_on_the_collective_path(result):
-    ours, fsdp2 = _row(result, "ours Z3 AdamW"), _row(result, "FSDP2 AdamW")
+    ours, fsdp2 = config_row(result, "ours Z3 AdamW"), config_row(result, "FSDP2 AdamW")
     assert ours["copies"] == 0
     assert ours["own slice copies"] > 0  # gloo: the shard is copied into the gathered buffer
     assert fsdp2["copies"] > 0  # FSDP2's copy-in and copy-out
-    assert _row(result, "ours Z2 AdamW")["own slice copies"] == 0  # whole parameters: nothing gathered
+    assert config_row(result, "ours Z2 AdamW")["own slice copies"] == 0  # whole parameters: nothing gathered
 
 
 @pytest.mark.timeout(240)
 def test_communication_is_measured(result):
-    ours, fsdp2 = _row(result, "ours Z3 AdamW"), _row(result, "FSDP2 AdamW")
+    ours, fsdp2 = config_row(result, "ours Z3 AdamW"), config_row(result, "FSDP2 AdamW")
     assert {"broadcast", "all-reduce"} <= set(ours["MB sent by kind"])
     assert {"all-gather", "reduce-scatter"} <= set(fsdp2["MB sent by kind"])
     for r in (ours, fsdp2):
@@ -64,11 +49,11 @@ def test_communication_is_measured(result):
 def test_live_bytes_see_what_the_optimizer_holds(result):
     for r in result["rows"]:
         assert 0 < r["at step start MB"] < r["peak live MB"]
-    ours = _row(result, "ours Z3 AdamW")
+    ours = config_row(result, "ours Z3 AdamW")
     for m in ours["memory"]:  # between steps a rank holds its shards (+ a batch and such)
         held = sum(m["memory_stats"].values())
         assert held <= m["live_start"] <= 1.05 * held + 2**20
-    fsdp2 = _row(result, "FSDP2 AdamW")
+    fsdp2 = config_row(result, "FSDP2 AdamW")
     assert any(k.endswith("FSDP::all_gather") for m in fsdp2["memory"] for k in m["live_by"])
 
 
@@ -80,5 +65,5 @@ def test_state_between_steps_scales_as_one_over_w(result):
     one, two = by[("ours Z3 AdamW", 1)], by[("ours Z3 AdamW", 2)]
     assert one["at step start B/param"] == pytest.approx(16, rel=0.05)  # param, grad, exp_avg, exp_avg_sq
     assert two["at step start B/param x W"] == pytest.approx(one["at step start B/param x W"], rel=0.05)
-    zero2, zero3 = _row(result, "ours Z2 AdamW"), _row(result, "ours Z3 AdamW")
+    zero2, zero3 = config_row(result, "ours Z2 AdamW"), config_row(result, "ours Z3 AdamW")
     assert zero2["at step start MB"] > zero3["at step start MB"]  # whole parameters on every rank

@@ -2,31 +2,16 @@
 configuration trains to its FSDP2 peer's loss, bytes are placed inside or across shard groups,
 and Newton–Schulz work per rank adds up to the model's total."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from _bench import config_row, results_in
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    import benchmarks._report as report
     from benchmarks import hsdp
 
-    saved = report.RESULTS_DIR
-    report.RESULTS_DIR = tmp_path_factory.mktemp("results")
-    try:
+    with results_in(tmp_path_factory.mktemp("results")):
         yield hsdp.main(["--quick"])
-    finally:
-        report.RESULTS_DIR = saved
-
-
-def _row(result, config):
-    return next(r for r in result["rows"] if r["config"] == config)
 
 
 @pytest.mark.timeout(240)
@@ -47,7 +32,7 @@ def test_every_config_trains_like_its_fsdp2_peer(result):
 @pytest.mark.timeout(240)
 def test_newton_schulz_work_per_rank_adds_up_to_the_total(result):
     for mesh in ("2x2", "1x4"):
-        r = _row(result, f"ours {mesh} Muon")
+        r = config_row(result, f"ours {mesh} Muon")
         total, stats = r["NS total GF"], r["NS GF per rank (stats)"]
         assert len(stats) == 4 and total > 0
         assert sum(stats) == pytest.approx(total, rel=1e-12)
@@ -55,7 +40,7 @@ def test_newton_schulz_work_per_rank_adds_up_to_the_total(result):
         # the profiler's count of the products ours ran is the same work
         assert sum(r["NS GF per rank (measured)"]) == pytest.approx(total, rel=1e-6)
     # FSDP2's replicas each repeat the whole iteration, so its ranks together do more than the total
-    assert _row(result, "FSDP2 2x2 Muon")["NS sum / total"] > 1.5
+    assert config_row(result, "FSDP2 2x2 Muon")["NS sum / total"] > 1.5
     for r in result["rows"]:
         if r["config"].endswith("AdamW"):
             assert sum(r["NS GF per rank (measured)"]) == 0
@@ -64,7 +49,7 @@ def test_newton_schulz_work_per_rank_adds_up_to_the_total(result):
 @pytest.mark.timeout(240)
 def test_bytes_are_placed_inside_and_across_shard_groups(result):
     for family in ("AdamW", "Muon"):
-        two, one, fsdp2 = (_row(result, f"{c} {family}") for c in ("ours 2x2", "ours 1x4", "FSDP2 2x2"))
+        two, one, fsdp2 = (config_row(result, f"{c} {family}") for c in ("ours 2x2", "ours 1x4", "FSDP2 2x2"))
         assert two["MB inside"] > 0 and two["MB across"] > 0  # shard group gathers, replicas all-reduce
         assert one["MB across"] == 0 and one["MB inside"] > 0  # one replica: every byte stays inside
         assert fsdp2["MB inside"] > 0 and fsdp2["MB across"] > 0

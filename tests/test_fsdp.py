@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _shampoo_reference import ReferenceShampoo
-from _tiny_gpt import TinyGPT, batch, build, loss_fn
+from _tiny_gpt import TinyGPT, batch, build, loss_fn, train, world_grads
 
 import vescale_optim as vo
 
@@ -72,11 +72,7 @@ def reference(kind, world, steps=STEPS, micro=1, meta=False, checkpoint=False):
     model = _reference_model(meta, checkpoint)
     opt = _Reference(kind, model)
     for t in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        for r in range(world):
-            for m in range(micro):
-                (loss_fn(model, *batch(t, r, m)) / (world * micro)).backward()
+        world_grads(model, t, world, micro)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -238,10 +234,7 @@ def _save(path, steps):
     rank = dist.get_rank()
     model = build()
     opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
-    for t in range(steps):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(steps), rank)
     dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
     return model.state_dict(), opt.state_dict()
 
@@ -262,10 +255,7 @@ def _resume(path, full, steps, more):
         model.load_state_dict(full[0])
         opt.load_state_dict(full[1])
     loaded = (model.state_dict(), opt.state_dict())
-    for t in range(steps, steps + more):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(steps, steps + more), rank)
     return loaded, {k: v.clone() for k, v in model.state_dict().items()}
 
 

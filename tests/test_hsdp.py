@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from _tiny_gpt import batch, build, loss_fn
+from _tiny_gpt import batch, build, loss_fn, train
 from test_fsdp import STEPS, TOL, _assert_equal, make_ours, reference
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -99,10 +99,7 @@ def _save(path, kind, shape, steps):
     rank = dist.get_rank() if dist.is_initialized() else 0
     model = build()
     opt = _opt_for(model, kind, shape)
-    for t in range(steps):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(steps), rank)
     dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()}, checkpoint_id=path)
     return model.state_dict(), opt.state_dict()
 
@@ -123,10 +120,7 @@ def _load(path, kind, shape, steps=0, first=0, save_to=None):
     if save_to is not None:
         dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()},
                  checkpoint_id=save_to)  # fmt: skip
-    for t in range(first, first + steps):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(first, first + steps), rank)
     return loaded, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -157,10 +151,7 @@ def _continue_from_full(kind, saved, first):
     opt = _opt_for(model, kind, None)
     model.load_state_dict(saved[0])
     opt.load_state_dict(saved[1])
-    for t in range(first, first + 2):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(first, first + 2), rank)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

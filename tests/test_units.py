@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _tiny_gpt import batch, build, loss_fn
+from _tiny_gpt import batch, build, loss_fn, world_grads
 
 from vescale_optim.shard import Comm, plan_layout
 from vescale_optim.units import State, Unit
@@ -34,11 +34,7 @@ def make_units(model, shard_modules, comm, sharded=True, param_dtype=None):
 def reference(world, steps, micro=1, **kwargs):
     model = build(**kwargs)
     for t in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        for r in range(world):
-            for m in range(micro):
-                (loss_fn(model, *batch(t, r, m)) / (world * micro)).backward()
+        world_grads(model, t, world, micro)
         with torch.no_grad():
             for p in model.parameters():
                 p.sub_(LR * p.grad)

@@ -1,0 +1,63 @@
+"""The end of the FSDP and HSDP benchmarks' reports: the goals met or not, the loss check against
+the FSDP2 peer, and the JSON (and plot) written.
+
+    return verdict("fsdp", rows, run, goals, "W=4", "FSDP2", plot=lambda name: _plot(rows, name))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks._measure import load_average
+from benchmarks._report import environment, save_json
+
+__all__ = ["LOSS_TOL", "loss_check", "verdict"]
+
+# Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
+# order), so the updates differ by bf16 rounding.
+LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
+
+
+def loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
+    """Whether every row lowered its loss and ended within `LOSS_TOL` of its peer's (`|Δ loss|`),
+    and a note for each that did not."""
+    ok, notes = True, []
+    for r in rows:
+        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
+        lowered = r["loss after"] < r["loss first"]
+        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
+        ok &= lowered and close
+        if not (lowered and close):
+            label = f"{r['model']} {r['config']}" if "model" in r else r["config"]
+            notes.append(f"{label}: lowered {lowered}, |Δ loss| {delta:.2e}")
+    return ok, notes
+
+
+def verdict(
+    name: str,
+    rows: list[dict],
+    run: dict,
+    goals: dict[str, bool],
+    goals_for: str,
+    peer: str,
+    plot: Callable[[str], Path | None],
+    **more,
+) -> dict:
+    """Print the goals (`goals_for` says against what) and the loss check against `peer`, plot to
+    and write NAME.json (NAME_quick with `run["quick"]`), and return what was written: the
+    environment, `run`, the goals, the check, `rows` and `more`."""
+    print(f"\nGoals ({goals_for}):")
+    for k, ok in goals.items():
+        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    sane, notes = loss_check(rows)
+    print(f"\nLoss check (loss after training vs {peer} with the same optimizer, relative tolerance "
+          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
+          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    name = f"{name}_quick" if run["quick"] else name
+    png = plot(name)
+    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
+               "loss_check_ok": sane, "rows": rows, **more}  # fmt: skip
+    path = save_json(name, payload)
+    print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
+    return payload
