@@ -5,6 +5,7 @@ or not, accumulating (both ways), with activation checkpointing, built on the me
 device, and in bf16 over fp32 shards."""
 
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -203,6 +204,36 @@ def test_only_shards_between_steps_and_two_units_in_forward(world, world_size):
 
 
 # --- model state: full tensors outside forward/backward, sharded through DCP ---------------
+
+
+def _held_gradients():
+    """Names of the block parameters whose incoming gradients (what autograd passes to
+    accumulation) are still alive at each later block's backward."""
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    incoming = []
+    for name, p in model.named_parameters():
+        if name.startswith("layers."):
+            p.register_hook(lambda g, n=name: incoming.append((n, weakref.ref(g))))
+    held = []
+
+    def probe(module, grad_output):
+        held.append(sorted({n for n, ref in incoming if ref() is not None}))
+
+    for layer in model.layers:
+        layer.register_full_backward_pre_hook(probe)
+    for t in range(2):
+        held.clear()
+        loss_fn(model, *batch(t, dist.get_rank())).backward()
+        opt.step()
+        opt.zero_grad()
+    return held
+
+
+def test_backward_holds_no_gradient_of_a_finished_unit(world):
+    # a multi-grad hook over the whole model would keep each of these until the last arrived
+    for held in world(2).run(_held_gradients):
+        assert len(held) == 3 and held == [[], [], []], held
 
 
 def _state_dict_round_trip():

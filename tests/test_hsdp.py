@@ -67,6 +67,39 @@ def test_accumulation_modes_equal_one_process(world, kind, accumulate):
         _assert_equal(got, want, TOL[kind])
 
 
+def _overlap():
+    """At each block's backward: how many units have an all-reduce across replicas in
+    flight; after backward: whether any reduction is still pending; each step's bytes."""
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, mesh=_mesh((2, 2)), shard_modules=[*model.layers, model])
+    in_flight, steps = [], []
+
+    def probe(module, grad_output):
+        in_flight.append(sum(u.reducing_over_replicas for u in opt.units))
+
+    for layer in model.layers:
+        layer.register_full_backward_pre_hook(probe)
+    for t in range(3):
+        in_flight.clear()
+        loss_fn(model, *batch(t, rank)).backward()
+        pending = [u.name for u in opt.units if u.has_full_grad or u.reducing_over_replicas]
+        opt.step()
+        opt.zero_grad()
+        steps.append((list(in_flight), pending, opt.step_stats["bytes_sent"]))
+    return steps
+
+
+def test_all_reduces_across_replicas_overlap_backward_and_finish_in_it(world):
+    for steps in world(4).run(_overlap):
+        # the first step learns the fixed order of the outermost unit's reduction: it runs in step()
+        assert steps[0][2] > 0
+        for in_flight, pending, sent in steps[1:]:
+            # block 2 reduces in block 1's backward and its all-reduce starts in block 0's
+            assert in_flight == [0, 0, 1], in_flight
+            assert pending == [] and sent == 0, (pending, sent)
+
+
 def _roots(shape):
     _, stats = _train("shampoo", shape, True, steps=2)
     return [s["roots"] for s in stats]

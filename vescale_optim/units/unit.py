@@ -39,6 +39,10 @@ class _Reduction(Handle):
         super().__init__()
         self._first, self._start, self._second = first, second, None
 
+    @property
+    def second_issued(self) -> bool:
+        return self._second is not None
+
     def advance(self) -> None:
         if self._second is None:
             self._first.wait()
@@ -387,6 +391,11 @@ class Unit:
         (without waiting for it)."""
         if self._reduction is not None:
             self._reduction.advance()
+
+    @property
+    def reducing_over_replicas(self) -> bool:
+        """Whether an all-reduce of this unit's gradients across replicas is issued and not yet waited."""
+        return self._reduction is not None and self._reduction.second_issued
 
     def wait_grad(self) -> None:
         """Block until `grad` holds every reduction issued so far."""
