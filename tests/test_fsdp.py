@@ -176,29 +176,40 @@ def _memory():
 
     for k, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(probe(k))
+    blocks = [u for name, u in units.items() if name.startswith("layers.")]
+    in_backward = []  # unit-sized buffers of blocks alive, after each block parameter's gradient
+    for p in model.layers.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: in_backward.append(sum((u.full.nbytes > 0) + (u.full_grad.nbytes > 0) for u in blocks))
+        )
     shard_bytes = sum(u.shard.numel() * 4 + u.grad.numel() * 4 for u in units.values())
     between = []
     for t in range(2):
         gathered_at.clear()
         loss_fn(model, *batch(t, rank)).backward()
         opt.step()
+        stepped = opt.memory_stats()
         opt.zero_grad()
-        between.append((holding(), opt.memory_stats()))
+        between.append((holding(), stepped, opt.memory_stats()))
     total = sum(p.numel() for p in model.parameters())
-    return gathered_at, between, shard_bytes, total, opt.world_size
+    return gathered_at, between, shard_bytes, total, opt.world_size, max(in_backward)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_only_shards_between_steps_and_two_units_in_forward(world, world_size):
-    for gathered_at, between, shard_bytes, total, w in world(world_size).run(_memory):
+    for gathered_at, between, shard_bytes, total, w, in_backward in world(world_size).run(_memory):
+        # in backward: the parameters of the unit computing and of the next, one gradient buffer
+        assert in_backward == 3, in_backward
         for k, (names, grad_bytes) in gathered_at.items():
             # the root (outermost: kept for backward), layer k and the one prefetched after it
             want = {"TinyGPT[0]", f"layers.{k}"} | ({f"layers.{k + 1}"} if k + 1 < 4 else set())
             assert names == want and grad_bytes == 0, (k, names)
-        for (names, grad_bytes), stats in between:
+        for (names, grad_bytes), stepped, zeroed in between:
             assert names == set() and grad_bytes == 0
-            assert stats["unsharded"] == 0
-            assert stats["parameters"] + stats["gradients"] == shard_bytes
+            assert stepped["unsharded"] == zeroed["unsharded"] == 0
+            assert stepped["parameters"] + stepped["gradients"] == shard_bytes
+            # zero_grad() frees the gradient shards, as torch's set_to_none frees gradients
+            assert zeroed["gradients"] == 0 and zeroed["parameters"] == stepped["parameters"]
             # a rank's shards: its 1/W of parameters and gradients, plus the planner's padding
             assert shard_bytes <= 2 * 4 * (total / w) * 1.15 + 2 * 4 * 64 * len(gathered_at)
 

@@ -95,8 +95,9 @@ def test_all_reduces_across_replicas_overlap_backward_and_finish_in_it(world):
         # the first step learns the fixed order of the outermost unit's reduction: it runs in step()
         assert steps[0][2] > 0
         for in_flight, pending, sent in steps[1:]:
-            # block 2 reduces in block 1's backward and its all-reduce starts in block 0's
-            assert in_flight == [0, 0, 1], in_flight
+            # block 2 reduces at the end of its backward; its all-reduce starts once that
+            # finishes (seen in block 1's backward at the latest) and is waited at the end
+            assert in_flight[0] == 0 and in_flight[2] >= 1, in_flight
             assert pending == [] and sent == 0, (pending, sent)
 
 

@@ -371,7 +371,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
             else:
                 params += u.full.nbytes
-            grads += nbytes(u.grad)
+            grads += u.grad_bytes
             unsharded += u.transient_bytes()
         return {"parameters": params, "gradients": grads, "state": self.local_state_bytes(),
                 "unsharded": unsharded}  # fmt: skip

@@ -162,7 +162,7 @@ class GradTrackingMixin:
     def _any_nonfinite(self) -> bool:
         flag = torch.zeros(1, device=self._device)
         for u in self._units:
-            if not torch.isfinite(u.grad).all():
+            if u.grad_bytes and not torch.isfinite(u.grad).all():
                 flag.fill_(1)
                 break
         all_reduce_(flag, self._world, "max", what="the non-finite gradient check")
@@ -180,7 +180,7 @@ class GradTrackingMixin:
         """
         self.reduce_gradients()
         norm_type = float(norm_type)
-        grads = [u.grad for u in self._units if u.grad.numel()]
+        grads = [u.grad for u in self._units if u.grad_bytes]
         inf = math.isinf(norm_type)
         # summed in float64, so that how parameters are grouped into units does not round it
         f64 = torch.float64

@@ -151,6 +151,10 @@ class Handle:
             timed_out = deadline is not None and time.monotonic() >= deadline - 0.1
             raise self._op.error(e, timed_out) from e
 
+    def is_completed(self) -> bool:
+        """Whether every collective is done (never blocks; `wait()` still runs what follows)."""
+        return self._done or all(w.is_completed() for w in self._works)
+
     def then(self, finish: Callable[[], None]) -> Handle:
         """A handle that waits for this one, then runs `finish`."""
         return Handle([self], finish)

@@ -12,8 +12,13 @@ to the model's structure, never to which parameters happened to receive gradient
   gradient, the buckets of no `shard_modules`) reduce-scatter in a fixed order as soon
   as their own gradients are complete (a multi-grad hook over just their parameters).
 
-One reduce-scatter is in flight at a time; when the next is issued, the one before has
-its all-reduce across replicas (HSDP) started, which runs on while backward goes on.
+One reduce-scatter is in flight at a time; once it finishes (seen at the next gradient,
+or waited for before the next is issued) its all-reduce across replicas (HSDP) starts
+and runs on while backward goes on. Backward's prefetch waits for that moment too, so
+that at most three unit-sized buffers are alive: the parameters of the unit computing
+and of the next, and one gradient buffer being reduced or accumulated. The order of
+collectives stays fixed: a unit's gather always comes after the reduce-scatter issued
+before its prefetch point and before the next one.
 A backward's round of reductions ends when every unit expected to reduce has (the
 trainable units without a module, and those whose module ran forward towards a loss):
 then it waits for every reduction, so that `step()` finds the gradients complete.
@@ -121,6 +126,7 @@ class Schedule:
         self._post_forward_seen: list[Unit] = []
         self._reduced: set[int] = set()  # units reduced in this backward
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter has not been waited
+        self._deferred: Unit | None = None  # the unit to prefetch once that reduce-scatter is done
         self._round_ended = False
         self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
@@ -174,6 +180,7 @@ class Schedule:
 
     def _accumulated(self, unit: Unit):
         def hook(p):
+            self._poll()
             if self.on_grad is not None:
                 self.on_grad(p)
             if unit.arrivals is not None:
@@ -229,10 +236,19 @@ class Schedule:
         self._round_ended = True
 
     def _advance(self) -> None:
-        """Wait for the reduce-scatter in flight and start its all-reduce across replicas."""
+        """Wait for the reduce-scatter in flight, start its all-reduce across replicas, and
+        issue the gather that waited for it to free its buffer."""
         if self._in_flight is not None:
             self._in_flight.advance_grad()
             self._in_flight = None
+        if self._deferred is not None:
+            unit, self._deferred = self._deferred, None
+            unit.unshard(async_op=True)
+
+    def _poll(self) -> None:
+        """`_advance()` if the reduce-scatter in flight has finished (without waiting)."""
+        if self._in_flight is not None and self._in_flight.scatter_finished():
+            self._advance()
 
     def _new_round(self) -> None:
         """First event after a backward ended (or a step): forget that backward's marks."""
@@ -302,7 +318,9 @@ class Schedule:
                 self.forward_order.append(unit)
             with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
                 unit.wait_unshard()
-                self._prefetch(self.forward_order, unit)
+                following = self._next(self.forward_order, unit)
+                if following is not None:
+                    following.unshard(async_op=True)
             if unit.compute_dtype != unit.orig_dtype:  # param_dtype: floating inputs are cast to it
                 cast = lambda t, to=unit.compute_dtype: t.to(to) if t.is_floating_point() else t  # noqa: E731
                 args, kwargs = _map_tensors(cast, (args, kwargs))
@@ -349,8 +367,14 @@ class Schedule:
         self._new_round()
         unit.in_backward = True
         with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):
+            if unit is self._deferred:
+                self._advance()
             unit.wait_unshard()
-            self._prefetch(self.backward_order, unit)
+            following = self._next(self.backward_order, unit)
+            if following is not None and self._in_flight is not None:
+                self._deferred = following  # gathered once the reduce-scatter in flight frees its buffer
+            elif following is not None:
+                following.unshard(async_op=True)
 
     def _post_backward(self, unit: Unit) -> None:
         unit.forward_calls -= 1
@@ -362,11 +386,13 @@ class Schedule:
             self._reduce(unit)
 
     @staticmethod
-    def _prefetch(order: list[Unit], unit: Unit) -> None:
+    def _next(order: list[Unit], unit: Unit) -> Unit | None:
+        """The unit after `unit` in `order`, if it is to be gathered (prefetched)."""
         if unit in order:
             k = order.index(unit) + 1
             if k < len(order) and order[k].state is State.RESHARDED:
-                order[k].unshard(async_op=True)
+                return order[k]
+        return None
 
     # --- control ----------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class _Reduction(Handle):
         super().__init__()
         self._first, self._start, self._second = first, second, None
 
+    def first_finished(self) -> bool:
+        return self._second is not None or self._first.is_completed()
+
     @property
     def second_issued(self) -> bool:
         return self._second is not None
@@ -128,7 +131,7 @@ class Unit:
                         self.full.view(i).copy_(p.detach())
         if not sharded and self.shard_dtype == self.compute_dtype:
             self.shard = self.full.local  # the update writes the kept parameters in place
-        self.grad = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
+        self._grad = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         self.grad_has_values = False  # `grad` holds reductions not yet consumed
         self.state = State.GATHERED
         self._gather: Handle | None = None
@@ -302,7 +305,8 @@ class Unit:
             self.full_grad.view(i).zero_()
         start, stop = self.full.local_range(i)
         if stop > start:
-            self.grad[start:stop].zero_()
+            if self.grad_bytes:
+                self._grad[start:stop].zero_()
             if self.grad_unsynced is not None:
                 self.grad_unsynced[start:stop].zero_()
 
@@ -333,7 +337,7 @@ class Unit:
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
                 data = data.to(self.reduce_dtype)
-            self.sent_bytes += ring(self.comm.world_size, self.grad.numel() * data.element_size())
+            self.sent_bytes += ring(self.comm.world_size, self._grad.numel() * data.element_size())
             what = f"unit {self.name}'s gradients"
             if not self.replicate.active:
                 add = self.grad_has_values
@@ -341,7 +345,7 @@ class Unit:
                 self.grad_has_values = True
                 across = None
             else:
-                part = torch.empty_like(self.grad)
+                part = torch.empty_like(self._grad)
                 scatter = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True, what=what)
                 defer = self.defer_replicas
                 across = lambda: self._over_replicas(part, defer)  # noqa: E731
@@ -392,6 +396,10 @@ class Unit:
         if self._reduction is not None:
             self._reduction.advance()
 
+    def scatter_finished(self) -> bool:
+        """Whether the reduce-scatter of the reduction in flight is done (never blocks)."""
+        return self._reduction is None or self._reduction.first_finished()
+
     @property
     def reducing_over_replicas(self) -> bool:
         """Whether an all-reduce of this unit's gradients across replicas is issued and not yet waited."""
@@ -403,12 +411,30 @@ class Unit:
             reduction, self._reduction = self._reduction, None
             reduction.wait()
 
+    @property
+    def grad(self) -> torch.Tensor:
+        """This rank's averaged-gradient shard. `clear_grad()` frees its memory, as torch's
+        `zero_grad(set_to_none=True)` frees gradients; it comes back zero when next used."""
+        storage = self._grad.untyped_storage()
+        if storage.nbytes() == 0 and self._grad.numel():
+            storage.resize_(self._grad.numel() * self._grad.element_size())
+            self._grad.zero_()
+        return self._grad
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes the gradient shard holds now (0 while freed)."""
+        return self._grad.untyped_storage().nbytes()
+
     def clear_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients: zero the shard, drop an unreduced buffer; every
-        `.grad` becomes None, or with `set_to_none=False` a `ReducedGrad` (now zero) where
-        there was a gradient."""
+        """Forget accumulated gradients: free the shard (`set_to_none`) or zero it, drop an
+        unreduced buffer; every `.grad` becomes None, or with `set_to_none=False` a
+        `ReducedGrad` (now zero) where there was a gradient."""
         self.wait_grad()
-        self.grad.zero_()
+        if set_to_none:
+            self._grad.untyped_storage().resize_(0)
+        elif self.grad_bytes:
+            self._grad.zero_()
         self.grad_has_values = False
         self.grad_unsynced = None
         if self.has_full_grad:
@@ -425,9 +451,9 @@ class Unit:
         """Parameter and gradient shards, and the kept unsharded parameters if unsharded."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         if self.sharded:
-            return nbytes(self.shard) + nbytes(self.grad)
+            return nbytes(self.shard) + self.grad_bytes
         own_shard = self.shard.untyped_storage().data_ptr() != self.full.data.untyped_storage().data_ptr()
-        return self.full.nbytes + nbytes(self.grad) + (nbytes(self.shard) if own_shard else 0)
+        return self.full.nbytes + self.grad_bytes + (nbytes(self.shard) if own_shard else 0)
 
     def transient_bytes(self) -> int:
         """Unsharded buffers alive now (sharded parameters while gathered, gradients)."""
