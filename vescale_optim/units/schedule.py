@@ -78,26 +78,39 @@ class _PostBackward(torch.autograd.Function):
 
 class _Arrivals:
     """Calls `on_done` once every parameter of `params` that takes part in a backward has
-    had its gradient accumulated. The multi-grad hook holds the incoming gradients until
-    the last arrives, so it covers one unit's parameters, never the whole model."""
+    had its gradient accumulated.
+
+    The first backward learns which take part from a multi-grad hook, which holds every
+    incoming gradient until the last arrives; later backward passes count arrivals of those
+    parameters and hold nothing. (A parameter that stops taking part leaves the unit for
+    `finish()` to reduce; one that starts is reduced after the rest, at the step.)"""
 
     def __init__(self, params: Sequence[torch.Tensor], on_done: Callable[[], None]):
-        self.expected: int | None = None
-        self.arrived = 0
+        self.params = list(params)
+        self.expected: set[int] | None = None  # ids of the parameters that take part
+        self.arrived: set[int] = set()
         self.on_done = on_done
-        self.handle = register_multi_grad_hook(list(params), self._participants, mode="all")
+        self.handle = register_multi_grad_hook(self.params, self._learn, mode="all")
 
-    def _participants(self, grads) -> None:
-        self.expected = sum(g is not None for g in grads)
+    def _learn(self, grads) -> None:
+        if self.expected is None:
+            self.expected = {id(p) for p, g in zip(self.params, grads) if g is not None}
+            self._check()
+
+    def arrive(self, p: torch.Tensor) -> None:
+        self.arrived.add(id(p))
         self._check()
 
-    def arrive(self) -> None:
-        self.arrived += 1
-        self._check()
+    def reset(self) -> None:
+        """A new round: forget arrivals; once learned, drop the multi-grad hook."""
+        self.arrived = set()
+        if self.expected is not None and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
     def _check(self) -> None:
-        if self.expected is not None and self.arrived >= self.expected:
-            self.expected, self.arrived = None, 0
+        if self.expected is not None and self.expected <= self.arrived:
+            self.arrived = set()
             self.on_done()
 
 
@@ -184,7 +197,7 @@ class Schedule:
             if self.on_grad is not None:
                 self.on_grad(p)
             if unit.arrivals is not None:
-                unit.arrivals.arrive()
+                unit.arrivals.arrive(p)
 
         return hook
 
@@ -261,6 +274,8 @@ class Schedule:
                 unit.forward_calls = 0
                 unit.ran = False
                 unit.complete = False
+                if unit.arrivals is not None:
+                    unit.arrivals.reset()
 
     def wait_reductions(self) -> None:
         """Wait for every reduction issued (and the all-reduces across replicas they start)."""
