@@ -19,6 +19,7 @@ from vescale_optim.shard import (
     redistribute,
     run_plan,
 )
+from vescale_optim.shard.collectives import any_rank
 
 WORLDS = [1, 2, 3, 4, 5]
 
@@ -179,6 +180,23 @@ def test_redistribute_on_gloo(world, world_size, data):
 def test_gather_scatter_owner_on_gloo(world, world_size, data):
     case = data.draw(owner_cases(worlds=[world_size]))
     assert world(world_size).run(_owners_on_rank, *case, timeout=60) == [True] * world_size
+
+
+def _any_rank_on_rank(per_rank):
+    comm = Comm()
+    return any_rank(per_rank[comm.rank], comm)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_any_rank_is_the_or_over_ranks(world, world_size, data):
+    # bits packed 64 to a word on gloo: sizes around the word boundaries
+    n = data.draw(st.sampled_from([0, 1, 63, 64, 65, 130]) | st.integers(0, 200))
+    per_rank = [data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for _ in range(world_size)]
+    want = [any(column) for column in zip(*per_rank)] if n else []
+    assert world(world_size).run(_any_rank_on_rank, per_rank, timeout=60) == [want] * world_size
+    assert any_rank(per_rank[0], Comm()) == per_rank[0]
 
 
 def test_single_process_without_a_process_group():

@@ -19,6 +19,7 @@ import math
 import torch
 
 from ..shard import all_reduce_
+from ..shard.collectives import any_rank
 from ..units import Unit
 from ..units.reduced_grad import ReducedGrad
 from .segment import FROZEN
@@ -82,9 +83,8 @@ class GradTrackingMixin:
         marks = [m for seg in self._segments for m in seg.marked]
         unreduced = [u.has_full_grad for u in self._units]
         flags = [*marks, *unreduced, problem is not None]
-        flags = torch.tensor(flags, dtype=torch.float32, device=self._device)
-        all_reduce_(flags, self._world, "max", what="the step's agreement on which parameters step")
-        agreed = [x > 0 for x in flags.tolist()]
+        what = "the step's agreement on which parameters step"
+        agreed = any_rank(flags, self._world, self._device, what=what)
         if problem is not None:
             raise RuntimeError(problem)
         if agreed[-1]:

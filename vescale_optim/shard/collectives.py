@@ -331,6 +331,32 @@ def all_reduce_(
     return handle
 
 
+def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = None,
+             what: str | None = None) -> list[bool]:  # fmt: skip
+    """For each flag, whether some rank of `comm` has it set (one all-reduce).
+
+    On gloo the flags travel as bits of int64 words (bitwise or): a handful of words
+    instead of one float per flag, and below the world size gloo's small-message path is
+    several times faster than its ring (4 ranks on 2 cores: 0.7 ms for 2 words, 5-7 ms
+    for 78 floats). NCCL has no bitwise reduction: a byte per flag, max."""
+    if not comm.active:
+        return [bool(f) for f in flags]
+    bits = torch.tensor([bool(f) for f in flags], dtype=torch.bool)
+    if comm.gloo:
+        words = -(-len(bits) // 64)
+        padded = torch.zeros(words * 64, dtype=torch.int64)
+        padded[: len(bits)] = bits
+        shifts = torch.arange(64, dtype=torch.int64)
+        packed = (padded.view(words, 64) << shifts).sum(dim=1)  # distinct bits: the sum is their or
+        work = dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=comm.group, async_op=True)
+        Handle(work, op=Op("all-reduce (any)", what, packed, comm)).wait()
+        return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[: len(bits)].bool().tolist()
+    flags_t = bits.to(device=device, dtype=torch.uint8)
+    work = dist.all_reduce(flags_t, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
+    Handle(work, op=Op("all-reduce (any)", what, flags_t, comm)).wait()
+    return flags_t.bool().tolist()
+
+
 def run_plan(
     plan: Plan,
     src: torch.Tensor,
