@@ -341,20 +341,20 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
     for 78 floats). NCCL has no bitwise reduction: a byte per flag, max."""
     if not comm.active:
         return [bool(f) for f in flags]
-    bits = torch.tensor([bool(f) for f in flags], dtype=torch.bool)
     if comm.gloo:
-        words = -(-len(bits) // 64)
-        padded = torch.zeros(words * 64, dtype=torch.int64)
-        padded[: len(bits)] = bits
-        shifts = torch.arange(64, dtype=torch.int64)
-        packed = (padded.view(words, 64) << shifts).sum(dim=1)  # distinct bits: the sum is their or
+        words = [0] * -(-len(flags) // 64)
+        for i, f in enumerate(flags):
+            if f:
+                words[i // 64] |= 1 << (i % 64)
+        packed = torch.tensor([w - (1 << 64) if w >> 63 else w for w in words], dtype=torch.int64)
         work = dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=comm.group, async_op=True)
         Handle(work, op=Op("all-reduce (any)", what, packed, comm)).wait()
-        return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[: len(bits)].bool().tolist()
-    flags_t = bits.to(device=device, dtype=torch.uint8)
-    work = dist.all_reduce(flags_t, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
-    Handle(work, op=Op("all-reduce (any)", what, flags_t, comm)).wait()
-    return flags_t.bool().tolist()
+        words = packed.tolist()
+        return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
+    bytes_ = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
+    work = dist.all_reduce(bytes_, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
+    Handle(work, op=Op("all-reduce (any)", what, bytes_, comm)).wait()
+    return [bool(b) for b in bytes_.tolist()]
 
 
 def run_plan(
