@@ -176,6 +176,7 @@ class Schedule:
     def _attach(self, unit: Unit, i: int):
         def hook(grad):
             self._new_round()
+            self._poll()
             p = unit.params[i]
             if p.dtype != unit.compute_dtype or p.device != unit.device:
                 return  # moved or cast after construction: the step refuses it
