@@ -259,6 +259,12 @@ class Schedule:
             unit, self._deferred = self._deferred, None
             unit.unshard(async_op=True)
 
+    def _flush_deferred(self) -> None:
+        """Issue a deferred gather before any other: whether a poll already did depends on
+        timing, so every gather issued from a hook must come after it."""
+        if self._deferred is not None:
+            self._advance()
+
     def _poll(self) -> None:
         """`_advance()` if the reduce-scatter in flight has finished (without waiting)."""
         if self._in_flight is not None and self._in_flight.scatter_finished():
@@ -326,6 +332,7 @@ class Schedule:
                 self._round_ended = True  # a round its backward left unfinished (some unit got no gradient)
             if torch.is_grad_enabled():
                 self._new_round()
+            self._flush_deferred()
             if unit.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
@@ -383,8 +390,7 @@ class Schedule:
         self._new_round()
         unit.in_backward = True
         with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):
-            if unit is self._deferred:
-                self._advance()
+            self._flush_deferred()
             unit.wait_unshard()
             following = self._next(self.backward_order, unit)
             if following is not None and self._in_flight is not None:
