@@ -20,6 +20,7 @@ from vescale_optim.shard import (
     run_plan,
 )
 from vescale_optim.shard.collectives import any_rank
+from vescale_optim.shard.plan import in_arrival_order
 
 WORLDS = [1, 2, 3, 4, 5]
 
@@ -126,6 +127,23 @@ def test_gather_to_owner_and_back(case):
     assert all(torch.equal(a, b) for a, b in zip(back, sources))
     # Nobody sends to itself over the network, and only owners receive.
     assert all(gather.program(r).recv_splits == (0,) * world for r in range(world) if r not in owners)
+
+
+@given(owner_cases())
+def test_scatter_back_in_arrival_order_is_received_in_place(case):
+    world, tensors, placed, owners = case
+    pieces, fill = packed_pieces(tensors, placed, world)
+    numels = [math.prod(s) for s in tensors]
+    sources, gathered = owner_expectations(tensors, placed, owners, world)
+    scatter = plan_scatter_from_owner(pieces, numels, owners, world, fill)
+    packed, where = in_arrival_order(scatter)
+    arrived = packed.simulate(gathered)
+    for r in range(world):
+        assert packed.program(r).recv_range == (0, packed.dst_numel[r])  # one run, in order: no unpacking
+        placed_back = torch.zeros(scatter.dst_numel[r], dtype=torch.float64)
+        for offset, at, n in where[r]:
+            placed_back[offset : offset + n] = arrived[r][at : at + n]
+        assert torch.equal(placed_back, scatter.simulate(gathered)[r])
 
 
 # --- the same on real gloo worlds ------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from ..kernels import newton_schulz
 from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
 from ..shard.mesh import Topology
-from ..shard.plan import owner_offsets
+from ..shard.plan import in_arrival_order, owner_offsets
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_segment_step
@@ -113,7 +113,9 @@ class _MuonPlan:
         numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
         sizes = [self.sizes[topo.shard_of(w)] for w in range(world)]
         self.gather = plan_gather_to_owner(gather, numels, owners, world, sizes)
-        self.scatter = plan_scatter_from_owner(scatter, numels, owners, world, sizes)
+        # results come back in arrival order (received in place) and are read from there
+        self.scatter, where = in_arrival_order(plan_scatter_from_owner(scatter, numels, owners, world, sizes))
+        self.returned = where[rank]
         self.gather_program = self.gather.program(rank)
         self.scatter_program = self.scatter.program(rank)
         offsets, _ = owner_offsets(numels, owners, world)
@@ -129,6 +131,22 @@ class _MuonPlan:
 
 
 _CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
+
+
+def _pieces(lo: int, hi: int, update: torch.Tensor, back: torch.Tensor, returned):
+    """`(a, z, values)` covering `[lo, hi)` of the local slice: from `back` where a piece
+    returned there (`returned`: `(offset, in_back, length)`, sorted), else from `update`."""
+    pos = lo
+    for offset, at, n in returned:
+        a, z = max(lo, offset), min(hi, offset + n)
+        if a >= z:
+            continue
+        if pos < a:
+            yield pos, a, update[pos:a]
+        yield a, z, back[at + a - offset : at + z - offset]
+        pos = z
+    if pos < hi:
+        yield pos, hi, update[pos:hi]
 
 
 def _chunks(runs, keep: bool = False):
@@ -299,12 +317,13 @@ class Muon(ShardedOptimizer):
             return None
         update = self._momentum(seg)
         group = seg.group
+        back = update.new_empty(plan.scatter.dst_numel[self._world.rank])
         return Move(
-            gather=plan.gather, src=update, scatter=plan.scatter, dst=update,
+            gather=plan.gather, src=update, scatter=plan.scatter, dst=back,
             programs=(plan.gather_program, plan.scatter_program), label="newton_schulz",
             local=lambda: self._orthogonalize(plan, group, update, moved=False),
             compute=lambda received: self._orthogonalize(plan, group, received, moved=True),
-            finish=lambda: self._apply(seg, update),
+            finish=lambda: self._apply(seg, update, back, plan.returned),
         )  # fmt: skip
 
     def _momentum(self, b: Segment) -> torch.Tensor:
@@ -325,15 +344,18 @@ class Muon(ShardedOptimizer):
         lowbit.encode_(b.state, "momentum_buffer", kind, buf)
         return update
 
-    def _apply(self, b: Segment, update: torch.Tensor) -> None:
+    def _apply(self, b: Segment, update: torch.Tensor, back: torch.Tensor,
+               returned: Sequence[tuple[int, int, int]]) -> None:  # fmt: skip
         """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the active runs, with one adjusted
-        learning rate per run of parameters that share it (a scalar, as in torch)."""
+        learning rate per run of parameters that share it (a scalar, as in torch). `O` is
+        in `back` where it came back from an owner (`returned`), in `update` elsewhere."""
         g, params = b.group, b.local_params
         lr, decay = float(g["lr"]), 1 - float(g["lr"]) * g["weight_decay"]
         shapes = [matrix_view(tuple(p.shape))[1:] for p in b.params]
         runs = b.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
         for lo, hi, alr in _chunks(runs, keep=True):
-            params[lo:hi].mul_(decay).add_(update[lo:hi], alpha=-alr)
+            for a, z, values in _pieces(lo, hi, update, back, returned):
+                params[a:z].mul_(decay).add_(values, alpha=-alr)
 
     def _orthogonalize(self, plan: _MuonPlan, group: dict, buf: torch.Tensor, moved: bool) -> torch.Tensor:
         """Newton–Schulz, in place in `buf`, on every matrix this rank owns that lies there:

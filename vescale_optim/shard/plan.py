@@ -10,7 +10,7 @@ of the same tensor. Plans involve no processes, so they are tested by `simulate`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -191,3 +191,18 @@ def owner_offsets(numels: Sequence[int], owners: Sequence[int], world_size: int)
         totals[o] += n
     return offsets, tuple(totals)
 
+
+
+def in_arrival_order(plan: Plan) -> tuple[Plan, list[list[tuple[int, int, int]]]]:
+    """`plan` with each rank's destination laid out in arrival order (by source rank, then
+    as sent), so that `run_plan` receives every piece in place, never unpacking; and for
+    each rank where its pieces belong in the original destination: `(dst_offset,
+    packed_offset, length)`, sorted by `dst_offset`."""
+    pos = [0] * plan.world_size
+    transfers, where = [], [[] for _ in range(plan.world_size)]
+    for t in plan.transfers:
+        where[t.dst].append((t.dst_offset, pos[t.dst], t.length))
+        transfers.append(replace(t, dst_offset=pos[t.dst]))
+        pos[t.dst] += t.length
+    packed = Plan(plan.world_size, tuple(transfers), plan.src_numel, tuple(pos))
+    return packed, [sorted(w) for w in where]
