@@ -113,16 +113,23 @@ def owner_expectations(tensors, placed, owners, world):
     return sources, gathered
 
 
-@given(owner_cases())
-def test_gather_to_owner_and_back(case):
+def owner_plans(case):
+    """The gather-to-owner and scatter-from-owner plans of a case, and what each rank holds
+    before (sources) and after the gather (gathered)."""
     world, tensors, placed, owners = case
     pieces, fill = packed_pieces(tensors, placed, world)
     numels = [math.prod(s) for s in tensors]
     sources, gathered = owner_expectations(tensors, placed, owners, world)
     gather = plan_gather_to_owner(pieces, numels, owners, world, fill)
+    return gather, plan_scatter_from_owner(pieces, numels, owners, world, fill), sources, gathered
+
+
+@given(owner_cases())
+def test_gather_to_owner_and_back(case):
+    world, owners = case[0], case[3]
+    gather, scatter, sources, gathered = owner_plans(case)
     out = gather.simulate(sources)
     assert all(torch.equal(a, b) for a, b in zip(out, gathered))
-    scatter = plan_scatter_from_owner(pieces, numels, owners, world, fill)
     back = scatter.simulate(out)
     assert all(torch.equal(a, b) for a, b in zip(back, sources))
     # Nobody sends to itself over the network, and only owners receive.
@@ -131,11 +138,8 @@ def test_gather_to_owner_and_back(case):
 
 @given(owner_cases())
 def test_scatter_back_in_arrival_order_is_received_in_place(case):
-    world, tensors, placed, owners = case
-    pieces, fill = packed_pieces(tensors, placed, world)
-    numels = [math.prod(s) for s in tensors]
-    sources, gathered = owner_expectations(tensors, placed, owners, world)
-    scatter = plan_scatter_from_owner(pieces, numels, owners, world, fill)
+    world = case[0]
+    _, scatter, _, gathered = owner_plans(case)
     packed, where = in_arrival_order(scatter)
     arrived = packed.simulate(gathered)
     for r in range(world):
