@@ -192,7 +192,6 @@ def owner_offsets(numels: Sequence[int], owners: Sequence[int], world_size: int)
     return offsets, tuple(totals)
 
 
-
 def in_arrival_order(plan: Plan) -> tuple[Plan, list[list[tuple[int, int, int]]]]:
     """`plan` with each rank's destination laid out in arrival order (by source rank, then
     as sent), so that `run_plan` receives every piece in place, never unpacking; and for
