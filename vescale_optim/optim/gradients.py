@@ -160,13 +160,8 @@ class GradTrackingMixin:
                 u.defer_replicas = False
 
     def _any_nonfinite(self) -> bool:
-        flag = torch.zeros(1, device=self._device)
-        for u in self._units:
-            if u.grad_bytes and not torch.isfinite(u.grad).all():
-                flag.fill_(1)
-                break
-        all_reduce_(flag, self._world, "max", what="the non-finite gradient check")
-        return bool(flag.item())
+        local = any(u.grad_bytes and not torch.isfinite(u.grad).all() for u in self._units)
+        return any_rank([local], self._world, self._device, what="the non-finite gradient check")[0]
 
     @torch.no_grad()
     def clip_grad_norm_(

@@ -346,15 +346,17 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
         for i, f in enumerate(flags):
             if f:
                 words[i // 64] |= 1 << (i % 64)
-        packed = torch.tensor([w - (1 << 64) if w >> 63 else w for w in words], dtype=torch.int64)
-        work = dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=comm.group, async_op=True)
-        Handle(work, op=Op("all-reduce (any)", what, packed, comm)).wait()
-        words = packed.tolist()
-        return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
-    bytes_ = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
-    work = dist.all_reduce(bytes_, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
-    Handle(work, op=Op("all-reduce (any)", what, bytes_, comm)).wait()
-    return [bool(b) for b in bytes_.tolist()]
+        signed = [w - (1 << 64) if w >> 63 else w for w in words]
+        tensor, reduce_op = torch.tensor(signed, dtype=torch.int64), dist.ReduceOp.BOR
+    else:
+        tensor = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
+        reduce_op = dist.ReduceOp.MAX
+    work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
+    Handle(work, op=Op("all-reduce (any)", what, tensor, comm)).wait()
+    if not comm.gloo:
+        return [bool(b) for b in tensor.tolist()]
+    words = tensor.tolist()
+    return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
 
 
 def run_plan(
