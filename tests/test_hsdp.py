@@ -101,6 +101,24 @@ def test_all_reduces_across_replicas_overlap_backward_and_finish_in_it(world):
             assert pending == [] and sent == 0, (pending, sent)
 
 
+def _unsynced_gradient_bytes():
+    """memory_stats' gradients after a micro-batch inside no_all_reduce() (second step:
+    every unit reduces in backward), and one gradient shard per unit, in bytes."""
+    rank = dist.get_rank()
+    model = build()
+    opt = make_ours("adamw", model, mesh=_mesh((2, 2)), shard_modules=[*model.layers, model])
+    train(model, opt, range(1), rank)
+    with opt.no_all_reduce():
+        loss_fn(model, *batch(1, rank)).backward()
+    return opt.memory_stats()["gradients"], sum(u.layout.shard_size * 4 for u in opt.units)
+
+
+def test_gradients_kept_unsynced_across_replicas_are_counted(world):
+    # zero_grad freed the gradient shards: what the no_all_reduce micro-batch left is the unsynced part
+    for held, shards in world(4).run(_unsynced_gradient_bytes):
+        assert held == shards > 0
+
+
 def _roots(shape):
     _, stats = _train("shampoo", shape, True, steps=2)
     return [s["roots"] for s in stats]

@@ -361,7 +361,8 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by
-        unsharded units, in their dtypes), `gradients` (averaged-gradient shards),
+        unsharded units, in their dtypes), `gradients` (averaged-gradient shards, and
+        those kept unsynced across replicas inside `no_all_reduce()`),
         `state` (`local_state_bytes()`, masters included), `unsharded` (gathered
         parameters and unreduced gradients of units between gather and free)."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -371,7 +372,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                 params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
             else:
                 params += u.full.nbytes
-            grads += u.grad_bytes
+            grads += u.grad_bytes + (nbytes(u.grad_unsynced) if u.grad_unsynced is not None else 0)
             unsharded += u.transient_bytes()
         return {"parameters": params, "gradients": grads, "state": self.local_state_bytes(),
                 "unsharded": unsharded}  # fmt: skip

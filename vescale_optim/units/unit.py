@@ -447,14 +447,6 @@ class Unit:
 
     # --- accounting ------------------------------------------------------------------
 
-    def persistent_bytes(self) -> int:
-        """Parameter and gradient shards, and the kept unsharded parameters if unsharded."""
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        if self.sharded:
-            return nbytes(self.shard) + self.grad_bytes
-        own_shard = self.shard.untyped_storage().data_ptr() != self.full.data.untyped_storage().data_ptr()
-        return self.full.nbytes + self.grad_bytes + (nbytes(self.shard) if own_shard else 0)
-
     def transient_bytes(self) -> int:
         """Unsharded buffers alive now (sharded parameters while gathered, gradients)."""
         return (self.full.nbytes if self.sharded else 0) + self.full_grad.nbytes
