@@ -7,16 +7,23 @@
     trace.at_start("bench::steady")   # bytes alive when the first such window opened
 
 Method: with `profile_memory=True` the profiler records every allocation and free that
-ATen's CPU allocator makes on the threads it covers (the caller's, intra-op workers and
-gloo's workers, which inherit its state) together with the running total of the bytes
-allocated since profiling began and not yet freed. Started before the model is built,
-that total is the storage of every tensor the process holds — parameters, gradients,
-optimizer state, activations, communication buffers, gloo's staging — to the byte, after
-every allocation, so its maximum is the peak. A storage resized to 0 (FSDP2's and our
-freed unsharded buffers) counts as freed. Not counted: memory outside ATen's allocator
-(Python objects, gloo's own C++ buffers, the allocator's overhead), which RSS includes.
-Tensors tracked by an earlier profiling session of the process and still alive are
-subtracted (`Trace.base`), so sessions in one process measure alike.
+ATen's CPU allocator makes on the threads it covers (the caller's, intra-op workers, and
+gloo's workers while they run a collective, which inherit its state). Started before the
+model is built, the blocks allocated and not yet freed are the storage of every tensor the
+process holds — parameters, gradients, optimizer state, activations, communication
+buffers, gloo's staging — so the most bytes alive at once is the peak. A storage resized
+to 0 (FSDP2's and our freed unsharded buffers) counts as freed.
+
+The live bytes are summed from the blocks themselves, not read from the profiler's
+running total: a block freed on a thread the profiler does not cover (a gloo worker
+dropping a finished collective's last reference to its tensors, as FSDP2's all-gather
+outputs are) is freed unseen and leaves that total too high for the rest of the run
+(FSDP2 AdamW on the benchmark GPT: +80 MB after 15 steps, while its RSS stayed flat). Such
+a block is taken as freed when its address is next allocated (the allocator cannot hand
+out a live address), so at the latest; `Trace.unseen_frees` counts them. Not counted:
+memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the allocator's
+overhead), which RSS includes. Blocks allocated before the session began (an earlier
+profiling session's tensors included) are not counted.
 
 At the peak, the bytes alive are attributed to where each block was allocated: the
 `bench::` phase open then (before the first phase: `setup`) and the innermost region of
@@ -54,8 +61,9 @@ class Trace:
     times: list[float]  # µs, ascending: one entry per allocator event
     totals: list[int]  # bytes alive after that event
     windows: list[tuple[str, float, float]] = field(default_factory=list)  # bench::/library regions, by start
-    base: int = 0  # bytes alive, tracked by an earlier profiling session, before this one began
+    base: int = 0  # bytes alive before the first event
     allocs: list[tuple[float, float, int, str]] = field(default_factory=list)  # (from, to, bytes, who)
+    unseen_frees: int = 0  # blocks freed where the profiler did not see it (taken as freed at address reuse)
 
     def _spans(self, name: str) -> list[tuple[float, float]]:
         return [(s, e) for n, s, e in self.windows if n == name]
@@ -91,8 +99,9 @@ class Trace:
         return {"bytes": best - self.base, "where": where, "by": dict(alive.most_common())}
 
 
-def _attribute(events: list[dict]) -> list[tuple[float, float, int, str]]:
-    """(alloc time, free time, bytes, who allocated) for every block allocated in the trace."""
+def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]], int]:
+    """(alloc time, free time, bytes, who allocated) for every block allocated in the trace,
+    and how many blocks were freed unseen (their address allocated again first)."""
     main = next((e["tid"] for e in events if e.get("name", "").startswith("bench::")), None)
     marks = []  # (time, order, kind, payload): window ends before starts before allocations at a tie
     for i, e in enumerate(events):
@@ -105,7 +114,7 @@ def _attribute(events: list[dict]) -> list[tuple[float, float, int, str]]:
     marks.sort(key=lambda m: (m[0], m[1]))
     open_: list[tuple] = []
     live: dict[int, tuple[float, int, str]] = {}
-    out = []
+    out, unseen = [], 0
     for t, _, kind, payload in marks:
         if kind == "open":
             open_.append(payload)
@@ -116,12 +125,28 @@ def _attribute(events: list[dict]) -> list[tuple[float, float, int, str]]:
             args = payload["args"]
             addr, nbytes = args.get("Addr"), int(args["Bytes"])
             if nbytes > 0:
+                if addr in live:  # freed where the profiler did not see it
+                    t0, n, who = live.pop(addr)
+                    out.append((t0, t, n, who))
+                    unseen += 1
                 live[addr] = (t, nbytes, _who(open_, payload.get("tid") == main))
             elif addr in live:
                 t0, n, who = live.pop(addr)
                 out.append((t0, t, n, who))
     out += [(t0, float("inf"), n, who) for t0, n, who in live.values()]
-    return out
+    return out, unseen
+
+
+def _timeline(blocks: list[tuple[float, float, int, str]]) -> tuple[list[float], list[int]]:
+    """Bytes alive after each allocation or free of `blocks` (a free first at a tie)."""
+    changes = sorted([(t1, 0, -n) for _, t1, n, _ in blocks if t1 != float("inf")]
+                     + [(t0, 1, n) for t0, _, n, _ in blocks])  # fmt: skip
+    times, totals, alive = [], [], 0
+    for t, _, delta in changes:
+        alive += delta
+        times.append(t)
+        totals.append(alive)
+    return times, totals
 
 
 def _who(open_: list[tuple], on_main: bool) -> str:
@@ -157,15 +182,11 @@ class LiveBytes:
         finally:
             os.unlink(path)
         self._prof = None
-        memory = sorted(
-            (float(e["ts"]), i, int(e["args"]["Total Allocated"]), int(e["args"]["Bytes"]))
-            for i, e in enumerate(events)
-            if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
-        )
         windows = sorted(
             ((e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
              if e.get("ph") == "X" and e.get("cat") == "user_annotation"),
             key=lambda w: w[1],
         )  # fmt: skip
-        base = memory[0][2] - memory[0][3] if memory else 0
-        return Trace([m[0] for m in memory], [m[2] for m in memory], windows, base, _attribute(events))
+        blocks, unseen = _attribute(events)
+        times, totals = _timeline(blocks)
+        return Trace(times, totals, windows, 0, blocks, unseen)

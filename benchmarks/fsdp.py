@@ -226,7 +226,8 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
             "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],
             "live_where": peak["where"], "live_by": peak["by"],
             "live_first": trace.peak("bench::first", REGIONS)["bytes"],
-            "live_start": trace.at_start("bench::steady"), "memory_stats": stats, "rss_base_kb": base_kb,
+            "live_start": trace.at_start("bench::steady"), "live_unseen_frees": trace.unseen_frees,
+            "memory_stats": stats, "rss_base_kb": base_kb,
             "rss_peak_kb": status_kb("VmHWM"), "peak_reset": reset, "live_malloc": tuned,
         })  # fmt: skip
         del tr, trace
