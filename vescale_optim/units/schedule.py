@@ -16,7 +16,9 @@ One reduce-scatter is in flight at a time; once it finishes (seen at the next gr
 or waited for before the next is issued) its all-reduce across replicas (HSDP) starts
 and runs on while backward goes on. Backward's prefetch waits for that moment too, so
 that at most three unit-sized buffers are alive: the parameters of the unit computing
-and of the next, and one gradient buffer being reduced or accumulated. The order of
+and of the next, and one gradient buffer being reduced or accumulated; and it waits for
+the unit computing to accumulate its first gradient, whose transient (as large as a
+parameter) would otherwise be alive beside the prefetched unit. The order of
 collectives stays fixed: a unit's gather always comes after the reduce-scatter issued
 before its prefetch point and before the next one.
 A backward's round of reductions ends when every unit expected to reduce has (the
@@ -140,6 +142,7 @@ class Schedule:
         self._reduced: set[int] = set()  # units reduced in this backward
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter has not been waited
         self._deferred: Unit | None = None  # the unit to prefetch once that reduce-scatter is done
+        self._first_grad_of: Unit | None = None  # ... and once this unit's first gradient is accumulated
         self._round_ended = False
         self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
@@ -194,6 +197,8 @@ class Schedule:
 
     def _accumulated(self, unit: Unit):
         def hook(p):
+            if self._first_grad_of is unit:
+                self._first_grad_of = None
             self._poll()
             if self.on_grad is not None:
                 self.on_grad(p)
@@ -251,13 +256,17 @@ class Schedule:
 
     def _advance(self) -> None:
         """Wait for the reduce-scatter in flight, start its all-reduce across replicas, and
-        issue the gather that waited for it to free its buffer."""
+        issue the deferred gather (whatever else it waits for)."""
+        self._finish_scatter()
+        if self._deferred is not None:
+            unit, self._deferred = self._deferred, None
+            self._first_grad_of = None
+            unit.unshard(async_op=True)
+
+    def _finish_scatter(self) -> None:
         if self._in_flight is not None:
             self._in_flight.advance_grad()
             self._in_flight = None
-        if self._deferred is not None:
-            unit, self._deferred = self._deferred, None
-            unit.unshard(async_op=True)
 
     def _flush_deferred(self) -> None:
         """Issue a deferred gather before any other: whether a poll already did depends on
@@ -266,8 +275,11 @@ class Schedule:
             self._advance()
 
     def _poll(self) -> None:
-        """`_advance()` if the reduce-scatter in flight has finished (without waiting)."""
+        """Without waiting: move on from a finished reduce-scatter, and issue the deferred
+        gather once it waits for nothing."""
         if self._in_flight is not None and self._in_flight.scatter_finished():
+            self._finish_scatter()
+        if self._in_flight is None and self._deferred is not None and self._first_grad_of is None:
             self._advance()
 
     def _new_round(self) -> None:
@@ -393,10 +405,14 @@ class Schedule:
             self._flush_deferred()
             unit.wait_unshard()
             following = self._next(self.backward_order, unit)
-            if following is not None and self._in_flight is not None:
-                self._deferred = following  # gathered once the reduce-scatter in flight frees its buffer
-            elif following is not None:
-                following.unshard(async_op=True)
+            if following is not None:
+                # gathered once the reduce-scatter in flight has freed its buffer and this
+                # unit's first gradient has been added into its own (that gradient is a
+                # transient as large as its parameter, alive until it is accumulated)
+                self._deferred = following
+                waits_for_grad = unit.trainable and not unit.has_full_grad
+                self._first_grad_of = unit if waits_for_grad else None
+                self._poll()
 
     def _post_backward(self, unit: Unit) -> None:
         unit.forward_calls -= 1
