@@ -16,14 +16,17 @@ to 0 (FSDP2's and our freed unsharded buffers) counts as freed.
 
 The live bytes are summed from the blocks themselves, not read from the profiler's
 running total: a block freed on a thread the profiler does not cover (a gloo worker
-dropping a finished collective's last reference to its tensors, as FSDP2's all-gather
-outputs are) is freed unseen and leaves that total too high for the rest of the run
-(FSDP2 AdamW on the benchmark GPT: +80 MB after 15 steps, while its RSS stayed flat). Such
-a block is taken as freed when its address is next allocated (the allocator cannot hand
-out a live address), so at the latest; `Trace.unseen_frees` counts them. Not counted:
-memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the allocator's
-overhead), which RSS includes. Blocks allocated before the session began (an earlier
-profiling session's tensors included) are not counted.
+dropping a finished collective's last reference to its tensors, as it does with FSDP2's
+all-gather outputs and reduce-scatter inputs) is freed unseen and leaves that total too
+high for the rest of the run (FSDP2 AdamW on the benchmark GPT: +80 MB after 15 steps,
+while its RSS stayed flat). Such a block shows itself when its address is allocated again
+(the allocator cannot hand out a live address); it is taken as freed when the first gloo
+collective that started after its allocation ended: early rather than late (the worker
+drops the collective's tensors after finishing it), in the peer's favour, since our
+buffers are freed where the profiler sees it. `Trace.unseen_frees` counts such blocks.
+Not counted: memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the
+allocator's overhead), which RSS includes. Blocks allocated before the session began (an
+earlier profiling session's tensors included) are not counted.
 
 At the peak, the bytes alive are attributed to where each block was allocated: the
 `bench::` phase open then (before the first phase: `setup`) and the innermost region of
@@ -112,6 +115,10 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
         elif e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0:
             marks.append((float(e["ts"]), 2, "mem", e))
     marks.sort(key=lambda m: (m[0], m[1]))
+    collectives = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+        if e.get("ph") == "X" and e.get("tid") != main and e.get("name", "").startswith("gloo:")
+    )  # fmt: skip
     open_: list[tuple] = []
     live: dict[int, tuple[float, int, str]] = {}
     out, unseen = [], 0
@@ -127,7 +134,7 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
             if nbytes > 0:
                 if addr in live:  # freed where the profiler did not see it
                     t0, n, who = live.pop(addr)
-                    out.append((t0, t, n, who))
+                    out.append((t0, _unseen_free(collectives, t0, t), n, who))
                     unseen += 1
                 live[addr] = (t, nbytes, _who(open_, payload.get("tid") == main))
             elif addr in live:
@@ -135,6 +142,13 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
                 out.append((t0, t, n, who))
     out += [(t0, float("inf"), n, who) for t0, n, who in live.values()]
     return out, unseen
+
+
+def _unseen_free(collectives: list[tuple[float, float]], allocated: float, reused: float) -> float:
+    """When a block allocated at `allocated`, freed unseen before `reused`, is taken as
+    freed: the earliest end of a gloo collective started after its allocation."""
+    ends = [end for start, end in collectives if allocated <= start and end <= reused]
+    return min(ends, default=reused)
 
 
 def _timeline(blocks: list[tuple[float, float, int, str]]) -> tuple[list[float], list[int]]:
