@@ -47,7 +47,8 @@ Memory (each configuration alone in a fresh world): `peak live` is the most tens
 alive on a rank during a training step after the first, read from the profiler's record
 of ATen's allocator (`benchmarks._live`), so FSDP2's all-gather and reduce-scatter
 buffers, our unsharded units and gradient buffers, activations and gloo's staging all
-count alike; `at step start` is what a rank holds between steps; `peak at` names the
+count alike (a block freed on a gloo worker, unseen by the profiler, counts as freed when
+the first collective started after it ends: in the peer's favour); `at step start` is what a rank holds between steps; `peak at` names the
 phase and innermost library region open at the peak. Then, without the profiler, the
 peak RSS (`VmHWM` after resetting it) over one more step, with glibc returning large
 blocks at once (`--malloc live`), and the same minus the bare process's RSS. Scaling:
