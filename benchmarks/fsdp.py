@@ -48,11 +48,13 @@ alive on a rank during a training step after the first, read from the profiler's
 of ATen's allocator (`benchmarks._live`), so FSDP2's all-gather and reduce-scatter
 buffers, our unsharded units and gradient buffers, activations and gloo's staging all
 count alike (a block freed on a gloo worker, unseen by the profiler, counts as freed when
-the first collective started after it ends: in the peer's favour); `at step start` is what a rank holds between steps; `peak at` names the
-phase and innermost library region open at the peak. Then, without the profiler, the
-peak RSS (`VmHWM` after resetting it) over one more step, with glibc returning large
-blocks at once (`--malloc live`), and the same minus the bare process's RSS. Scaling:
-peak live bytes per parameter of the `wide` model at W = 1, 2 and the main W.
+the first collective started after it ends, in the peer's favour; one more step, not
+measured, lets those of the last measured step show themselves); `at step start` is what
+a rank holds between steps; `peak at` names the phase and innermost library region open
+at the peak. Then, without the profiler, the peak RSS (`VmHWM` after resetting it) over
+one more step, with glibc returning large blocks at once (`--malloc live`), and the same
+minus the bare process's RSS. Scaling: peak live bytes per parameter of the `wide` model
+at W = 1, 2 and the main W.
 
 Sanity: every configuration's loss on each rank's first batch after training, against its
 FSDP2 peer; all must have lowered the loss.
@@ -213,15 +215,16 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
         pool = batches(shape, rank, world)
         recorder = LiveBytes().start()
         tr = Trainer(config, shape)
-        for s in range(steps):
-            with record_function("bench::first" if s == 0 else "bench::steady"):
+        windows = ["bench::first"] + ["bench::steady"] * (steps - 1) + ["bench::tail"]  # see the docstring
+        for s, window in enumerate(windows):
+            with record_function(window):
                 tr.step(*pool[s % 2])
         trace = recorder.stop()
         stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
         del recorder
         gc.collect()
         reset = reset_peak()
-        tr.step(*pool[steps % 2])
+        tr.step(*pool[(steps + 1) % 2])
         peak = trace.peak("bench::steady", REGIONS)
         results.append({
             "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps (default 5, --quick 2)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--memory-steps", type=int, default=2, help="profiled, then one for RSS; 0: none")
+    ap.add_argument("--memory-steps", type=int, default=2, help="profiled (+1 after), 1 for RSS; 0: none")
     ap.add_argument("--malloc", choices=["live", "default"], default="live")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: both (--quick: wide)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
