@@ -68,3 +68,30 @@ def test_state_between_steps_scales_as_one_over_w(result):
     assert two["at step start B/param x W"] == pytest.approx(one["at step start B/param x W"], rel=0.05)
     zero2, zero3 = config_row(result, "ours Z2 AdamW"), config_row(result, "ours Z3 AdamW")
     assert zero2["at step start MB"] > zero3["at step start MB"]  # whole parameters on every rank
+
+
+def _mem(ts, addr, nbytes, tid=1):
+    args = {"Addr": addr, "Bytes": nbytes, "Device Type": 0}
+    return {"name": "[memory]", "tid": tid, "ts": ts, "args": args}
+
+
+def test_a_block_freed_unseen_counts_as_freed_when_the_next_collective_ends():
+    from benchmarks._live import Trace, _attribute, _timeline
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "tid": 1, "name": "bench::steady", "ts": 0, "dur": 100},
+        _mem(1, addr=10, nbytes=100),  # a collective's buffer, on the main thread
+        _mem(2, addr=20, nbytes=7),
+        {"ph": "X", "tid": 2, "name": "gloo:all_gather", "ts": 3, "dur": 4},  # a worker runs it, ends at 7
+        _mem(20, addr=10, nbytes=100),  # its address again: it was freed where the profiler did not look
+        _mem(30, addr=10, nbytes=-100),
+        _mem(40, addr=20, nbytes=-7),
+    ]
+    blocks, unseen = _attribute(events)
+    assert unseen == 1
+    assert sorted((t0, t1, n) for t0, t1, n, _ in blocks) == [(1, 7, 100), (2, 40, 7), (20, 30, 100)]
+    times, totals = _timeline(blocks)
+    windows = [("bench::steady", 0.0, 100.0)]
+    trace = Trace(times, totals, windows, 0, blocks, unseen)
+    assert trace.peak("bench::steady")["bytes"] == 107  # not 207: both buffers were never alive at once
+    assert totals[-1] == 0
