@@ -121,8 +121,8 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
     print(table([_comm_row(r) for r in mine], COMM, floatfmt=".4g"))
     if "peak live MB" not in mine[0]:
         return
-    print(f"\nmemory: each config alone in a fresh world, {run['memory_steps']} profiled steps, then "
-          f"one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
+    print(f"\nmemory: each config alone in a fresh world, {run['memory_steps']} profiled steps and "
+          f"one after them, then one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
     print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))

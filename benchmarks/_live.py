@@ -66,7 +66,7 @@ class Trace:
     windows: list[tuple[str, float, float]] = field(default_factory=list)  # bench::/library regions, by start
     base: int = 0  # bytes alive before the first event
     allocs: list[tuple[float, float, int, str]] = field(default_factory=list)  # (from, to, bytes, who)
-    unseen_frees: int = 0  # blocks freed where the profiler did not see it (taken as freed at address reuse)
+    unseen_frees: int = 0  # blocks freed where the profiler did not see it (see the docstring)
 
     def _spans(self, name: str) -> list[tuple[float, float]]:
         return [(s, e) for n, s, e in self.windows if n == name]

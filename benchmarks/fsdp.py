@@ -205,7 +205,7 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
 
 
 def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
-    """Each (model, shape, config) in turn: live tensor bytes over `steps` profiled steps,
+    """Each (model, shape, config) in turn: live tensor bytes over `steps` profiled steps (+1),
     then peak RSS over one more without the profiler (see the module's docstring)."""
     tuned = live_malloc() if live else False
     results = []
