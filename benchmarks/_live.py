@@ -20,10 +20,13 @@ dropping a finished collective's last reference to its tensors, as it does with 
 all-gather outputs and reduce-scatter inputs) is freed unseen and leaves that total too
 high for the rest of the run (FSDP2 AdamW on the benchmark GPT: +80 MB after 15 steps,
 while its RSS stayed flat). Such a block shows itself when its address is allocated again
-(the allocator cannot hand out a live address); it is taken as freed when the first gloo
-collective that started after its allocation ended: early rather than late (the worker
-drops the collective's tensors after finishing it), in the peer's favour, since our
-buffers are freed where the profiler sees it. `Trace.unseen_frees` counts such blocks.
+(the allocator cannot hand out a live address), or when the same library region of the
+same unit allocates a block of its size in a later step (a collective's buffer belongs to
+one call: FSDP2's reduce-scatter input of a block was seen alive for the rest of a run on
+one rank, its address never reused). It is taken as freed when the first gloo collective
+that started after its allocation ended: early rather than late (the worker drops the
+collective's tensors after finishing it), in the peer's favour; our buffers are freed
+where the profiler sees it. `Trace.unseen_frees` counts such blocks.
 Not counted: memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the
 allocator's overhead), which RSS includes. Blocks allocated before the session began (an
 earlier profiling session's tensors included) are not counted.
@@ -104,14 +107,14 @@ class Trace:
 
 def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]], int]:
     """(alloc time, free time, bytes, who allocated) for every block allocated in the trace,
-    and how many blocks were freed unseen (their address allocated again first)."""
+    and how many blocks were freed unseen (see the module's docstring)."""
     main = next((e["tid"] for e in events if e.get("name", "").startswith("bench::")), None)
     marks = []  # (time, order, kind, payload): window ends before starts before allocations at a tie
     for i, e in enumerate(events):
         if e.get("ph") == "X" and e.get("tid") == main:
             name, t0, t1 = e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
             if name.startswith(("bench::", *LIBRARY)) or "AccumulateGrad" in name:
-                marks += [(t0, 1, "open", (t1, i, name)), (t1, 0, "close", (t1, i, name))]
+                marks += [(t0, 1, "open", (t1, i, name, t0)), (t1, 0, "close", (t1, i, name, t0))]
         elif e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0:
             marks.append((float(e["ts"]), 2, "mem", e))
     marks.sort(key=lambda m: (m[0], m[1]))
@@ -121,7 +124,15 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
     )  # fmt: skip
     open_: list[tuple] = []
     live: dict[int, tuple[float, int, str]] = {}
+    earlier: dict[tuple[str, int], list[tuple[int, float, float]]] = {}  # site -> (addr, allocated, step)
     out, unseen = [], 0
+
+    def freed_unseen(addr: int, seen_at: float) -> None:
+        nonlocal unseen
+        t0, n, who = live.pop(addr)
+        out.append((t0, _unseen_free(collectives, t0, seen_at), n, who))
+        unseen += 1
+
     for t, _, kind, payload in marks:
         if kind == "open":
             open_.append(payload)
@@ -132,16 +143,33 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
             args = payload["args"]
             addr, nbytes = args.get("Addr"), int(args["Bytes"])
             if nbytes > 0:
-                if addr in live:  # freed where the profiler did not see it
-                    t0, n, who = live.pop(addr)
-                    out.append((t0, _unseen_free(collectives, t0, t), n, who))
-                    unseen += 1
-                live[addr] = (t, nbytes, _who(open_, payload.get("tid") == main))
+                if addr in live:  # its address again
+                    freed_unseen(addr, t)
+                on_main = payload.get("tid") == main
+                site = _call_site(open_, nbytes) if on_main else None
+                if site is not None:  # the same call of a later step: an earlier step's block is gone
+                    key, step = site
+                    for a, t_a, step_a in earlier.get(key, []):
+                        if step_a < step and a in live and live[a][0] == t_a:
+                            freed_unseen(a, t)
+                    kept = [(a, t_a, step_a) for a, t_a, step_a in earlier.get(key, []) if a in live]
+                    earlier[key] = [*kept, (addr, t, step)]
+                live[addr] = (t, nbytes, _who(open_, on_main))
             elif addr in live:
                 t0, n, who = live.pop(addr)
                 out.append((t0, t, n, who))
     out += [(t0, float("inf"), n, who) for t0, n, who in live.values()]
     return out, unseen
+
+
+def _call_site(open_: list[tuple], nbytes: int) -> tuple[tuple[str, int], float] | None:
+    """(innermost library region with its unit's name, bytes) and the start of the step
+    (outermost `bench::` window) of an allocation on the main thread, if inside both."""
+    steps = [t0 for _, _, name, t0 in open_ if name.startswith("bench::")]
+    library = [name for _, _, name, _ in open_ if name.startswith(LIBRARY)]
+    if not steps or not library:
+        return None
+    return (library[-1], nbytes), steps[0]
 
 
 def _unseen_free(collectives: list[tuple[float, float]], allocated: float, reused: float) -> float:
@@ -166,7 +194,7 @@ def _timeline(blocks: list[tuple[float, float, int, str]]) -> tuple[list[float],
 def _who(open_: list[tuple], on_main: bool) -> str:
     if not on_main:
         return "c10d thread"
-    names = [name for _, _, name in open_]
+    names = [name for _, _, name, _ in open_]
     phases = [n for n in names if n.startswith("bench::") and n[7:] in ("fwd", "bwd", "step", "zero_grad")]
     phase = phases[-1][7:] if phases else "setup"
     library = [n for n in names if n.startswith(LIBRARY)]

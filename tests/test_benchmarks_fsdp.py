@@ -95,3 +95,28 @@ def test_a_block_freed_unseen_counts_as_freed_when_the_next_collective_ends():
     trace = Trace(times, totals, windows, 0, blocks, unseen)
     assert trace.peak("bench::steady")["bytes"] == 107  # not 207: both buffers were never alive at once
     assert totals[-1] == 0
+
+
+def test_a_call_of_a_later_step_shows_that_the_earlier_steps_block_was_freed_unseen():
+    from benchmarks._live import _attribute
+
+    def window(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "tid": 1, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        window("bench::steady", 0, 100),
+        window("FSDP::post_backward_reduce (blocks.1)", 10, 5),
+        window("FSDP::post_backward_reduce (blocks.1)", 110, 5),
+        window("FSDP::post_backward_reduce (blocks.2)", 120, 5),
+        window("bench::steady", 100, 100),
+        _mem(11, addr=10, nbytes=64),  # step 1's buffer of blocks.1: its free is never seen
+        _mem(12, addr=20, nbytes=8),  # and another size of the same call, kept
+        {"ph": "X", "tid": 2, "name": "gloo:reduce_scatter", "ts": 13, "dur": 2},
+        _mem(111, addr=30, nbytes=64),  # the same call in step 2
+        _mem(121, addr=40, nbytes=64),  # another unit's call
+    ]
+    blocks, unseen = _attribute(events)
+    assert unseen == 1
+    ends = {(t0, n): t1 for t0, t1, n, _ in blocks}
+    assert ends[(11, 64)] == 15 and ends[(12, 8)] == float("inf")
+    assert ends[(111, 64)] == ends[(121, 64)] == float("inf")
