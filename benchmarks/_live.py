@@ -25,8 +25,8 @@ same unit allocates a block of its size in a later step (a collective's buffer b
 one call: FSDP2's reduce-scatter input of a block was seen alive for the rest of a run on
 one rank, its address never reused). It is taken as freed when the first gloo collective
 that started after its allocation ended: early rather than late (the worker drops the
-collective's tensors after finishing it), in the peer's favour; our buffers are freed
-where the profiler sees it. `Trace.unseen_frees` counts such blocks.
+collective's tensors after finishing it), in the peer's favour (ours free nearly all of
+their buffers where the profiler sees it). `Trace.unseen_frees` counts such blocks.
 Not counted: memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the
 allocator's overhead), which RSS includes. Blocks allocated before the session began (an
 earlier profiling session's tensors included) are not counted.
