@@ -67,7 +67,6 @@ class Trace:
     times: list[float]  # µs, ascending: one entry per allocator event
     totals: list[int]  # bytes alive after that event
     windows: list[tuple[str, float, float]] = field(default_factory=list)  # bench::/library regions, by start
-    base: int = 0  # bytes alive before the first event
     allocs: list[tuple[float, float, int, str]] = field(default_factory=list)  # (from, to, bytes, who)
     unseen_frees: int = 0  # blocks freed where the profiler did not see it (see the docstring)
 
@@ -80,7 +79,7 @@ class Trace:
         if not spans:
             raise KeyError(name)
         i = bisect.bisect_right(self.times, spans[0][0]) - 1
-        return (self.totals[i] if i >= 0 else self.base) - self.base
+        return self.totals[i] if i >= 0 else 0
 
     def peak(self, name: str, prefixes: tuple[str, ...] = ("bench::", *LIBRARY)) -> dict:
         """The most bytes alive inside any `name` window; the windows (named with one of
@@ -89,7 +88,7 @@ class Trace:
         best, when = -1, None
         for start, end in self._spans(name):
             lo, hi = bisect.bisect_left(self.times, start), bisect.bisect_right(self.times, end)
-            before = self.totals[lo - 1] if lo > 0 else self.base
+            before = self.totals[lo - 1] if lo > 0 else 0
             if before > best:
                 best, when = before, start
             for i in range(lo, hi):
@@ -102,7 +101,7 @@ class Trace:
         for t0, t1, nbytes, who in self.allocs:
             if t0 <= when < t1:
                 alive[who] += nbytes
-        return {"bytes": best - self.base, "where": where, "by": dict(alive.most_common())}
+        return {"bytes": best, "where": where, "by": dict(alive.most_common())}
 
 
 def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]], int]:
@@ -231,4 +230,4 @@ class LiveBytes:
         )  # fmt: skip
         blocks, unseen = _attribute(events)
         times, totals = _timeline(blocks)
-        return Trace(times, totals, windows, 0, blocks, unseen)
+        return Trace(times, totals, windows, blocks, unseen)

@@ -92,7 +92,7 @@ def test_a_block_freed_unseen_counts_as_freed_when_the_next_collective_ends():
     assert sorted((t0, t1, n) for t0, t1, n, _ in blocks) == [(1, 7, 100), (2, 40, 7), (20, 30, 100)]
     times, totals = _timeline(blocks)
     windows = [("bench::steady", 0.0, 100.0)]
-    trace = Trace(times, totals, windows, 0, blocks, unseen)
+    trace = Trace(times, totals, windows, blocks, unseen)
     assert trace.peak("bench::steady")["bytes"] == 107  # not 207: both buffers were never alive at once
     assert totals[-1] == 0
 
