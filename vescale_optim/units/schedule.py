@@ -15,12 +15,13 @@ to the model's structure, never to which parameters happened to receive gradient
 One reduce-scatter is in flight at a time; once it finishes (seen at the next gradient,
 or waited for before the next is issued) its all-reduce across replicas (HSDP) starts
 and runs on while backward goes on. Backward's prefetch waits for that moment too, so
-that at most three unit-sized buffers are alive: the parameters of the unit computing
-and of the next, and one gradient buffer being reduced or accumulated; and it waits for
-the unit computing to accumulate its first gradient, whose transient (as large as a
-parameter) would otherwise be alive beside the prefetched unit. The order of
-collectives stays fixed: a unit's gather always comes after the reduce-scatter issued
-before its prefetch point and before the next one.
+that at most three unit-sized buffers are alive: the parameters and gradient buffer of
+the unit computing, and either the gradient buffer being reduced or the parameters
+prefetched. It also waits until the unit computing has accumulated half of its gradient
+elements: the start of a unit's backward holds the most activations and autograd's
+transient for its first gradient (as large as that parameter), and the prefetched unit
+is only needed at its end. The order of collectives stays fixed: a unit's gather always
+comes after the reduce-scatter issued before its prefetch point and before the next one.
 A backward's round of reductions ends when every unit expected to reduce has (the
 trainable units without a module, and those whose module ran forward towards a loss):
 then it waits for every reduction, so that `step()` finds the gradients complete.
@@ -142,7 +143,8 @@ class Schedule:
         self._reduced: set[int] = set()  # units reduced in this backward
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter has not been waited
         self._deferred: Unit | None = None  # the unit to prefetch once that reduce-scatter is done
-        self._first_grad_of: Unit | None = None  # ... and once this unit's first gradient is accumulated
+        self._computing: Unit | None = None  # ... and once this unit has accumulated `_grad_awaited` more
+        self._grad_awaited = 0  # gradient elements
         self._round_ended = False
         self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
@@ -197,8 +199,10 @@ class Schedule:
 
     def _accumulated(self, unit: Unit):
         def hook(p):
-            if self._first_grad_of is unit:
-                self._first_grad_of = None
+            if self._computing is unit:
+                self._grad_awaited -= p.numel()
+                if self._grad_awaited <= 0:
+                    self._computing = None
             self._poll()
             if self.on_grad is not None:
                 self.on_grad(p)
@@ -260,7 +264,7 @@ class Schedule:
         self._finish_scatter()
         if self._deferred is not None:
             unit, self._deferred = self._deferred, None
-            self._first_grad_of = None
+            self._computing = None
             unit.unshard(async_op=True)
 
     def _finish_scatter(self) -> None:
@@ -279,7 +283,7 @@ class Schedule:
         gather once it waits for nothing."""
         if self._in_flight is not None and self._in_flight.scatter_finished():
             self._finish_scatter()
-        if self._in_flight is None and self._deferred is not None and self._first_grad_of is None:
+        if self._in_flight is None and self._deferred is not None and self._computing is None:
             self._advance()
 
     def _new_round(self) -> None:
@@ -407,11 +411,11 @@ class Schedule:
             following = self._next(self.backward_order, unit)
             if following is not None:
                 # gathered once the reduce-scatter in flight has freed its buffer and this
-                # unit's first gradient has been added into its own (that gradient is a
-                # transient as large as its parameter, alive until it is accumulated)
+                # unit has accumulated half of its gradient elements (with them, autograd's
+                # transients and half of the unit's backward are over)
                 self._deferred = following
-                waits_for_grad = unit.trainable and not unit.has_full_grad
-                self._first_grad_of = unit if waits_for_grad else None
+                numel = sum(p.numel() for p in unit.params if p.requires_grad)
+                self._computing, self._grad_awaited = (unit, numel // 2) if numel else (None, 0)
                 self._poll()
 
     def _post_backward(self, unit: Unit) -> None:
