@@ -40,7 +40,7 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
     for r in rows:
         if not r["config"].startswith("ours Z3"):
             continue
-        m, fam = r["model"], r["config"].split()[-1]
+        m, fam = r["model"], r["config"].removeprefix("ours Z3 ")
         if "peak live x" in r:
             limit = PEAK_GOAL[m]
             goals[f"{m} {fam}: peak live bytes <= {limit}x FSDP2 ({r['peak live x']:.3f}x)"] = (

@@ -12,6 +12,9 @@ batches (a pool of two, cycled, so a working optimizer lowers the loss):
                     our outermost unit does), `torch.optim.AdamW(foreach=True)`
 * `FSDP2 Muon`    - the same with `torch.optim.Muon` on the hidden matrices and
                     `torch.optim.AdamW` on the rest, on the DTensor parameters
+* `ours Z3 no-bwd-prefetch AdamW`, `... Muon` - ours Z3 with `backward_prefetch=False`: each
+                    unit gathered when its backward starts, at most two unit-sized buffers
+                    in backward
 * `ours Z2 AdamW`, `ours Z2 Muon` - our optimizers without `shard_modules`: parameters whole
                     on every rank, gradients still reduce-scattered during backward
 
@@ -23,8 +26,8 @@ where parameters, gradients and optimizer state dominate memory as in large-mode
 Time (one world per model, all configurations in it, one step each in turn with the order
 rotating, so load on the machine hits them alike): every step starts after a barrier and is
 timed per rank: `fwd` (`model.loss`), `bwd`, `step` (`opt.step()`), `zero_grad`; `train` is
-their sum; `update` is `step` less the communication exposed in it (ours waits there for
-the last unit's gradient reduction, which FSDP2 finishes inside backward). A number is the
+their sum; `update` is `step` less the communication exposed in it (ours agrees there which
+parameters step: one small all-reduce, which also absorbs the ranks' skew). A number is the
 median over steps of the slowest rank's; a ratio is the median of the per-step ratios.
 `exposed comm` is the time the training thread spent inside collective calls or waiting
 for them (`benchmarks._comm`: issue, synchronous calls, `Work.wait`, DTensor's
@@ -87,7 +90,8 @@ from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
 
-CONFIGS = ["ours Z3 AdamW", "FSDP2 AdamW", "ours Z2 AdamW", "ours Z3 Muon", "FSDP2 Muon", "ours Z2 Muon"]
+CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
+           "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
 MODELS = {
     "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
@@ -119,7 +123,10 @@ def peer(config: str) -> str:
 def _optimizer(config: str, model: torch.nn.Module):
     family = config.split()[-1]
     if config.startswith("ours"):
-        return ours(model, family, **({"shard_modules": [*model.blocks, model]} if " Z3 " in config else {}))
+        sharding = {"shard_modules": [*model.blocks, model]} if " Z3 " in config else {}
+        if "no-bwd-prefetch" in config:
+            sharding["backward_prefetch"] = False
+        return ours(model, family, **sharding)
     return fsdp2(model, family)
 
 

@@ -116,6 +116,7 @@ def test_fully_sharded_equals_one_process(world, kind, world_size):
 
 CASES = {
     "keep gathered after forward": dict(reshard_after_forward=False),
+    "no backward prefetch": dict(backward_prefetch=False),
     "accumulate": dict(micro=2),
     "accumulate under no_sync": dict(micro=3, no_sync=True),
     "activation checkpointing": dict(checkpoint=True),
@@ -157,10 +158,13 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
 # --- memory, asserted from storage sizes inside forward hooks ---------------------------
 
 
-def _memory():
+def _memory(backward_prefetch: bool = True, slow_scatter: bool = False):
     rank = dist.get_rank()
     model = build(layers=4)
-    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model], backward_prefetch=backward_prefetch)
+    if slow_scatter:  # every reduce-scatter looks unfinished until waited for, as a long one would
+        for u in opt.units:
+            u.scatter_finished = lambda: False
     units = {u.name: u for u in opt.units}
     gathered_at = {}
 
@@ -178,10 +182,13 @@ def _memory():
         layer.register_forward_pre_hook(probe(k))
     blocks = [u for name, u in units.items() if name.startswith("layers.")]
     in_backward = []  # unit-sized buffers of blocks alive, after each block parameter's gradient
+
+    def buffers(u):
+        scattering = u.scattering is not None and u.scattering.nbytes > 0
+        return (u.full.nbytes > 0) + (u.full_grad.nbytes > 0) + scattering
+
     for p in model.layers.parameters():
-        p.register_post_accumulate_grad_hook(
-            lambda p: in_backward.append(sum((u.full.nbytes > 0) + (u.full_grad.nbytes > 0) for u in blocks))
-        )
+        p.register_post_accumulate_grad_hook(lambda p: in_backward.append(sum(buffers(u) for u in blocks)))
     early = []  # blocks with unsharded parameters as gradients of a block's first half arrive
     accumulated = {}  # block name -> gradient elements accumulated in this backward
 
@@ -233,6 +240,19 @@ def test_only_shards_between_steps_and_two_units_in_forward(world, world_size):
             assert zeroed["gradients"] == 0 and zeroed["parameters"] == stepped["parameters"]
             # a rank's shards: its 1/W of parameters and gradients, plus the planner's padding
             assert shard_bytes <= 2 * 4 * (total / w) * 1.15 + 2 * 4 * 64 * len(gathered_at)
+
+
+def test_two_units_in_backward_without_prefetch(world):
+    for result in world(3).run(_memory, False, True):
+        gathered_at, between, shard_bytes, total, w, in_backward, early = result
+        # in backward: only the parameters and gradient buffer of the unit computing
+        assert in_backward == 2, in_backward
+        assert len(early) >= 8 and set(early) == {1}, early
+        for k, (names, _) in gathered_at.items():  # forward still prefetches
+            assert names == {"TinyGPT[0]", f"layers.{k}"} | ({f"layers.{k + 1}"} if k + 1 < 4 else set())
+        for (names, grad_bytes), stepped, _ in between:
+            assert names == set() and grad_bytes == 0
+            assert stepped["parameters"] + stepped["gradients"] == shard_bytes
 
 
 # --- model state: full tensors outside forward/backward, sharded through DCP ---------------

@@ -62,6 +62,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
         mesh=None,
         shard_modules: Sequence[nn.Module] | None = None,
         reshard_after_forward: bool = True,
+        backward_prefetch: bool = True,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -123,7 +124,7 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             seg.state = self._init_state(seg)
         self._structure = [{k: g.get(k) for k in self._structural} for g in self.param_groups]
         self._schedule = Schedule(self._units, modules, reshard_after_forward=reshard_after_forward,
-                                  on_grad=self._mark)  # fmt: skip
+                                  backward_prefetch=backward_prefetch, on_grad=self._mark)  # fmt: skip
         self._model_state = ModelState(self._units, modules)
 
     def _plan_units(self, params, shard_modules, cap: int):

@@ -225,6 +225,7 @@ class Muon(ShardedOptimizer):
         sync_params: bool = True,
         shard_modules: Sequence[torch.nn.Module] | None = None,
         reshard_after_forward: bool = True,
+        backward_prefetch: bool = True,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -250,8 +251,9 @@ class Muon(ShardedOptimizer):
         super().__init__(
             params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
             bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
-            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, device=device,
+            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward,
+            backward_prefetch=backward_prefetch, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            device=device,
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
         for b in self._segments:

@@ -22,6 +22,9 @@ elements: the start of a unit's backward holds the most activations and autograd
 transient for its first gradient (as large as that parameter), and the prefetched unit
 is only needed at its end. The order of collectives stays fixed: a unit's gather always
 comes after the reduce-scatter issued before its prefetch point and before the next one.
+Without backward prefetch a unit gathers when its backward starts, and allocates its
+gradient buffer only once the reduce-scatter in flight has freed its own: two
+unit-sized buffers at most, the parameters and gradients of the unit computing.
 A backward's round of reductions ends when every unit expected to reduce has (the
 trainable units without a module, and those whose module ran forward towards a loss):
 then it waits for every reduction, so that `step()` finds the gradients complete.
@@ -130,11 +133,13 @@ class Schedule:
         modules: Sequence[nn.Module | None],
         *,
         reshard_after_forward: bool = True,
+        backward_prefetch: bool = True,
         on_grad: Callable[[torch.nn.Parameter], None] | None = None,
     ):
         self.units = list(units)
         self.modules = list(modules)
         self.reshard_after_forward = reshard_after_forward
+        self.backward_prefetch = backward_prefetch
         self.on_grad = on_grad
         self.sync_grads = True
         self.forward_order: list[Unit] = []  # pre-forward order, recorded as units first run
@@ -187,6 +192,8 @@ class Schedule:
                 return  # moved or cast after construction: the step refuses it
             if p.grad is not None and not isinstance(p.grad, ReducedGrad) and unit.is_live_grad(i):
                 return
+            if not self.backward_prefetch and not unit.has_full_grad:
+                self._finish_scatter()  # one gradient buffer at a time: the one reduced is freed first
             if p.grad is None:  # no gradient so far (zero_grad): nothing reduced earlier counts
                 unit.drop_grad(i)
                 p.grad = unit.grad_view(i)
@@ -408,7 +415,7 @@ class Schedule:
         with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):
             self._flush_deferred()
             unit.wait_unshard()
-            following = self._next(self.backward_order, unit)
+            following = self._next(self.backward_order, unit) if self.backward_prefetch else None
             if following is not None:
                 # gathered once the reduce-scatter in flight has freed its buffer and this
                 # unit has accumulated half of its gradient elements (with them, autograd's

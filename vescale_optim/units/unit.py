@@ -154,6 +154,7 @@ class Unit:
         self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
         self._reduction: _Reduction | None = None  # the reduction writing `grad`, until waited
+        self.scattering: FlatBuffer | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's gradient reductions so far (as many received)
         if sharded:
             self.reshard()
@@ -333,6 +334,7 @@ class Unit:
             if self.is_live_grad(i):
                 p.grad = self._reduced[i]
         buf, self.full_grad = self.full_grad, self._new_grad_buffer()
+        self.scattering = buf
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
@@ -448,8 +450,10 @@ class Unit:
     # --- accounting ------------------------------------------------------------------
 
     def transient_bytes(self) -> int:
-        """Unsharded buffers alive now (sharded parameters while gathered, gradients)."""
-        return (self.full.nbytes if self.sharded else 0) + self.full_grad.nbytes
+        """Unsharded buffers alive now (sharded parameters while gathered, gradients, and
+        the gradients being reduce-scattered)."""
+        scattering = self.scattering.nbytes if self.scattering is not None else 0
+        return (self.full.nbytes if self.sharded else 0) + self.full_grad.nbytes + scattering
 
     def __repr__(self) -> str:
         return (
