@@ -20,13 +20,14 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _train(kind, shape, sharded=True, micro=1, accumulate="reduce", steps=STEPS):
+def _train(kind, shape, sharded=True, micro=1, accumulate="reduce", steps=STEPS, backward_prefetch=True):
     """`accumulate`: "reduce" (every micro-batch reduced everywhere), "no_sync" (kept whole
     until the last) or "no_all_reduce" (reduce-scattered, all-reduced across replicas last)."""
     rank = dist.get_rank()
     model = build()
     modules = [*model.layers, model] if sharded else None
-    opt = make_ours(kind, model, mesh=_mesh(shape), shard_modules=modules)
+    opt = make_ours(kind, model, mesh=_mesh(shape), shard_modules=modules,
+                    backward_prefetch=backward_prefetch)  # fmt: skip
     stats = []
     for t in range(steps):
         for m in range(micro):
@@ -51,6 +52,14 @@ def test_any_mesh_equals_one_process(world, kind, mesh, sharded):
     if kind == "muon":  # every matrix once in the whole world, each step
         per_step = [sum(stats[t]["ns_matrices"] for _, stats in results) for t in range(STEPS)]
         assert per_step == [12] * STEPS  # 3 layers x (attn, proj, mlp.0, mlp.2)
+
+
+@pytest.mark.parametrize("accumulate", ["reduce", "no_all_reduce"])
+def test_2x2_without_backward_prefetch_equals_one_process(world, accumulate):
+    want = reference("adamw", 4, micro=2)
+    for got, _ in world(4).run(_train, "adamw", MESHES["2x2"], micro=2, accumulate=accumulate,
+                               backward_prefetch=False):  # fmt: skip
+        _assert_equal(got, want, TOL["adamw"])
 
 
 def test_two_replicas_of_one_rank_equal_one_process(world):
