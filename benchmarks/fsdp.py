@@ -62,7 +62,7 @@ at W = 1, 2 and the main W.
 Sanity: every configuration's loss on each rank's first batch after training, against its
 FSDP2 peer; all must have lowered the loss.
 
-    python benchmarks/fsdp.py               # 4 ranks, both models (~6 min on 2 cores)
+    python benchmarks/fsdp.py               # 4 ranks, both models (~7.5 min on 2 cores)
     python benchmarks/fsdp.py --quick       # tiny wide model, 2 ranks, a few steps (a smoke test)
 """
 

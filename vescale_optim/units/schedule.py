@@ -148,8 +148,8 @@ class Schedule:
         self._reduced: set[int] = set()  # units reduced in this backward
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter has not been waited
         self._deferred: Unit | None = None  # the unit to prefetch once that reduce-scatter is done
-        self._computing: Unit | None = None  # ... and once this unit has accumulated `_grad_awaited` more
-        self._grad_awaited = 0  # gradient elements
+        self._computing: Unit | None = None  # ... and once this unit has accumulated
+        self._grad_awaited = 0  # this many more gradient elements
         self._round_ended = False
         self._busy = False  # a forward or backward ran since the last step
         # the fixed order of reductions not tied to a module: backward's usual order
@@ -418,8 +418,8 @@ class Schedule:
             following = self._next(self.backward_order, unit) if self.backward_prefetch else None
             if following is not None:
                 # gathered once the reduce-scatter in flight has freed its buffer and this
-                # unit has accumulated half of its gradient elements (with them, autograd's
-                # transients and half of the unit's backward are over)
+                # unit has accumulated half of its gradient elements (the start of its
+                # backward holds the most activations; the next unit is needed at its end)
                 self._deferred = following
                 numel = sum(p.numel() for p in unit.params if p.requires_grad)
                 self._computing, self._grad_awaited = (unit, numel // 2) if numel else (None, 0)
