@@ -14,6 +14,7 @@ from _shampoo_reference import ReferenceShampoo
 from _tiny_gpt import TinyGPT, batch, build, loss_fn, train, world_grads
 
 import vescale_optim as vo
+from vescale_optim.units import State
 
 STEPS = 3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -253,6 +254,30 @@ def test_two_units_in_backward_without_prefetch(world):
         for (names, grad_bytes), stepped, _ in between:
             assert names == set() and grad_bytes == 0
             assert stepped["parameters"] + stepped["gradients"] == shard_bytes
+
+
+def _first_block_prefetched():
+    """Per step: whether the first block in backward is being gathered once the head's
+    gradient is accumulated, on a model whose head is untied: the outer unit's gradients
+    then arrive around the blocks' (the head's first, under half of them; the embedding's
+    last)."""
+    model = build(layers=4)
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model])
+    first = next(u for u in opt.units if u.name == "layers.3")
+    seen = []
+    gathering = lambda p: seen.append(first.state is not State.RESHARDED)  # noqa: E731
+    model.head.weight.register_post_accumulate_grad_hook(gathering)  # after the schedule's hook
+    for t in range(2):
+        loss_fn(model, *batch(t, dist.get_rank())).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def test_a_unit_around_the_blocks_prefetches_after_its_first_gradient(world):
+    for seen in world(2).run(_first_block_prefetched):
+        assert seen == [True, True], seen
 
 
 # --- model state: full tensors outside forward/backward, sharded through DCP ---------------

@@ -20,8 +20,10 @@ the unit computing, and either the gradient buffer being reduced or the paramete
 prefetched. It also waits until the unit computing has accumulated half of its gradient
 elements: the start of a unit's backward holds the most activations and autograd's
 transient for its first gradient (as large as that parameter), and the prefetched unit
-is only needed at its end. The order of collectives stays fixed: a unit's gather always
-comes after the reduce-scatter issued before its prefetch point and before the next one.
+is only needed at its end. A unit whose module holds other units' (the model around its
+blocks) gets gradients before and after theirs: there the prefetch waits for its first.
+The order of collectives stays fixed: a unit's gather always comes after the
+reduce-scatter issued before its prefetch point and before the next one.
 Without backward prefetch a unit gathers when its backward starts, and allocates its
 gradient buffer only once the reduce-scatter in flight has freed its own: two
 unit-sized buffers at most, the parameters and gradients of the unit computing.
@@ -160,12 +162,16 @@ class Schedule:
         self._completed: list[Unit] = []  # static units in the order they completed, first backward
         self._order_settled = False
         self._handles: list = []
-        outer = {id(m) for m in modules if m is not None}
+        listed = {id(m) for m in modules if m is not None}
+        outer = set(listed)
         for m in modules:
             if m is not None:
                 outer -= {id(c) for c in m.modules() if c is not m}
         self._outermost = outer
         for unit, module in zip(self.units, self.modules):
+            # its backward wraps other units': its gradients arrive before and after theirs
+            inner = [] if module is None else [c for c in module.modules() if c is not module]
+            unit.encloses = any(id(c) in listed for c in inner)
             unit.in_forward = unit.in_backward = False
             unit.forward_calls = 0
             unit.ran = False  # its forward ran towards a backward in this round
@@ -422,7 +428,8 @@ class Schedule:
                 # backward holds the most activations; the next unit is needed at its end)
                 self._deferred = following
                 numel = sum(p.numel() for p in unit.params if p.requires_grad)
-                self._computing, self._grad_awaited = (unit, numel // 2) if numel else (None, 0)
+                awaited = min(numel, 1) if unit.encloses else numel // 2
+                self._computing, self._grad_awaited = (unit, awaited) if awaited else (None, 0)
                 self._poll()
 
     def _post_backward(self, unit: Unit) -> None:
