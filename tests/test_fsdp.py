@@ -156,6 +156,39 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
         assert 0 < diff.mean() <= 0.05 * moved.mean()
 
 
+def _reduced_in_fp32():
+    """A unit's bf16 gradients reduce-scattered in fp32: what is alive while that runs."""
+    model = build()
+    opt = make_ours("adamw", model, shard_modules=[*model.layers, model], param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32)  # fmt: skip
+    with opt.no_sync():  # keep the full gradients, to reduce one unit by hand
+        loss_fn(model, *batch(0, dist.get_rank())).backward()
+    unit = opt.units[0]
+    unit.reshard()  # free its parameters, as the step would: only gradients are left
+    buf, numel = unit.full_grad, unit.full_grad.data.numel()
+    sent = unit.sent_bytes
+    unit.reduce_grad(async_op=True)
+    during = (buf.data.dtype, buf.nbytes, unit.scattering.dtype, unit.transient_bytes(), numel * 4)
+    unit.wait_grad()
+    return during, unit.transient_bytes(), unit.sent_bytes - sent, numel * 4
+
+
+def test_bf16_gradients_reduced_in_fp32(world):
+    """reduce_dtype=fp32 over bf16 compute: the fp32 cast is reduce-scattered, the bf16
+    buffer is freed as soon as it is cast, the cast once the reduction is done; the run
+    tracks fp32 within the bf16 bounds above."""
+    for during, after, sent, fp32_bytes in world(2).run(_reduced_in_fp32):
+        assert during == (torch.bfloat16, 0, torch.float32, fp32_bytes, fp32_bytes), during
+        assert after == 0 and sent == fp32_bytes // 2  # ring bytes of one fp32 shard at W=2
+    want = reference("adamw", 2)
+    init = build().state_dict()
+    for got in world(2).run(_train, "adamw", param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+        diff = torch.cat([(got[k] - want[k]).abs().flatten() for k in want])
+        moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
+        assert diff.max() <= 2 * ADAMW["lr"] * STEPS
+        assert 0 < diff.mean() <= 0.05 * moved.mean()
+
+
 # --- memory, asserted from storage sizes inside forward hooks ---------------------------
 
 
@@ -185,7 +218,7 @@ def _memory(backward_prefetch: bool = True, slow_scatter: bool = False):
     in_backward = []  # unit-sized buffers of blocks alive, after each block parameter's gradient
 
     def buffers(u):
-        scattering = u.scattering is not None and u.scattering.nbytes > 0
+        scattering = u.scattering is not None and u.scattering.untyped_storage().nbytes() > 0
         return (u.full.nbytes > 0) + (u.full_grad.nbytes > 0) + scattering
 
     for p in model.layers.parameters():

@@ -154,7 +154,7 @@ class Unit:
         self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
         self._reduced = [ReducedGrad._of(self, i, p.shape, p.dtype, p.device) for i, p in enumerate(params)]
         self._reduction: _Reduction | None = None  # the reduction writing `grad`, until waited
-        self.scattering: FlatBuffer | None = None  # the gradients last reduce-scattered (freed once done)
+        self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's gradient reductions so far (as many received)
         if sharded:
             self.reshard()
@@ -334,11 +334,12 @@ class Unit:
             if self.is_live_grad(i):
                 p.grad = self._reduced[i]
         buf, self.full_grad = self.full_grad, self._new_grad_buffer()
-        self.scattering = buf
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{self.name}]"):
             if self.reduce_dtype != data.dtype:
                 data = data.to(self.reduce_dtype)
+                buf.free()  # the cast is what is reduced
+            self.scattering = data
             self.sent_bytes += ring(self.comm.world_size, self._grad.numel() * data.element_size())
             what = f"unit {self.name}'s gradients"
             if not self.replicate.active:
@@ -351,7 +352,7 @@ class Unit:
                 scatter = reduce_scatter_into_(data, part, self.comm, "mean", async_op=True, what=what)
                 defer = self.defer_replicas
                 across = lambda: self._over_replicas(part, defer)  # noqa: E731
-        self._reduction = _Reduction(scatter.then(buf.free), across)
+        self._reduction = _Reduction(scatter.then(lambda: data.untyped_storage().resize_(0)), across)
         if not async_op:
             self.wait_grad()
         return self._reduction
@@ -452,7 +453,7 @@ class Unit:
     def transient_bytes(self) -> int:
         """Unsharded buffers alive now (sharded parameters while gathered, gradients, and
         the gradients being reduce-scattered)."""
-        scattering = self.scattering.nbytes if self.scattering is not None else 0
+        scattering = self.scattering.untyped_storage().nbytes() if self.scattering is not None else 0
         return (self.full.nbytes if self.sharded else 0) + self.full_grad.nbytes + scattering
 
     def __repr__(self) -> str:
