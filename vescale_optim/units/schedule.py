@@ -162,16 +162,11 @@ class Schedule:
         self._completed: list[Unit] = []  # static units in the order they completed, first backward
         self._order_settled = False
         self._handles: list = []
-        listed = {id(m) for m in modules if m is not None}
-        outer = set(listed)
-        for m in modules:
-            if m is not None:
-                outer -= {id(c) for c in m.modules() if c is not m}
-        self._outermost = outer
+        inner = {id(m): {id(c) for c in m.modules() if c is not m} for m in modules if m is not None}
+        self._outermost = set(inner) - set().union(*inner.values())
         for unit, module in zip(self.units, self.modules):
             # its backward wraps other units': its gradients arrive before and after theirs
-            inner = [] if module is None else [c for c in module.modules() if c is not module]
-            unit.encloses = any(id(c) in listed for c in inner)
+            unit.encloses = module is not None and bool(inner[id(module)] & inner.keys())
             unit.in_forward = unit.in_backward = False
             unit.forward_calls = 0
             unit.ran = False  # its forward ran towards a backward in this round
