@@ -94,7 +94,8 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from benchmarks._copies import count_copies  # noqa: E402
 from benchmarks._report import environment, save_json, table  # noqa: E402
-from vescale_optim.shard import Comm, all_gather_, bind_parameters, plan_layout, reduce_scatter_  # noqa: E402
+from vescale_optim.shard import FlatBuffer, plan_layout  # noqa: E402
+from vescale_optim.shard.collectives import Comm, all_gather_into_, reduce_scatter_into_  # noqa: E402
 
 ALIGN = 16
 OPS = ("param all-gather", "grad reduce-scatter", "backward + grad RS")
@@ -176,6 +177,18 @@ def _loss(model: nn.Module, scale: float) -> torch.Tensor:
     return model(torch.zeros(())) * scale
 
 
+def _bind(params: list[nn.Parameter], layout, rank: int) -> tuple[FlatBuffer, FlatBuffer]:
+    """Parameters as views of one flat buffer and their gradients as views of another."""
+    shapes = [p.shape for p in params]
+    pbuf = FlatBuffer(layout, shapes, rank, params[0].dtype)
+    gbuf = FlatBuffer(layout, shapes, rank, params[0].dtype)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            pbuf.view(i).copy_(p)
+            p.data, p.grad = pbuf.view(i), gbuf.view(i)
+    return pbuf, gbuf
+
+
 class Ours:
     """The model's parameters bound into flat buckets (one, or one per FSDP2 group)."""
 
@@ -188,7 +201,7 @@ class Ours:
         for params in groups:
             sizes, units = [p.numel() for p in params], [p.shape[-1] for p in params]
             layout = plan_layout(sizes, units, comm.world_size, ALIGN)
-            pbuf, gbuf = bind_parameters(params, layout, comm.rank)
+            pbuf, gbuf = _bind(params, layout, comm.rank)
             self.buckets.append((params, pbuf, gbuf))
 
     @property
@@ -197,11 +210,11 @@ class Ours:
 
     def all_gather(self) -> None:
         for _, pbuf, _ in self.buckets:
-            all_gather_(pbuf, self.comm)
+            all_gather_into_(pbuf.data, pbuf.local, self.comm)
 
     def reduce_scatter(self) -> None:
         for _, _, gbuf in self.buckets:
-            reduce_scatter_(gbuf, self.comm, op="mean")
+            reduce_scatter_into_(gbuf.data, gbuf.local, self.comm, op="mean")
 
     def zero_grad(self) -> None:
         for _, _, gbuf in self.buckets:

@@ -71,7 +71,7 @@ from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
 from benchmarks._measure import slowest  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
 from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
-from vescale_optim.optim import ns_flops  # noqa: E402
+from vescale_optim.optim.owners import ns_flops  # noqa: E402
 
 WORLD = 4
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}

@@ -1,11 +1,11 @@
 """Padding of the ragged layout planner on real model shapes, against peer layouts.
 
 One bucket per transformer block (the embedding and the head are buckets too), for
-world sizes W and three unit granularities:
+world sizes W and three granule granularities:
 
-* `1 row`    - unit = one row (`shape[-1]` elements): row-wise state, Muon/Shampoo rows;
-* `32 rows`  - unit = 32 rows: 32x32 block quantization, Shampoo tiles of 32;
-* `128 rows` - unit = 128 rows: 128x128 block quantization (DeepSeek-style FP8).
+* `1 row`    - granule = one row (`shape[-1]` elements): row-wise state, Muon/Shampoo rows;
+* `32 rows`  - granule = 32 rows: 32x32 block quantization, Shampoo tiles of 32;
+* `128 rows` - granule = 128 rows: 128x128 block quantization (DeepSeek-style FP8).
 
 Units are chosen per tensor like this (the DESIGN table, made concrete):
 
@@ -13,8 +13,8 @@ Units are chosen per tensor like this (the DESIGN table, made concrete):
   one matrix. For a fused 3-D expert tensor `[E, R, C]` that is `R` (a tile must not
   straddle two experts), not `E*R`.
 * when `k` does not divide `R`, the last k x k tile of every matrix is ragged, and equal
-  units cannot follow it, so the unit becomes the whole matrix `R*C` (one expert of a
-  3-D tensor): the matrix lives on one rank. Smaller units (`gcd(k, R)` rows) would cut
+  granules cannot follow it, so the granule becomes the whole matrix `R*C` (one expert of a
+  3-D tensor): the matrix lives on one rank. Smaller granules (`gcd(k, R)` rows) would cut
   the ragged tiles.
 * vectors - 1-D tensors (norm gains, biases, attention sinks) and GPT-OSS's 2-D stacks
   of per-expert biases - use 1 element: no optimizer treats them as matrices, and
@@ -29,32 +29,32 @@ Columns, each summed over all blocks of the model (padding % = padding / paramet
   `ref % < ours %` proves the planner missed a better layout (`planner misses` counts
   such blocks);
 * `bound %`    - a lower bound no layout can beat: `S >= ceil(total/W)`, `S >=` the
-  largest unit, and every tensor longer than `2S` holds two rank boundaries wherever it
-  sits, which forces `S` to be a multiple of its unit;
+  largest granule, and every tensor longer than `2S` holds two rank boundaries wherever it
+  sits, which forces `S` to be a multiple of its granule;
 * `FSDP2 %`    - per-parameter `Shard(0)`: every tensor padded until dim 0 divides by W;
-  `FSDP2 cuts` - how many units its `ceil(dim0/W)`-row chunks split (rows stay whole,
+  `FSDP2 cuts` - how many granules its `ceil(dim0/W)`-row chunks split (rows stay whole,
   but 32- and 128-row tiles are cut when the chunk is not a multiple of the tile);
 * `LCM %`      - a Megatron-FSDP-style rule: tensors packed in model order, each start
-  rounded up to a multiple of its unit, and the per-rank shard a multiple of the lcm
-  of all units in the bucket (then no rank boundary can cut a unit);
+  rounded up to a multiple of its granule, and the per-rank shard a multiple of the lcm
+  of all granules in the bucket (then no rank boundary can cut a granule);
 * `flat cuts`  - a structure-blind flat split (concatenate, cut into W pieces of
-  `ceil(total/W)`): how many units its cuts split (its padding is < W elements);
+  `ceil(total/W)`): how many granules its cuts split (its padding is < W elements);
 * `plan s` / `max ms` - planner wall time: sum over distinct buckets, and the slowest
   bucket. Identical blocks give identical layouts, so each distinct block is planned
   once and counted as many times as it occurs.
 * `goal` - the 3 % goal applies to buckets whose ideal shard `ceil(total/W)` holds at
-  least 64 of the bucket's largest units: `ok n/n` when all such buckets meet it,
+  least 64 of the bucket's largest granules: `ok n/n` when all such buckets meet it,
   `miss k/n (bound)` when the bound itself is above 3 % on the missed ones, `PLANNER`
   when the cross-check found a layout within 3 %. `n/a`: no bucket qualifies.
 
 A second table lists every block above 3 % and why.
 
 Every layout is checked as it is produced (no overlap, inside `[0, W*S)`, no rank
-boundary inside a unit, `placement()` consistent with the offsets), so the benchmark
+boundary inside a granule, `placement()` consistent with the offsets), so the benchmark
 doubles as a planner test on real shapes.
 
-    python benchmarks/padding.py            # all models, W in 8..1024, three units
-    python benchmarks/padding.py --quick    # W in {8, 1024}, two units
+    python benchmarks/padding.py            # all models, W in 8..1024, three granules
+    python benchmarks/padding.py --quick    # W in {8, 1024}, two granules
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ GOAL = 0.03
 MIN_UNITS_PER_RANK = 64
 
 
-def unit_of(name: str, shape: Shape, rows: int) -> int:
+def granule_of(name: str, shape: Shape, rows: int) -> int:
     """Unit in elements of parameter `name` for `rows`-row granularity (see module doc)."""
     if is_vector(name, shape):
         return 1
@@ -96,7 +96,7 @@ class Bucket:
     count: int  # identical blocks this bucket stands for
     shapes: tuple[Shape, ...]
     sizes: tuple[int, ...]
-    units: tuple[int, ...]
+    granules: tuple[int, ...]
 
     @property
     def total(self) -> int:
@@ -111,17 +111,17 @@ def _block_label(block: Block) -> str:
 
 
 def distinct_buckets(blocks: list[Block], rows: int) -> list[Bucket]:
-    """The model's blocks as buckets, identical ones merged (same shapes and units)."""
+    """The model's blocks as buckets, identical ones merged (same shapes and granules)."""
     seen: dict[tuple, Bucket] = {}
     labels: dict[tuple, list[str]] = {}
     for block in blocks:
         shapes = tuple(s for _, s in block)
-        units = tuple(unit_of(n, s, rows) for n, s in block)
-        key = (shapes, units)
+        granules = tuple(granule_of(n, s, rows) for n, s in block)
+        key = (shapes, granules)
         if key in seen:
             seen[key].count += 1
         else:
-            seen[key] = Bucket("", 1, shapes, tuple(numel(s) for s in shapes), units)
+            seen[key] = Bucket("", 1, shapes, tuple(numel(s) for s in shapes), granules)
         labels.setdefault(key, []).append(_block_label(block))
     for key, bucket in seen.items():
         names = labels[key]
@@ -138,7 +138,7 @@ def distinct_buckets(blocks: list[Block], rows: int) -> list[Bucket]:
 
 def verify(layout, bucket: Bucket, world_size: int) -> None:
     """Raise AssertionError unless the layout is a valid ragged layout of the bucket."""
-    sizes, units, S = bucket.sizes, bucket.units, layout.shard_size
+    sizes, granules, S = bucket.sizes, bucket.granules, layout.shard_size
     W, total = world_size, bucket.total
     assert layout.world_size == W and tuple(layout.sizes) == sizes
     assert total <= S * W and -(-total // W) <= S, (S, total, W)
@@ -146,7 +146,7 @@ def verify(layout, bucket: Bucket, world_size: int) -> None:
     offsets = layout.offsets
     end = 0
     for i in sorted(range(len(sizes)), key=lambda i: offsets[i]):
-        e, g, lo = sizes[i], units[i], offsets[i]
+        e, g, lo = sizes[i], granules[i], offsets[i]
         if e == 0:
             continue
         assert lo >= end, f"tensor {i} at {lo} overlaps the previous one ending at {end}"
@@ -154,10 +154,10 @@ def verify(layout, bucket: Bucket, world_size: int) -> None:
         assert end <= W * S, f"tensor {i} ends at {end} > W*S = {W * S}"
         b = (lo // S + 1) * S  # first rank boundary after the start
         if b < end:
-            assert (b - lo) % g == 0, f"tensor {i}: boundary {b} splits a unit of {g}"
+            assert (b - lo) % g == 0, f"tensor {i}: boundary {b} splits a granule of {g}"
             if b + S < end:
                 assert S % g == 0, f"tensor {i}: S={S} spans boundaries but is not a multiple of {g}"
-        local = layout.local_units(i)
+        local = layout.local_granules(i)
         assert sum(local) * g == e, (i, local, g, e)
         placement = layout.placement(i, bucket.shapes[i])
         placement.check(bucket.shapes[i], W)
@@ -170,13 +170,13 @@ def verify(layout, bucket: Bucket, world_size: int) -> None:
 # ----------------------------------------------------------------- other layouts
 
 
-def next_candidate(sizes, units, s: int) -> tuple[int, int]:
-    """Smallest S' >= s that passes the necessary condition "S is a multiple of the unit
+def next_candidate(sizes, granules, s: int) -> tuple[int, int]:
+    """Smallest S' >= s that passes the necessary condition "S is a multiple of the granule
     of every tensor longer than 2S" (such a tensor holds at least two rank boundaries
-    wherever it sits, and two consecutive boundaries both fall on its unit grid only
-    when S is a multiple of its unit). Returns (S', lcm of the units that bind there)."""
+    wherever it sits, and two consecutive boundaries both fall on its granule grid only
+    when S is a multiple of its granule). Returns (S', lcm of the granules that bind there)."""
     while True:
-        spanning = [(e, g) for e, g in zip(sizes, units) if e > 2 * s]
+        spanning = [(e, g) for e, g in zip(sizes, granules) if e > 2 * s]
         if not spanning:
             return s, 1
         lcm = math.lcm(*(g for _, g in spanning))
@@ -188,42 +188,42 @@ def next_candidate(sizes, units, s: int) -> tuple[int, int]:
         s = nxt
 
 
-def lower_bound_shard(sizes, units, world_size: int) -> tuple[int, int]:
+def lower_bound_shard(sizes, granules, world_size: int) -> tuple[int, int]:
     """A lower bound on S for any valid layout: at least ceil(total/W), at least the
-    largest unit, and passing `next_candidate`'s condition. Returns (S, binding lcm)."""
-    s = max(-(-sum(sizes) // world_size), max((g for e, g in zip(sizes, units) if e), default=1))
-    return next_candidate(sizes, units, s)
+    largest granule, and passing `next_candidate`'s condition. Returns (S, binding lcm)."""
+    s = max(-(-sum(sizes) // world_size), max((g for e, g in zip(sizes, granules) if e), default=1))
+    return next_candidate(sizes, granules, s)
 
 
-def _earliest(cursor: int, size: int, unit: int, shard: int, limit: int) -> int | None:
+def _earliest(cursor: int, size: int, granule: int, shard: int, limit: int) -> int | None:
     """Earliest start >= cursor at which every rank boundary inside the tensor falls on
-    its unit grid (an independent re-implementation of the planner's greedy step)."""
+    its granule grid (an independent re-implementation of the planner's greedy step)."""
     start = cursor
     while start + size <= limit:
         b = (start // shard + 1) * shard
         if b >= start + size:
             return start
-        if (b - start) % unit:
-            start += (b - start) % unit
-        elif b + shard >= start + size or shard % unit == 0:
+        if (b - start) % granule:
+            start += (b - start) % granule
+        elif b + shard >= start + size or shard % granule == 0:
             return start
         else:
             start = b
     return None
 
 
-def reference_shard(sizes, units, world_size: int, stop: int, tries: int = 64) -> int | None:
+def reference_shard(sizes, granules, world_size: int, stop: int, tries: int = 64) -> int | None:
     """Smallest S < stop found by walking the lattice of `next_candidate` sizes upward
-    from the lower bound and placing tensors greedily (model order, then by unit, then
+    from the lower bound and placing tensors greedily (model order, then by granule, then
     by size); None if none of the first `tries` candidates fits. A cross-check of the
     planner's search: a result below the planner's S is a planner miss."""
     n = len(sizes)
     orders = [
         range(n),
-        sorted(range(n), key=lambda i: (-units[i], -sizes[i])),
-        sorted(range(n), key=lambda i: (-sizes[i], -units[i])),
+        sorted(range(n), key=lambda i: (-granules[i], -sizes[i])),
+        sorted(range(n), key=lambda i: (-sizes[i], -granules[i])),
     ]
-    s, _ = lower_bound_shard(sizes, units, world_size)
+    s, _ = lower_bound_shard(sizes, granules, world_size)
     for _ in range(tries):
         if s >= stop:
             return None
@@ -231,13 +231,13 @@ def reference_shard(sizes, units, world_size: int, stop: int, tries: int = 64) -
             cursor = 0
             for i in order:
                 if sizes[i]:
-                    start = _earliest(cursor, sizes[i], units[i], s, world_size * s)
+                    start = _earliest(cursor, sizes[i], granules[i], s, world_size * s)
                     if start is None:
                         break
                     cursor = start + sizes[i]
             else:
                 return s
-        s, _ = next_candidate(sizes, units, s + 1)
+        s, _ = next_candidate(sizes, granules, s + 1)
     return None
 
 
@@ -246,30 +246,30 @@ def fsdp2_padding(shapes, world_size: int) -> int:
     return sum((-(-s[0] // world_size) * world_size - s[0]) * (numel(s) // s[0]) for s in shapes if s[0])
 
 
-def fsdp2_cuts(shapes, units, world_size: int) -> int:
+def fsdp2_cuts(shapes, granules, world_size: int) -> int:
     """Units split by per-parameter dim-0 sharding (chunks of ceil(dim0/W) along dim 0)."""
     cuts = 0
-    for shape, g in zip(shapes, units):
+    for shape, g in zip(shapes, granules):
         row = numel(shape[1:])  # elements per dim-0 slice
-        if not shape[0] or g % row:  # a unit inside one dim-0 slice is never cut
+        if not shape[0] or g % row:  # a granule inside one dim-0 slice is never cut
             continue
         u, chunk = g // row, -(-shape[0] // world_size)
         cuts += sum(1 for b in range(chunk, shape[0], chunk) if b % u)
     return cuts
 
 
-def lcm_padding(sizes, units, world_size: int) -> int:
-    """Megatron-FSDP-style: unit-aligned contiguous packing, shard a multiple of lcm(units)."""
+def lcm_padding(sizes, granules, world_size: int) -> int:
+    """Megatron-FSDP-style: granule-aligned contiguous packing, shard a multiple of lcm(granules)."""
     cursor = 0
-    for e, g in zip(sizes, units):
+    for e, g in zip(sizes, granules):
         cursor = -(-cursor // g) * g + e
-    lcm = math.lcm(*units)
+    lcm = math.lcm(*granules)
     ideal = -(-cursor // world_size)
     shard = -(-ideal // lcm) * lcm
     return world_size * shard - sum(sizes)
 
 
-def flat_cuts(sizes, units, world_size: int) -> int:
+def flat_cuts(sizes, granules, world_size: int) -> int:
     """Units split by a structure-blind flat split into W pieces of ceil(total/W)."""
     starts = [0, *accumulate(sizes)]
     piece = -(-starts[-1] // world_size)
@@ -280,8 +280,8 @@ def flat_cuts(sizes, units, world_size: int) -> int:
         if t >= len(sizes):
             break
         pos = b - starts[t]
-        if 0 < pos < sizes[t] and pos % units[t]:
-            cut.add((t, pos // units[t]))
+        if 0 < pos < sizes[t] and pos % granules[t]:
+            cut.add((t, pos // granules[t]))
     return len(cut)
 
 
@@ -291,18 +291,18 @@ def flat_cuts(sizes, units, world_size: int) -> int:
 def measure(bucket: Bucket, world_size: int) -> dict:
     W = world_size
     t0 = time.perf_counter()
-    layout = plan_layout(bucket.sizes, bucket.units, W)
+    layout = plan_layout(bucket.sizes, bucket.granules, W)
     seconds = time.perf_counter() - t0
     verify(layout, bucket, W)
-    total, gmax = bucket.total, max(bucket.units)
+    total, gmax = bucket.total, max(bucket.granules)
     ideal = -(-total // W)
-    bound, _ = lower_bound_shard(bucket.sizes, bucket.units, W)
+    bound, _ = lower_bound_shard(bucket.sizes, bucket.granules, W)
     start = max(ideal, gmax)
-    lcm = math.lcm(*(g for e, g in zip(bucket.sizes, bucket.units) if e > 2 * start))
+    lcm = math.lcm(*(g for e, g in zip(bucket.sizes, bucket.granules) if e > 2 * start))
     assert layout.shard_size >= bound, (layout.shard_size, bound)
     ref = layout.shard_size
     if ref > bound:
-        ref = reference_shard(bucket.sizes, bucket.units, W, stop=ref) or ref
+        ref = reference_shard(bucket.sizes, bucket.granules, W, stop=ref) or ref
     return {
         "block": bucket.label,
         "count": bucket.count,
@@ -316,11 +316,11 @@ def measure(bucket: Bucket, world_size: int) -> dict:
         "ref_padding": W * ref - total,
         "bound_shard": bound,
         "bound_padding": W * bound - total,
-        "spanning_lcm": lcm,  # at S = max(ideal shard, largest unit)
+        "spanning_lcm": lcm,  # at S = max(ideal shard, largest granule)
         "fsdp2_padding": fsdp2_padding(bucket.shapes, W),
-        "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.units, W),
-        "lcm_padding": lcm_padding(bucket.sizes, bucket.units, W),
-        "flat_cuts": flat_cuts(bucket.sizes, bucket.units, W),
+        "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.granules, W),
+        "lcm_padding": lcm_padding(bucket.sizes, bucket.granules, W),
+        "flat_cuts": flat_cuts(bucket.sizes, bucket.granules, W),
         "plan_s": seconds,
         "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax,
     }
@@ -335,10 +335,10 @@ def explain(b: dict) -> str:
             f"(bound {pct(b['bound_padding'])})"
         )
     if b["max_unit"] > b["ideal_shard"]:
-        why = f"a unit of {b['max_unit']:,} elements exceeds the ideal shard {b['ideal_shard']:,}"
+        why = f"a granule of {b['max_unit']:,} elements exceeds the ideal shard {b['ideal_shard']:,}"
     else:
         why = (
-            f"S must be a multiple of {b['spanning_lcm']:,}, the lcm of the units of tensors "
+            f"S must be a multiple of {b['spanning_lcm']:,}, the lcm of the granules of tensors "
             f"longer than 2S; the ideal shard is {b['ideal_shard'] / b['spanning_lcm']:.2f} of it"
         )
         rounded = -(-b["ideal_shard"] // b["spanning_lcm"]) * b["spanning_lcm"]
@@ -349,11 +349,11 @@ def explain(b: dict) -> str:
     return f"{why}: optimal"
 
 
-def run(models, units, world_sizes) -> tuple[list[dict], list[dict], list[dict]]:
+def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dict]]:
     rows, misses, details = [], [], []
     for model in models:
         blocks = MODELS[model]()
-        for unit_name in units:
+        for unit_name in granules:
             buckets = distinct_buckets(blocks, UNITS[unit_name])
             for W in world_sizes:
                 res = [measure(b, W) for b in buckets]
@@ -382,7 +382,7 @@ def run(models, units, world_sizes) -> tuple[list[dict], list[dict], list[dict]]
                 rows.append(
                     {
                         "model": model,
-                        "unit": unit_name,
+                        "granule": unit_name,
                         "W": W,
                         "ours %": 100 * n("padding") / total,
                         "ref %": 100 * n("ref_padding") / total,
@@ -403,17 +403,17 @@ def run(models, units, world_sizes) -> tuple[list[dict], list[dict], list[dict]]
                     misses.append(
                         {
                             "model": model,
-                            "unit": unit_name,
+                            "granule": unit_name,
                             "W": W,
                             "block": r["block"],
                             "ours %": 100 * r["padding"] / r["numel"],
                             "ref %": 100 * r["ref_padding"] / r["numel"],
                             "bound %": 100 * r["bound_padding"] / r["numel"],
-                            "units/rank": r["largest_units_per_rank"],
+                            "granules/rank": r["largest_units_per_rank"],
                             "why": explain(r),
                         }
                     )
-                details += [{"model": model, "unit": unit_name, "W": W, **r} for r in res]
+                details += [{"model": model, "granule": unit_name, "W": W, **r} for r in res]
                 print(
                     f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets "
                     f"in {sum(r['plan_s'] for r in res):.2f}s",
@@ -430,12 +430,12 @@ def plot(rows, name: str):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    units = list(dict.fromkeys(r["unit"] for r in rows))
+    granules = list(dict.fromkeys(r["granule"] for r in rows))
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(units), figsize=(5 * len(units), 4), sharey=True, squeeze=False)
-    for ax, unit in zip(axes[0], units):
+    fig, axes = plt.subplots(1, len(granules), figsize=(5 * len(granules), 4), sharey=True, squeeze=False)
+    for ax, granule in zip(axes[0], granules):
         for color, model in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], models):
-            sel = [r for r in rows if r["unit"] == unit and r["model"] == model]
+            sel = [r for r in rows if r["granule"] == granule and r["model"] == model]
             ws = [r["W"] for r in sel]
             for key, style in (("ours %", "-o"), ("FSDP2 %", "--"), ("LCM %", ":")):
                 ax.plot(
@@ -443,11 +443,11 @@ def plot(rows, name: str):
                     [r[key] for r in sel],
                     style,
                     color=color,
-                    label=f"{model} {key[:-2]}" if unit == units[0] else None,
+                    label=f"{model} {key[:-2]}" if granule == granules[0] else None,
                 )
         ax.axhline(100 * GOAL, color="k", lw=0.5)
         ax.set_yscale("symlog", linthresh=0.1)
-        ax.set(xscale="log", title=f"unit = {unit}", xlabel="world size W")
+        ax.set(xscale="log", title=f"granule = {granule}", xlabel="world size W")
         ax.set_xticks(sorted({r["W"] for r in rows}), [str(w) for w in sorted({r["W"] for r in rows})])
     axes[0][0].set_ylabel("padding % of parameters")
     fig.legend(loc="upper center", ncol=len(models), fontsize=7, bbox_to_anchor=(0.5, 1.12))
@@ -456,16 +456,16 @@ def plot(rows, name: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, units 1 and 128 rows")
+    ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, granules 1 and 128 rows")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--world-sizes", nargs="+", type=int, default=None)
     args = ap.parse_args(argv)
-    units = ["1 row", "128 rows"] if args.quick else list(UNITS)
+    granules = ["1 row", "128 rows"] if args.quick else list(UNITS)
     world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
     name = "padding_quick" if args.quick else "padding"
 
     t0 = time.perf_counter()
-    rows, misses, details = run(args.models, units, world_sizes)
+    rows, misses, details = run(args.models, granules, world_sizes)
     wall = time.perf_counter() - t0
 
     print(table(rows, floatfmt=".2f"))

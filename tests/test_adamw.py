@@ -8,7 +8,7 @@ import torch.distributed as dist
 from _adamw_cases import SHAPES, full_precision, groups, make_params, mean_grads, schedule, set_grads
 
 import vescale_optim as vo
-from vescale_optim.optim import adamw_update_
+from vescale_optim.optim.adamw import adamw_update_
 
 STEPS = 4
 SKIP = {2: (1,), 3: (4,)}  # step -> params that get no gradient that step

@@ -1,11 +1,12 @@
-"""Flat buffers: binding is zero-copy and collectives move the parameters themselves."""
+"""Flat buffers: every tensor is a view, and the collectives move the tensors themselves."""
 
 import math
 
 import pytest
 import torch
 
-from vescale_optim.shard import Comm, FlatBuffer, all_gather_, bind_parameters, plan_layout, reduce_scatter_
+from vescale_optim.shard import FlatBuffer, plan_layout
+from vescale_optim.shard.collectives import Comm, all_gather_into_, reduce_scatter_into_
 
 SHAPES = [(7, 5), (3,), (4, 3, 2), (11, 5), (1,), (6, 6)]
 
@@ -17,25 +18,29 @@ def make_params(seed):
 
 def layout_for(world):
     sizes = [math.prod(s) for s in SHAPES]
-    units = [s[-1] for s in SHAPES]
-    return plan_layout(sizes, units, world, align=2)
+    granules = [s[-1] for s in SHAPES]
+    return plan_layout(sizes, granules, world, align=2)
 
 
-def test_binding_keeps_values_and_makes_views():
+def bind(params, layout, rank):
+    """Parameters as views of one buffer and gradients as views of another, values kept."""
+    pbuf = FlatBuffer(layout, [p.shape for p in params], rank, torch.float32)
+    gbuf = FlatBuffer(layout, [p.shape for p in params], rank, torch.float32)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            pbuf.view(i).copy_(p)
+            p.data, p.grad = pbuf.view(i), gbuf.view(i)
+    return pbuf, gbuf
+
+
+def test_views_share_the_buffer_and_autograd_accumulates_into_it():
     params = make_params(0)
     before = [p.detach().clone() for p in params]
-    params[1].grad = torch.full((3,), 2.0)
-    pbuf, gbuf = bind_parameters(params, layout_for(3), rank=1)
-    storage = pbuf.data.untyped_storage().data_ptr()
+    pbuf, gbuf = bind(params, layout_for(3), rank=1)
     for i, (p, want) in enumerate(zip(params, before)):
-        assert p.untyped_storage().data_ptr() == storage
-        assert p.grad.untyped_storage().data_ptr() == gbuf.data.untyped_storage().data_ptr()
-        assert torch.equal(p, want)
-        assert p.data_ptr() == pbuf.view(i).data_ptr()
-    assert torch.equal(params[1].grad, torch.full((3,), 2.0))
-    # autograd accumulates into the buffer in place
-    loss = sum((p * p).sum() for p in params)
-    loss.backward()
+        assert p.untyped_storage().data_ptr() == pbuf.data.untyped_storage().data_ptr()
+        assert p.data_ptr() == pbuf.view(i).data_ptr() and torch.equal(p, want)
+    sum((p * p).sum() for p in params).backward()
     for i, p in enumerate(params):
         assert p.grad.data_ptr() == gbuf.view(i).data_ptr()
     assert torch.allclose(gbuf.view(0), 2 * before[0])
@@ -45,25 +50,21 @@ def test_local_pieces_are_views_of_the_local_slice():
     params = make_params(1)
     layout = layout_for(4)
     for rank in range(4):
-        pbuf, _ = bind_parameters(make_params(1), layout, rank)
+        pbuf, _ = bind(make_params(1), layout, rank)
         for i in range(len(SHAPES)):
             start, stop = pbuf.tensor_range(i)
             piece = pbuf.local_piece(i)
             assert torch.equal(piece, params[i].detach().reshape(-1)[start:stop])
             if piece.numel():
                 assert piece.data_ptr() == pbuf.local.data_ptr() + pbuf.local_range(i)[0] * 4
-            p = pbuf.placement(i)
-            assert p.local_range(SHAPES[i], rank) == (start, stop)
+            assert pbuf.placement(i).local_range(SHAPES[i], rank) == (start, stop)
 
 
-def test_bad_bindings():
-    with pytest.raises(ValueError, match="empty"):
-        bind_parameters([], layout_for(1), 0)
-    mixed = [torch.nn.Parameter(torch.zeros(7, 5)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]
-    with pytest.raises(ValueError, match="one dtype"):
-        bind_parameters(mixed, plan_layout([35, 3], [5, 1], 1), 0)
+def test_bad_buffers():
     with pytest.raises(ValueError, match="rank 3 outside"):
         FlatBuffer(layout_for(2), SHAPES, 3, torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        FlatBuffer(layout_for(2), SHAPES[:-1], 0, torch.float32)
 
 
 def _sync_on_rank(world, gloo_workarounds=True):
@@ -71,25 +72,27 @@ def _sync_on_rank(world, gloo_workarounds=True):
     comm.gloo = gloo_workarounds  # False runs the reduce-scatter/all-gather path NCCL takes
     layout = layout_for(world)
     params = make_params(0)  # same values on every rank
-    pbuf, gbuf = bind_parameters(params, layout, comm.rank)
-    # Wipe everything but the local slice, then gather it back from the owners.
+    pbuf, gbuf = bind(params, layout, comm.rank)
+    # Wipe everything but the local slice, then gather it back from the owners, in place.
     keep = pbuf.local.clone()
     pbuf.data.fill_(float("nan"))
     pbuf.local.copy_(keep)
     ptr = pbuf.data.data_ptr()
-    all_gather_(pbuf, comm, async_op=True).wait()
+    all_gather_into_(pbuf.data, pbuf.local, comm, async_op=True).wait()
     assert pbuf.data.data_ptr() == ptr
     for p, want in zip(params, make_params(0)):
         assert torch.equal(p.detach(), want.detach())
-    # Each rank has its own gradients; the local slice becomes their mean.
+    # Each rank has its own gradients; a separate shard becomes their mean.
     grads = [make_params(100 + r) for r in range(world)]
     for p, g in zip(params, grads[comm.rank]):
         p.grad.copy_(g.detach())
-    reduce_scatter_(gbuf, comm, op="mean")
+    shard = torch.empty(layout.shard_size)
+    reduce_scatter_into_(gbuf.data, shard, comm, op="mean")
     for i in range(len(SHAPES)):
         start, stop = gbuf.tensor_range(i)
+        lo, hi = gbuf.local_range(i)
         mean = torch.stack([g[i].detach().reshape(-1)[start:stop] for g in grads]).mean(0)
-        assert torch.allclose(gbuf.local_piece(i), mean, atol=1e-6)
+        assert torch.allclose(shard[lo:hi], mean, atol=1e-6)
     return True
 
 
@@ -101,7 +104,5 @@ def test_all_gather_and_reduce_scatter_through_the_buffers(world, world_size, gl
 
 
 def test_unknown_reduction():
-    params = make_params(0)
-    _, gbuf = bind_parameters(params, layout_for(1), 0)
     with pytest.raises(ValueError, match="unknown reduction 'median'"):
-        reduce_scatter_(gbuf, Comm(), op="median")
+        reduce_scatter_into_(torch.zeros(4), torch.zeros(4), Comm(), op="median")

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from vescale_optim.demo.__main__ import build_parser, parse_args
+from vescale_optim.demo.config import TrainConfig
 from vescale_optim.demo.data import batch_generator, get_batch, load_corpus, val_windows
 from vescale_optim.demo.model import GPT
 from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier
-from vescale_optim.demo.train import TrainConfig, train
+from vescale_optim.demo.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = TrainConfig(batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3, val_tokens=1024)

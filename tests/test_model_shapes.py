@@ -132,16 +132,16 @@ def test_is_vector():
     assert not is_vector("mlp.experts.down_proj", (128, 2880, 2880))
 
 
-def test_padding_units_and_smoke():
-    from benchmarks.padding import fsdp2_padding, lower_bound_shard, run, unit_of
+def test_padding_granules_and_smoke():
+    from benchmarks.padding import fsdp2_padding, granule_of, lower_bound_shard, run
 
-    assert unit_of("x.weight", (4096,), 32) == 1
-    assert unit_of("mlp.experts.gate_up_proj_bias", (128, 5760), 32) == 1
-    assert unit_of("q_proj.weight", (4096, 2880), 32) == 32 * 2880
+    assert granule_of("x.weight", (4096,), 32) == 1
+    assert granule_of("mlp.experts.gate_up_proj_bias", (128, 5760), 32) == 1
+    assert granule_of("q_proj.weight", (4096, 2880), 32) == 32 * 2880
     # 128 does not divide the 2880 rows of one expert: the unit is that expert's matrix
-    assert unit_of("mlp.experts.gate_up_proj", (128, 2880, 5760), 128) == 2880 * 5760
-    assert unit_of("mlp.experts.gate_up_proj", (128, 2880, 5760), 32) == 32 * 5760
-    assert unit_of("kv_a_proj_with_mqa.weight", (576, 7168), 128) == 576 * 7168
+    assert granule_of("mlp.experts.gate_up_proj", (128, 2880, 5760), 128) == 2880 * 5760
+    assert granule_of("mlp.experts.gate_up_proj", (128, 2880, 5760), 32) == 32 * 5760
+    assert granule_of("kv_a_proj_with_mqa.weight", (576, 7168), 128) == 576 * 7168
     assert fsdp2_padding([(10, 3), (8,)], 4) == 2 * 3
     # two tensors spanning several boundaries: S must be a multiple of lcm(400, 600)
     assert lower_bound_shard([12000, 12000], [400, 600], 64) == (1200, 1200)

@@ -13,7 +13,7 @@ from _held import held_tensor_bytes
 from _shampoo_reference import ReferenceShampoo, inverse_fourth_root
 
 import vescale_optim as vo
-from vescale_optim.optim._shampoo_math import balance, inverse_roots_, rank_loads, stripe_unit
+from vescale_optim.optim._shampoo_math import balance, inverse_roots_, rank_loads, stripe_granule
 
 SHAPES = [(10, 7), (8, 3, 2), (13,), (5, 12), (1, 6), (6,), (9, 2, 2), (21, 16)]
 # (param indices, hyperparameters) per group: tiles of 3, 4 and 5, rows that stripes do not
@@ -154,10 +154,10 @@ def test_unbalanced_root_work_moves_tiles_to_other_owners(world):
 
 
 def test_stripe_units_and_balance():
-    assert stripe_unit((4096, 512), 1024) == 1024 * 512  # stripes of 1024 rows
-    assert stripe_unit((1500, 8, 8), 1024) == 4 * 64  # gcd(1500, 1024) = 4 rows
-    assert stripe_unit((768, 50257), 1024) == 768 * 50257  # one stripe: the whole matrix
-    assert stripe_unit((7,), 4) == 1
+    assert stripe_granule((4096, 512), 1024) == 1024 * 512  # stripes of 1024 rows
+    assert stripe_granule((1500, 8, 8), 1024) == 4 * 64  # gcd(1500, 1024) = 4 rows
+    assert stripe_granule((768, 50257), 1024) == 768 * 50257  # one stripe: the whole matrix
+    assert stripe_granule((7,), 4) == 1
     assert balance([8, 8, 9], [0, 1, 2], 3) == [0, 1, 2]  # within 1.2x: nothing moves
     owners = balance([8] * 8, [0] * 8, 4)
     assert rank_loads([8] * 8, owners, 4) == (16, 16, 16, 16)

@@ -11,7 +11,7 @@ from vescale_optim.shard import RaggedShard, flat_range_boxes
 def test_rows_split_in_rank_order():
     p = RaggedShard((0,), (1, 0, 2, 1))
     shape = (8, 3)
-    assert p.unit_numel(shape) == 6
+    assert p.granule_numel(shape) == 6
     assert [p.local_range(shape, r) for r in range(4)] == [(0, 6), (6, 6), (6, 18), (18, 24)]
     assert p.local_shape(shape, 2) == (4, 3)
     assert p.local_shape(shape, 1) == (0, 3)

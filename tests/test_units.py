@@ -4,7 +4,8 @@ import pytest
 import torch
 from _tiny_gpt import batch, build, loss_fn, world_grads
 
-from vescale_optim.shard import Comm, plan_layout
+from vescale_optim.shard import plan_layout
+from vescale_optim.shard.collectives import Comm
 from vescale_optim.units import State, Unit
 from vescale_optim.units.assign import assign_units
 from vescale_optim.units.schedule import Schedule

@@ -3,6 +3,7 @@
 from .checkpoint import CheckpointError, CheckpointManager
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
+from .version import __version__
 
 __all__ = [
     "AdamW",
@@ -14,8 +15,9 @@ __all__ = [
     "RaggedShard",
     "ShardedOptimizer",
     "Shampoo",
+    "__version__",
     "muon_param_groups",
     "plan_layout",
     "set_collective_timeout",
 ]
-__version__ = "0.1.0"
+

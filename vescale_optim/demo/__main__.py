@@ -14,9 +14,9 @@ import argparse
 import time
 from dataclasses import fields
 
+from .config import TrainConfig
 from .launch import launch
-from .optimizers import OPTIMIZERS
-from .train import TrainConfig
+from .optimizers import OPTIMIZERS, optimizer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
         p.error("--world-size must be at least 1")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     try:
-        cfg.optimizer_names()
+        optimizer_names(cfg)
     except ValueError as e:
         p.error(str(e))
     if cfg.timeout <= 0:

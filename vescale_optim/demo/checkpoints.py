@@ -17,7 +17,7 @@ from vescale_optim.shard.collectives import get_collective_timeout
 from .data import Batches
 
 if TYPE_CHECKING:
-    from .train import TrainConfig
+    from .config import TrainConfig
 
 
 def params_sha256(model: nn.Module) -> str:

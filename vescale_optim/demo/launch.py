@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .train import TrainConfig, train
+from .config import TrainConfig
+from .train import train
 
 
 def _threads_per_rank(world_size: int) -> int:

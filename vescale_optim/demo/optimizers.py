@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 import vescale_optim as vo
 
-if TYPE_CHECKING:
-    from .train import TrainConfig
+from .config import TrainConfig
 
-OptimizerFactory = Callable[[nn.Module, "TrainConfig"], torch.optim.Optimizer]
+OptimizerFactory = Callable[[nn.Module, TrainConfig], torch.optim.Optimizer]
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -87,3 +85,21 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
     """Warmup + cosine on every group's own base LR, stepped once per optimizer step."""
     warmup = max(1, min(cfg.warmup, cfg.steps // 2))
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, warmup, cfg.steps))
+
+
+def optimizer_names(cfg: TrainConfig) -> list[str]:
+    """The optimizers a run trains, in order (`cfg.optimizer`, or every one for "all"); a
+    ValueError for a configuration no run can take."""
+    if cfg.zero not in (2, 3):
+        raise ValueError(f"zero must be 2 or 3, not {cfg.zero!r}")
+    if cfg.resume and cfg.checkpoint_dir is None:
+        raise ValueError("resume needs a checkpoint_dir")
+    if cfg.checkpoint_dir is not None and cfg.optimizer == "all":
+        raise ValueError("checkpoints are of one run: pick one optimizer, not 'all'")
+    if cfg.checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
+    if cfg.optimizer == "all":
+        return list(OPTIMIZERS)
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}")
+    return [cfg.optimizer]

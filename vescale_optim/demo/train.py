@@ -13,7 +13,7 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,58 +21,10 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .checkpoints import Checkpoints, collective_timeout, params_sha256
+from .config import TrainConfig
 from .data import Batches, load_corpus, stdlib_files, val_windows
-from .model import GPT, GPTConfig
-from .optimizers import OPTIMIZERS, make_scheduler
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default,
-    `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank.
-    With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
-    `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
-    every collective wait."""
-
-    optimizer: str = "adamw"
-    zero: int = 3
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    lr: float | None = None
-    warmup: int = 20
-    grad_clip: float = 1.0
-    val_tokens: int = 16384
-    seed: int = 0
-    out: str = "demo_out"
-    progress: bool = True
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 50
-    resume: bool = False
-    timeout: float = 60.0
-
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(
-            seq_len=self.seq_len, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads
-        )
-
-    def optimizer_names(self) -> list[str]:
-        if self.zero not in (2, 3):
-            raise ValueError(f"zero must be 2 or 3, not {self.zero!r}")
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("resume needs a checkpoint_dir")
-        if self.checkpoint_dir is not None and self.optimizer == "all":
-            raise ValueError("checkpoints are of one run: pick one optimizer, not 'all'")
-        if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be at least 1, not {self.checkpoint_every}")
-        if self.optimizer == "all":
-            return list(OPTIMIZERS)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}")
-        return [self.optimizer]
+from .model import GPT
+from .optimizers import OPTIMIZERS, make_scheduler, optimizer_names
 
 
 class _World:
@@ -223,7 +175,7 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
     is when the command started, for the reported wall time.
     """
     launch_time = time.time() if launch_time is None else launch_time
-    names = cfg.optimizer_names()
+    names = optimizer_names(cfg)
     world = _World()
     train_data, val_data = load_corpus()
     n_params = sum(p.numel() for p in GPT(cfg.model_config()).parameters())

@@ -64,8 +64,8 @@ def tiles_of(shape: Sequence[int], max_dim: int, param: int = 0) -> list[Tile]:
     ]
 
 
-def stripe_unit(shape: Sequence[int], max_dim: int) -> int:
-    """Layout unit of a parameter: a stripe of `max_dim` rows when stripes divide the rows
+def stripe_granule(shape: Sequence[int], max_dim: int) -> int:
+    """Layout granule of a parameter: a stripe of `max_dim` rows when stripes divide the rows
     (the whole matrix when it has at most `max_dim` rows), else `gcd(rows, max_dim)` rows,
     so rank boundaries still fall on stripe boundaries when they can."""
     ms = matrix_shape(shape)

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
 from ..shard.mesh import Topology
-from ..shard.plan import owner_offsets
+from ..shard.redistribution import Piece, owner_offsets, plan_gather_to_owner, plan_scatter_from_owner
 from ._shampoo_math import (
     Tile,
     inverse_roots_,
@@ -85,7 +84,7 @@ def _by_step(steps: list[int]):
     return [(st, torch.tensor(idx)) for st, idx in found.items()]
 
 
-class BucketTiles:
+class SegmentTiles:
     """One segment's tiles seen from this rank: the tiles it owns (grouped by shape), and the
     plans that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
     and grafting update) and the tile's update back. Between steps it holds only factors and

@@ -1,6 +1,6 @@
 """The sharded-optimizer base: units, segments, the step pipeline and clipping.
 
-A subclass says how big a layout unit of each parameter is (`_unit`), which flat state
+A subclass says how big a layout granule of each parameter is (`_granule`), which flat state
 it keeps per segment (`_state_names`) and how to update a segment (`_update`), or it
 overrides `_step_segments` for math that needs whole matrices. Everything else lives
 here: planning the parameters into communication units (one per listed module with
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..shard import bucket_indices, plan_layout
+from ..shard.layout import bucket_indices, plan_layout
 from ..shard.mesh import resolve as resolve_mesh
 from ..units import Unit
 from ..units.assign import assign_units, outermost
@@ -32,10 +32,10 @@ from ..units.unit import LOW_PRECISION, ring
 from . import lowbit
 from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
-from .checkpoint import CheckpointMixin
 from .gradients import GradTrackingMixin
 from .moves import Move, run_moves
 from .segment import FROZEN, Segment
+from .state_dict import CheckpointMixin
 
 STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received")
 
@@ -99,12 +99,9 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
             ps = [all_params[i] for i in idx]
             keys = [(group_of[id(p)], self._tier(p)) for p in ps]
             quantized = [tier == "q8" for _, tier in keys]
-            units = [
-                lowbit.q8_unit(p) if q8 else 1 if tier == FROZEN else self._unit(p, self.param_groups[gi])
-                for p, q8, (gi, tier) in zip(ps, quantized, keys)
-            ]
+            granules = [self._layout_granule(p, g, tier) for p, (g, tier) in zip(ps, keys)]
             aligns = [math.lcm(align, lowbit.BLOCK) if q8 else align for q8 in quantized]
-            layout = plan_layout([p.numel() for p in ps], units, self._comm.world_size, align,
+            layout = plan_layout([p.numel() for p in ps], granules, self._comm.world_size, align,
                                  aligns=aligns, segments=keys)  # fmt: skip
             unit = Unit(
                 ps, [names[i] for i in idx], layout, self._comm, index=k, name=self._unit_name(k, module),
@@ -155,13 +152,19 @@ class ShardedOptimizer(CheckpointMixin, GradTrackingMixin, torch.optim.Optimizer
                     return name
         return f"{type(module).__name__}[{k}]"
 
+    def _layout_granule(self, p: torch.Tensor, group: int, tier: str) -> int:
+        """The granule the layout keeps whole: 8-bit blocks, the optimizer's own, or 1 (frozen)."""
+        if tier == "q8":
+            return lowbit.q8_granule(p)
+        return 1 if tier == FROZEN else self._granule(p, self.param_groups[group])
+
     def _tier(self, p: torch.Tensor) -> str:
         return lowbit.tier(p, self.state_bits) if p.requires_grad else FROZEN
 
     # --- subclass hooks -----------------------------------------------------------
 
-    def _unit(self, p: torch.Tensor, group: dict) -> int:
-        """Elements per layout unit: rank boundaries inside `p` fall on multiples of this."""
+    def _granule(self, p: torch.Tensor, group: dict) -> int:
+        """Elements per layout granule: rank boundaries inside `p` fall on multiples of this."""
         return 1
 
     def _state_names(self, seg: Segment) -> list[str]:

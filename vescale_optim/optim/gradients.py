@@ -18,8 +18,7 @@ import math
 
 import torch
 
-from ..shard import all_reduce_
-from ..shard.collectives import any_rank
+from ..shard.collectives import all_reduce_, any_rank
 from ..units import Unit
 from ..units.reduced_grad import ReducedGrad
 from .segment import FROZEN

@@ -32,7 +32,7 @@ def tier(p: torch.Tensor, state_bits: int) -> str:
     return "bf16" if state_bits == 16 else "q8"
 
 
-def q8_unit(p: torch.Tensor) -> int:
+def q8_granule(p: torch.Tensor) -> int:
     """A q8 tensor is cut between blocks; one whose size is not a multiple of the block
     stays whole on one rank, so its partial last block is not split either."""
     return BLOCK if p.numel() % BLOCK == 0 else p.numel()

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from ..shard import Comm, run_plan
-from ..shard.plan import Plan, RankProgram
+from ..shard.collectives import Comm, run_plan
+from ..shard.redistribution import Plan, RankProgram
 
 
 def _nothing() -> None:

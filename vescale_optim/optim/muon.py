@@ -10,9 +10,14 @@ from numbers import Real
 import torch
 
 from ..kernels import newton_schulz
-from ..shard import Piece, plan_gather_to_owner, plan_scatter_from_owner
 from ..shard.mesh import Topology
-from ..shard.plan import in_arrival_order, owner_offsets
+from ..shard.redistribution import (
+    Piece,
+    in_arrival_order,
+    owner_offsets,
+    plan_gather_to_owner,
+    plan_scatter_from_owner,
+)
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_segment_step
@@ -256,9 +261,9 @@ class Muon(ShardedOptimizer):
             device=device,
         )  # fmt: skip
         self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
-        for b in self._segments:
-            if b.group["use_muon"] and b.tier != FROZEN:
-                self._plans[id(b)] = _MuonPlan(b, self._topology, b.group["ns_steps"])
+        for seg in self._segments:
+            if seg.group["use_muon"] and seg.tier != FROZEN:
+                self._plans[id(seg)] = _MuonPlan(seg, self._topology, seg.group["ns_steps"])
         # One assignment over every matrix of the step and every rank of the world (replicas
         # too), so the step's total is balanced and each matrix is orthogonalized once.
         plans, world = list(self._plans.values()), self._world.world_size
@@ -292,7 +297,7 @@ class Muon(ShardedOptimizer):
 
     _structural = ("use_muon",)
 
-    def _unit(self, p: torch.Tensor, group: dict) -> int:
+    def _granule(self, p: torch.Tensor, group: dict) -> int:
         return p.shape[-1] if group["use_muon"] else 1
 
     def _state_names(self, seg: Segment) -> list[str]:
@@ -328,13 +333,13 @@ class Muon(ShardedOptimizer):
             finish=lambda: self._apply(seg, update, back, plan.returned),
         )  # fmt: skip
 
-    def _momentum(self, b: Segment) -> torch.Tensor:
+    def _momentum(self, seg: Segment) -> torch.Tensor:
         """Momentum on the active runs of the local slice; returns the (nesterov) update
         in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
-        g = b.group
-        mu, grad, kind = g["momentum"], b.local_grads(), self._kind(b)
-        buf = lowbit.decode(b.state, "momentum_buffer", kind)
-        runs = list(b.runs(key=lambda i: True))
+        g = seg.group
+        mu, grad, kind = g["momentum"], seg.local_grads(), self._kind(seg)
+        buf = lowbit.decode(seg.state, "momentum_buffer", kind)
+        runs = list(seg.runs(key=lambda i: True))
         whole = [(lo, hi) for lo, hi, _ in runs] == [(0, buf.numel())]
         update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
         if not whole:
@@ -343,18 +348,18 @@ class Muon(ShardedOptimizer):
             m, gr = buf[lo:hi], grad[lo:hi]
             m.lerp_(gr, 1 - mu)
             update[lo:hi].copy_(gr.lerp(m, mu) if g["nesterov"] else m)
-        lowbit.encode_(b.state, "momentum_buffer", kind, buf)
+        lowbit.encode_(seg.state, "momentum_buffer", kind, buf)
         return update
 
-    def _apply(self, b: Segment, update: torch.Tensor, back: torch.Tensor,
+    def _apply(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
                returned: Sequence[tuple[int, int, int]]) -> None:  # fmt: skip
         """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the active runs, with one adjusted
         learning rate per run of parameters that share it (a scalar, as in torch). `O` is
         in `back` where it came back from an owner (`returned`), in `update` elsewhere."""
-        g, params = b.group, b.local_params
+        g, params = seg.group, seg.local_params
         lr, decay = float(g["lr"]), 1 - float(g["lr"]) * g["weight_decay"]
-        shapes = [matrix_view(tuple(p.shape))[1:] for p in b.params]
-        runs = b.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
+        shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
+        runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
         for lo, hi, alr in _chunks(runs, keep=True):
             for a, z, values in _pieces(lo, hi, update, back, returned):
                 params[a:z].mul_(decay).add_(values, alpha=-alr)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..shard import Layout
+from ..shard.layout import Layout
 from ..units.unit import LOW_PRECISION, Unit
 
 FROZEN = "frozen"  # the tier of parameters frozen at construction: no state, no steps
@@ -34,7 +34,7 @@ class Segment:
             lay.world_size,
             lay.shard_size,
             tuple(lay.sizes[m] for m in members),
-            tuple(lay.units[m] for m in members),
+            tuple(lay.granules[m] for m in members),
             tuple(lay.offsets[m] for m in members),
         )
         key = lay.segments[members[0]]

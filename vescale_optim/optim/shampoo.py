@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard import all_reduce_
-from ..shard.plan import owner_offsets
+from ..shard.collectives import all_reduce_
+from ..shard.redistribution import owner_offsets
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel
 from ._shampoo_math import (
@@ -20,14 +20,14 @@ from ._shampoo_math import (
     matrix_shape,
     rank_loads,
     schedule,
-    stripe_unit,
+    stripe_granule,
     tiles_of,
 )
-from ._shampoo_tiles import FACTORS, BucketTiles
+from ._shampoo_tiles import FACTORS, SegmentTiles
 from .base import ShardedOptimizer
-from .checkpoint import _Gather
 from .moves import Move
 from .segment import FROZEN, Segment
+from .state_dict import _Gather
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
 
@@ -56,7 +56,7 @@ class Shampoo(ShardedOptimizer):
       and always for 1-D parameters, `U = A`;
     - `p <- p * (1 - lr*weight_decay) - lr * U`.
 
-    The layout's unit for a matrix with `m` rows is a stripe of `max_preconditioner_dim`
+    The layout's granule for a matrix with `m` rows is a stripe of `max_preconditioner_dim`
     rows (the whole matrix when `m <= max_preconditioner_dim`); when stripes do not divide
     `m`, it is `gcd(m, max_preconditioner_dim)` rows, and a stripe cut by a rank boundary
     is gathered to one rank. Each tile's factors and roots are computed only on its owner,
@@ -128,8 +128,8 @@ class Shampoo(ShardedOptimizer):
 
     _structural = ("max_preconditioner_dim", "grafting")
 
-    def _unit(self, p: torch.Tensor, group: dict) -> int:
-        return stripe_unit(tuple(p.shape), group["max_preconditioner_dim"])
+    def _granule(self, p: torch.Tensor, group: dict) -> int:
+        return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
 
     def _state_names(self, seg: Segment) -> list[str]:
         second = _SECOND.get(seg.group["grafting"])
@@ -196,13 +196,13 @@ class Shampoo(ShardedOptimizer):
         topo = self._topology
         shards = topo.shards
         found = []
-        for b in self._segments:
-            d = b.group["max_preconditioner_dim"]
-            params = [] if b.tier == FROZEN else b.params  # frozen parameters have no preconditioners
+        for seg in self._segments:
+            d = seg.group["max_preconditioner_dim"]
+            params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
             tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
-            held = [[self._rows_held(b, t, r) for r in range(shards)] for t in tiles]
+            held = [[self._rows_held(seg, t, r) for r in range(shards)] for t in tiles]
             native = [max(range(shards), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
-            found.append((b, tiles, held, native))
+            found.append((seg, tiles, held, native))
         costs = [t.cost for _, tiles, _, _ in found for t in tiles]
         native = [topo.world_rank(0, o) for *_, owners in found for o in owners]
         owners = [topo.world_rank(0, o) for o in balance(costs, [topo.shard_of(o) for o in native], shards)]
@@ -215,21 +215,21 @@ class Shampoo(ShardedOptimizer):
                 owners[k] = topo.world_rank(r, s)
         self.native_root_work = rank_loads(costs, native, topo.world_size)
         self.root_work = rank_loads(costs, owners, topo.world_size)
-        self._tiles: dict[int, BucketTiles] = {}
+        self._tiles: dict[int, SegmentTiles] = {}
         pos = 0
-        for b, tiles, held, _ in found:
+        for seg, tiles, held, _ in found:
             mine = owners[pos : pos + len(tiles)]
-            self._tiles[id(b)] = BucketTiles(b, tiles, mine, held, topo, self._world.rank)
+            self._tiles[id(seg)] = SegmentTiles(seg, tiles, mine, held, topo, self._world.rank)
             pos += len(tiles)
         self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
 
     @staticmethod
-    def _rows_held(b: Segment, t: Tile, rank: int) -> tuple[int, int]:
+    def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
         """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
-        n = matrix_shape(tuple(b.params[t.param].shape))[1]
-        start, stop = b.layout.rank_range(t.param, rank)
-        first, last = (start - b.layout.offsets[t.param]) // n, (stop - b.layout.offsets[t.param]) // n
+        n = matrix_shape(tuple(seg.params[t.param].shape))[1]
+        start, stop = seg.layout.rank_range(t.param, rank)
+        first, last = (start - seg.layout.offsets[t.param]) // n, (stop - seg.layout.offsets[t.param]) // n
         a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
         return (a, z) if z > a else (0, 0)
 
@@ -258,8 +258,8 @@ class Shampoo(ShardedOptimizer):
     def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
         """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
         out = {}
-        for b in self._segments:
-            bt = self._tiles[id(b)]
+        for seg in self._segments:
+            bt = self._tiles[id(seg)]
             numels = [2 * (t.h**2 + t.w**2) for t in bt.tiles]
             if not numels:
                 continue
@@ -271,7 +271,7 @@ class Shampoo(ShardedOptimizer):
                 continue
             starts = [sum(totals[:r]) for r in range(self._world.world_size)]
             for k, (o, n) in enumerate(zip(bt.owners, numels)):
-                out[id(b), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
+                out[id(seg), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
         return out
 
     def _fill_state(self, state_dict: dict, gather) -> None:
@@ -313,10 +313,10 @@ class Shampoo(ShardedOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for b in self._segments:  # a parameter without state has fresh preconditioners
-            bt = self._tiles[id(b)]
+        for seg in self._segments:  # a parameter without state has fresh preconditioners
+            bt = self._tiles[id(seg)]
             for k in bt.owned:
-                if b.steps[bt.tiles[k].param] == 0:
+                if seg.steps[bt.tiles[k].param] == 0:
                     for x in bt.factors(k).values():
                         x.zero_()
 
@@ -325,10 +325,10 @@ class Shampoo(ShardedOptimizer):
         entry of the rank that owns the tile (DCP writes them from there and reads them
         into whichever rank owns the tile when loading)."""
         sd = super().sharded_state_dict()
-        for b in self._segments:
-            bt = self._tiles[id(b)]
-            for i, index in enumerate(b.indices):
-                for k, names in self._tile_names(b, i):
+        for seg in self._segments:
+            bt = self._tiles[id(seg)]
+            for i, index in enumerate(seg.indices):
+                for k, names in self._tile_names(seg, i):
                     if k in bt.owned:
                         mine = bt.factors(k)
                         sd["state"][str(index)].update({key: mine[n] for key, (n, _) in names.items()})

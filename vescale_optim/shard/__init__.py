@@ -1,21 +1,17 @@
-"""Ragged sharding: placement spec, layout planner, flat buffers and collectives."""
+"""Ragged sharding: placement spec, layout planner, flat buffers, redistribution plans and
+the collectives that execute them (each redistribution is a pure plan, then one collective)."""
 
-from .buffer import FlatBuffer, bind_parameters
+from .buffer import FlatBuffer
 from .collectives import (
     CollectiveError,
-    Comm,
-    Handle,
-    all_gather_,
-    all_reduce_,
-    broadcast_,
     full_tensor,
     local_slice,
     redistribute,
-    reduce_scatter_,
     run_plan,
     set_collective_timeout,
 )
-from .plan import (
+from .layout import Layout, plan_layout
+from .redistribution import (
     Piece,
     Plan,
     Transfer,
@@ -25,24 +21,16 @@ from .plan import (
     plan_scatter_from_owner,
     ragged_pieces,
 )
-from .planner import Layout, bucket_indices, plan_layout
 from .spec import RaggedShard, flat_range_boxes
 
 __all__ = [
     "CollectiveError",
-    "Comm",
     "FlatBuffer",
-    "Handle",
     "Layout",
     "Piece",
     "Plan",
     "RaggedShard",
     "Transfer",
-    "all_gather_",
-    "all_reduce_",
-    "bind_parameters",
-    "broadcast_",
-    "bucket_indices",
     "flat_range_boxes",
     "full_tensor",
     "local_slice",
@@ -53,7 +41,6 @@ __all__ = [
     "plan_scatter_from_owner",
     "ragged_pieces",
     "redistribute",
-    "reduce_scatter_",
     "run_plan",
     "set_collective_timeout",
 ]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .planner import Layout
+from .layout import Layout
 from .spec import RaggedShard, Shape
 
 
@@ -100,33 +100,3 @@ class FlatBuffer:
     def placement(self, i: int) -> RaggedShard:
         return self.layout.placement(i, self.shapes[i])
 
-
-def bind_parameters(
-    params: Sequence[torch.nn.Parameter], layout: Layout, rank: int
-) -> tuple[FlatBuffer, FlatBuffer]:
-    """Move `params` into a parameter buffer and give them gradient views of a second one.
-
-    Values are kept (an existing `.grad` is copied too); afterwards `p.data` and
-    `p.grad` are views of the buffers, and autograd accumulates into the gradient
-    buffer in place.
-    """
-    if not params:
-        raise ValueError("cannot bind an empty list of parameters")
-    dtype, device = params[0].dtype, params[0].device
-    for p in params:
-        if p.dtype != dtype or p.device != device:
-            raise ValueError(
-                f"a bucket holds one dtype and device; got {p.dtype}/{p.device} "
-                f"beside {dtype}/{device}"
-            )
-    shapes = [tuple(p.shape) for p in params]
-    pbuf = FlatBuffer(layout, shapes, rank, dtype, device)
-    gbuf = FlatBuffer(layout, shapes, rank, dtype, device)
-    with torch.no_grad():
-        for i, p in enumerate(params):
-            pbuf.view(i).copy_(p.detach())
-            p.data = pbuf.view(i)
-            if p.grad is not None:
-                gbuf.view(i).copy_(p.grad)
-            p.grad = gbuf.view(i)
-    return pbuf, gbuf

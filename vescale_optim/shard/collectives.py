@@ -20,8 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .buffer import FlatBuffer
-from .plan import Plan, RankProgram, plan_redistribute
+from .redistribution import Plan, RankProgram, plan_redistribute
 from .spec import RaggedShard, Shape
 
 _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
@@ -175,11 +174,6 @@ def _op(op: str):
     return _OPS[op]
 
 
-def all_gather_(buf: FlatBuffer, comm: Comm, async_op: bool = False, what: str | None = None) -> Handle:
-    """Fill the whole buffer from every rank's local slice, in place (no copies)."""
-    return _gather_in_place(buf.data, buf.shard_size, comm, async_op, what)
-
-
 def _gather_in_place(
     data: torch.Tensor, shard_size: int, comm: Comm, async_op: bool, what: str | None = None
 ) -> Handle:
@@ -202,31 +196,6 @@ def _gather_in_place(
         local = data[comm.rank * s : (comm.rank + 1) * s]
         work = _all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True)
         handle = Handle(work, op=Op("all-gather", what, data, comm))
-    if not async_op:
-        handle.wait()
-    return handle
-
-
-def reduce_scatter_(
-    buf: FlatBuffer, comm: Comm, op: str = "mean", async_op: bool = False, what: str | None = None
-) -> Handle:
-    """Reduce the whole buffer over ranks into each rank's local slice, in place.
-
-    Only the local slice is meaningful afterwards. On gloo, whose reduce-scatter
-    clones the buffer and all-reduces the clone, the buffer is all-reduced in place
-    instead (and the mean divided on the local slice).
-    """
-    reduce_op = _op(op)
-    if not comm.active:
-        return Handle()
-    if comm.gloo:
-        summed = dist.ReduceOp.SUM if op == "mean" else reduce_op
-        work = dist.all_reduce(buf.data, op=summed, group=comm.group, async_op=True)
-        handle = Handle(work, (lambda: buf.local.div_(comm.world_size)) if op == "mean" else None,
-                        Op("reduce-scatter", what, buf.data, comm))  # fmt: skip
-    else:
-        work = _reduce_scatter_single(buf.local, buf.data, op=reduce_op, group=comm.group, async_op=True)
-        handle = Handle(work, op=Op("reduce-scatter", what, buf.data, comm))
     if not async_op:
         handle.wait()
     return handle

@@ -18,10 +18,11 @@ def _numel(shape: Sequence[int]) -> int:
 class RaggedShard:
     """Placement of a tensor whose first `len(dims)` dimensions are flattened into rows.
 
-    Rank `r` holds `local_units[r]` consecutive units of `R / sum(local_units)` rows
-    each, where `R = prod(shape[:len(dims)])`; ranks follow each other in order.
-    `dims=()` makes the whole tensor a single row, so `local_units` must be one-hot:
-    the tensor lives on one rank. A tensor with no elements has all-zero units.
+    Rank `r` holds `local_units[r]` consecutive granules of `R / sum(local_units)` rows
+    each, where `R = prod(shape[:len(dims)])`; ranks follow each other in order (the
+    field keeps the design's name; a granule is the cut's grain, not a communication
+    unit). `dims=()` makes the whole tensor a single row, so `local_units` must be
+    one-hot: the tensor lives on one rank. A tensor with no elements has all-zero counts.
     """
 
     dims: tuple[int, ...]
@@ -91,8 +92,8 @@ class RaggedShard:
     def _rows(self, shape: Shape) -> int:
         return _numel(shape[: len(self.dims)])
 
-    def unit_numel(self, shape: Sequence[int]) -> int:
-        """Elements in one unit."""
+    def granule_numel(self, shape: Sequence[int]) -> int:
+        """Elements in one granule."""
         shape = tuple(shape)
         total = sum(self.local_units)
         return _numel(shape) // total if total else 0
@@ -100,9 +101,9 @@ class RaggedShard:
     def local_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
         """Flat [start, stop) element range of rank `rank`'s piece."""
         self.check(shape)
-        unit = self.unit_numel(shape)
-        start = sum(self.local_units[:rank]) * unit
-        return start, start + self.local_units[rank] * unit
+        granule = self.granule_numel(shape)
+        start = sum(self.local_units[:rank]) * granule
+        return start, start + self.local_units[rank] * granule
 
     def ranges(self, shape: Sequence[int]) -> list[tuple[int, int]]:
         """`local_range` of every rank."""

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..shard import Comm, FlatBuffer, Layout
-from ..shard.collectives import Handle, all_gather_into_, all_reduce_, broadcast_, reduce_scatter_into_
+from ..shard.buffer import FlatBuffer
+from ..shard.collectives import Comm, Handle, all_gather_into_, all_reduce_, broadcast_, reduce_scatter_into_
+from ..shard.layout import Layout
 from .reduced_grad import ReducedGrad
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vescale_optim.shard import (
-    Comm,
     Piece,
     RaggedShard,
     full_tensor,
@@ -19,8 +18,8 @@ from vescale_optim.shard import (
     redistribute,
     run_plan,
 )
-from vescale_optim.shard.collectives import any_rank
-from vescale_optim.shard.plan import in_arrival_order
+from vescale_optim.shard.collectives import Comm, any_rank
+from vescale_optim.shard.redistribution import in_arrival_order
 
 WORLDS = [1, 2, 3, 4, 5]
 

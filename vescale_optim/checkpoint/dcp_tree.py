@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .shard.dcp import DcpPiece
+from ..shard.dcp import DcpPiece
 
 
 def leaves(x, prefix: str = ""):

@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from . import _manifest
-from ._dcp_tree import blank, check_files, map_leaves, snapshot, take
-from ._manifest import MANIFEST
-from ._rng import rng_state, set_rng_state
+from . import manifest as _manifest
+from .dcp_tree import blank, check_files, map_leaves, snapshot, take
+from .manifest import MANIFEST
+from .rng import rng_state, set_rng_state
 
 _NAME = re.compile(r"step-(\d+)")
 

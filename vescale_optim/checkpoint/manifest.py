@@ -23,7 +23,7 @@ def qualname(obj) -> str | None:
 
 def describe(step: int, world_size: int, optimizer, scheduler, model: dict, stateful: list[str]) -> dict:
     """The manifest of a checkpoint of these objects at `step` (`model`: name -> shape)."""
-    from . import __version__
+    from ..version import __version__
 
     return {
         "format": FORMAT,

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from ..shard import Comm, RaggedShard, full_tensor, redistribute
-from ..shard.collectives import all_gather_flat
+from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
+from ..shard.spec import RaggedShard
 from ..units.unit import LOW_PRECISION
 from . import lowbit
 
@@ -135,15 +135,15 @@ class CheckpointMixin:
     def _fill_state(self, state_dict: dict, gather: _Gather) -> None:
         """Put the full per-parameter state into torch's packed `state_dict` (the collective part)."""
         state = {}
-        for b in self._segments:
-            flat = {name: gather(t, b.counts) for name, t in self._export_locals(b).items()}
-            if b.master is not None:
-                flat[MASTER] = gather(b.master, b.counts)
+        for seg in self._segments:
+            flat = {name: gather(t, seg.counts) for name, t in self._export_locals(seg).items()}
+            if seg.master is not None:
+                flat[MASTER] = gather(seg.master, seg.counts)
             if not gather.receives:
                 continue
-            for i, index in enumerate(b.indices):
-                if b.steps[i] > 0:
-                    state[index] = self._param_state(b, i, flat)
+            for i, index in enumerate(seg.indices):
+                if seg.steps[i] > 0:
+                    state[index] = self._param_state(seg, i, flat)
         state_dict["state"] = state
 
     def _validate_groups(self, saved: list[dict]) -> None:
@@ -185,13 +185,13 @@ class CheckpointMixin:
         if unknown:
             raise ValueError(f"state dict has state for parameters {unknown} that no param group lists")
         by_index = {position[k]: v for k, v in state_dict["state"].items()}
-        for b in self._segments:
-            present = [i for i, index in enumerate(b.indices) if index in by_index]
+        for seg in self._segments:
+            present = [i for i, index in enumerate(seg.indices) if index in by_index]
             for i in present:
-                index, st = b.indices[i], by_index[b.indices[i]]
-                expected = self._expected_state(b, i)
-                if MASTER in st and b.master is not None:  # optional; ignored without a master
-                    expected[MASTER] = tuple(b.params[i].shape)
+                index, st = seg.indices[i], by_index[seg.indices[i]]
+                expected = self._expected_state(seg, i)
+                if MASTER in st and seg.master is not None:  # optional; ignored without a master
+                    expected[MASTER] = tuple(seg.params[i].shape)
                 for name, shape in expected.items():
                     if name not in st:
                         raise ValueError(f"parameter {index}: state dict lacks '{name}'")
@@ -234,17 +234,17 @@ class CheckpointMixin:
     def _load_state(self, state_dict: dict) -> None:
         by_index = self._validate(state_dict)
         self._install_groups(state_dict["param_groups"])
-        for b in self._segments:
-            present = [i for i, index in enumerate(b.indices) if index in by_index]
-            b.steps = [_step_count(by_index[index], index) if index in by_index else 0 for index in b.indices]
-            local = self._export_locals(b)
+        for seg in self._segments:
+            present = [i for i, index in enumerate(seg.indices) if index in by_index]
+            seg.steps = [_step_count(by_index[i], i) if i in by_index else 0 for i in seg.indices]
+            local = self._export_locals(seg)
             for t in local.values():
                 t.zero_()
             for i in present:
-                self._load_param_state(b, i, by_index[b.indices[i]], local)
-            self._commit_locals(b, local)
-            if b.master is not None:
-                self._load_masters(b, [i for i in present if MASTER in by_index[b.indices[i]]], by_index)
+                self._load_param_state(seg, i, by_index[seg.indices[i]], local)
+            self._commit_locals(seg, local)
+            if seg.master is not None:
+                self._load_masters(seg, [i for i in present if MASTER in by_index[seg.indices[i]]], by_index)
 
     @staticmethod
     def _load_masters(seg, members: list[int], by_index: dict) -> None:
@@ -307,11 +307,11 @@ class CheckpointMixin:
         itself.
         """
         state = {}
-        for b in self._segments:
-            names = self._export_names(b) + ([MASTER] if b.master is not None else [])
-            for i, index in enumerate(b.indices):
-                entry = {"step": torch.tensor(float(b.steps[i]))}
-                entry.update({name: self._piece(b, i, name) for name in names})
+        for seg in self._segments:
+            names = self._export_names(seg) + ([MASTER] if seg.master is not None else [])
+            for i, index in enumerate(seg.indices):
+                entry = {"step": torch.tensor(float(seg.steps[i]))}
+                entry.update({name: self._piece(seg, i, name) for name in names})
                 state[str(index)] = entry
         groups, start = [], 0
         for g in self.param_groups:
@@ -330,9 +330,9 @@ class CheckpointMixin:
         groups = state_dict.get("param_groups")
         if groups is not None:
             self._validate_groups(groups)
-        for b in self._segments:
-            for index in b.indices:
-                for name in self._export_names(b):
+        for seg in self._segments:
+            for index in seg.indices:
+                for name in self._export_names(seg):
                     if not isinstance(entries[str(index)].get(name), DcpPiece):
                         raise TypeError(
                             f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
@@ -340,18 +340,18 @@ class CheckpointMixin:
                         )
         if groups is not None:
             self._install_groups(groups)
-        for b in self._segments:
-            b.steps = [int(float(entries[str(index)]["step"])) for index in b.indices]
+        for seg in self._segments:
+            seg.steps = [int(float(entries[str(index)]["step"])) for index in seg.indices]
             loaded = {}
-            for name in self._export_names(b):
-                for i, index in enumerate(b.indices):
+            for name in self._export_names(seg):
+                for i, index in enumerate(seg.indices):
                     buf = entries[str(index)][name].take_loaded()
                     if buf is not None:
                         loaded[name, i] = buf
             if loaded:
-                local = self._export_locals(b)
+                local = self._export_locals(seg)
                 for (name, i), buf in loaded.items():
-                    lo, hi = b.local_range(i)
+                    lo, hi = seg.local_range(i)
                     local[name][lo:hi].copy_(buf)
-                self._commit_locals(b, {n: local[n] for n, _ in loaded})
+                self._commit_locals(seg, {n: local[n] for n, _ in loaded})
         self._publish([u for u in self._units if u.orig_dtype in LOW_PRECISION])

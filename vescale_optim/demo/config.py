@@ -1,0 +1,41 @@
+"""The demo run's configuration: everything a run depends on, with the checks that need no run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import GPTConfig
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default,
+    `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank.
+    With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
+    `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
+    every collective wait."""
+
+    optimizer: str = "adamw"
+    zero: int = 3
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    lr: float | None = None
+    warmup: int = 20
+    grad_clip: float = 1.0
+    val_tokens: int = 16384
+    seed: int = 0
+    out: str = "demo_out"
+    progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
+    resume: bool = False
+    timeout: float = 60.0
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(
+            seq_len=self.seq_len, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads
+        )
