@@ -16,29 +16,33 @@ Construction is seeded: the same arguments give the same weights in every proces
 the previous one, with a little noise), so a working optimizer lowers the loss within a few
 steps and a broken one shows.
 
-`launch` starts `world_size` processes with `torch.multiprocessing` (forkserver), each with
-`max(1, cpus // world_size)` intra-op threads (cpus = those this process may run on), a gloo
-process group from a file store, and returns `[fn(0, world, *args), ..., fn(W-1, ...)]`.
-Every call is a fresh set of processes, so per-process measurements (peak RSS) don't mix.
+`launch` starts `world_size` ranks (`vescale_optim.local_world`), each with
+`max(1, cpus // world_size)` intra-op threads (cpus = those this process may run on), in a gloo
+process group, and returns `[fn(0, world, *args), ..., fn(W-1, ...)]` with `.threads`, what
+`torch.get_num_threads()` said in each rank. Every call is a fresh set of processes, so
+per-process measurements (peak RSS) don't mix.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import tempfile
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from vescale_optim.demo.model import GPT, GPTConfig
+from vescale_optim.local_world import cpus, run_local, threads_per_rank
 
-__all__ = ["GPT", "build_gpt", "cpus", "launch", "param_count", "random_batch", "threads_per_rank"]
+__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "launch", "param_count", "random_batch",
+           "threads_per_rank"]  # fmt: skip
+
+# What the peers import on first use, imported once by the fork server instead of by every rank of
+# every world: `torch._dynamo` (DDP and FSDP2 pull it in; it takes seconds) is named here only to be
+# imported early, no benchmark reads or patches anything in it.
+PEERS = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.optim",
+         "torch.nn.parallel", "torch.distributed.checkpoint", "vescale_optim"]  # fmt: skip
 
 
 def param_count(model: nn.Module) -> int:
@@ -83,58 +87,28 @@ def random_batch(
     return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
 
-def cpus() -> int:
-    """CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+class Ranks(list):
+    """Per-rank results, in rank order, with each rank's `torch.get_num_threads()` (`threads`)."""
+
+    threads: list[int]
 
 
-def threads_per_rank(world_size: int) -> int:
-    return max(1, cpus() // world_size)
+def _ranked(fn: Callable, args: tuple) -> tuple[int, Any]:
+    result = fn(dist.get_rank(), dist.get_world_size(), *args)
+    return torch.get_num_threads(), result
 
 
-def _worker(rank: int, fn: Callable, world: int, tmp: str, args: tuple) -> None:
-    torch.set_num_threads(threads_per_rank(world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(tmp, 'store')}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-    )
-    try:
-        result = fn(rank, world, *args)
-        with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    start_method: str = "forkserver",
-    preload: Sequence[str] = (),
-) -> list:
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence[str] = (),
+           timeout: float | None = 3600.0) -> Ranks:  # fmt: skip
     """Run `fn(rank, world_size, *args)` on a fresh local gloo world; return its results by rank.
 
-    `fn` must be picklable (a module-level function) and its result too.
-
-    The default start method, forkserver, imports torch once in a clean server process
-    and forks every rank from it, which saves seconds per rank over spawn when importing
-    torch is slow; the ranks are still fresh processes. `preload` names more modules for the
-    server to import (e.g. `torch._dynamo`, which DDP and FSDP2 import on first use and which
-    takes seconds); it only counts before the server starts, i.e. at the first launch."""
-    if start_method == "forkserver":
-        mp.set_forkserver_preload(["torch", "torch.distributed", __name__, *preload])
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
-            _worker, args=(fn, world_size, tmp, args), nprocs=world_size, join=True, start_method=start_method
-        )
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(tmp, f"result{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    `fn` must be picklable (a module-level function) and its result too. The world is
+    `vescale_optim.local_world.run_local`'s: ranks forked from a server that imported torch,
+    this module, `PEERS` and `preload` once (only the first world of a process starts it), a
+    rank that raises fails the call with its traceback, and a call longer than `timeout`
+    seconds kills the world and raises `TimeoutError`."""
+    out = run_local(_ranked, world_size, fn, args, timeout=timeout, threads=threads_per_rank(world_size),
+                    preload=[__name__, *PEERS, *preload], collective_timeout=900.0)  # fmt: skip
+    results = Ranks(r for _, r in out)
+    results.threads = [t for t, _ in out]
+    return results

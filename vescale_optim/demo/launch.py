@@ -1,37 +1,18 @@
-"""Start the demo's ranks: spawned gloo CPU ranks, torchrun ranks, or one plain process."""
+"""Start the demo's ranks: local gloo CPU ranks (`vescale_optim.local_world`), torchrun ranks, or one
+plain process."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ..local_world import run_local
 from .config import TrainConfig
 from .train import train
-
-
-def _threads_per_rank(world_size: int) -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // world_size)
-
-
-def _worker(rank: int, world_size: int, init_file: str, cfg: TrainConfig, launch_time: float) -> None:
-    """One spawned CPU rank: join the gloo group through the shared file, train, leave."""
-    torch.set_num_threads(_threads_per_rank(world_size))
-    timeout = timedelta(seconds=cfg.timeout)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
-    )
-    try:
-        train(cfg, launch_time)
-    finally:
-        dist.destroy_process_group()
 
 
 def _attempt_store(timeout: timedelta) -> dict:
@@ -63,7 +44,7 @@ def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
 
 
 def launch(cfg: TrainConfig, world_size: int, launch_time: float | None = None) -> None:
-    """Train on `world_size` spawned gloo ranks, in this process for 1, or as a torchrun rank.
+    """Train on `world_size` local gloo ranks, in this process for 1, or as a torchrun rank.
 
     Under torchrun (RANK and WORLD_SIZE set) `world_size` is ignored: this process is one
     rank of torchrun's group, on NCCL when CUDA is available.
@@ -74,13 +55,6 @@ def launch(cfg: TrainConfig, world_size: int, launch_time: float | None = None) 
     elif world_size == 1:
         train(cfg, launch_time)
     else:
-        # The fork server imports torch and the demo once; every rank forks from it.
-        multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-        with tempfile.TemporaryDirectory(prefix="vo_demo_") as tmp:
-            mp.start_processes(
-                _worker,
-                args=(world_size, os.path.join(tmp, "store"), cfg, launch_time),
-                nprocs=world_size,
-                join=True,
-                start_method="forkserver",
-            )
+        # A local gloo world whose fork server imports torch and the demo once; a rank that fails
+        # fails the launch with its traceback.
+        run_local(train, world_size, cfg, launch_time, preload=[__name__], collective_timeout=cfg.timeout)
