@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import save_png, table
+from benchmarks._report import FSDP2_ON_CPU, host_line, pyplot, save_png, table
 from benchmarks._verdict import verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "fwd ms", "bwd ms",
@@ -66,12 +66,8 @@ def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
 
 
 def _plot(rows: list[dict], scaling: list[dict], name: str):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, 1 + len(models), figsize=(5 + 5 * len(models), 4.4))
@@ -114,8 +110,9 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
           f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
           f"tokens/rank/step, W={w} (gloo); {run['warmup']} warm-up + {run['steps']} interleaved "
           f"steps, median of the slowest rank; x = vs FSDP2 with the same optimizer\n")  # fmt: skip
-    print(f"load average {load_average()}\n")
+    print(f"{host_line(run['threads'])}\n")
     print(table(mine, TIME, floatfmt=".4g"))
+    print(f"\n{FSDP2_ON_CPU}")
     print(f"\nexposed comm ms by phase (median, slowest rank) and what moved per rank and step; "
           f"load average {load_average()}\n")  # fmt: skip
     print(table([_comm_row(r) for r in mine], COMM, floatfmt=".4g"))

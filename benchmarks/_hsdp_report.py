@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import save_png, table
+from benchmarks._report import FSDP2_ON_CPU, host_line, pyplot, save_png, table
 from benchmarks._verdict import verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms",
@@ -59,12 +59,8 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
 
 
 def _plot(rows: list[dict], name: str):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     muon = [r for r in rows if r["config"].endswith("Muon")]
@@ -101,8 +97,9 @@ def report(rows: list[dict], run: dict) -> dict:
           f"{shape['n_layers']} layers), {shape['batch']}x{shape['seq']} tokens/rank/step, W={run['world']} "
           f"(gloo); {run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; "
           f"x = vs FSDP2 2x2 with the same optimizer\n")  # fmt: skip
-    print(f"load average {load_average()}\n")
+    print(f"{host_line(run['threads'])}\n")
     print(table(rows, TIME, floatfmt=".4g"))
+    print(f"\n{FSDP2_ON_CPU}")
     print(f"\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes; "
           f"step = inside opt.step(); load average {load_average()}\n")  # fmt: skip
     print(table(_listed(rows), BYTES, floatfmt=".4g"))

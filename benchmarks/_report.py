@@ -1,10 +1,16 @@
-"""Shared output helpers for benchmarks: a Markdown table, a JSON file, a PNG.
+"""Shared output helpers for benchmarks: a Markdown table, a JSON file, a PNG, the host.
 
     print(table(rows, ["model", "W", "padding %"]))
     save_json("padding", {"env": environment(), "rows": rows})   # benchmarks/results/padding.json
     save_png("padding", fig)                                      # benchmarks/results/padding.png
+    print(host_line(results.threads))      # CPU, AVX-512, native bf16, threads per rank, load average
+    print(FSDP2_ON_CPU)                    # beside every table of CPU time ratios against FSDP2
 
 Results go to `benchmarks/results/` (git-ignored), created on first use.
+
+Why the host: on a CPU without native bf16 (AVX512_BF16 or AMX) bf16 matrix products run about
+8x slower than fp32, so Newton–Schulz-heavy ratios (Muon) measured on two hosts differ several-fold;
+a number means little without the host, its threads per rank and its load.
 """
 
 from __future__ import annotations
@@ -18,9 +24,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks._measure import load_average
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-__all__ = ["RESULTS_DIR", "environment", "save_json", "save_png", "table"]
+__all__ = ["FSDP2_ON_CPU", "RESULTS_DIR", "environment", "host", "host_line", "pyplot", "save_json",
+           "save_png", "table"]  # fmt: skip
+
+FSDP2_ON_CPU = (
+    "On CPU, FSDP2 issues its collectives synchronously (its overlap of communication with compute "
+    "needs CUDA streams), so all of its communication is exposed here: a CPU time ratio against "
+    "FSDP2 is not what a GPU shows."
+)
 
 
 def _cell(value: Any, floatfmt: str) -> str:
@@ -74,6 +89,19 @@ def save_json(name: str, payload: Any) -> Path:
     return path
 
 
+def pyplot():
+    """`matplotlib.pyplot` on the Agg backend, or None where matplotlib is not installed (the
+    benchmarks then skip their plots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def save_png(name: str, fig: Any) -> Path:
     """Save a matplotlib figure to `benchmarks/results/NAME.png` and close it."""
     path = RESULTS_DIR / f"{name}.png"
@@ -85,12 +113,57 @@ def save_png(name: str, fig: Any) -> Path:
     return path
 
 
-def environment() -> dict[str, Any]:
-    """Where a result was measured: versions, CPU count, git commit."""
+def _cpu_info() -> tuple[str, set[str]] | None:
+    """The CPU's model name and flags from `/proc/cpuinfo`; None where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    model = fields.get("model name") or fields.get("Model name") or fields.get("cpu model") or "unknown"
+    return model, set(fields.get("flags", fields.get("Features", "")).split())
+
+
+def host(threads: Sequence[int] | int | None = None) -> dict[str, Any]:
+    """The CPU model, whether it has AVX-512 and native bf16 (AVX512_BF16 / AMX), `threads` per
+    rank (what `torch.get_num_threads()` said in each rank; default this process's) and the
+    load average. "unknown" where `/proc/cpuinfo` cannot be read."""
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    info = _cpu_info()
+    if info is None:
+        model, avx512, bf16 = "unknown", "unknown", "unknown"
+    else:
+        model, flags = info
+        avx512 = "yes" if "avx512f" in flags else "no"
+        native = [name for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX"))
+                  if flag in flags]  # fmt: skip
+        bf16 = " + ".join(native) or "no"
+    per_rank = [threads] if isinstance(threads, int) else list(threads)
+    return {"cpu": model, "avx512": avx512, "native_bf16": bf16, "threads_per_rank": per_rank,
+            "load_average": load_average()}  # fmt: skip
+
+
+def host_line(threads: Sequence[int] | int | None = None) -> str:
+    """`host(threads)` as one line, for printing beside a table."""
+    h = host(threads)
+    per_rank = sorted(set(h["threads_per_rank"]))
+    slow = " (bf16 matmuls emulated: ~8x slower than fp32)" if h["native_bf16"] == "no" else ""
+    each = "/".join(map(str, per_rank))
+    return (f"host: {h['cpu']}; AVX-512 {h['avx512']}; native bf16 {h['native_bf16']}{slow}; "
+            f"{each} thread(s) per rank; load average {h['load_average']}")  # fmt: skip
+
+
+def environment(threads: Sequence[int] | int | None = None) -> dict[str, Any]:
+    """Where a result was measured: versions, CPU count, git commit, `host(threads)`."""
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "host": host(threads),
         "argv": sys.argv,
     }
     try:

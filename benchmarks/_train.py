@@ -1,14 +1,18 @@
 """What the FSDP and HSDP benchmarks share to train their configurations side by side: the same
-per-rank batches, one step timed phase by phase, and every configuration of a world stepped in turn.
+per-rank batches, one step timed phase by phase, a trainer per configuration, every configuration
+of a world stepped in turn, and the ratios of each configuration's steps to its peer's.
 
     loss, seconds, comm = train_step(model, opt, x, y, meter)   # per phase: seconds, meter.take()
+    class Mine(Trainer): def optimizer(self, model): ...        # one configuration
     interleave(trainers, batches(shape, rank, world), warmup, steps)
+    rows = against_peers(rows_by_config, peer, ["train", "step"])   # "train x", "step x", "|Δ loss|"
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -16,9 +20,9 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
-from benchmarks._gpt import random_batch
+from benchmarks._gpt import build_gpt, param_count, random_batch
 
-__all__ = ["PHASES", "batches", "interleave", "train_step"]
+__all__ = ["PHASES", "Trainer", "against_peers", "batches", "interleave", "ms", "train_step"]
 
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
@@ -67,3 +71,59 @@ def interleave(trainers: list, pool: list, warmup: int, steps: int) -> None:
         k = s % len(trainers)
         for tr in trainers[k:] + trainers[:k]:
             tr.step(*pool[s % len(pool)], record=s >= warmup)
+
+
+class Trainer:
+    """One configuration: its own seeded model copy (`shape`), its optimizer (`optimizer`, which
+    subclasses define), and what its recorded steps measured: `times[phase]` (seconds per step),
+    `comm` (per step, each phase's `meter.take()`; empty without a meter) and every step's loss."""
+
+    def __init__(self, config: str, shape: dict, meter: CommMeter | None = None):
+        self.config, self.meter = config, meter
+        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
+                               shape["seq_len"], seed=0)  # fmt: skip
+        self.params = param_count(self.model)
+        self.opt = self.optimizer(self.model)
+        self.times: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.comm: list[dict[str, dict]] = []
+        self.losses: list[float] = []
+
+    def optimizer(self, model: torch.nn.Module):
+        raise NotImplementedError
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True,
+             around: Mapping[str, AbstractContextManager] | None = None) -> None:  # fmt: skip
+        """One `train_step` (see there); recorded unless `record` is false (warm-up)."""
+        loss, times, comm = train_step(self.model, self.opt, x, y, self.meter, around)
+        self.losses.append(loss)
+        if record:
+            for k in PHASES:
+                self.times[k].append(times[k])
+            if self.meter is not None:
+                self.comm.append(comm)
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.model.loss(x, y).item()
+
+
+def ms(per_step: list[float]) -> float:
+    """The median of per-step seconds, in ms."""
+    return 1e3 * statistics.median(per_step)
+
+
+def against_peers(rows: dict[str, dict], peer: Callable[[str], str], keys: Sequence[str]) -> list[dict]:
+    """For each row whose peer configuration (`peer(config)`) has a row: `K x`, the median of the
+    per-step ratios of its `_K` times to the peer's (the two ran each step side by side), and
+    `|Δ loss|` against the peer's loss after training; the `_K` lists are then dropped."""
+    for row in rows.values():
+        base = rows.get(peer(row["config"]))
+        if base is None:
+            continue
+        for k in keys:
+            row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
+        row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
+    for row in rows.values():
+        for k in keys:
+            del row[f"_{k}"]
+    return list(rows.values())

@@ -56,7 +56,7 @@ def verdict(
           f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
     name = f"{name}_quick" if run["quick"] else name
     png = plot(name)
-    payload = {"env": environment(), **run, "load_average": load_average(), "goals": goals,
+    payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals,
                "loss_check_ok": sane, "rows": rows, **more}  # fmt: skip
     path = save_json(name, payload)
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")

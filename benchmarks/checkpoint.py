@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
-from benchmarks._report import environment, save_json, save_png, table  # noqa: E402
+from benchmarks._report import environment, pyplot, save_json, save_png, table  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
@@ -311,12 +311,8 @@ ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %",
 
 def plot(rows: list[dict]) -> Path | None:
     """Save and load time of both sides per (W, optimizer); async overhead where timed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     def names(rs):

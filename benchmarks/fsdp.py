@@ -82,13 +82,14 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
+from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
-from benchmarks._measure import live_malloc, reset_peak, status_kb  # noqa: E402
+from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
-from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
+from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
            "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
@@ -101,8 +102,7 @@ QUICK = {
     "gpt": dict(vocab=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
     "wide": dict(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=8, batch=1, seq=8),
 }
-PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
-           "benchmarks.fsdp"]  # fmt: skip
+PRELOAD = ["benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
 REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
 COLLECTIVE_CODE = (
     "vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params",
@@ -130,40 +130,22 @@ def _optimizer(config: str, model: torch.nn.Module):
     return fsdp2(model, family)
 
 
-class Trainer:
-    """One configuration: its model copy, its optimizer, and what its steps measured."""
+class Trainer(_train.Trainer):
+    """One configuration of this benchmark (see the module's docstring)."""
 
-    def __init__(self, config: str, shape: dict, meter: CommMeter | None = None):
-        self.config, self.meter = config, meter
-        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0)  # fmt: skip
-        self.params = param_count(self.model)
-        self.opt = _optimizer(config, self.model)
-        self.times: dict[str, list[float]] = {k: [] for k in PHASES}
-        self.exposed: dict[str, list[float]] = {k: [] for k in PHASES}
-        self.comm: dict = {}
-        self.losses: list[float] = []
+    def optimizer(self, model: torch.nn.Module):
+        return _optimizer(self.config, model)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True) -> None:
-        meter = self.meter
-        loss, times, comm = train_step(self.model, self.opt, x, y, meter)
-        self.losses.append(loss)
-        if not record:
-            return
-        for k in PHASES:
-            self.times[k].append(times[k])
-            if meter is not None:
-                self.exposed[k].append(comm[k]["exposed_s"])
-        if meter is not None:
-            total = {"calls": Counter(), "sent": Counter()}
-            for c in comm.values():
-                total["calls"].update(c["calls"])
-                total["sent"].update(c["sent"])
-            self.comm = {k: dict(v) for k, v in total.items()}
-
-    @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.model.loss(x, y).item()
+    def result(self, loss_after: float, copies: dict | None) -> dict:
+        """What this configuration's recorded steps measured, for the parent."""
+        total = {"calls": Counter(), "sent": Counter()}
+        for c in (self.comm[-1] if self.comm else {}).values():  # the last recorded step
+            total["calls"].update(c["calls"])
+            total["sent"].update(c["sent"])
+        exposed = {k: [c[k]["exposed_s"] for c in self.comm] for k in PHASES}
+        return {"params": self.params, "times_s": self.times, "exposed_s": exposed,
+                "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}, "losses": self.losses,
+                "loss_after": loss_after, "copies": copies}  # fmt: skip
 
 
 def _classify(event, context: list[str]) -> str:
@@ -200,12 +182,7 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
         trainers = [Trainer(c, shape, meter) for c in configs]
         interleave(trainers, pool, warmup, steps)
         copies = {tr.config: _count_copies(rank, tr, *pool[0]) for tr in trainers}
-        out[name] = {
-            tr.config: {"params": tr.params, "times_s": tr.times, "exposed_s": tr.exposed, "comm": tr.comm,
-                        "losses": tr.losses, "loss_after": tr.eval_loss(*pool[0]),
-                        "copies": copies[tr.config]}
-            for tr in trainers
-        }  # fmt: skip
+        out[name] = {tr.config: tr.result(tr.eval_loss(*pool[0]), copies[tr.config]) for tr in trainers}
         del trainers
         gc.collect()
     return out
@@ -249,35 +226,27 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
 # ---------------------------------------------------------------- summary
 
 
-def _per_step_max(per_rank: list[list[float]]) -> list[float]:
-    return [max(col) for col in zip(*per_rank)]
-
-
-def _ms(per_step: list[float]) -> float:
-    return 1e3 * statistics.median(per_step)
-
-
 def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> dict:
     """One configuration's row from every rank's timing (and memory) results."""
-    phases = {k: _per_step_max([r["times_s"][k] for r in res]) for k in PHASES}
-    exposed = {k: _per_step_max([r["exposed_s"][k] for r in res]) for k in PHASES}
+    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
+    exposed = {k: slowest([r["exposed_s"][k] for r in res]) for k in PHASES}
     r0, copies = res[0], res[0]["copies"] or {}
     sent = r0["comm"].get("sent", {})
-    update = _per_step_max([[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])]
+    update = slowest([[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])]
                             for r in res])  # fmt: skip
     row = {"model": model, "config": config, "params": r0["params"],
            "_train": [sum(t) for t in zip(*phases.values())], "_step": phases["step"], "_update": update,
-           "update ms": _ms(update),
-           **{f"{k} ms": _ms(v) for k, v in phases.items()},
-           "exposed comm ms": _ms([sum(t) for t in zip(*exposed.values())]),
-           "exposed/phase ms": {k: _ms(v) for k, v in exposed.items()},
+           "update ms": ms(update),
+           **{f"{k} ms": ms(v) for k, v in phases.items()},
+           "exposed comm ms": ms([sum(t) for t in zip(*exposed.values())]),
+           "exposed/phase ms": {k: ms(v) for k, v in exposed.items()},
            "MB sent": sum(sent.values()) / 2**20, "MB sent by kind": {k: v / 2**20 for k, v in sent.items()},
            "calls": r0["comm"].get("calls", {}),
            "copies": sum(copies.get(p, {}).get("copies", 0) for p in ("collective path", "grad accum")),
            **{f"{p} copies": copies.get(p, {}).get("copies", 0) for p in ("own slice", "c10d", "compute")},
            "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
-    row["train ms"] = _ms(row["_train"])
+    row["train ms"] = ms(row["_train"])
     if mem:
         top = max(mem, key=lambda m: m["live_peak"])
         row.update({"peak live MB": top["live_peak"] / 2**20,
@@ -294,17 +263,10 @@ def summarize(model: str, timed: dict[str, list[dict]], memory: dict[str, list[d
     rows = {c: _row(model, c, res, memory.get(c)) for c, res in timed.items()}
     for row in rows.values():
         base = rows.get(peer(row["config"]))
-        if base is None:
-            continue
-        for k in ("train", "step", "update"):
-            row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
         for k in ("peak live MB", "peak RSS MB"):
-            if row.get(k) and base.get(k):
+            if base is not None and row.get(k) and base.get(k):
                 row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
-        row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
-    for row in rows.values():
-        del row["_train"], row["_step"], row["_update"]
-    return list(rows.values())
+    return against_peers(rows, peer, ["train", "step", "update"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -358,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
         scaling += [(world, memory[("wide", c)]) for c in configs]
     return report(rows, scaling, dict(world=world, steps=steps, warmup=warmup, memory_steps=memory_steps,
                                       malloc=args.malloc, shapes=shapes, quick=args.quick,
-                                      wall_s=time.perf_counter() - t0))  # fmt: skip
+                                      threads=timed.threads, wall_s=time.perf_counter() - t0))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -66,11 +66,12 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
+from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._measure import slowest  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
-from benchmarks._train import PHASES, batches, interleave, train_step  # noqa: E402
+from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
 from vescale_optim.optim.owners import ns_flops  # noqa: E402
 
 WORLD = 4
@@ -79,8 +80,7 @@ CONFIGS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2
 MODEL = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
 QUICK = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_optim",
-           "benchmarks.hsdp"]  # fmt: skip
+PRELOAD = ["benchmarks.hsdp"]  # besides benchmarks._gpt.PEERS
 
 
 def peer(config: str) -> str:
@@ -103,51 +103,45 @@ def matmul_flops(prof) -> int:
     return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))
 
 
-class Trainer:
-    """One configuration: its model copy, optimizer, mesh, and what its steps measured."""
+class Trainer(_train.Trainer):
+    """One configuration of this benchmark (see the module's docstring) on its mesh."""
 
     def __init__(self, config: str, shape: dict, meshes: dict, meter: CommMeter):
-        who, layout, family = config.split()
-        self.config, self.meter, mesh = config, meter, meshes[layout]
-        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0)  # fmt: skip
-        self.params, self.ns_total = param_count(self.model), ns_total(self.model)
-        self.ns_count = len(muon_groups(self.model)[0]["params"])
-        grid = mesh.mesh.tolist()
-        self.replica_of = {r: i for i, row in enumerate(grid) for r in row}
+        self.mesh = meshes[config.split()[1]]
+        self.replica_of = {r: i for i, row in enumerate(self.mesh.mesh.tolist()) for r in row}
+        self.stats: list[dict] = []  # ours: opt.step_stats after each recorded step
+        super().__init__(config, shape, meter)
+
+    def optimizer(self, model: torch.nn.Module):
+        self.ns_total, self.ns_count = ns_total(model), len(muon_groups(model)[0]["params"])
+        who, family = self.config.split()[0], self.config.split()[-1]
         if who == "ours":
-            self.opt = ours(self.model, family, mesh=mesh, shard_modules=[*self.model.blocks, self.model])
-        else:
-            self.opt = fsdp2(self.model, family, mesh=mesh)
-        self.times: dict[str, list[float]] = {k: [] for k in PHASES}
-        self.exposed: list[float] = []  # per step: seconds the training thread spent in collectives
-        self.sent: list[dict] = []  # per step: "where kind" -> bytes, over the whole train step
-        self.step_sent: list[dict] = []  # per step: "where kind" -> bytes, inside opt.step()
-        self.stats: list[dict] = []  # ours: opt.step_stats after each step
-        self.losses: list[float] = []
+            return ours(model, family, mesh=self.mesh, shard_modules=[*model.blocks, model])
+        return fsdp2(model, family, mesh=self.mesh)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, flops: bool = False) -> int:
         """One train step; with `flops`, the FLOPs of the matrix products in `opt.step()`."""
         self.meter.replica_of = self.replica_of
         prof = profile(activities=[ProfilerActivity.CPU], with_flops=True) if flops else None
-        around = {"step": prof} if prof is not None else None
-        loss, times, comm = train_step(self.model, self.opt, x, y, self.meter, around)
-        self.losses.append(loss)
+        super().step(x, y, record, {"step": prof} if prof is not None else None)
         if record:
-            for k in PHASES:
-                self.times[k].append(times[k])
-            self.exposed.append(sum(c["exposed_s"] for c in comm.values()))
-            total = Counter()
-            for c in comm.values():
-                total.update(c["sent_by"])
-            self.sent.append(dict(total))
-            self.step_sent.append(comm["step"]["sent_by"])
             self.stats.append(dict(getattr(self.opt, "step_stats", {})))
         return matmul_flops(prof) if prof is not None else 0
 
-    @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.model.loss(x, y).item()
+    def result(self, ns_measured: int, loss_after: float) -> dict:
+        """What this configuration's recorded steps measured, for the parent: per step, the seconds
+        in collectives and the bytes sent by "where kind", over the train step and inside opt.step()."""
+        sent = []
+        for comm in self.comm:
+            total = Counter()
+            for c in comm.values():
+                total.update(c["sent_by"])
+            sent.append(dict(total))
+        exposed = [sum(c["exposed_s"] for c in comm.values()) for comm in self.comm]
+        return {"params": self.params, "ns_total": self.ns_total, "ns_count": self.ns_count,
+                "times_s": self.times, "exposed_s": exposed, "sent": sent,
+                "step_sent": [comm["step"]["sent_by"] for comm in self.comm], "stats": self.stats,
+                "ns_measured": ns_measured, "losses": self.losses, "loss_after": loss_after}  # fmt: skip
 
 
 def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, steps: int) -> dict:
@@ -158,18 +152,10 @@ def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, st
     trainers = [Trainer(c, shape, meshes, meter) for c in configs]
     interleave(trainers, pool, warmup, steps)
     measured = {tr.config: tr.step(*pool[0], record=False, flops=True) for tr in trainers}
-    return {tr.config: {"params": tr.params, "ns_total": tr.ns_total, "ns_count": tr.ns_count,
-                        "times_s": tr.times, "exposed_s": tr.exposed, "sent": tr.sent,
-                        "step_sent": tr.step_sent, "stats": tr.stats, "ns_measured": measured[tr.config],
-                        "losses": tr.losses, "loss_after": tr.eval_loss(*pool[0])}
-            for tr in trainers}  # fmt: skip
+    return {tr.config: tr.result(measured[tr.config], tr.eval_loss(*pool[0])) for tr in trainers}
 
 
 # ---------------------------------------------------------------- summary
-
-
-def _ms(per_step: list[float]) -> float:
-    return 1e3 * statistics.median(per_step)
 
 
 def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> float:
@@ -188,8 +174,8 @@ def _row(config: str, res: list[dict]) -> dict:
     total = res[0]["ns_total"] if config.endswith("Muon") else 0
     kinds = {k: v / 2**20 for k, v in res[0]["sent"][-1].items()} if res[0]["sent"] else {}
     row = {"config": config, "params": res[0]["params"], "_train": train, "_step": phases["step"],
-           "train ms": _ms(train), **{f"{k} ms": _ms(v) for k, v in phases.items()},
-           "exposed comm ms": _ms(slowest([r["exposed_s"] for r in res])),
+           "train ms": ms(train), **{f"{k} ms": ms(v) for k, v in phases.items()},
+           "exposed comm ms": ms(slowest([r["exposed_s"] for r in res])),
            **{f"MB {w}": _mean_mb(sent, w) for w in ("inside", "across", "mixed", "unknown")},
            **{f"step MB {w}": _mean_mb(step_sent, w) for w in ("inside", "across", "mixed")},
            "step MB all-to-all": _mean_mb(step_sent, kind="all-to-all"),
@@ -213,16 +199,7 @@ def _row(config: str, res: list[dict]) -> dict:
 
 def summarize(timed: dict[str, list[dict]]) -> list[dict]:
     """Table rows, with ratios against the FSDP2 configuration of the same optimizer."""
-    rows = {c: _row(c, res) for c, res in timed.items()}
-    for row in rows.values():
-        base = rows.get(peer(row["config"]))
-        if base is not None:
-            for k in ("train", "step"):
-                row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
-            row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
-    for row in rows.values():
-        del row["_train"], row["_step"]
-    return list(rows.values())
+    return against_peers({c: _row(c, res) for c, res in timed.items()}, peer, ["train", "step"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -241,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     timed = launch(_run, WORLD, shape, args.configs, warmup, steps, preload=PRELOAD)
     rows = summarize({c: [rk[c] for rk in timed] for c in args.configs})
     run = dict(world=WORLD, meshes=MESHES, steps=steps, warmup=warmup, shape=shape, quick=args.quick,
-               wall_s=time.perf_counter() - t0)  # fmt: skip
+               threads=timed.threads, wall_s=time.perf_counter() - t0)  # fmt: skip
     return report(rows, run)
 
 

@@ -72,7 +72,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import environment, save_json, save_png, table  # noqa: E402
+from benchmarks._report import environment, host_line, pyplot, save_json, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, Block, Shape, is_vector, numel  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -423,12 +423,8 @@ def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dic
 
 
 def plot(rows, name: str):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     granules = list(dict.fromkeys(r["granule"] for r in rows))
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -471,7 +467,7 @@ def main(argv=None) -> None:
     print(table(rows, floatfmt=".2f"))
     print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
     print(table(misses, floatfmt=".2f") if misses else "(none)")
-    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
+    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s\n{host_line()}")
     path = save_json(
         name,
         {
