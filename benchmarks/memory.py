@@ -14,13 +14,16 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _gpt import build_gpt, launch  # noqa: E402
-from _report import environment, save_json, table  # noqa: E402
+import torch  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
+from benchmarks._gpt import build_gpt, launch  # noqa: E402
+from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
+
+PRELOAD = ["benchmarks.memory"]  # besides benchmarks._gpt.PEERS
 
 CONFIGS = [
     ("AdamW", {"state_bits": 32}),
@@ -54,20 +57,24 @@ def _rank(rank: int, world: int, model_kwargs: dict) -> list[dict]:
     for name, kwargs in CONFIGS:
         model = build_gpt(**model_kwargs)
         opt = make(name, model, kwargs)
-        rows.append({"optimizer": name, **kwargs, "bytes": opt.local_state_bytes()})
+        held = opt.local_state_bytes()
+        if opt.memory_stats()["state"] != held:  # two public counts of the same tensors
+            raise RuntimeError(f"{name} {kwargs}: memory_stats()['state'] {opt.memory_stats()['state']} != "
+                               f"local_state_bytes() {held}")  # fmt: skip
+        rows.append({"optimizer": name, **kwargs, "bytes": held})
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="a small model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model_kwargs = dict(vocab=2048, d_model=128, n_layers=2) if args.quick else {}
     model = build_gpt(**model_kwargs)
     n = sum(p.numel() for p in model.parameters())
     reference = torch_adamw_bytes(model)
-    per_rank = launch(_rank, args.world_size, model_kwargs)
+    per_rank = launch(_rank, args.world_size, model_kwargs, preload=PRELOAD)
     rows = [
         {
             "optimizer": "torch.optim.AdamW (every DDP rank)",
@@ -90,17 +97,12 @@ def main() -> None:
         )
     print(f"GPT-like model, {n / 1e6:.1f} M parameters, {args.world_size} ranks\n")
     print(table(rows, floatfmt=".3f"))
-    path = save_json(
-        "memory_quick" if args.quick else "memory",
-        {
-            "params": n,
-            "world_size": args.world_size,
-            "rows": rows,
-            "per_rank": per_rank,
-            "env": environment(),
-        },
-    )
+    print(f"\n{host_line(per_rank.threads)}")
+    payload = {"params": n, "world_size": args.world_size, "rows": rows, "per_rank": per_rank,
+               "env": environment(per_rank.threads)}  # fmt: skip
+    path = save_json("memory_quick" if args.quick else "memory", payload)
     print(f"\nwrote {path}")
+    return payload
 
 
 if __name__ == "__main__":

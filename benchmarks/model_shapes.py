@@ -259,11 +259,28 @@ def matrices(model_name: str, *, hidden_only: bool = False) -> list[Param]:
     return out
 
 
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Print each model's totals (parameters, blocks, tensors, matrices) and save them to
+    `benchmarks/results/model_shapes.json`."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    if __package__ in (None, ""):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._report import environment, save_json, table
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the same listing: it is arithmetic, under a second")
+    ap.parse_args(argv)
+    rows = [{"model": name, "params": total_params(name), "blocks": len(MODELS[name]()),
+             "tensors": sum(len(b) for b in MODELS[name]()), "matrices": len(matrices(name))}
+            for name in MODELS]  # fmt: skip
+    print(table(rows))
+    path = save_json("model_shapes", {"env": environment(), "rows": rows})
+    print(f"\nwrote {path}")
+    return rows
+
+
 if __name__ == "__main__":
-    for _name in MODELS:
-        _blocks = MODELS[_name]()
-        _mats = matrices(_name)
-        print(
-            f"{_name:14s} {total_params(_name):>16,d} params  {len(_blocks):3d} blocks  "
-            f"{sum(len(b) for b in _blocks):6d} tensors  {len(_mats):6d} matrices"
-        )
+    main()

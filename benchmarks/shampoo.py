@@ -11,9 +11,13 @@ local gloo world:
                  the gradients, each rank updates the factors and computes the roots of the
                  tiles it owns, and the parameters are all-gathered.
 * `replicated` - `vo.Shampoo(..., process_group=<a group of this rank alone>)` on every rank,
-                 after an all-reduce (mean) of every gradient: every rank computes every root.
+                 with the gradient averaged over the world: every rank computes every root.
+                 Every rank's backward runs on the whole global batch (all ranks' batches: the
+                 mean of the per-rank mean losses, so the same gradient as averaging them), and
+                 the step pays what averaging costs, one all-reduce (mean) of a flat buffer of
+                 every gradient element.
 
-`step` is `opt.step()` (plus the gradient all-reduce for `replicated`), wall clock of the slowest
+`step` is `opt.step()` (plus that all-reduce for `replicated`), wall clock of the slowest
 rank after a barrier, median over `--steps` steps that follow `--warmup`. `root work` is the
 sum of `h^3 + w^3` over the tiles whose roots a rank computes (in units of 256^3), reported
 as the busiest rank's and as max/mean over ranks (`before balance`: with each tile at the rank
@@ -32,6 +36,7 @@ either run (step times do not depend on it).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -45,11 +50,14 @@ import torch.distributed as dist  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
-from benchmarks._report import environment, save_json, table  # noqa: E402
+from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
 
 FULL = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=64, dim=256, batch=4)
 QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=2, seq_len=32, dim=64, batch=2)
 UNIT = 256**3
+PRELOAD = ["benchmarks.shampoo"]  # besides benchmarks._gpt.PEERS
+NUMBERS = ["step s", "speedup", "root work / rank", "root max/mean", "before balance",
+           "preconditioner MiB / rank", "max |dp|"]  # fmt: skip
 
 
 def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int) -> dict:
@@ -61,16 +69,18 @@ def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int)
         root_dtype=getattr(torch, cfg["root_dtype"]), process_group=group,
     )  # fmt: skip
     params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))  # replicated: the bytes averaging moves
     times = []
     for t in range(warmup + steps):
-        x, y = random_batch(cfg["batch"], cfg["seq_len"], cfg["vocab"], seed=1000 * t + rank)
+        xs, ys = zip(*(random_batch(cfg["batch"], cfg["seq_len"], cfg["vocab"], seed=1000 * t + r)
+                       for r in range(world)))  # fmt: skip
+        x, y = (xs[rank], ys[rank]) if config == "sharded" else (torch.cat(xs), torch.cat(ys))
         opt.zero_grad()
         model.loss(x, y).backward()
         dist.barrier()
         start = time.perf_counter()
         if config == "replicated":
-            for p in params:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
         opt.step()
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -108,15 +118,13 @@ def main(argv: list[str] | None = None) -> dict:
     steps = 2 if args.quick else args.steps
     raw, rows = {}, []
     for config in ("replicated", "sharded"):
-        results = launch(_run, args.world_size, config, cfg, args.warmup, steps)
-        raw[config] = results
+        raw[config] = launch(_run, args.world_size, config, cfg, args.warmup, steps, preload=PRELOAD)
+    threads = raw["sharded"].threads
     base = statistics.median(raw["replicated"][0]["times"])
     for config, results in raw.items():
         r0 = results[0]
         step = statistics.median(r0["times"])
-        diff = max(
-            (a - b).abs().max().item() for a, b in zip(r0["params"], raw["replicated"][0]["params"])
-        )
+        diff = max((a - b).abs().max().item() for a, b in zip(r0["params"], raw["replicated"][0]["params"]))
         rows.append(
             {
                 "optimizer": config,
@@ -135,7 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"{raw['sharded'][0]['tiles']} tiles of at most {cfg['dim']}), {args.world_size} gloo ranks\n"
     )
     print(table(rows))
-    payload = {"env": environment(), "config": cfg, "world_size": args.world_size, "rows": rows,
+    print(f"\n{host_line(threads)}")
+    bad = [r["optimizer"] for r in rows if not all(math.isfinite(r[k]) for k in NUMBERS)]
+    if bad:
+        raise RuntimeError(f"non-finite numbers in the rows of {bad}: {rows}")
+    payload = {"env": environment(threads), "config": cfg, "world_size": args.world_size, "rows": rows,
                "times": {c: r[0]["times"] for c, r in raw.items()},
                "root_work": {c: r[0]["work"] for c, r in raw.items()}}  # fmt: skip
     path = save_json("shampoo_quick" if args.quick else "shampoo", payload)
