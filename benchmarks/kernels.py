@@ -33,17 +33,14 @@ rows run, at small sizes, with no peaks (the Triton interpreter is not a benchma
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -51,12 +48,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._report import environment, save_json, table  # noqa: E402
+from benchmarks._measure import load_average  # noqa: E402
+from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
 from vescale_optim.kernels import (  # noqa: E402
     adamw8bit_update_,
     dequantize_blockwise,
     newton_schulz,
-    quant,
     quantize_blockwise,
 )
 
@@ -71,6 +68,7 @@ PEAKS = {
 }
 NS_STEPS = 5
 BLOCK_SIZE = 256
+SLICE = 1 << 20  # elements per call of the compiled 8-bit update (a multiple of BLOCK_SIZE)
 STEP_COLUMNS = ["optimizer", "params", "ms/step", "time / ref", "vs", "max |diff|", "first step s"]
 COLUMNS = ["kernel", "shape", "backend", "ms", "first call s", "TFLOP/s", "GB/s", "% of peak", "max |diff|"]
 
@@ -180,25 +178,38 @@ def _update_state(grad: torch.Tensor) -> list[torch.Tensor]:
     return [param, grad, qm, sm, qv, sv]
 
 
+def _sliced(update: Callable) -> Callable:
+    """`update` over consecutive block-aligned slices of `SLICE` elements: compiled, one graph
+    serves every slice (a block's dither does not depend on where the block sits, so the result
+    is the whole shard's)."""
+
+    def run(p, g, qm, sm, qv, sv) -> None:
+        for lo in range(0, p.numel(), SLICE):
+            hi = min(p.numel(), lo + SLICE)
+            b0, b1 = lo // BLOCK_SIZE, -(-hi // BLOCK_SIZE)
+            update(p[lo:hi], g[lo:hi], qm[lo:hi], sm[b0:b1], qv[lo:hi], sv[b0:b1])
+
+    return run
+
+
 def bench_update(n, backends, device, repeats, peak_tbps) -> list[dict]:
     """One 8-bit AdamW step per call at a fixed step count (the work does not depend on it,
-    and a changing one would recompile the compiled path). The compiled torch path takes the
-    whole shard as one chunk (the reference chunks only to bound its temporaries)."""
+    and a changing one would recompile the compiled path). The compiled torch path compiles the
+    update of one `SLICE` of the shard and runs it slice by slice, as the reference chunks."""
     rows = []
     grad = torch.randn(n, device=device)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, block_size=BLOCK_SIZE, step=10)
     reference = _update_state(grad)
     adamw8bit_update_(*reference, backend="torch", **hyper)
     for backend in backends:
-        whole = backend == "compile"
-        update = functools.partial(adamw8bit_update_, backend="torch" if whole else backend, **hyper)
-        with mock.patch.object(quant, "_CHUNK_ELEMENTS", n) if whole else contextlib.nullcontext():
-            if whole:
-                update = _compiled(update)
-            state = _update_state(grad)
-            seconds, first = timed(functools.partial(update, *state), device, repeats)
-            check = _update_state(grad)
-            update(*check)
+        if backend == "compile":
+            update = _sliced(_compiled(functools.partial(adamw8bit_update_, backend="torch", **hyper)))
+        else:
+            update = functools.partial(adamw8bit_update_, backend=backend, **hyper)
+        state = _update_state(grad)
+        seconds, first = timed(functools.partial(update, *state), device, repeats)
+        check = _update_state(grad)
+        update(*check)
         diff = None if backend == "torch" else _max_diff(check[0], reference[0])
         rows.append(_row("adamw8bit", str(n), backend, seconds, first, peak_tbps,
                          nbytes=update_bytes(n, grad.element_size()), diff=diff))
@@ -290,9 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "steps" in args.sections:
         steps = bench_steps(width, depth, device, repeats)
 
-    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    load = load_average()
     print(f"device: {name}; assumed peaks: bf16 {peak_tflops} TFLOP/s dense, HBM {peak_tbps} TB/s; "
-          f"load average {load}")
+          f"{host_line()}")  # fmt: skip
     if rows:
         print(table(rows, COLUMNS))
     if steps:
@@ -310,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         path = args.out
     else:
-        path = save_json("kernels", result)
+        path = save_json("kernels_quick" if args.quick else "kernels", result)
     print(f"\nwrote {path}")
     return result
 

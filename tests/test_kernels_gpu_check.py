@@ -59,3 +59,6 @@ def test_benchmark_runs_on_cpu(tmp_path):
                           "torch.optim.Muon", "vo.Muon"}
     assert steps["vo.AdamW"]["max |diff|"] < 1e-6 and steps["vo.Muon"]["max |diff|"] < 1e-6
     assert "| kernel" in proc.stdout and "| optimizer" in proc.stdout
+    host = result["env"]["host"]
+    assert host["cpu"] and host["native_bf16"] and host["threads_per_rank"][0] >= 1
+    assert "host: " in proc.stdout
