@@ -72,7 +72,7 @@ from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._measure import slowest  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
-from vescale_optim.optim.owners import ns_flops  # noqa: E402
+from vescale_optim.units.owners import ns_flops  # noqa: E402
 
 WORLD = 4
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}

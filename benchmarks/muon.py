@@ -48,9 +48,9 @@ from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names  # noqa:
 from benchmarks._report import environment, save_json, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices  # noqa: E402
 from vescale_optim.optim import muon as muon_mod  # noqa: E402
-from vescale_optim.optim.owners import assign_owners, imbalance, ns_flops  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 from vescale_optim.shard.layout import bucket_indices  # noqa: E402
+from vescale_optim.units.owners import assign_owners, imbalance, ns_flops  # noqa: E402
 
 LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + torch Muon",
          "ZeRO": "ZeRO + torch Muon"}  # fmt: skip

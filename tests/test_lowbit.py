@@ -135,7 +135,7 @@ def _muon_8bit(steps):
         for p in [*mats, emb]:
             p.grad = torch.randn(p.shape, generator=gg).bfloat16().float()
         opt.step()
-    kinds = sorted({opt._kind(b) for b in opt._segments})
+    kinds = sorted({seg.tier for seg in opt.segments})
     return opt.state_dict(), [p.detach().clone() for p in [*mats, emb]], kinds
 
 

@@ -3,6 +3,7 @@
 from .checkpoint import CheckpointError, CheckpointManager
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
+from .units import ShardingConfig
 from .version import __version__
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "RaggedShard",
     "ShardedOptimizer",
     "Shampoo",
+    "ShardingConfig",
     "__version__",
     "muon_param_groups",
     "plan_layout",

@@ -149,9 +149,9 @@ class CheckpointManager:
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
-        if optimizer._world.world_size != self.world_size:
+        if optimizer.runtime.world.world_size != self.world_size:
             raise ValueError(
-                f"the optimizer spans {optimizer._world.world_size} of the {self.world_size} ranks; "
+                f"the optimizer spans {optimizer.runtime.world.world_size} of the {self.world_size} ranks; "
                 "checkpoints are of the whole world: build it over every rank"
             )
         self._group = None
@@ -327,7 +327,7 @@ class CheckpointManager:
         try:
             with _quiet():
                 dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
-            self.optimizer._validate_groups(loaded["optim"]["param_groups"])
+            self.optimizer.validate_param_groups(loaded["optim"]["param_groups"])
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
             raise CheckpointError(f"cannot load {path}: {_reason(e)}. Nothing was changed.") from e
         with torch.no_grad():

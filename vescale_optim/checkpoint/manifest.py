@@ -33,7 +33,7 @@ def describe(step: int, world_size: int, optimizer, scheduler, model: dict, stat
         "vescale_optim": __version__,
         "optimizer": qualname(optimizer),
         "state_bits": optimizer.state_bits,
-        "groups": [{"params": len(g["params"]), **{k: g.get(k) for k in optimizer._structural}}
+        "groups": [{"params": len(g["params"]), **{k: g.get(k) for k in optimizer.structural_keys}}
                    for g in optimizer.param_groups],  # fmt: skip
         "scheduler": qualname(scheduler),
         "model": {k: list(v) for k, v in model.items()},

@@ -8,6 +8,8 @@ import torch
 
 from ..shard.mesh import Topology
 from ..shard.redistribution import Piece, owner_offsets, plan_gather_to_owner, plan_scatter_from_owner
+from ..units.moves import Move
+from ..units.segment import Segment
 from ._shampoo_math import (
     Tile,
     inverse_roots_,
@@ -16,8 +18,6 @@ from ._shampoo_math import (
     schedule,
     update_factors_,
 )
-from .moves import Move
-from .segment import Segment
 
 FACTORS = ("L", "R", "L_inv_root", "R_inv_root")
 

@@ -1,18 +1,18 @@
-"""Sharded AdamW: torch.optim.AdamW's math on each rank's flat slice of every seg."""
+"""Sharded AdamW: torch.optim.AdamW's math on each rank's flat slice of every segment."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..kernels import adamw8bit_update_
+from ..units.segment import Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
 from .base import ShardedOptimizer
-from .segment import Segment
 
 
 def adamw_update_(
@@ -53,10 +53,10 @@ def adamw_update_(
 class AdamW(ShardedOptimizer):
     """AdamW with parameters, gradients and moments ragged-sharded over the process group.
 
-    Same arguments, defaults and math as `torch.optim.AdamW`. Each step averages
-    gradients with one reduce-scatter per seg, updates the rank's flat slice in a
-    single call per seg (the ranges of parameters that step, with their own step
-    counts) and all-gathers the parameters. bf16/fp16 parameters get an fp32 master of
+    Same arguments, defaults and math as `torch.optim.AdamW`, plus the sharding keywords
+    (`**sharding`: see `ShardingConfig`). Gradients are averaged by one reduce-scatter
+    per unit; each step updates the rank's flat slice in a single call per segment (the
+    ranges of parameters that step, with their own step counts). bf16/fp16 parameters get an fp32 master of
     the local slice only; float64 parameters keep float64 state.
 
     `state_bits` picks the moments' storage for tensors of at least 4096 elements:
@@ -67,11 +67,11 @@ class AdamW(ShardedOptimizer):
     torch's names; loading re-encodes them (8-bit: within half a step of each block).
 
     `foreach` and `fused` are accepted so code written for `torch.optim.AdamW` runs
-    unchanged; they change nothing (the update is one fused call per seg either way).
+    unchanged; they change nothing (the update is one fused call per segment either way).
     `differentiable=True` and `capturable=True` are refused.
     """
 
-    _structural = ("amsgrad",)
+    structural_keys = ("amsgrad",)
 
     def __init__(
         self,
@@ -88,17 +88,7 @@ class AdamW(ShardedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         state_bits: int = 32,
-        process_group=None,
-        mesh=None,
-        skip_nonfinite: bool = False,
-        bucket_cap_numel: int = 64 * 1024 * 1024,
-        sync_params: bool = True,
-        shard_modules: Sequence[torch.nn.Module] | None = None,
-        reshard_after_forward: bool = True,
-        backward_prefetch: bool = True,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **sharding: Any,
     ):
         check_params_arg(params)
         defaults = dict(
@@ -110,20 +100,7 @@ class AdamW(ShardedOptimizer):
         )
         lowbit.check_state_bits(state_bits)
         self.state_bits = state_bits
-        super().__init__(
-            params,
-            defaults,
-            process_group=process_group, mesh=mesh,
-            skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel,
-            sync_params=sync_params,
-            shard_modules=shard_modules,
-            reshard_after_forward=reshard_after_forward,
-            backward_prefetch=backward_prefetch,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            device=device,
-        )
+        super().__init__(params, defaults, sharding)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -144,7 +121,7 @@ class AdamW(ShardedOptimizer):
         return [*names, "max_exp_avg_sq"] if seg.group["amsgrad"] else names
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> None:
-        adamw_segment_step(seg, self._kind(seg), grads)
+        adamw_segment_step(seg, lowbit.kind(seg.tier), grads)
 
 
 def adamw_segment_step(seg: Segment, kind: str, grads: torch.Tensor) -> None:

@@ -15,10 +15,16 @@ from __future__ import annotations
 import torch
 
 from ..kernels import dequantize_blockwise, quantize_blockwise
+from ..units.segment import FROZEN
 
 QUANT_MIN_NUMEL = 4096
 BLOCK = 256
 STATE_BITS = (32, 16, 8)
+
+
+def kind(tier: str) -> str:
+    """The storage of a segment's state from its tier: frozen parameters keep none (fp32)."""
+    return "fp32" if tier == FROZEN else tier
 
 
 def check_state_bits(state_bits: int) -> None:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Real
+from typing import Any
 
 import torch
 
@@ -18,13 +19,13 @@ from ..shard.redistribution import (
     plan_gather_to_owner,
     plan_scatter_from_owner,
 )
+from ..units.moves import Move
+from ..units.owners import assign_owners, ns_flops
+from ..units.segment import FROZEN, Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
-from .moves import Move
-from .owners import assign_owners, ns_flops
-from .segment import FROZEN, Segment
 
 _ADJUST = (None, "original", "match_rms_adamw")
 _ADAMW_EPS = 1e-8
@@ -221,19 +222,9 @@ class Muon(ShardedOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         betas: tuple[float, float] = (0.9, 0.95),
-        process_group=None,
-        mesh=None,
-        skip_nonfinite: bool = False,
-        bucket_cap_numel: int = 64 * 1024 * 1024,
         ns_backend: str = "auto",
         state_bits: int = 32,
-        sync_params: bool = True,
-        shard_modules: Sequence[torch.nn.Module] | None = None,
-        reshard_after_forward: bool = True,
-        backward_prefetch: bool = True,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **sharding: Any,
     ):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -253,26 +244,21 @@ class Muon(ShardedOptimizer):
             # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
             adamw = {"eps": _ADAMW_EPS, "betas": betas}
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
-        super().__init__(
-            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
-            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward,
-            backward_prefetch=backward_prefetch, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            device=device,
-        )  # fmt: skip
+        super().__init__(params, defaults, sharding)
+        runtime = self.runtime
         self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
-        for seg in self._segments:
+        for seg in runtime.segments:
             if seg.group["use_muon"] and seg.tier != FROZEN:
-                self._plans[id(seg)] = _MuonPlan(seg, self._topology, seg.group["ns_steps"])
+                self._plans[id(seg)] = _MuonPlan(seg, runtime.topology, seg.group["ns_steps"])
         # One assignment over every matrix of the step and every rank of the world (replicas
         # too), so the step's total is balanced and each matrix is orthogonalized once.
-        plans, world = list(self._plans.values()), self._world.world_size
+        plans, world = list(self._plans.values()), runtime.world.world_size
         costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.world_homes()]
         owners = assign_owners(costs, world, homes)
         self.ns_load = [0.0] * world  # Newton–Schulz FLOPs per world rank per step
         start = 0
         for plan in plans:
-            plan.assign(owners[start : start + len(plan.costs)], self._world.rank)
+            plan.assign(owners[start : start + len(plan.costs)], runtime.world.rank)
             start += len(plan.costs)
             for o, c in zip(plan.owners, plan.costs):
                 self.ns_load[o] += c
@@ -295,7 +281,7 @@ class Muon(ShardedOptimizer):
                         f"shape {tuple(p.shape)}; put it in a group with use_muon=False (AdamW)"
                     )
 
-    _structural = ("use_muon",)
+    structural_keys = ("use_muon",)
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return p.shape[-1] if group["use_muon"] else 1
@@ -313,18 +299,17 @@ class Muon(ShardedOptimizer):
             return f"param group {gi}: {e}"
         return None
 
-    def _step_segments(self) -> None:
+    def _before_update(self) -> None:
         self.orthogonalized = 0
-        super()._step_segments()
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         plan = self._plans.get(id(seg))
         if plan is None:
-            adamw_segment_step(seg, self._kind(seg), grads)
+            adamw_segment_step(seg, lowbit.kind(seg.tier), grads)
             return None
         update = self._momentum(seg)
         group = seg.group
-        back = update.new_empty(plan.scatter.dst_numel[self._world.rank])
+        back = update.new_empty(plan.scatter.dst_numel[self.runtime.world.rank])
         return Move(
             gather=plan.gather, src=update, scatter=plan.scatter, dst=back,
             programs=(plan.gather_program, plan.scatter_program), label="newton_schulz",
@@ -337,7 +322,7 @@ class Muon(ShardedOptimizer):
         """Momentum on the active runs of the local slice; returns the (nesterov) update
         in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
         g = seg.group
-        mu, grad, kind = g["momentum"], seg.local_grads(), self._kind(seg)
+        mu, grad, kind = g["momentum"], seg.local_grads(), lowbit.kind(seg.tier)
         buf = lowbit.decode(seg.state, "momentum_buffer", kind)
         runs = list(seg.runs(key=lambda i: True))
         whole = [(lo, hi) for lo, hi, _ in runs] == [(0, buf.numel())]

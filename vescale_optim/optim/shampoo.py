@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..shard.collectives import all_reduce_
-from ..shard.redistribution import owner_offsets
+from ..units.moves import Move
+from ..units.segment import FROZEN, Segment
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel
 from ._shampoo_math import (
@@ -25,9 +26,7 @@ from ._shampoo_math import (
 )
 from ._shampoo_tiles import FACTORS, SegmentTiles
 from .base import ShardedOptimizer
-from .moves import Move
-from .segment import FROZEN, Segment
-from .state_dict import _Gather
+from .state_dict import Owned
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
 
@@ -86,17 +85,7 @@ class Shampoo(ShardedOptimizer):
         *,
         grafting_epsilon: float = 1e-8,
         root_dtype: torch.dtype = torch.float32,
-        process_group=None,
-        mesh=None,
-        skip_nonfinite: bool = False,
-        bucket_cap_numel: int = 64 * 1024 * 1024,
-        sync_params: bool = True,
-        shard_modules: Sequence[torch.nn.Module] | None = None,
-        reshard_after_forward: bool = True,
-        backward_prefetch: bool = True,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **sharding: Any,
     ):
         defaults = dict(
             lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
@@ -108,13 +97,7 @@ class Shampoo(ShardedOptimizer):
         check_params_arg(params)
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._kept, self._refreshed = 0, False
-        super().__init__(
-            params, defaults, process_group=process_group, mesh=mesh, skip_nonfinite=skip_nonfinite,
-            bucket_cap_numel=bucket_cap_numel, sync_params=sync_params,
-            shard_modules=shard_modules, reshard_after_forward=reshard_after_forward,
-            backward_prefetch=backward_prefetch, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            device=device,
-        )  # fmt: skip
+        super().__init__(params, defaults, sharding)
         self._plan_tiles()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -126,7 +109,7 @@ class Shampoo(ShardedOptimizer):
 
     # --- hooks ----------------------------------------------------------------------
 
-    _structural = ("max_preconditioner_dim", "grafting")
+    structural_keys = ("max_preconditioner_dim", "grafting")
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
@@ -134,9 +117,6 @@ class Shampoo(ShardedOptimizer):
     def _state_names(self, seg: Segment) -> list[str]:
         second = _SECOND.get(seg.group["grafting"])
         return ["exp_avg", second] if second else ["exp_avg"]
-
-    def _init_state(self, seg: Segment) -> dict[str, torch.Tensor]:
-        return {name: torch.zeros_like(seg.local_params) for name in seg.state_names}
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         g, bt = seg.group, self._tiles[id(seg)]
@@ -165,11 +145,12 @@ class Shampoo(ShardedOptimizer):
         self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
         return bt.step(g, steps, grads, mhat, update, apply)
 
-    def _step_segments(self) -> None:
+    def _before_update(self) -> None:
         self._refreshed = False
         for bt in self._tiles.values():
             bt.kept = bt.roots = 0
-        super()._step_segments()
+
+    def _after_update(self) -> None:
         self._kept = sum(bt.kept for bt in self._tiles.values())
         self.step_stats["roots"] += sum(bt.roots for bt in self._tiles.values())
         if self._refreshed:
@@ -178,8 +159,8 @@ class Shampoo(ShardedOptimizer):
     def _count_kept_roots(self) -> None:
         """Sum over ranks the roots kept this step (one small all-reduce on steps that
         refresh roots); count them in `kept_roots` and warn."""
-        kept = torch.tensor([float(self._kept)], device=self._device)
-        all_reduce_(kept, self._world, "sum")
+        kept = torch.tensor([float(self._kept)], device=self.runtime.device)
+        all_reduce_(kept, self.runtime.world, "sum")
         n = int(kept.item())
         if n:
             self.kept_roots += n
@@ -193,10 +174,10 @@ class Shampoo(ShardedOptimizer):
     # --- tile placement -------------------------------------------------------------
 
     def _plan_tiles(self) -> None:
-        topo = self._topology
+        topo = self.runtime.topology
         shards = topo.shards
         found = []
-        for seg in self._segments:
+        for seg in self.runtime.segments:
             d = seg.group["max_preconditioner_dim"]
             params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
             tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
@@ -219,7 +200,7 @@ class Shampoo(ShardedOptimizer):
         pos = 0
         for seg, tiles, held, _ in found:
             mine = owners[pos : pos + len(tiles)]
-            self._tiles[id(seg)] = SegmentTiles(seg, tiles, mine, held, topo, self._world.rank)
+            self._tiles[id(seg)] = SegmentTiles(seg, tiles, mine, held, topo, self.runtime.world.rank)
             pos += len(tiles)
         self.num_tiles = len(costs)
         self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
@@ -242,97 +223,21 @@ class Shampoo(ShardedOptimizer):
         """Elements of factors and roots held by this rank."""
         return sum(x.numel() for x in self._preconditioners())
 
-    def _local_state_tensors(self):
-        yield from super()._local_state_tensors()
-        yield from self._preconditioners()
-
     # --- checkpoints ------------------------------------------------------------------
 
-    def _tile_names(self, seg: Segment, i: int):
-        bt = self._tiles[id(seg)]
+    def _owned_state(self, seg: Segment) -> list[list[Owned]]:
+        """Each tile's factors and roots, `L_i_j`, `R_i_j`, `L_inv_root_i_j` and
+        `R_inv_root_i_j`, kept whole by the tile's owner."""
+        bt = self._tiles.get(id(seg))
+        out: list[list[Owned]] = [[] for _ in seg.params]
+        if bt is None:  # during construction, before the tiles are planned
+            return out
         for k, t in enumerate(bt.tiles):
-            if t.param == i:
-                shapes = ((t.h, t.h), (t.w, t.w)) * 2
-                yield k, {f"{name}_{t.key}": (name, s) for name, s in zip(FACTORS, shapes)}
-
-    def _gather_factors(self, gather) -> dict[tuple[int, int], torch.Tensor]:
-        """Every tile's factors and roots, gathered from their owners where `gather` puts them."""
-        out = {}
-        for seg in self._segments:
-            bt = self._tiles[id(seg)]
-            numels = [2 * (t.h**2 + t.w**2) for t in bt.tiles]
-            if not numels:
-                continue
-            offsets, totals = owner_offsets(numels, bt.owners, self._world.world_size)
-            mine = [x.reshape(-1) for k in sorted(bt.owned) for x in bt.factors(k).values()]
-            local = torch.cat(mine) if mine else bt.like.new_zeros(0)
-            full = gather(local, totals)
-            if full is None:
-                continue
-            starts = [sum(totals[:r]) for r in range(self._world.world_size)]
-            for k, (o, n) in enumerate(zip(bt.owners, numels)):
-                out[id(seg), k] = full[starts[o] + offsets[k] : starts[o] + offsets[k] + n]
+            mine = bt.factors(k) if k in bt.owned else None
+            for name, side in zip(FACTORS, (t.h, t.w, t.h, t.w)):
+                tensor = mine[name] if mine is not None else None
+                out[t.param].append(Owned(f"{name}_{t.key}", (side, side), bt.owners[k], tensor))
         return out
-
-    def _fill_state(self, state_dict: dict, gather) -> None:
-        if self._topology.replicas > 1:  # factors live once in the world: gather them from all of it
-            factors = self._gather_factors(_Gather(self._world, None, gather.cpu_offload))
-            self._gathered = factors if gather.receives else {}
-        else:
-            self._gathered = self._gather_factors(gather)
-        try:
-            super()._fill_state(state_dict, gather)
-        finally:
-            self._gathered = None
-
-    def _param_state(self, seg, i: int, flat: dict) -> dict:
-        out = super()._param_state(seg, i, flat)
-        for k, names in self._tile_names(seg, i):
-            pos, full = 0, self._gathered[id(seg), k]
-            for key, (_, shape) in names.items():
-                n = shape[0] * shape[1]
-                out[key] = full[pos : pos + n].view(shape).clone()
-                pos += n
-        return out
-
-    def _expected_state(self, seg, i: int) -> dict:
-        out = super()._expected_state(seg, i)
-        for _, names in self._tile_names(seg, i):
-            out.update({key: shape for key, (_, shape) in names.items()})
-        return out
-
-    def _load_param_state(self, seg, i: int, state: dict, local: dict) -> None:
-        super()._load_param_state(seg, i, state, local)
-        bt = self._tiles[id(seg)]
-        for k, names in self._tile_names(seg, i):
-            if k in bt.owned:
-                mine = bt.factors(k)
-                for key, (name, _) in names.items():
-                    mine[name].copy_(torch.as_tensor(state[key]))
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        for seg in self._segments:  # a parameter without state has fresh preconditioners
-            bt = self._tiles[id(seg)]
-            for k in bt.owned:
-                if seg.steps[bt.tiles[k].param] == 0:
-                    for x in bt.factors(k).values():
-                        x.zero_()
-
-    def sharded_state_dict(self) -> dict:
-        """As the base's, plus each tile's factors and roots as plain tensors, only in the
-        entry of the rank that owns the tile (DCP writes them from there and reads them
-        into whichever rank owns the tile when loading)."""
-        sd = super().sharded_state_dict()
-        for seg in self._segments:
-            bt = self._tiles[id(seg)]
-            for i, index in enumerate(seg.indices):
-                for k, names in self._tile_names(seg, i):
-                    if k in bt.owned:
-                        mine = bt.factors(k)
-                        sd["state"][str(index)].update({key: mine[n] for key, (n, _) in names.items()})
-        return sd
 
 
 __all__ = ["Shampoo"]

@@ -1,27 +1,43 @@
-"""Checkpoints: torch's full-tensor format and a sharded format for torch.distributed.checkpoint.
+"""The optimizer's state dict: torch's full-tensor format and a sharded format for DCP.
 
-`state_dict()` gathers each seg's flat state once (onto every rank, or onto one) and
-hands out full tensors per parameter under torch's names, so it loads at any world size
-and into torch itself. It and `load_state_dict()` run inside torch's own methods, so the
-optimizer's state-dict hooks fire as for any `torch.optim` optimizer.
-`sharded_state_dict()` instead describes each rank's own pieces (`shard.dcp.DcpPiece`),
-so DCP writes only local data and reshards on load.
+`StateIO.fill` gathers each segment's flat state once (onto every rank, or onto one) and
+hands out full tensors per parameter under torch's names, so a state dict loads at any
+world size and into torch itself. Extra per-parameter state that lives whole on one
+rank of the world (Shampoo's factors and roots: `Owned`) is declared by the optimizer
+and rides the same path: gathered from its owners, validated by shape, loaded on the
+rank that owns it now. `StateIO.sharded` instead describes each rank's own pieces
+(`shard.dcp.DcpPiece`), so DCP writes only local data and reshards on load.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
+from ..shard.redistribution import owner_offsets
 from ..shard.spec import RaggedShard
-from ..units.unit import LOW_PRECISION
+from ..units.segment import Segment
 from . import lowbit
 
 _SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A state tensor of one parameter kept whole on one rank of the world: `key` in the
+    parameter's state, its `shape`, the world rank that holds it and, on that rank, the
+    tensor itself (None elsewhere)."""
+
+    key: str
+    shape: tuple[int, ...]
+    owner: int
+    tensor: torch.Tensor | None
 
 
 def _step_count(state: dict, index: int) -> int:
@@ -36,7 +52,7 @@ def _step_count(state: dict, index: int) -> int:
     return max(int(step), 1)
 
 
-class _Gather:
+class Gather:
     """Where `state_dict()` assembles full tensors: on every rank (all-gather) or only on
     `to_rank` (a gather: the other ranks receive and allocate nothing), optionally on CPU."""
 
@@ -49,7 +65,7 @@ class _Gather:
         self.comm, self.to_rank, self.cpu_offload = comm, to_rank, cpu_offload
         self.receives = to_rank is None or to_rank == comm.rank
 
-    def __call__(self, local: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor | None:
+    def __call__(self, local: torch.Tensor, counts: Sequence[int] | None = None) -> torch.Tensor | None:
         """Every rank's flat `local` (`counts[r]` elements on rank r; equal if None) in rank
         order, on the receiving ranks; None elsewhere."""
         world = self.comm.world_size
@@ -68,85 +84,116 @@ class _Gather:
         return full.cpu() if self.cpu_offload else full
 
 
-class CheckpointMixin:
-    """state_dict / load_state_dict / sharded_state_dict for `ShardedOptimizer`."""
+class StateIO:
+    """Moves the state of `segments` between the shards and the two state-dict formats.
 
-    # --- hooks a subclass may extend ---------------------------------------------
+    `param_groups` is the optimizer's own list; `structural` the param-group keys that
+    shape the state; `stepless(seg)` whether a segment's math ignores step counts (torch
+    then saves none); `owned(seg)` the `Owned` tensors of each of its parameters (the
+    same keys, shapes and owners on every rank); `comm` the shard group, `world` every
+    rank (owned tensors are gathered from it when there are `replicas`); `publish()`
+    refreshes the parameters kept whole after the masters were loaded in place.
+    """
 
-    def _param_state(self, seg, i: int, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """torch-format state of parameter `i` of `seg` from the gathered flat state."""
-        shape = tuple(seg.params[i].shape)
-        start, size = seg.flat_offset(i), seg.layout.sizes[i]
-        out = {"step": torch.tensor(float(seg.steps[i]))}
-        for name, full in flat.items():
-            out[name] = full[start : start + size].view(shape).clone()
-        return out
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        param_groups: list[dict],
+        structural: Sequence[str],
+        *,
+        comm: Comm,
+        world: Comm,
+        replicas: int,
+        stepless: Callable[[Segment], bool],
+        owned: Callable[[Segment], list[list[Owned]]],
+        publish: Callable[[], None],
+    ):
+        self.segments, self.param_groups, self.structural = list(segments), param_groups, tuple(structural)
+        self.comm, self.world, self.replicas = comm, world, replicas
+        self.stepless, self.owned, self.publish = stepless, owned, publish
 
-    def _expected_state(self, seg, i: int) -> dict[str, tuple[int, ...]]:
-        """The state keys a parameter must carry on load, with their shapes."""
-        shape = tuple(seg.params[i].shape)
-        out = {name: shape for name in self._export_names(seg)}
-        return out if self._stepless(seg) else {"step": (), **out}
+    # --- flat state under torch's names --------------------------------------------------
 
-    def _stepless(self, seg) -> bool:
-        """Whether the seg's math ignores the step count (torch then keeps none)."""
-        return False
+    @staticmethod
+    def _kind(seg: Segment) -> str:
+        return lowbit.kind(seg.tier)
 
-    def _export_names(self, seg) -> list[str]:
-        return seg.state_names
-
-    def _export_locals(self, seg) -> dict[str, torch.Tensor]:
+    def _locals(self, seg: Segment) -> dict[str, torch.Tensor]:
         """Local flat state in fp32 under torch's names, one element per local-slice element.
 
         fp32 state is returned as itself (so loading writes it in place); bf16 or 8-bit
-        state is decoded into copies, and `_commit_locals` encodes them back.
-        """
+        state is decoded into copies, and `_commit` encodes them back."""
         kind = self._kind(seg)
-        return {n: lowbit.decode(seg.state, n, kind, sqrt=n in _SQRT) for n in self._export_names(seg)}
+        return {n: lowbit.decode(seg.state, n, kind, sqrt=n in _SQRT) for n in seg.state_names}
 
-    def _commit_locals(self, seg, local: dict[str, torch.Tensor]) -> None:
-        """Store values written into `_export_locals`' tensors back into the state."""
+    def _commit(self, seg: Segment, local: dict[str, torch.Tensor]) -> None:
+        """Store values written into `_locals`' tensors back into the state."""
         kind = self._kind(seg)
         for name, x in local.items():
             lowbit.encode_(seg.state, name, kind, x, sqrt=name in _SQRT)
 
-    # --- full format --------------------------------------------------------------
+    def _expected(self, seg: Segment, i: int, owned: list[Owned]) -> dict[str, tuple[int, ...]]:
+        """The state keys parameter `i` must carry on load, with their shapes."""
+        shape = tuple(seg.params[i].shape)
+        out = {name: shape for name in seg.state_names}
+        out.update({o.key: o.shape for o in owned})
+        return out if self.stepless(seg) else {"step": (), **out}
 
-    def state_dict(self, *, to_rank: int | None = None, cpu_offload: bool = False) -> dict:
-        """torch.optim format with full tensors and torch's state names.
+    # --- full format ---------------------------------------------------------------------------
 
-        Collective: every rank of the optimizer's group must call it. By default every
-        rank receives everything; with `to_rank=r` the state is gathered to group rank
-        `r` only and the other ranks get `{"state": {}, "param_groups": [...]}`;
-        `cpu_offload=True` puts the full tensors in CPU memory. Runs inside
-        `torch.optim.Optimizer.state_dict`, so state-dict hooks fire as in torch.
-
-        A parameter that never stepped has no entry, as in torch. bf16/fp16 parameters
-        also carry their fp32 master under `MASTER`, a key torch.optim ignores.
-        """
-        gather = _Gather(self._comm, to_rank, cpu_offload)
-        hook = self.register_state_dict_post_hook(lambda opt, sd: opt._fill_state(sd, gather), prepend=True)
-        try:
-            return super().state_dict()
-        finally:
-            hook.remove()
+    def _gather_owned(self, seg: Segment, owned: list[list[Owned]], gather: Gather):
+        """Every owned tensor of `seg` as a flat full tensor, `{(param, key): tensor}`, on the
+        receiving ranks (gathered from their owners; None elsewhere)."""
+        flat = [o for per_param in owned for o in per_param]
+        if not flat:
+            return {}
+        if self.replicas > 1:  # owned state lives once in the world: gather it from all of it
+            full_gather = Gather(self.world, None, gather.cpu_offload)
+        else:
+            full_gather = gather
+        world = full_gather.comm.world_size
+        numels = [math.prod(o.shape) for o in flat]
+        offsets, totals = owner_offsets(numels, [o.owner for o in flat], world)
+        mine = [o.tensor.reshape(-1) for o in flat if o.owner == self.world.rank]
+        like = seg.local_params
+        local = torch.cat(mine) if mine else like.new_zeros(0)
+        full = full_gather(local, totals)
+        if full is None or not gather.receives:
+            return None
+        starts = [sum(totals[:r]) for r in range(world)]
+        out, k = {}, 0
+        for i, per_param in enumerate(owned):
+            for o in per_param:
+                at = starts[o.owner] + offsets[k]
+                out[i, o.key] = full[at : at + numels[k]].view(o.shape).clone()
+                k += 1
+        return out
 
     @torch.no_grad()
-    def _fill_state(self, state_dict: dict, gather: _Gather) -> None:
-        """Put the full per-parameter state into torch's packed `state_dict` (the collective part)."""
+    def fill(self, state_dict: dict, gather: Gather) -> None:
+        """Put the full per-parameter state into torch's packed `state_dict` (collective).
+        A parameter that never stepped has no entry, as in torch."""
         state = {}
-        for seg in self._segments:
-            flat = {name: gather(t, seg.counts) for name, t in self._export_locals(seg).items()}
+        for seg in self.segments:
+            flat = {name: gather(t, seg.counts) for name, t in self._locals(seg).items()}
             if seg.master is not None:
                 flat[MASTER] = gather(seg.master, seg.counts)
+            extra = self._gather_owned(seg, self.owned(seg), gather)
             if not gather.receives:
                 continue
             for i, index in enumerate(seg.indices):
-                if seg.steps[i] > 0:
-                    state[index] = self._param_state(seg, i, flat)
+                if seg.steps[i] == 0:
+                    continue
+                shape = tuple(seg.params[i].shape)
+                start, size = seg.flat_offset(i), seg.layout.sizes[i]
+                entry = {"step": torch.tensor(float(seg.steps[i]))}
+                for name, full in flat.items():
+                    entry[name] = full[start : start + size].view(shape).clone()
+                entry.update({key: t for (j, key), t in extra.items() if j == i})
+                state[index] = entry
         state_dict["state"] = state
 
-    def _validate_groups(self, saved: list[dict]) -> None:
+    def validate_groups(self, saved: list[dict]) -> None:
         """Saved param groups must match ours in number, sizes and state-shaping keys."""
         if len(saved) != len(self.param_groups):
             raise ValueError(
@@ -158,25 +205,25 @@ class CheckpointMixin:
                     f"param group {gi}: state dict has {len(s['params'])} params, "
                     f"optimizer has {len(g['params'])}"
                 )
-            for key in self._structural:
+            for key in self.structural:
                 if key in s and s[key] != g.get(key):
                     raise ValueError(
                         f"param group {gi}: state dict has {key}={s[key]!r}, the optimizer {key}="
                         f"{g.get(key)!r}; it shapes the state, so build the optimizer with {key}={s[key]!r}"
                     )
 
-    def _install_groups(self, saved: list[dict]) -> None:
+    def install_groups(self, saved: list[dict]) -> None:
         """Take the saved hyperparameters (learning rates a scheduler set included)."""
         for g, s in zip(self.param_groups, saved):
             g.update({k: copy.deepcopy(v) for k, v in s.items() if k not in ("params", "param_names")})
 
-    def _validate(self, state_dict: dict) -> dict[int, dict]:
+    def _validate(self, state_dict: dict, owned: dict[int, list[list[Owned]]]) -> dict[int, dict]:
         """Check everything that shapes state before anything changes; return the state
         by param index."""
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("optimizer state dict must have 'state' and 'param_groups'")
         saved = state_dict["param_groups"]
-        self._validate_groups(saved)
+        self.validate_groups(saved)
         order = [i for s in saved for i in s["params"]]
         if len(set(order)) != len(order):
             raise ValueError("state dict lists a parameter in more than one place")
@@ -185,11 +232,12 @@ class CheckpointMixin:
         if unknown:
             raise ValueError(f"state dict has state for parameters {unknown} that no param group lists")
         by_index = {position[k]: v for k, v in state_dict["state"].items()}
-        for seg in self._segments:
-            present = [i for i, index in enumerate(seg.indices) if index in by_index]
-            for i in present:
-                index, st = seg.indices[i], by_index[seg.indices[i]]
-                expected = self._expected_state(seg, i)
+        for seg in self.segments:
+            for i, index in enumerate(seg.indices):
+                if index not in by_index:
+                    continue
+                st = by_index[index]
+                expected = self._expected(seg, i, owned[id(seg)][i])
                 if MASTER in st and seg.master is not None:  # optional; ignored without a master
                     expected[MASTER] = tuple(seg.params[i].shape)
                 for name, shape in expected.items():
@@ -201,53 +249,36 @@ class CheckpointMixin:
                 _step_count(st, index)  # a count of steps, or refused
         return by_index
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch-format state (ours or torch's, any world size); refuses anything that
-        does not fit before modifying anything.
-
-        Runs inside `torch.optim.Optimizer.load_state_dict` (so its hooks fire and a load
-        pre-hook may return a new dict): the loading is a pre-hook appended last, which
-        sees the final dict and hands torch an empty `state` to install.
-        """
-
-        def load(opt, final: dict) -> dict:
-            opt._load_state(final)
-            return {**final, "state": {}}
-
-        hook = self.register_load_state_dict_pre_hook(load)
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            hook.remove()
-
-    def __setstate__(self, state: dict) -> None:
-        """torch's `load_state_dict` installs the loaded param groups through here: update
-        ours in place, since the segments hold references to them."""
-        groups = state.get("param_groups")
-        if groups is not None and getattr(self, "_segments", None) is not None:
-            for g, new in zip(self.param_groups, groups):
-                g.update(new)
-            state = {k: v for k, v in state.items() if k != "param_groups"}
-        super().__setstate__(state)
-
     @torch.no_grad()
-    def _load_state(self, state_dict: dict) -> None:
-        by_index = self._validate(state_dict)
-        self._install_groups(state_dict["param_groups"])
-        for seg in self._segments:
+    def load(self, state_dict: dict) -> None:
+        """Load torch-format state (ours or torch's, any world size); refuses anything that
+        does not fit before modifying anything. A parameter without state starts afresh."""
+        owned = {id(seg): self.owned(seg) for seg in self.segments}
+        by_index = self._validate(state_dict, owned)
+        self.install_groups(state_dict["param_groups"])
+        for seg in self.segments:
             present = [i for i, index in enumerate(seg.indices) if index in by_index]
-            seg.steps = [_step_count(by_index[i], i) if i in by_index else 0 for i in seg.indices]
-            local = self._export_locals(seg)
+            seg.set_steps([_step_count(by_index[i], i) if i in by_index else 0 for i in seg.indices])
+            local = self._locals(seg)
             for t in local.values():
                 t.zero_()
             for i in present:
-                self._load_param_state(seg, i, by_index[seg.indices[i]], local)
-            self._commit_locals(seg, local)
+                for name, flat in local.items():
+                    self._load_slice(seg, i, by_index[seg.indices[i]][name], flat)
+            self._commit(seg, local)
+            for i, per_param in enumerate(owned[id(seg)]):
+                for o in per_param:
+                    if o.tensor is None:
+                        continue
+                    if i in present:
+                        o.tensor.copy_(torch.as_tensor(by_index[seg.indices[i]][o.key]))
+                    else:
+                        o.tensor.zero_()
             if seg.master is not None:
                 self._load_masters(seg, [i for i in present if MASTER in by_index[seg.indices[i]]], by_index)
 
-    @staticmethod
-    def _load_masters(seg, members: list[int], by_index: dict) -> None:
+    @classmethod
+    def _load_masters(cls, seg: Segment, members: list[int], by_index: dict) -> None:
         """Take the saved fp32 masters where they round to the parameter's current value;
         elsewhere the parameter was written after they were saved, and it wins."""
         if not members:
@@ -256,27 +287,23 @@ class CheckpointMixin:
         saved = torch.zeros_like(seg.master)
         taken = torch.zeros(seg.master.numel(), dtype=torch.bool, device=seg.master.device)
         for i in members:
-            CheckpointMixin._load_slice(seg, i, by_index[seg.indices[i]][MASTER], saved)
+            cls._load_slice(seg, i, by_index[seg.indices[i]][MASTER], saved)
             lo, hi = seg.local_range(i)
             taken[lo:hi] = True
         dtype = seg.unit.orig_dtype
         keep = taken & (saved.to(dtype) == seg.master.to(dtype))
         seg.master[keep] = saved[keep]
 
-    def _load_param_state(self, seg, i: int, state: dict, local: dict[str, torch.Tensor]) -> None:
-        for name, flat in local.items():
-            self._load_slice(seg, i, state[name], flat)
-
     @staticmethod
-    def _load_slice(seg, i: int, full, flat: torch.Tensor) -> None:
+    def _load_slice(seg: Segment, i: int, full, flat: torch.Tensor) -> None:
         """Write this rank's piece of parameter `i`'s full tensor `full` into the local `flat`."""
         start, stop = seg.tensor_range(i)
         lo, hi = seg.local_range(i)
         flat[lo:hi].copy_(torch.as_tensor(full).reshape(-1)[start:stop])
 
-    # --- sharded format (torch.distributed.checkpoint) ----------------------------
+    # --- sharded format (torch.distributed.checkpoint) -------------------------------------------
 
-    def _piece(self, seg, i: int, name: str):
+    def _piece(self, seg: Segment, i: int, name: str):
         """This rank's piece of parameter `i`'s state `name` (or its fp32 "master") for DCP:
         a view of fp32 state, or a reader that decodes low-bit state when DCP writes it."""
         from ..shard.dcp import dcp_piece
@@ -290,28 +317,23 @@ class CheckpointMixin:
         if kind == "fp32":
             return dcp_piece(shape, start, stop, seg.state[name][lo:hi])
 
-        def read(a: int, b: int) -> torch.Tensor:
-            return lowbit.decode_range(seg.state, name, kind, lo + a, lo + b, sqrt=sqrt)
+        def read(a: int, z: int) -> torch.Tensor:
+            return lowbit.decode_range(seg.state, name, kind, lo + a, lo + z, sqrt=sqrt)
 
         device = seg.local_params.device
         return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device)
 
-    def sharded_state_dict(self) -> dict:
-        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies).
-
-        Pass it to `torch.distributed.checkpoint.save`; to restore, build the optimizer
-        (any world size), call `dcp.load` on a fresh `sharded_state_dict()` and then
-        `load_sharded_state_dict` with it. fp32 state is handed as views; bf16 and 8-bit
-        state is decoded chunk by chunk only while DCP writes it. The param groups'
-        hyperparameters ride along (a scheduler's learning rates come back). Not collective
-        itself.
-        """
+    def sharded(self) -> dict:
+        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies):
+        fp32 state as views, low-bit state as readers, owned tensors themselves in the
+        entry of the rank that owns them; and the param groups' hyperparameters."""
         state = {}
-        for seg in self._segments:
-            names = self._export_names(seg) + ([MASTER] if seg.master is not None else [])
-            for i, index in enumerate(seg.indices):
+        for seg in self.segments:
+            names = seg.state_names + ([MASTER] if seg.master is not None else [])
+            for i, (index, per_param) in enumerate(zip(seg.indices, self.owned(seg))):
                 entry = {"step": torch.tensor(float(seg.steps[i]))}
                 entry.update({name: self._piece(seg, i, name) for name in names})
+                entry.update({o.key: o.tensor for o in per_param if o.tensor is not None})
                 state[str(index)] = entry
         groups, start = [], 0
         for g in self.param_groups:
@@ -321,37 +343,37 @@ class CheckpointMixin:
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
-    def load_sharded_state_dict(self, state_dict: dict) -> None:
-        """Finish a DCP load (collective): fp32 state and masters were filled in place;
+    def load_sharded(self, state_dict: dict) -> None:
+        """Finish a DCP load: fp32 state, masters and owned tensors were filled in place;
         buffers DCP decoded into are encoded into the low-bit state and dropped."""
         from ..shard.dcp import DcpPiece
 
         entries = state_dict["state"]
         groups = state_dict.get("param_groups")
         if groups is not None:
-            self._validate_groups(groups)
-        for seg in self._segments:
+            self.validate_groups(groups)
+        for seg in self.segments:
             for index in seg.indices:
-                for name in self._export_names(seg):
+                for name in seg.state_names:
                     if not isinstance(entries[str(index)].get(name), DcpPiece):
                         raise TypeError(
                             f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
                             "pass the dict it returned, after dcp.load"
                         )
         if groups is not None:
-            self._install_groups(groups)
-        for seg in self._segments:
-            seg.steps = [int(float(entries[str(index)]["step"])) for index in seg.indices]
+            self.install_groups(groups)
+        for seg in self.segments:
+            seg.set_steps([int(float(entries[str(index)]["step"])) for index in seg.indices])
             loaded = {}
-            for name in self._export_names(seg):
+            for name in seg.state_names:
                 for i, index in enumerate(seg.indices):
                     buf = entries[str(index)][name].take_loaded()
                     if buf is not None:
                         loaded[name, i] = buf
             if loaded:
-                local = self._export_locals(seg)
+                local = self._locals(seg)
                 for (name, i), buf in loaded.items():
                     lo, hi = seg.local_range(i)
                     local[name][lo:hi].copy_(buf)
-                self._commit_locals(seg, {n: local[n] for n, _ in loaded})
-        self._publish([u for u in self._units if u.orig_dtype in LOW_PRECISION])
+                self._commit(seg, {n: local[n] for n, _ in loaded})
+        self.publish()

@@ -1,6 +1,10 @@
-"""Fully sharded training: communication units, their module hooks and their life cycle."""
+"""The sharding runtime: communication units, their module hooks and life cycle, and the
+runtime object an optimizer holds."""
 
+from .config import ShardingConfig
 from .reduced_grad import ReducedGrad
+from .runtime import Declaration, Runtime
+from .segment import Segment
 from .unit import State, Unit
 
-__all__ = ["ReducedGrad", "State", "Unit"]
+__all__ = ["Declaration", "ReducedGrad", "Runtime", "Segment", "ShardingConfig", "State", "Unit"]

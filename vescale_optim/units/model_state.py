@@ -101,14 +101,9 @@ class ModelState:
     def _loaded(self, unit: Unit):
         def hook(module, incompatible_keys):
             incoming = self._incoming.pop(unit.index, {})
-            s, rank = unit.layout.shard_size, unit.comm.rank
             with torch.no_grad():
                 for i, value in incoming.items():
-                    start, stop = unit.layout.rank_range(i, rank)
-                    if stop > start:
-                        lo = start - unit.layout.offsets[i]
-                        flat = value.detach().reshape(-1)[lo : lo + stop - start]
-                        unit.shard[start - rank * s : stop - rank * s].copy_(flat)
+                    unit.write_piece(i, value.detach())
             if unit.was_gathered:
                 unit.state = State.RESHARDED
                 unit.unshard(async_op=False)

@@ -1,5 +1,5 @@
 """A segment: the parameters of one param group and state tier inside a unit, as the
-optimizer's math sees them.
+optimizer's math sees them: the runtime's declared interface to a unit's shards.
 
 The planner keeps a segment's tensors adjacent in the unit's buffer, so on each rank
 the segment is one range `[lo, hi)` of the unit's local slice: element-wise math runs on
@@ -7,10 +7,12 @@ the segment is one range `[lo, hi)` of the unit's local slice: element-wise math
 exactly that long. `layout` is the unit's layout restricted to the segment's tensors
 (indices are the segment's, coordinates the unit's).
 
-Besides views it keeps what torch keeps per parameter: the step count (`steps`; 0 means
-never stepped, so no state), whether it takes the current step (`active`, agreed over
-ranks by the optimizer) and whether it has a gradient (`marked`). `runs()` cuts the
-segment into maximal ranges that one element-wise call can update.
+Besides views it keeps what torch keeps per parameter. The runtime sets whether a
+parameter has a gradient (`marked`) and whether it takes the current step (`active`,
+agreed over ranks); the optimizer sets its state (`state_names`, `state`: flat tensors
+as long as the segment) and step counts (`steps`; 0 means never stepped, so no state),
+each through a method of this class. `runs()` cuts the segment into maximal ranges that
+one element-wise call can update.
 """
 
 from __future__ import annotations
@@ -90,6 +92,30 @@ class Segment:
     def flat_offset(self, i: int) -> int:
         """Where parameter `i` starts in the segment's ranks' pieces concatenated in order."""
         return self.layout.offsets[i] - self.start
+
+    # --- what the runtime sets -------------------------------------------------------------
+
+    def mark(self, i: int, value: bool = True) -> None:
+        """Parameter `i` has (or, with `value=False`, no longer has) a gradient."""
+        self.marked[i] = value
+
+    def clear_marks(self) -> None:
+        self.marked = [False] * len(self.params)
+
+    def set_active(self, active: list[bool]) -> None:
+        """Which parameters take the current step (agreed over ranks; frozen ones never)."""
+        self.active = [False] * len(active) if self.tier == FROZEN else list(active)
+
+    # --- what the optimizer sets -----------------------------------------------------------
+
+    def set_state(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
+        """The optimizer's element-wise state, under torch's names."""
+        self.state_names, self.state = list(names), state
+
+    def set_steps(self, steps: list[int]) -> None:
+        if len(steps) != len(self.params):
+            raise ValueError(f"{len(steps)} step counts for a segment of {len(self.params)} parameters")
+        self.steps = list(steps)
 
     # --- steps ---------------------------------------------------------------------------
 

@@ -92,10 +92,14 @@ class Unit:
         sync_params: bool = True,
         replicate: Comm | None = None,
         world: Comm | None = None,
+        labels: Sequence[str] | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
         self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
+        # how errors name each parameter
+        self.labels = list(labels) if labels is not None else [f"'{n}' (shape {tuple(p.shape)})"
+                                                               for n, p in zip(names, params)]  # fmt: skip
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
         self.world = world or comm  # every rank: parameters start from world rank 0's
         self.defer_replicas = False  # accumulate the replicas' gradients unsynced (`grad_unsynced`)
@@ -175,13 +179,10 @@ class Unit:
             # a finished broadcast's work can outlive wait() and keep `staged` (seen on gloo): free it now
             staged.untyped_storage().resize_(0)
             return shard
-        shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
+        self.shard = torch.zeros(s, dtype=self.shard_dtype, device=self.device)
         for i, p in enumerate(self.params):
-            start, stop = self.layout.rank_range(i, rank)
-            if stop > start:
-                lo, n = start - self.layout.offsets[i], stop - start
-                shard[start - rank * s : stop - rank * s].copy_(p.detach().reshape(-1)[lo : lo + n])
-        return shard
+            self.write_piece(i, p.detach())
+        return self.shard
 
     # --- parameters ------------------------------------------------------------------
 
@@ -226,13 +227,10 @@ class Unit:
 
     def _show(self) -> None:
         """Parameters are views of the (gathered) unsharded buffer."""
-        for name, p, view in zip(self.names, self.params, self.views):
-            if p.dtype != view.dtype or p.device != view.device:
-                raise RuntimeError(
-                    f"parameter '{name}' is now {p.dtype} on {p.device}, but its unit holds it as "
-                    f"{view.dtype} on {view.device}: it was moved or cast after the optimizer was built "
-                    "(model.double(), .half(), .to(...)); move the model first, then build the optimizer"
-                )
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            problem = self.placement_problem(i)
+            if problem is not None:
+                raise RuntimeError(problem)
             p.data = view
         self.state = State.GATHERED
 
@@ -247,6 +245,27 @@ class Unit:
     def holds_stand_in(self, i: int) -> bool:
         return self.params[i].data_ptr() == self.stand_ins[i].data_ptr()
 
+    def placement_problem(self, i: int) -> str | None:
+        """Why parameter `i` no longer fits its unit (moved or cast after construction), if it does not."""
+        p, shape = self.params[i], self.full.shapes[i]
+        if p.dtype == self.compute_dtype and p.device == self.device and tuple(p.shape) == shape:
+            return None
+        return (
+            f"parameter {self.labels[i]} is now {p.dtype} on {p.device}, shape {tuple(p.shape)}, but the "
+            f"optimizer holds it as {self.compute_dtype} on {self.device}: it was moved or cast after the "
+            "optimizer was built (model.double(), .half(), .to(...)); move the model first, then build "
+            "the optimizer"
+        )
+
+    def take_data(self, i: int) -> None:
+        """A tensor assigned to parameter `i`'s `.data` (same dtype, device and shape) becomes
+        its value: this rank's piece goes into the shard, and `.data` is the unit's again."""
+        p = self.params[i]
+        if p.data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
+            return
+        self.write_param(i, p.detach())
+        p.data = self.stand_ins[i] if self.state is State.RESHARDED else self.views[i]
+
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
         if self.sharded:
@@ -255,14 +274,17 @@ class Unit:
             return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op,
                                     what=f"unit {self.name}'s parameters")  # fmt: skip
 
+    def write_piece(self, i: int, value: torch.Tensor) -> None:
+        """Write this rank's piece of `value` (parameter `i`'s full tensor) into the shard."""
+        start, stop = self.full.local_range(i)
+        if stop > start:
+            lo, hi = self.full.tensor_range(i)
+            self.shard[start:stop].copy_(value.reshape(-1)[lo:hi])
+
     def write_param(self, i: int, value: torch.Tensor) -> None:
         """Set parameter `i` to `value` (its full tensor): this rank's piece goes into the
         shard, and into the kept unsharded parameters of an unsharded unit."""
-        s, rank = self.layout.shard_size, self.comm.rank
-        start, stop = self.layout.rank_range(i, rank)
-        if stop > start:
-            lo = start - self.layout.offsets[i]
-            self.shard[start - rank * s : stop - rank * s].copy_(value.reshape(-1)[lo : lo + stop - start])
+        self.write_piece(i, value)
         if not self.sharded:
             self.full.view(i).copy_(value)
 
@@ -383,6 +405,11 @@ class Unit:
             self.grad_has_values = True
 
         return handle.then(add)
+
+    def keep_unsynced(self, keep: bool) -> None:
+        """Whether reductions from now on keep this shard group's result unsynced across
+        replicas (summed in `grad_unsynced`) instead of all-reducing it."""
+        self.defer_replicas = keep
 
     def sync_replicas(self) -> Handle:
         """Start averaging what was kept unsynced over the replicas into `grad` (collective

@@ -1,0 +1,91 @@
+"""The sharding keywords, declared once: every optimizer takes them as `**sharding`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How an optimizer shards its parameters, gradients and state over ranks.
+
+    `vo.AdamW`, `vo.Muon` and `vo.Shampoo` take every field as a keyword
+    (`vo.AdamW(params, lr=1e-3, shard_modules=[*model.layers, model])`):
+
+    - `process_group`: the group to shard over (default: the world, or one process
+      when `torch.distributed` is not initialised); or `mesh`: a 1-D `DeviceMesh`, or a
+      2-D one with dimensions `("replicate", "shard")` for HSDP.
+    - `shard_modules`: the modules whose parameters form one unit each, gathered before
+      their forward and backward and freed after (ZeRO-3; list the model itself last).
+      None keeps parameters whole on every rank (ZeRO-2), in buckets of at most
+      `bucket_cap_numel` elements.
+    - `reshard_after_forward`: free a unit after its forward (False: keep it gathered
+      until its backward).
+    - `backward_prefetch`: gather the next unit of backward while one computes (False:
+      at most two unit-sized buffers in backward, no gather overlap).
+    - `param_dtype` / `reduce_dtype`: the dtype of the gathered parameters (compute and
+      all-gather) and of the gradient reduction (default: `param_dtype`).
+    - `device`: where the shards of a model built on the meta device go (default: the
+      process group's device).
+    - `sync_params`: start every rank from rank 0's parameters (one broadcast per unit).
+    - `skip_nonfinite`: skip a step (on every rank) whose gradients hold inf or NaN.
+    - `align`: every tensor starts at a multiple of this many elements in its buffer.
+    """
+
+    process_group: Any = None
+    mesh: Any = None
+    shard_modules: Sequence[nn.Module] | None = None
+    reshard_after_forward: bool = True
+    backward_prefetch: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+    bucket_cap_numel: int = 64 * 1024 * 1024
+    sync_params: bool = True
+    skip_nonfinite: bool = False
+    align: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shard_modules, nn.Module):
+            raise TypeError(
+                "shard_modules is a list of modules (e.g. [*model.layers, model]), not one module"
+            )
+        if self.shard_modules is not None:
+            modules = list(self.shard_modules)
+            bad = [type(m).__name__ for m in modules if not isinstance(m, nn.Module)]
+            if bad:
+                raise TypeError(f"shard_modules must hold nn.Module objects; got {bad[0]}")
+            object.__setattr__(self, "shard_modules", modules)
+        for name in ("reshard_after_forward", "backward_prefetch", "sync_params", "skip_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype or None; got {dtype!r}")
+        for name in ("bucket_cap_numel", "align"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.device is not None:
+            object.__setattr__(self, "device", torch.device(self.device))
+
+    @classmethod
+    def of(cls, owner: str, keywords: dict[str, Any]) -> ShardingConfig:
+        """The config from an optimizer's `**sharding` keywords; an unknown keyword is the
+        TypeError Python gives for any unexpected keyword argument of `owner`."""
+        known = {f.name for f in fields(cls)}
+        for key in keywords:
+            if key not in known:
+                raise TypeError(f"{owner}.__init__() got an unexpected keyword argument '{key}'")
+        return cls(**keywords)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether units free their parameters between uses (ZeRO-3)."""
+        return self.shard_modules is not None

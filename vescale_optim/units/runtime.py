@@ -1,0 +1,309 @@
+"""The sharding runtime an optimizer holds: its units, their schedule and everything that
+follows the units and not the math.
+
+`Runtime` plans the parameters into units (one per listed module with `shard_modules`,
+else size-capped buckets), each with one flat buffer per role laid out so that no rank
+boundary cuts a tensor's granule; it builds the segments through which the optimizer
+sees the shards, materialises meta-device models, installs the module hooks (the
+schedule), the model's state-dict hooks and gradient tracking, and runs the gradient
+reduction, the agreement of which parameters step, clipping, memory accounting and the
+sharded model state dict. It knows nothing of any optimizer's math: the optimizer
+declares each parameter's granule, state tier and alignment (`Declaration`), and reads
+and writes the shards only through the segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from ..shard.collectives import all_reduce_
+from ..shard.layout import bucket_indices, plan_layout
+from ..shard.mesh import resolve as resolve_mesh
+from .assign import assign_units, outermost
+from .config import ShardingConfig
+from .gradients import GradTracker
+from .materialize import materialize
+from .model_state import ModelState, sharded_model_state
+from .schedule import Schedule
+from .segment import Segment
+from .unit import LOW_PRECISION, Unit, ring
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What the optimizer says of one parameter: rank boundaries inside it fall on multiples
+    of `granule` elements; its state lives in `tier` (segments are per param group and
+    tier; `FROZEN` for parameters without state); it starts at a multiple of `align`
+    (besides the config's own alignment: 8-bit state starts on a quantization block)."""
+
+    granule: int
+    tier: str
+    align: int = 1
+
+
+class Runtime:
+    """The units of `param_groups` under `config`; `declare(p, group_index)` is the
+    optimizer's `Declaration` of each parameter, `labels` names each parameter (by id) in
+    errors, and `check()` returns the optimizer's reason not to step, if any (checked
+    before the gradients are reduced, on every rank together)."""
+
+    def __init__(
+        self,
+        param_groups: list[dict],
+        config: ShardingConfig,
+        declare: Callable[[torch.Tensor, int], Declaration],
+        labels: dict[int, str],
+        check: Callable[[], str | None] = lambda: None,
+    ):
+        self.config, self.labels, self._check = config, labels, check
+        groups = resolve_mesh(config.mesh, config.process_group)
+        self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
+        self.topology = groups.topology
+        params = [p for g in param_groups for p in g["params"]]
+        group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
+        index = {id(p): i for i, p in enumerate(params)}
+        members, modules, names = self._plan(params)
+        self.units: list[Unit] = []
+        self.segments: list[Segment] = []
+        for k, (idx, module) in enumerate(zip(members, modules)):
+            ps = [params[i] for i in idx]
+            declared = [declare(p, group_of[id(p)]) for p in ps]
+            keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
+            aligns = [math.lcm(config.align, d.align) for d in declared]
+            layout = plan_layout([p.numel() for p in ps], [d.granule for d in declared], self.comm.world_size,
+                                 config.align, aligns=aligns, segments=keys)  # fmt: skip
+            unit = Unit(
+                ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
+                sharded=config.sharded, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
+                device=config.device, sync_params=config.sync_params, replicate=self.replicate,
+                world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
+            )  # fmt: skip
+            self.units.append(unit)
+            for key in dict.fromkeys(keys):
+                mine = [j for j, kk in enumerate(keys) if kk == key]
+                group = param_groups[key[0]]
+                self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
+        if any(u.meta for u in self.units):
+            materialize(self.units, [m for m in modules if m is not None])
+        self.schedule = Schedule(
+            self.units, modules, reshard_after_forward=config.reshard_after_forward,
+            backward_prefetch=config.backward_prefetch, on_grad=self._on_grad,
+        )  # fmt: skip
+        self.tracker = GradTracker(self.units, self.segments, self.schedule, self.world, labels)
+        self.model_state = ModelState(self.units, modules)
+        self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self.tracker.mark(p)
+
+    # --- planning ----------------------------------------------------------------------------
+
+    def _plan(self, params: list[torch.Tensor]):
+        """Which parameters (by index) form each unit, each unit's module (or None), and a
+        name for each parameter."""
+        shard_modules = self.config.shard_modules
+        if shard_modules is not None:
+            unit_of, listed, names = assign_units(params, shard_modules)
+            order = sorted(set(unit_of), key=unit_of.index)  # by first parameter: model order
+            self.root = outermost(listed)
+            members = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
+            return members, [listed[k] for k in order], names
+        for p in params:
+            if p.is_meta:
+                raise ValueError(
+                    f"parameter {self.labels[id(p)]} is on the meta device; building a model there needs "
+                    "shard_modules, whose modules' reset_parameters() initialise it"
+                )
+        self.root = None
+        keys = [(p.dtype, p.device) for p in params]
+        members = bucket_indices([p.numel() for p in params], keys, self.config.bucket_cap_numel)
+        return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
+
+    def _label(self, p: torch.Tensor, name: str) -> str:
+        """How errors name `p`: its param group's name for it, else its name in the model."""
+        label = self.labels[id(p)]
+        if label.startswith("#") and self.config.shard_modules is not None:
+            return f"'{name}' (shape {tuple(p.shape)})"
+        return label
+
+    def _unit_name(self, k: int, module: nn.Module | None) -> str:
+        if module is None:
+            return f"bucket{k}"
+        if self.root is not None and module is not self.root:
+            for name, m in self.root.named_modules():
+                if m is module:
+                    return name
+        return f"{type(module).__name__}[{k}]"
+
+    # --- gradients ------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's units live (small control tensors go there too, for NCCL)."""
+        return self.tracker.device
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> int:
+        """Finish averaging gradients over ranks into each rank's shards and agree which
+        parameters step (collective; once per step). Returns the bytes this rank sent."""
+        if self._reduced:
+            return 0
+        sent_before = sum(u.sent_bytes for u in self.units)
+        with record_function("vescale_optim.sync_grads"):
+            self.schedule.finish()
+            self.tracker.reattach()
+            pending = self.tracker.agree(self._check())
+            for u in pending:
+                u.reduce_grad(async_op=True)
+            for u in pending:
+                u.advance_grad()
+            for u in self.units:
+                u.sync_replicas()
+                u.advance_grad()
+            for u in self.units:
+                u.wait_grad()
+        self._reduced = True
+        return sum(u.sent_bytes for u in self.units) - sent_before
+
+    @property
+    def gradients_reduced(self) -> bool:
+        """Whether this round's gradients are reduced and agreed (until the step takes them)."""
+        return self._reduced
+
+    def step_taken(self) -> None:
+        """The step consumed this round's reduced gradients: the next round reduces anew."""
+        self._reduced = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.tracker.zero_grad(set_to_none)
+        self._reduced = False
+
+    def any_nonfinite(self) -> bool:
+        return self.tracker.any_nonfinite()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients unreduced (see the optimizers' `no_sync`)."""
+        with self.schedule.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def no_all_reduce(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients unsynced across replicas."""
+        for u in self.units:
+            u.keep_unsynced(True)
+        try:
+            yield
+        finally:
+            for u in self.units:
+                u.keep_unsynced(False)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:  # fmt: skip
+        """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards (see
+        the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
+        self.reduce_gradients()
+        norm_type = float(norm_type)
+        grads = [u.grad for u in self.units if u.grad_bytes]
+        inf = math.isinf(norm_type)
+        # summed in float64, so that how parameters are grouped into units does not round it
+        f64 = torch.float64
+        parts = [g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64)
+                 ** norm_type for g in grads]  # fmt: skip
+        total = torch.zeros(1, dtype=f64, device=self.device)
+        if parts:
+            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
+        all_reduce_(total, self.comm, "max" if inf else "sum", what="clip_grad_norm_'s total norm")
+        total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the "
+                "non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def unfinished_forward(self) -> str | None:
+        return self.schedule.unfinished_forward()
+
+    # --- parameters after the update ---------------------------------------------------------
+
+    def stepping(self) -> list[Unit]:
+        """The units with a parameter that takes this step."""
+        return [u for u in self.units if any(s.any_active for s in self.segments if s.unit is u)]
+
+    def refresh(self, units: Sequence[Unit]) -> None:
+        """Before the update: take parameters written from outside into the shards."""
+        for u in units:
+            u.refresh_shard()
+
+    def publish(self, units: Sequence[Unit] | None = None) -> int:
+        """Unsharded units: gather the updated shards into the parameters every rank keeps
+        (sharded units gather before their next forward instead). Returns bytes sent."""
+        sent = 0
+        with record_function("vescale_optim.gather_params"):
+            units = [u for u in (self.units if units is None else units) if not u.sharded]
+            handles = [u.gather_after_step(async_op=True) for u in units]
+            for u, h in zip(units, handles):
+                h.wait()
+                sent += ring(u.comm.world_size, u.shard.numel() * u.full.data.element_size())
+        return sent
+
+    # --- memory -----------------------------------------------------------------------------
+
+    def masters(self) -> Iterator[torch.Tensor]:
+        """The fp32 master shards of bf16/fp16 parameters (optimizer state, not parameters)."""
+        for u in self.units:
+            if u.orig_dtype in LOW_PRECISION:
+                yield u.shard
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now in `parameters`, `gradients` and `unsharded` (see the
+        optimizers' `memory_stats`)."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        params = grads = unsharded = 0
+        for u in self.units:
+            if u.sharded:
+                params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
+            else:
+                params += u.full.nbytes
+            grads += u.grad_bytes + (nbytes(u.grad_unsynced) if u.grad_unsynced is not None else 0)
+            unsharded += u.transient_bytes()
+        return {"parameters": params, "gradients": grads, "unsharded": unsharded}
+
+    # --- the model's own state ----------------------------------------------------------------
+
+    def param_names(self, model: nn.Module | None) -> dict[int, str]:
+        root = model if model is not None else self.root
+        if root is None:
+            raise ValueError("pass the model: without shard_modules the optimizer does not know its names")
+        names = {}
+        for name, p in root.named_parameters():
+            names.setdefault(id(p), name)
+        missing = [self.labels[id(p)] for u in self.units for p in u.params if id(p) not in names]
+        if missing:
+            raise ValueError(f"the model does not hold parameters {missing} of this optimizer")
+        return names
+
+    def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
+        return sharded_model_state(self.units, self.param_names(model))
+
+    @torch.no_grad()
+    def load_sharded_model_state_dict(self, state_dict: dict) -> None:
+        from ..shard.dcp import DcpPiece
+
+        bad = [k for k, v in state_dict.items() if not isinstance(v, DcpPiece)]
+        if bad:
+            raise TypeError(f"{bad[:3]} are not pieces from sharded_model_state_dict(); pass its dict")
+        self.publish()
