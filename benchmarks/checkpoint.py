@@ -42,7 +42,6 @@ Tables to stdout with the load average, JSON (and a PNG) to `benchmarks/results/
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -60,14 +59,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
-from benchmarks._report import environment, pyplot, save_json, save_png, table  # noqa: E402
+from benchmarks._measure import load_average  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, environment, host_line, pyplot, save_json, save_png, table  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
 QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=2, seq=16)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "vescale_optim", "benchmarks.checkpoint"]  # fmt: skip
+PRELOAD = ["benchmarks.checkpoint"]  # besides benchmarks._gpt.PEERS
 SIDES = ("ours", "peer")
 
 
@@ -333,10 +332,6 @@ def plot(rows: list[dict]) -> Path | None:
     return save_png("checkpoint", fig)
 
 
-def load_average() -> str:
-    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (--quick: 2)")
@@ -358,13 +353,14 @@ def main(argv: list[str] | None = None) -> dict:
     shape = QUICK if q else MODEL
     t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
     root = Path(tempfile.mkdtemp(prefix="vo-ckpt-bench-", dir=args.dir))
-    rows, loads = [], {}
+    rows, loads, threads = [], {}, []
     try:
         for w in worlds:
             before = load_average()
             res = launch(_rank_main, w, shape, optims, rounds, cycles, every, str(root / f"W{w}"),
                          preload=PRELOAD)  # fmt: skip
             loads[w] = {"before": before, "after": load_average()}
+            threads += res.threads
             rows += [summarize(w, o, [r[o] for r in res]) for o in optims]
             log(f"W={w}: {time.perf_counter() - t0:.0f} s")
     finally:
@@ -372,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nsave / load / bytes per rank, ours (ZeRO-3 + CheckpointManager) vs FSDP2 + DCP; "
           f"x = ours / peer, medians of {rounds} rounds\n")  # fmt: skip
     print(table(rows, TIMES))
+    print(f"\n{FSDP2_ON_CPU}")
     timed = [r for r in rows if "async %" in r]
     if timed:
         print(f"\nasync saving every {every} steps: step-time overhead vs no saving, "
@@ -379,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(table(timed, ASYNC))
     print("\nload average (1, 5, 15 min): " + "; ".join(f"W={w}: {v['before']} -> {v['after']}"
                                                        for w, v in loads.items()))  # fmt: skip
-    result = {"env": environment(), "shape": shape, "rounds": rounds, "cycles": cycles, "every": every,
+    print(host_line(threads))
+    result = {"env": environment(threads), "shape": shape, "rounds": rounds, "cycles": cycles, "every": every,
               "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
     print(f"\n{save_json('checkpoint', result)}")
     png = plot(rows)
