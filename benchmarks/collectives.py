@@ -1,6 +1,6 @@
 """Parameter all-gather and gradient reduce-scatter: flat ragged buckets against FSDP2, on gloo.
 
-A local gloo world (default 4 ranks, `torch.multiprocessing` spawn) holds a GPT-like
+A local gloo world (default 4 ranks, `benchmarks._gpt.launch`) holds a GPT-like
 parameter set of ~46 M fp32 elements: embedding 8192 x 512, 12 blocks of
 [qkv 1536 x 512, o 512 x 512, fc 2048 x 512, proj 512 x 2048, two norms 512], a final
 norm and an untied head 8192 x 512.
@@ -9,8 +9,9 @@ Paths (each its own copy of the model, all alive at once so runs can interleave)
 
 * `ours, 13 buckets` - one flat bucket per FSDP2 group (each block; embedding + final norm
   + head), so the number and sizes of the collectives match FSDP2's. Layouts come from
-  `plan_layout` (unit = one row, `shape[-1]`; align 16) and `bind_parameters`; parameter
-  sync is one `all_gather_` per bucket, gradient sync one `reduce_scatter_(op="mean")`.
+  `plan_layout` (unit = one row, `shape[-1]`; align 16), parameters and gradients are views
+  of two `FlatBuffer`s; parameter sync is one in-place all-gather per bucket, gradient sync
+  one reduce-scatter (mean) into the local slice (the shard layer's collectives).
 * `ours, 1 bucket` (`--one-bucket`) - every parameter in one bucket: one all-gather, one
   reduce-scatter of 46 M elements. Off by default because it doubles the run time: gloo
   over loopback TCP costs ~3x more per element for a 46 M-element collective than for
@@ -28,10 +29,12 @@ paths are interleaved inside every run):
 
 * `param all-gather`: ours = `all_gather_` on every bucket; FSDP2 = `unshard()` on every
   FSDP module, then `reshard()` on every one (copy-in, all-gather, copy-out, free).
-* `grad reduce-scatter`: ours = `reduce_scatter_` on every bucket after backward; FSDP2 =
-  the time spent inside its `foreach_reduce` during backward (copy-in, reduce-scatter,
-  views of the sharded gradients), measured by wrapping that internal function. It is
-  FSDP2's private API: if it moves, the row is left empty.
+* `grad reduce-scatter`: read from the torch profiler (CPU activities only) on a backward of
+  its own: ours = the reduce-scatter of every bucket after backward, in a `bench::` window;
+  FSDP2 = its `FSDP::post_backward_reduce` windows during backward, added up (copy-in,
+  reduce-scatter, views of the sharded gradients). Both sides run under the same profiler;
+  a run whose profile has no such window fails (FSDP2's labels moved) rather than printing
+  an empty row.
 * `backward + grad RS`: `loss.backward()` (+ ours' reduce-scatter); the forward, which
   FSDP2 uses to all-gather, runs before the clock starts. The loss is a sum of one term
   per parameter whose backward hands autograd a fresh, contiguous gradient filled with a
@@ -60,7 +63,8 @@ is the number of elements the counted copies write, in millions. Everything a co
 copy was and where it ran goes to the JSON (`copy_events`).
 
 Each rank runs `max(1, cpus // world_size)` intra-op threads, the CPUs being those this
-process may run on, so the ranks share the machine fairly.
+process may run on, so the ranks share the machine fairly. On CPU, FSDP2 issues its
+collectives synchronously (its overlap needs CUDA streams); the ops here are timed alone.
 
     python benchmarks/collectives.py                 # 4 ranks, ~46 M parameters
     python benchmarks/collectives.py --one-bucket    # ... and the single-bucket path
@@ -71,16 +75,14 @@ process may run on, so the ranks share the machine fairly.
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -88,16 +90,20 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks._copies import count_copies  # noqa: E402
-from benchmarks._report import environment, save_json, table  # noqa: E402
+from benchmarks._copies import ancestors, count_copies  # noqa: E402
+from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, table  # noqa: E402
 from vescale_optim.shard import FlatBuffer, plan_layout  # noqa: E402
-from vescale_optim.shard.collectives import Comm, all_gather_into_, reduce_scatter_into_  # noqa: E402
+
+# The shard layer's collectives, the subject of this benchmark (not exported by vescale_optim.shard):
+# imported here only, so a move is a one-line fix.
+from vescale_optim.shard.collectives import Comm, all_gather_into_, reduce_scatter_into_  # noqa: E402, I001
 
 ALIGN = 16
+PRELOAD = ["benchmarks.collectives"]  # besides benchmarks._gpt.PEERS
 OPS = ("param all-gather", "grad reduce-scatter", "backward + grad RS")
 
 
@@ -255,32 +261,17 @@ class FSDP2:
             assert torch.all(local == expect), f"FSDP2: reduced gradient {local.view(-1)[:4]} != {expect}"
 
 
-class _ReduceTimer:
-    """Wraps FSDP2's internal `foreach_reduce` to add up the time spent in it."""
-
-    def __init__(self):
-        self.seconds, self.calls, self.installed = 0.0, 0, False
-        try:
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
-        except ImportError:
-            return
-        inner = getattr(pg, "foreach_reduce", None)
-        if inner is None:
-            return
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-
-        pg.foreach_reduce = timed
-        self.installed = True
-
-    def reset(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+def _profiled(fn: Callable[[], object], label: str) -> float:
+    """Seconds inside the outermost profiler windows whose name starts with `label` during `fn()`,
+    after a barrier; `fn` itself runs in a `bench::profiled` window."""
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("bench::profiled"):
+        fn()
+    hits = [e for e in prof.events() if e.name.startswith(label)]
+    outer = [e for e in hits if not any(a.name.startswith(label) for a in ancestors(e))]
+    if not outer:
+        raise RuntimeError(f"no profiler window named {label}... in this step: did the label move?")
+    return sum(e.time_range.elapsed_us() for e in outer) / 1e6
 
 
 # ---------------------------------------------------------------- the ranks
@@ -308,26 +299,10 @@ def _profile_step(rank: int, steps: list[tuple[str, Callable[[], None]]]) -> dic
     return count_copies(prof, [r for r, _ in steps])
 
 
-def _rank_main(rank: int, world: int, init_file: str, args, queue) -> None:
+def _measure(rank: int, world: int, args) -> dict:
     # torch 2.13 deprecates the names the shard layer calls (`all_gather_into_tensor`,
     # `reduce_scatter_tensor`); one warning per rank and call site is noise here.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use", category=FutureWarning)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cpus // world)
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=600),
-    )
-    try:
-        result = _measure(rank, world, args, threads)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure(rank: int, world: int, args, threads: int) -> dict:
     cfg = QUICK if args.quick else FULL
     comm = Comm()
     scale = float(rank + 1)
@@ -335,7 +310,6 @@ def _measure(rank: int, world: int, args, threads: int) -> dict:
     ours = {name: Ours(cfg, per_group, comm) for name, per_group in _ours_paths(cfg, args.one_bucket).items()}
     paths = (*ours, "FSDP2")
     fsdp = FSDP2(cfg)
-    timer = _ReduceTimer()
     numel = sum(p.numel() for p in fsdp.model.parameters())
 
     # Step 0, unmeasured: FSDP2's lazy init, first touch of every buffer, and checks that
@@ -389,14 +363,17 @@ def _measure(rank: int, world: int, args, threads: int) -> dict:
             o.zero_grad()
             loss = _loss(o.model, scale)
             bwd = _barrier_time(loss.backward)
-            rs = _barrier_time(o.reduce_scatter)
-            times[(name, OPS[1])] = rs
-            times[(name, OPS[2])] = bwd + rs
+            times[(name, OPS[2])] = bwd + _barrier_time(o.reduce_scatter)
         fsdp.zero_grad()
         loss = _loss(fsdp.model, scale)  # FSDP2 all-gathers here, off the clock
-        timer.reset()
         times[("FSDP2", OPS[2])] = _barrier_time(loss.backward)
-        times[("FSDP2", OPS[1])] = timer.seconds if timer.installed and timer.calls else float("nan")
+        for name, o in ours.items():  # the reduce-scatter alone: both sides under the profiler
+            o.zero_grad()
+            _loss(o.model, scale).backward()
+            times[(name, OPS[1])] = _profiled(o.reduce_scatter, "bench::profiled")
+        fsdp.zero_grad()
+        loss = _loss(fsdp.model, scale)
+        times[("FSDP2", OPS[1])] = _profiled(loss.backward, "FSDP::post_backward_reduce")
         return times
 
     for _ in range(args.warmup):
@@ -421,13 +398,12 @@ def _measure(rank: int, world: int, args, threads: int) -> dict:
         "samples_s": samples.tolist(),
         "copies": {f"{p} | {op}": c for (p, op), c in copies.items()},
         "params": numel,
-        "threads_per_rank": threads,
+        "threads_per_rank": torch.get_num_threads(),
         "padding": {name: o.padding for name, o in ours.items()},
         "collective_numel": {
             **{name: [pbuf.layout.numel for _, pbuf, _ in o.buckets] for name, o in ours.items()},
             "FSDP2": [-(-n // world) * world for n in per_group],
         },
-        "fsdp2_reduce_timer": timer.installed,
     }
 
 
@@ -472,15 +448,13 @@ def _rows(result: dict) -> list[dict]:
         for path in result["paths"]:
             t = col[(path, op)]
             c = result["copies"].get(f"{path} | {op}", {})
-            ratio = None
-            if path != "FSDP2" and not torch.isnan(peer).any():
-                ratio = statistics.median((t / peer).tolist())
+            ratio = None if path == "FSDP2" else statistics.median((t / peer).tolist())
             median = statistics.median(t.tolist())
             rows.append({
                 "path": path,
                 "op": op,
-                "median ms": None if median != median else median * 1e3,
-                "min ms": None if median != median else min(t.tolist()) * 1e3,
+                "median ms": median * 1e3,
+                "min ms": min(t.tolist()) * 1e3,
                 "copies": c.get("copies"),
                 "M el.": None if not c else c["elements"] / 1e6,
                 "c10d copies": c.get("c10d_copies"),
@@ -491,7 +465,7 @@ def _rows(result: dict) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--runs", type=int, default=None, help="timed runs (default 5, --quick 3)")
@@ -506,16 +480,13 @@ def main(argv=None) -> int:
     if args.world_size < 2 or args.runs < 1 or args.warmup < 0:
         ap.error("need --world-size >= 2, --runs >= 1, --warmup >= 0")
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="vo_bench_") as tmp:
-        mp.start_processes(
-            _rank_main, args=(args.world_size, os.path.join(tmp, "store"), args, queue),
-            nprocs=args.world_size, join=True, start_method="spawn",
-        )
-    result = queue.get()
-    wall = time.perf_counter() - t0
+    ranks = launch(_measure, args.world_size, args, preload=PRELOAD)
+    result, wall = ranks[0], time.perf_counter() - t0
+    bad = [k for j, k in enumerate(result["keys"]) if not all(math.isfinite(r[j]) and r[j] > 0
+                                                             for r in result["samples_s"])]  # fmt: skip
+    if bad:
+        raise RuntimeError(f"timings that are not positive finite numbers: {bad}")
     cfg = QUICK if args.quick else FULL
     rows = _rows(result)
     columns = ["path", "op", "median ms", "min ms", "copies", "M el.", "c10d copies", "c10d M el.",
@@ -526,6 +497,7 @@ def main(argv=None) -> int:
         f"median of {args.runs} runs after {args.warmup + 1} warm-up\n"
     )
     print(table(rows, columns, floatfmt=".3g"))
+    print(f"\n{host_line(ranks.threads)}\n{FSDP2_ON_CPU}")
     print(
         "\ncopies / M el.: outermost copy ops per step on rank 0 outside torch.distributed (ours: "
         "shard layer + autograd; FSDP2: its copy-in/out + autograd); c10d: inside torch.distributed "
@@ -535,28 +507,25 @@ def main(argv=None) -> int:
              for k, v in result["collective_numel"].items()}
     print(f"M elements per collective: {sizes}")
     print(f"padding of ours (elements): {result['padding']}; wall {wall:.1f} s")
-    path = save_json(
-        "collectives_quick" if args.quick else "collectives",
-        {
-            "env": environment(),
-            "world_size": args.world_size,
-            "runs": args.runs,
-            "warmup": args.warmup,
-            "model": asdict(cfg),
-            "params": result["params"],
-            "threads_per_rank": result["threads_per_rank"],
-            "padding": result["padding"],
-            "collective_numel": result["collective_numel"],
-            "fsdp2_reduce_timer": result["fsdp2_reduce_timer"],
-            "rows": rows,
-            "samples_s": {f"{p} | {op}": [s[j] for s in result["samples_s"]]
-                          for j, (p, op) in enumerate(result["keys"])},
-            "wall_s": wall,
-        },
-    )
+    payload = {
+        "env": environment(ranks.threads),
+        "world_size": args.world_size,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "model": asdict(cfg),
+        "params": result["params"],
+        "threads_per_rank": result["threads_per_rank"],
+        "padding": result["padding"],
+        "collective_numel": result["collective_numel"],
+        "rows": rows,
+        "samples_s": {f"{p} | {op}": [s[j] for s in result["samples_s"]]
+                      for j, (p, op) in enumerate(result["keys"])},
+        "wall_s": wall,
+    }
+    path = save_json("collectives_quick" if args.quick else "collectives", payload)
     print(f"saved {path}")
-    return 0
+    return payload
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
