@@ -5,6 +5,7 @@
     t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
     median_of_max(per_rank_times)       # median over steps of the slowest rank's time
     load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
+    window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import statistics
 import time
 
-__all__ = ["Timer", "live_malloc", "load_average", "median_of_max", "reset_peak", "slowest", "status_kb"]
+__all__ = ["Timer", "live_malloc", "load_average", "median_of_max", "reset_peak", "slowest", "status_kb",
+           "window_seconds"]  # fmt: skip
 
 
 def status_kb(field: str) -> int:
@@ -86,3 +88,20 @@ def load_average() -> str:
         return ", ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
         return "unknown"
+
+
+def window_seconds(prof, prefix: str) -> float | None:
+    """Seconds inside the outermost windows of a finished `torch.profiler.profile` whose names
+    start with `prefix` (`record_function` labels: ours `vescale::...` and `vescale_optim....`,
+    FSDP2's `FSDP::...`), added up; None when there is none, so a label that moved shows."""
+
+    def nested(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith(prefix):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    outer = [e for e in prof.events() if e.name.startswith(prefix) and not nested(e)]
+    return sum(e.time_range.elapsed_us() for e in outer) / 1e6 if outer else None

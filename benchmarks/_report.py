@@ -16,6 +16,7 @@ a number means little without the host, its threads per rank and its load.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -28,8 +29,8 @@ from benchmarks._measure import load_average
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-__all__ = ["FSDP2_ON_CPU", "RESULTS_DIR", "environment", "host", "host_line", "pyplot", "save_json",
-           "save_png", "table"]  # fmt: skip
+__all__ = ["FSDP2_ON_CPU", "RESULTS_DIR", "environment", "host", "host_line", "pyplot", "require_finite",
+           "save_json", "save_png", "table"]  # fmt: skip
 
 FSDP2_ON_CPU = (
     "On CPU, FSDP2 issues its collectives synchronously (its overlap of communication with compute "
@@ -78,6 +79,16 @@ def table(
         "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2) for w, num in zip(widths, numeric)) + "|"
     )
     return "\n".join([line(list(columns)), rule, *(line(r) for r in cells)])
+
+
+def require_finite(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    """Raise if a row's value in one of `columns` is a float that is nan or infinite: a benchmark
+    fails loudly rather than printing a number it did not measure."""
+    bad = [(row.get("config", row.get("optimizer", i)), c, row[c])
+           for i, row in enumerate(rows) for c in columns
+           if isinstance(row.get(c), float) and not math.isfinite(row[c])]  # fmt: skip
+    if bad:
+        raise RuntimeError(f"numbers that were not measured (row, column, value): {bad}")
 
 
 def save_json(name: str, payload: Any) -> Path:

@@ -93,8 +93,9 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks._copies import ancestors, count_copies  # noqa: E402
+from benchmarks._copies import count_copies  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._measure import window_seconds  # noqa: E402
 from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, table  # noqa: E402
 from vescale_optim.shard import FlatBuffer, plan_layout  # noqa: E402
 
@@ -262,16 +263,15 @@ class FSDP2:
 
 
 def _profiled(fn: Callable[[], object], label: str) -> float:
-    """Seconds inside the outermost profiler windows whose name starts with `label` during `fn()`,
-    after a barrier; `fn` itself runs in a `bench::profiled` window."""
+    """Seconds inside the profiler windows named `label...` during `fn()`, after a barrier; `fn`
+    itself runs in a `bench::profiled` window."""
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("bench::profiled"):
         fn()
-    hits = [e for e in prof.events() if e.name.startswith(label)]
-    outer = [e for e in hits if not any(a.name.startswith(label) for a in ancestors(e))]
-    if not outer:
+    seconds = window_seconds(prof, label)
+    if seconds is None:
         raise RuntimeError(f"no profiler window named {label}... in this step: did the label move?")
-    return sum(e.time_range.elapsed_us() for e in outer) / 1e6
+    return seconds
 
 
 # ---------------------------------------------------------------- the ranks
