@@ -6,6 +6,7 @@
     median_of_max(per_rank_times)       # median over steps of the slowest rank's time
     load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
     window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
+    matmul_flops(prof)                  # FLOPs of the matrix products a profile saw
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import os
 import statistics
 import time
 
-__all__ = ["Timer", "live_malloc", "load_average", "median_of_max", "reset_peak", "slowest", "status_kb",
-           "window_seconds"]  # fmt: skip
+__all__ = ["PRODUCTS", "Timer", "live_malloc", "load_average", "matmul_flops", "median_of_max", "reset_peak",
+           "slowest", "status_kb", "window_seconds"]  # fmt: skip
 
 
 def status_kb(field: str) -> int:
@@ -105,3 +106,16 @@ def window_seconds(prof, prefix: str) -> float | None:
 
     outer = [e for e in prof.events() if e.name.startswith(prefix) and not nested(e)]
     return sum(e.time_range.elapsed_us() for e in outer) / 1e6 if outer else None
+
+
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_flops(prof) -> int:
+    """FLOPs of the innermost matrix products a finished `profile(..., with_flops=True)` saw (a
+    product that calls another, as a DTensor's calls its local one, counts as the inner one)."""
+
+    def calls_product(e) -> bool:
+        return any(c.name in PRODUCTS or calls_product(c) for c in e.cpu_children)
+
+    return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))

@@ -69,7 +69,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
-from benchmarks._measure import slowest  # noqa: E402
+from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
 from vescale_optim.units.owners import ns_flops  # noqa: E402
@@ -79,7 +79,6 @@ MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
 CONFIGS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
 MODEL = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
 QUICK = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
-PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 PRELOAD = ["benchmarks.hsdp"]  # besides benchmarks._gpt.PEERS
 
 
@@ -91,16 +90,6 @@ def ns_total(model: torch.nn.Module) -> int:
     """Newton–Schulz FLOPs of one step over every Muon matrix of `model`, each once."""
     steps = MUON["ns_steps"]
     return sum(ns_flops(p.shape[0], p.shape[1], steps) for p in muon_groups(model)[0]["params"])
-
-
-def matmul_flops(prof) -> int:
-    """FLOPs of the innermost matrix products the profiler saw (a product that calls
-    another, as a DTensor's calls its local one, counts as the inner one)."""
-
-    def calls_product(e) -> bool:
-        return any(c.name in PRODUCTS or calls_product(c) for c in e.cpu_children)
-
-    return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))
 
 
 class Trainer(_train.Trainer):

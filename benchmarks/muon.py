@@ -4,17 +4,25 @@ owner assignment on real model shapes.
 Part (a): optimizer step on a ~22 M-parameter GPT (`_gpt.build_gpt`; hidden matrices through
 Muon, the rest through AdamW, as `vo.muon_param_groups` splits them), 4 gloo ranks: `vo.Muon`
 (each matrix gathered to one owner for Newton-Schulz) vs DDP, FSDP2 and ZeRO with
-`torch.optim.Muon` + `AdamW`. One forward/backward, then `--warmup` + `--steps` steps from that
-gradient, configs stepped in turn round by round so other load hits them alike; a step lasts as
-long as its slowest rank. Checks: same parameters as DDP after one step (bf16 rounding of a
-differently reduced gradient moves a few elements by an ulp of the update; 5% passes), each
-matrix orthogonalized once by its owner, part (b)'s construction == what `vo.Muon` built.
+`torch.optim.Muon` + `AdamW`. Every round, each config runs a forward and backward on the
+rank's batch (untimed), then `opt.step()` after a barrier (timed); configs take turns round by
+round so other load hits them alike, and a step lasts as long as its slowest rank. Then
+`--profiled` more rounds under the torch profiler: the breakdown of a step (ours from its
+`record_function` windows: `vescale_optim.sync_grads`, `vescale_optim.newton_schulz`, the moves'
+`vescale_optim.moves.*`, `vescale_optim.gather_params`; the peers' `torch.optim.Muon` and
+`AdamW` steps) and each rank's Newton-Schulz FLOPs, counted from its matrix products. Checks:
+same parameters as DDP after the first step (bf16 rounding of a differently reduced gradient
+moves a few elements by an ulp of the update; 5% passes); every matrix orthogonalized once
+(`step_stats["ns_matrices"]` over ranks); each rank's measured and reported Newton-Schulz
+FLOPs equal `opt.ns_load`; part (b)'s construction, run on this model's hidden matrices, gives
+the units and loads `vo.Muon` built (`opt.units`, `opt.ns_load`).
 
 Part (b): Llama-3-8B/70B, DeepSeek-V3 (separate experts), GPT-OSS-120B (fused 3-D experts, each
 slice a matrix) at W in {8, 64, 256}, no processes. Hidden matrices go one bucket per block, or
-into `vo.Muon`'s default buckets; each bucket is laid out as the optimizer does and planned by
-the library's own `_MuonPlan` (on a stand-in bucket); then, as `Muon.__init__` does, ONE
-`assign_owners(all costs, W, all homes)` over the whole step.
+into `vo.Muon`'s default buckets; each bucket is laid out as the optimizer lays out a unit of
+one Muon group (`plan_layout`, a granule of one row, the default alignment), a matrix's home is the rank that
+holds all of it (if one does) and its cost its Newton-Schulz FLOPs; then, as `vo.Muon` does,
+ONE `assign_owners(all costs, W, all homes)` over the whole step.
 
     python benchmarks/muon.py              # both parts (~4 min on 2 CPU cores)
     python benchmarks/muon.py --quick      # tiny model, small part (b)
@@ -24,15 +32,11 @@ the library's own `_MuonPlan` (on a stand-in bucket); then, as `Muon.__init__` d
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import math
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,16 +44,18 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch, threads_per_rank  # noqa: E402
-from benchmarks._measure import median_of_max  # noqa: E402
+from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks._measure import matmul_flops, median_of_max, window_seconds  # noqa: E402
 from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names  # noqa: E402
-from benchmarks._report import environment, save_json, table  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, environment, host_line, require_finite, save_json, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices  # noqa: E402
-from vescale_optim.optim import muon as muon_mod  # noqa: E402
-from vescale_optim.shard import plan_layout  # noqa: E402
-from vescale_optim.shard.layout import bucket_indices  # noqa: E402
+
+# The library's pure planning functions, called as vo.Muon calls them: imported here only, so that
+# a module that moves is a one-line fix.
+from vescale_optim.shard.layout import bucket_indices, plan_layout  # noqa: E402, I001
 from vescale_optim.units.owners import assign_owners, imbalance, ns_flops  # noqa: E402
 
 LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + torch Muon",
@@ -58,9 +64,12 @@ LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + 
 # DDP's replicated Newton-Schulz (12 GFLOP per rank and step) within minutes.
 FULL = dict(vocab=50304, d_model=192, n_layers=6, n_heads=6, seq_len=128, batch=2, seq=64)
 QUICK = dict(vocab=2048, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32)
-PRELOAD = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.optim", "torch.nn.parallel",
-           "torch.distributed.tensor", "vescale_optim", "benchmarks.muon"]  # fmt: skip
-BUCKET_CAP = inspect.signature(vo.Muon).parameters["bucket_cap_numel"].default
+PRELOAD = ["benchmarks.muon"]  # besides benchmarks._gpt.PEERS
+BUCKET_CAP = vo.ShardingConfig().bucket_cap_numel  # the optimizers' defaults
+ALIGN = vo.ShardingConfig().align
+WINDOWS = {"RS": ["vescale_optim.sync_grads"], "NS": ["vescale_optim.newton_schulz"],
+           "moves": ["vescale_optim.moves.gather", "vescale_optim.moves.finish"],
+           "AG": ["vescale_optim.gather_params"]}  # fmt: skip
 
 
 def _goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
@@ -71,6 +80,14 @@ def _goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
 
 
 # ====================================================================== part (b)
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(count, rows, cols) as Muon sees a parameter: a 2-D weight is one matrix, a 3-D one a stack
+    of `count`, a 4-D convolution weight one `[out, in*kh*kw]` matrix."""
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], math.prod(shape[1:])
 
 
 def default_buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
@@ -86,30 +103,36 @@ def model_buckets(model: str, bucketing: str) -> list[list[tuple[int, ...]]]:
     return blocks if bucketing == "block" else default_buckets([s for b in blocks for s in b])
 
 
-def library_assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
-    """What `Muon.__init__` computes for these buckets: each laid out as the optimizer lays it out
-    (row units, align 16) and planned by the library's `_MuonPlan` on a stand-in bucket; then ONE
-    `assign_owners` over every matrix, in bucket order, and the per-rank load (`opt.ns_load`)."""
-    plans = []
+def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
+    """What `vo.Muon` computes for these buckets of one Muon group: each laid out with a granule of
+    one row; a matrix's home is the rank whose shard holds all of it (None when it spans ranks), its
+    cost its Newton-Schulz FLOPs; then ONE `assign_owners` over every matrix, in bucket order, and
+    the per-rank load (`opt.ns_load`)."""
+    costs, homes, layouts = [], [], []
     for shapes in buckets:
-        layout = plan_layout([math.prod(s) for s in shapes], [s[-1] for s in shapes], world, 16)
-        bucket = SimpleNamespace(params=[SimpleNamespace(shape=s) for s in shapes], layout=layout)
-        plans.append(muon_mod._MuonPlan(bucket, world, MUON["ns_steps"]))
-    costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.homes]
+        layout = plan_layout([math.prod(s) for s in shapes], [s[-1] for s in shapes], world, ALIGN)
+        layouts.append((layout.shard_size, tuple(layout.offsets)))
+        for shape, start in zip(shapes, layout.offsets):
+            count, rows, cols = matrix_view(shape)
+            for k in range(count):
+                lo = start + k * rows * cols
+                first, last = lo // layout.shard_size, (lo + rows * cols - 1) // layout.shard_size
+                homes.append(first if first == last else None)
+                costs.append(ns_flops(rows, cols, MUON["ns_steps"]))
     t0 = time.perf_counter()
     owners = assign_owners(costs, world, homes)
-    out = dict(costs=costs, homes=homes, owners=owners, seconds=time.perf_counter() - t0,
-               shards=[p.shard for p in plans], load=[0.0] * world)  # fmt: skip
+    load = [0.0] * world
     for c, o in zip(costs, owners):
-        out["load"][o] += c
-    return out
+        load[o] += c
+    return dict(costs=costs, homes=homes, owners=owners, seconds=time.perf_counter() - t0, layouts=layouts,
+                load=load)  # fmt: skip
 
 
 def part_b(models: list[str], worlds: tuple[int, ...]) -> list[dict]:
     rows = []
     for model, w, bucketing in ((m, w, b) for m in models for w in worlds for b in ("block", "default")):
         buckets = model_buckets(model, bucketing)
-        a = library_assignment(buckets, w)
+        a = assignment(buckets, w)
         costs, homes, n = a["costs"], a["homes"], len(a["costs"])
         rows.append({"model": model, "W": w, "bucketing": bucketing, "buckets": len(buckets), "matrices": n,
                      "per rank": n / w, "max/mean": imbalance(costs, a["owners"], w),
@@ -157,63 +180,39 @@ def _model(shape: dict):
     return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"])
 
 
-def _ns_total(params) -> int:
-    return sum(ns_flops(p.shape[0], math.prod(p.shape[1:]), MUON["ns_steps"]) for p in params)
-
-
 def _named(model) -> dict[str, torch.Tensor]:
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
     return {n.removeprefix("module."): p.detach().clone() for n, p in full.items()}
 
 
-def _setup_ours(config, model, rank, world):
-    groups = muon_groups(model)
-    opt, spent = vo.Muon(groups), {}
-    hooks = [("RS", opt, "reduce_gradients"), ("momentum", opt, "_momentum"), ("NS", opt, "_orthogonalize"),
-             ("gather/scatter", muon_mod, "run_plan"), ("AdamW", muon_mod, "adamw_bucket_step"),
-             ("AG", opt, "_gather_params")]  # fmt: skip
-    for part, owner, name in hooks:  # private names: a part whose hook moved shows in "other"
-        if hasattr(owner, name):
-            setattr(owner, name, _timed(spent, part, getattr(owner, name)))
-    if "gather/scatter" in spent:  # the all_to_all runs async: time its wait too
-        launch_plan = muon_mod.run_plan
+def _construction(shape: dict, world: int) -> dict[str, bool]:
+    """Part (b)'s construction on this model's hidden matrices against a `vo.Muon` of them alone
+    (collective: every rank builds one): the same units, layouts and per-rank load."""
+    hidden = muon_groups(_model(shape))[0]["params"]
+    opt = vo.Muon(hidden, **MUON)
+    mine = assignment(default_buckets([tuple(p.shape) for p in hidden]), world)
+    units = [[tuple(p.shape) for p in u.params] for u in opt.units]
+    return {"units": units == default_buckets([tuple(p.shape) for p in hidden]),
+            "layouts": mine["layouts"] == [(u.layout.shard_size, tuple(u.layout.offsets)) for u in opt.units],
+            "ns_load": mine["load"] == list(opt.ns_load)}  # fmt: skip
 
-        def run_plan(*args, **kwargs):
-            handle = launch_plan(*args, **kwargs)
-            handle.wait = _timed(spent, "gather/scatter", handle.wait)
-            return handle
 
-        muon_mod.run_plan = run_plan
-    params, grads = [p for g in groups for p in g["params"]], []
-
-    def forward_backward(x, y):
-        model.loss(x, y).backward()
-        grads.extend(p.grad.detach().clone() for p in params)
-
-    def before_step():  # the reduce-scatter overwrote the gradient: every step starts from the same one
-        for p, g in zip(params, grads):
-            p.grad.copy_(g)
+def _setup_ours(config, model, rank, world, shape):
+    opt = vo.Muon(muon_groups(model))
 
     def stats():
-        plans = list(opt._plans.values())
-        owners = [o for p in plans for o in p.owners]
-        rs = sum((world - 1) * b.layout.shard_size * b.pbuf.data.element_size() for b in opt._buckets)
-        sent = {"RS": rs, "AG": rs, "gather": sum(p.gather.bytes_sent(rank, 2) for p in plans),
-                "scatter": sum(p.scatter.bytes_sent(rank, 2) for p in plans)}  # fmt: skip
-        # Part (b)'s construction on this model's Muon parameters must be what vo.Muon built.
-        mine = library_assignment(default_buckets([tuple(p.shape) for p in groups[0]["params"]]), world)
-        lib = dict(owners=owners, homes=[h for p in plans for h in p.homes], load=list(opt.ns_load),
-                   costs=[c for p in plans for c in p.costs], shards=[p.shard for p in plans])  # fmt: skip
-        return {"ns_flops_by_rank": list(opt.ns_load), "owners": owners, "orthogonalized": opt.orthogonalized,
-                "matrices_by_rank": [owners.count(r) for r in range(world)], "matrices": len(owners),
-                "in_place": sum(h == o for h, o in zip(lib["homes"], owners)), "bytes_sent": sent,
-                "part_b_matches": all(mine[k] == v for k, v in lib.items())}  # fmt: skip
+        rs = sum((world - 1) * u.layout.shard_size * u.params[0].element_size() for u in opt.units)
+        return {"ns_flops": opt.step_stats["ns_flops"], "ns_load": list(opt.ns_load),
+                "ns_matrices": opt.step_stats["ns_matrices"], "orthogonalized": opt.orthogonalized,
+                "bytes_sent": {"RS in bwd (ring, from opt.units' layouts)": rs,
+                               "in opt.step() (step_stats)": opt.step_stats["bytes_sent"]},
+                "construction": _construction(shape, world)}  # fmt: skip
 
-    return dict(forward_backward=forward_backward, before_step=before_step, step=opt.step, stats=stats,
-                spent=spent)  # fmt: skip
+    return dict(forward_backward=lambda x, y: model.loss(x, y).backward(), step=opt.step,
+                zero_grad=opt.zero_grad, stats=stats, spent={}, windows=WINDOWS)  # fmt: skip
 
 
-def _setup_peer(config, model, rank, world):
+def _setup_peer(config, model, rank, world, shape):
     names = muon_names(model)
     if config == "FSDP2":
         from torch.distributed.fsdp import fully_shard
@@ -241,120 +240,123 @@ def _setup_peer(config, model, rank, world):
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
 
     def stats():
-        total, n = _ns_total(hidden), sum(p.numel() for p in model.parameters())
-        ar = {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4)}
+        n = sum(p.numel() for p in model.parameters())
         if config == "DDP":
-            return {"ns_flops_by_rank": [float(total)] * world, "bytes_sent": ar}
+            return {"bytes_sent": {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4)}}
         if config == "FSDP2":
-            return {"ns_flops_by_rank": [total / world] * world,
-                    "bytes_sent": {"AG fwd+bwd, RS bwd": int(3 * (world - 1) / world * n * 4)}}  # fmt: skip
-        mine, theirs = ([[p for g in gs for p in g["params"]] for gs in o._partition_parameters()]
-                        for o in (muon, adamw))  # fmt: skip
-        owned = [sum(p.numel() for p in a + b) for a, b in zip(mine, theirs)]
-        return {"ns_flops_by_rank": [float(_ns_total(ps)) for ps in mine], "owned_numel_by_rank": owned,
-                "bytes_sent": {**ar, "broadcast": (world - 1) * owned[rank] * 4}}  # fmt: skip
+            return {"bytes_sent": {"AG fwd+bwd, RS bwd": int(3 * (world - 1) / world * n * 4)}}
+        owned = sum(p.numel() for o in (muon, adamw) for g in o.optim.param_groups for p in g["params"])
+        return {"owned_numel": owned, "bytes_sent": {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4),
+                                                     "broadcast": (world - 1) * owned * 4}}  # fmt: skip
 
-    return dict(forward_backward=forward_backward, before_step=lambda: None,
-                step=lambda: (muon_step(), adamw_step()), stats=stats, spent=spent)  # fmt: skip
+    return dict(forward_backward=forward_backward, step=lambda: (muon_step(), adamw_step()),
+                zero_grad=lambda: (muon.zero_grad(), adamw.zero_grad()), stats=stats, spent=spent,
+                windows={})  # fmt: skip
 
 
-def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, steps: int) -> dict:
+def _profiled_step(config: str, s: dict) -> dict:
+    """One step under the profiler: its seconds, its parts and the FLOPs of its matrix products."""
+    s["spent"].update(dict.fromkeys(s["spent"], 0.0))
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        t0 = time.perf_counter()
+        s["step"]()
+        total = time.perf_counter() - t0
+    parts = dict(s["spent"])
+    for part, prefixes in s["windows"].items():
+        seconds = [window_seconds(prof, w) for w in prefixes]
+        if all(x is None for x in seconds):
+            raise RuntimeError(f"{config}: no profiler window {prefixes} in a step (did it move?)")
+        parts[part] = sum(x for x in seconds if x is not None)
+    return {"step": total, "parts": parts, "flops": matmul_flops(prof)}
+
+
+def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, steps: int,
+          profiled: int) -> dict:  # fmt: skip
     """Every configuration on one rank, interleaved: round i steps each configuration once."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    def fail(o):  # a configuration that fails is a result, not a crash
-        o.update(error=traceback.format_exc().splitlines()[-1][:300], traceback=traceback.format_exc())
-
     x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + rank)
     out, setups = {}, {}
     for config in configs:
         model = _model(shape)
-        o = out[config] = {"rank": rank, "times_s": [], "cpu_s": []}
-        try:
-            s = (_setup_ours if config == "ours" else _setup_peer)(config, model, rank, world)
-            s["forward_backward"](x, y)
-            setups[config], s["model"], o["parts_s"] = s, model, {k: [] for k in s["spent"]}
-        except Exception:
-            fail(o)
+        setup = _setup_ours if config == "ours" else _setup_peer
+        setups[config] = {**setup(config, model, rank, world, shape), "model": model}
+        out[config] = {"rank": rank, "times_s": [], "cpu_s": [], "profiled": []}
     flat, allreduce = torch.zeros(param_count(model)), []
-    for i in range(warmup + steps):
-        for config, s in list(setups.items()):
+    for i in range(warmup + steps + profiled):
+        for config, s in setups.items():
             o = out[config]
-            try:
-                s["before_step"]()
-                s["spent"].update(dict.fromkeys(s["spent"], 0.0))
-                comm = CommDebugMode() if config == "FSDP2" and i == 0 else contextlib.nullcontext()
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                with comm:
-                    s["step"]()
-                o["times_s"].append(time.perf_counter() - t0)
-                o["cpu_s"].append(time.process_time() - c0)
-                for k, v in s["spent"].items():
-                    o["parts_s"][k].append(v)
-                if isinstance(comm, CommDebugMode):
-                    o["step_collectives"] = {str(k): v for k, v in comm.get_comm_counts().items()}
-                if i == 0:
-                    full = _named(s["model"])  # a collective for FSDP2: every rank takes part
-                    if rank == 0:
-                        o["after_first_step"] = full
-            except Exception:
-                fail(o)
-                del setups[config]
-        dist.barrier()  # what DDP does in backward, outside its step: one all-reduce of every gradient
-        t0 = time.perf_counter()
-        dist.all_reduce(flat)
-        allreduce.append(time.perf_counter() - t0)
+            s["zero_grad"]()
+            s["forward_backward"](x, y)
+            dist.barrier()
+            if i >= warmup + steps:
+                o["profiled"].append(_profiled_step(config, s))
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            s["step"]()
+            o["times_s"].append(time.perf_counter() - t0)
+            o["cpu_s"].append(time.process_time() - c0)
+            if i == 0:
+                full = _named(s["model"])  # a collective for FSDP2: every rank takes part
+                if rank == 0:
+                    o["after_first_step"] = full
+        if i < warmup + steps:  # what DDP does in backward, outside its step: an all-reduce of every gradient
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(flat)
+            allreduce.append(time.perf_counter() - t0)
     for config, s in setups.items():
         o = out[config]
         o.update(times_s=o["times_s"][warmup:], cpu_s=o["cpu_s"][warmup:], **s["stats"]())
-        o["parts_s"] = {k: v[warmup:] for k, v in o["parts_s"].items()}
     return {"configs": out, "allreduce_s": allreduce[warmup:]}
 
 
-def part_a(world: int, shape: dict, warmup: int, steps: int, configs: list[str]) -> dict:
+def _breakdown(res: list[dict]) -> dict:
+    """The profiled step of the median length (over steps of the slowest rank): that rank's parts, ms."""
+    slowest = [max(res, key=lambda r, i=i: r["profiled"][i]["step"]) for i in range(len(res[0]["profiled"]))]
+    i = sorted(range(len(slowest)), key=lambda i: slowest[i]["profiled"][i]["step"])[(len(slowest) - 1) // 2]
+    step = slowest[i]["profiled"][i]
+    parts = {k: 1e3 * v for k, v in step["parts"].items()}
+    return {"rank": slowest[i]["rank"], "step": 1e3 * step["step"], **parts,
+            "other": 1e3 * step["step"] - sum(parts.values())}  # fmt: skip
+
+
+def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, configs: list[str]) -> dict:
     t0 = time.perf_counter()
-    per_rank = launch(_rank, world, configs, shape, warmup, steps, preload=PRELOAD)
+    per_rank = launch(_rank, world, configs, shape, warmup, steps, profiled, preload=PRELOAD)
     print(f"# part (a): {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = {c: [r["configs"][c] for r in per_rank] for c in configs}
     model = _model(shape)
     init, names, hidden = _named(model), muon_names(model), muon_groups(model)[0]["params"]
+    total = sum(ns_flops(*matrix_view(tuple(p.shape))[1:], MUON["ns_steps"]) * matrix_view(tuple(p.shape))[0]
+                for p in hidden)  # fmt: skip
     ref = results.get("DDP", [{}])[0].get("after_first_step")  # (popped below: not for the JSON)
     rows = []
     for config, res in results.items():
-        row, r0, got = {"config": LABEL[config], "key": config}, res[0], res[0].pop("after_first_step", None)
+        row, got = {"config": LABEL[config], "key": config}, res[0].pop("after_first_step", None)
         rows.append(row)
-        failed = next((r for r in res if "error" in r), None)
-        if failed is not None:
-            row.update(error=f"rank {failed['rank']}: {failed['error']}", traceback=failed["traceback"])
-            continue
         row["step ms"] = 1e3 * median_of_max([r["times_s"] for r in res])
         row["step CPU ms"] = 1e3 * median_of_max([r["cpu_s"] for r in res])
         if config in ("DDP", "ZeRO"):
             row["AR in bwd ms"] = 1e3 * median_of_max([r["allreduce_s"] for r in per_rank])
-        # Breakdown: the slowest rank's parts in the median step (so that the parts add up).
-        slowest = [max(res, key=lambda r, i=i: r["times_s"][i]) for i in range(len(r0["times_s"]))]
-        i = sorted(range(len(slowest)), key=lambda i: slowest[i]["times_s"][i])[(len(slowest) - 1) // 2]
-        parts = {k: 1e3 * v[i] for k, v in slowest[i]["parts_s"].items()}
-        row["breakdown"] = {"rank": slowest[i]["rank"], "step": 1e3 * slowest[i]["times_s"][i], **parts}
-        row["breakdown"]["other"] = row["breakdown"]["step"] - sum(parts.values())
-        flops = r0["ns_flops_by_rank"]
+        row["breakdown"] = _breakdown(res)
+        flops = [statistics.median(p["flops"] for p in r["profiled"]) for r in res]
         row.update({"NS GFLOP max": max(flops) / 1e9, "NS GFLOP mean": statistics.mean(flops) / 1e9,
-                    "NS max/mean": max(flops) / statistics.mean(flops),
+                    "NS max/mean": max(flops) / statistics.mean(flops), "NS sum / total": sum(flops) / total,
+                    "NS GFLOP by rank (measured)": [f / 1e9 for f in flops],
                     "MB sent/rank max": max(sum(r["bytes_sent"].values()) for r in res) / 2**20,
-                    "MB sent (rank 0)": {k: v / 2**20 for k, v in r0["bytes_sent"].items()}})  # fmt: skip
-        keep = ("step_collectives", "owners", "matrices_by_rank", "matrices", "in_place")
-        row.update({k: r0[k] for k in keep if k in r0})
+                    "MB sent (rank 0)": {k: v / 2**20 for k, v in res[0]["bytes_sent"].items()}})  # fmt: skip
         if config == "ours":
-            row["orthogonalized_by_rank"] = [r["orthogonalized"] for r in res]
-            row["part (b) == vo.Muon"] = all(r["part_b_matches"] for r in res)
+            row["NS GFLOP by rank (stats)"] = [r["ns_flops"] / 1e9 for r in res]
+            row["ns_load"] = res[0]["ns_load"]
+            row["matrices by rank"] = [r["ns_matrices"] for r in res]
+            row["orthogonalized by rank"] = [r["orthogonalized"] for r in res]
+            row["construction"] = {k: all(r["construction"][k] for r in res) for k in res[0]["construction"]}
         if ref is not None:
             diff = {k: (got[k] - ref[k]).abs().max().item() for k in ref}
             row["max|Δ| Muon"] = max(diff[k] for k in names)
             row["max|Δ| AdamW"] = max(v for k, v in diff.items() if k not in names)
             row["Δ/update"] = row["max|Δ| Muon"] / max((ref[k] - init[k]).abs().max().item() for k in names)
-    ours = next((r for r in rows if r["key"] == "ours" and "step ms" in r), None)
-    for r in (r for r in rows if ours and "step ms" in r):
+    ours = next((r for r in rows if r["key"] == "ours"), None)
+    for r in (r for r in rows if ours):
         r["ours faster x"] = r["step ms"] / ours["step ms"]
         r["ours faster x (+AR)"] = (r["step ms"] + r.get("AR in bwd ms", 0)) / ours["step ms"]
         r["ours faster x (CPU)"] = r["step CPU ms"] / ours["step CPU ms"]
@@ -362,51 +364,59 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, configs: list[str])
         mine, theirs = (zip(*(x["times_s"] for x in results[c])) for c in ("ours", r["key"]))
         r["ours faster x (per round)"] = statistics.median(max(t) / max(m) for t, m in zip(theirs, mine))
     return {"rows": rows, "params": param_count(model), "hidden_params": sum(p.numel() for p in hidden),
-            "hidden_matrices": len(hidden), "raw": results}  # fmt: skip
+            "hidden_matrices": len(hidden), "ns_total": total, "threads": per_rank.threads,
+            "raw": results}  # fmt: skip
+
+
+COLUMNS = ["config", "step ms", "ours faster x", "AR in bwd ms", "ours faster x (+AR)",
+           "ours faster x (per round)", "step CPU ms", "ours faster x (CPU)", "NS GFLOP max", "NS GFLOP mean",
+           "NS max/mean", "NS sum / total", "MB sent/rank max", "max|Δ| Muon", "max|Δ| AdamW",
+           "Δ/update"]  # fmt: skip
 
 
 def print_a(a: dict, world: int, shape: dict, warmup: int, steps: int) -> dict:
     rows = a["rows"]
+    require_finite(rows, COLUMNS)
     print(f"\n## (a) Optimizer step, GPT: {a['params'] / 1e6:.1f} M params, {a['hidden_params'] / 1e6:.2f} M "
           f"in {a['hidden_matrices']} hidden matrices -> Muon, the rest -> AdamW (vocab {shape['vocab']}, d "
-          f"{shape['d_model']}, {shape['n_layers']} layers); world {world} (gloo), {threads_per_rank(world)} "
-          f"thread(s)/rank; {warmup} warm-up + {steps} timed steps; median, slowest rank\n")  # fmt: skip
-    print(table(rows, ["config", "step ms", "ours faster x", "AR in bwd ms", "ours faster x (+AR)",
-                       "ours faster x (per round)", "step CPU ms", "ours faster x (CPU)", "NS GFLOP max",
-                       "NS GFLOP mean", "NS max/mean", "MB sent/rank max", "max|Δ| Muon", "max|Δ| AdamW",
-                       "Δ/update", "error"], floatfmt=".4g"))  # fmt: skip
-    print("\n`AR in bwd ms`: one all-reduce of all gradients, what DDP and ZeRO move in backward, outside "
-          "their step. `per round`: median over rounds of the ratio within a round. `step CPU ms`: process "
-          "CPU time (gloo threads included). `NS GFLOP`: Newton-Schulz work per rank (ours: "
-          "`opt.ns_load`). `MB sent`: from buffer sizes, ring collectives and the plans. `Δ/update`: "
-          "max |Δ| of Muon parameters after a step vs DDP, over the largest change it made.\n")  # fmt: skip
-    by = {r["key"]: r for r in rows if "step ms" in r}
+          f"{shape['d_model']}, {shape['n_layers']} layers); world {world} (gloo); {warmup} warm-up + "
+          f"{steps} timed steps; median, slowest rank\n\n{host_line(a['threads'])}\n")  # fmt: skip
+    print(table(rows, COLUMNS, floatfmt=".4g"))
+    print(f"\n{FSDP2_ON_CPU}\n\n`AR in bwd ms`: one all-reduce of all gradients, what DDP and ZeRO move in "
+          "backward, outside their step. `per round`: median over rounds of the ratio within a round. `step "
+          "CPU ms`: process CPU time (gloo threads included). `NS GFLOP`: each rank's Newton-Schulz work, "
+          "from the profiler's FLOPs of its matrix products in a profiled step; `sum / total`: all ranks' "
+          "over the model's (every matrix once). `MB sent`: peers and ours' reduce-scatter from buffer "
+          "sizes and ring collectives, ours' step from `step_stats`. `Δ/update`: max |Δ| of Muon parameters "
+          "after a step vs DDP, over the largest change it made.\n")  # fmt: skip
+    by = {r["key"]: r for r in rows}
     for r in by.values():
-        more = [f"step collectives {r['step_collectives']}"] if "step_collectives" in r else []
+        more = ""
         if r["key"] == "ours":
-            more.append(
-                f"matrices/rank {r['matrices_by_rank']}, orthogonalized/rank "
-                f"{r['orthogonalized_by_rank']}, {r['in_place']}/{r['matrices']} in place"
-            )
-        print(f"- {r['config']}: ms in the median step (rank {r['breakdown']['rank']}): "
+            stats = [round(f, 4) for f in r["NS GFLOP by rank (stats)"]]
+            more = (f"; matrices/rank {r['matrices by rank']}, orthogonalized/rank "
+                    f"{r['orthogonalized by rank']}, NS GFLOP/rank (stats) {stats}")  # fmt: skip
+        print(f"- {r['config']}: ms in the median profiled step (rank {r['breakdown']['rank']}): "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items() if k != "rank")
               + "; MB sent by rank 0: " + ", ".join(f"{k} {v:.2f}" for k, v in r["MB sent (rank 0)"].items())
-              + "".join(f"; {m}" for m in more))  # fmt: skip
+              + more)  # fmt: skip
     o, goals = by.get("ours"), {}
     if o:  # (name, met or None where it does not apply)
+        measured, n = [f * 1e9 for f in o["NS GFLOP by rank (measured)"]], a["hidden_matrices"]
         checks = [*((f">= {n}x faster than {LABEL[p]}", by[p]["step ms"] >= n * o["step ms"])
                     for p, n in (("DDP", 2.5), ("FSDP2", 5.0)) if p in by),
-                  ("each matrix orthogonalized once, by its owner",
-                   o["orthogonalized_by_rank"] == o["matrices_by_rank"]),
-                  ("part (b)'s construction == vo.Muon (layouts, homes, costs, owners, ns_load)",
-                   o["part (b) == vo.Muon"]),
+                  (f"each matrix orthogonalized once ({sum(o['matrices by rank'])} of {n})",
+                   sum(o["matrices by rank"]) == n and o["orthogonalized by rank"] == o["matrices by rank"]),
+                  ("each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load",
+                   all(math.isclose(m, s * 1e9, rel_tol=1e-6) and math.isclose(s * 1e9, load, rel_tol=1e-9)
+                       for m, s, load in zip(measured, o["NS GFLOP by rank (stats)"], o["ns_load"]))),
+                  ("part (b)'s construction == vo.Muon's (units, layouts, ns_load)",
+                   all(o["construction"].values())),
                   ("NS max/mean <= 1.10 (>= 4 matrices per rank)",
-                   o["NS max/mean"] <= 1.10 if o["matrices"] >= 4 * world else None),
+                   o["NS max/mean"] <= 1.10 if n >= 4 * world else None),
                   ("same parameters as DDP + torch Muon (Δ <= 5% of the update)",
                    o["Δ/update"] <= 0.05 if "Δ/update" in o else None)]  # fmt: skip
         goals = {k: v for k, v in checks if v is not None}
-    for r in (r for r in rows if "error" in r):
-        print(f"\n{r['config']} failed:\n{r['traceback']}")
     return _goals("Goals (a):", goals)
 
 
@@ -415,6 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median over these)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profiled", type=int, default=2, help="profiled steps: breakdown and measured FLOPs")
     ap.add_argument("--quick", action="store_true", help="tiny model, fewer steps, small part (b)")
     ap.add_argument("--part", choices=["a", "b", "ab"], default="ab")
     ap.add_argument("--configs", nargs="+", default=list(LABEL), choices=list(LABEL))
@@ -422,18 +433,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     shape = QUICK if args.quick else FULL
     if args.quick:
-        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+        args.steps, args.warmup, args.profiled = min(args.steps, 3), min(args.warmup, 1), 1
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
+    if args.profiled < 1:
+        ap.error("--profiled: at least 1 (the breakdown and the FLOPs come from it)")
     t0 = time.perf_counter()
-    out: dict = {"env": environment(), "world_size": args.world_size, "shape": shape, "muon": MUON,
-                 "adamw": MUON_ADAMW, "warmup": args.warmup, "steps": args.steps, "goals": {}}  # fmt: skip
+    out: dict = {"world_size": args.world_size, "shape": shape, "muon": MUON, "adamw": MUON_ADAMW,
+                 "warmup": args.warmup, "steps": args.steps, "profiled": args.profiled,
+                 "goals": {}}  # fmt: skip
     if "a" in args.part:
-        out["a"] = part_a(args.world_size, shape, args.warmup, args.steps, args.configs)
+        out["a"] = part_a(args.world_size, shape, args.warmup, args.steps, args.profiled, args.configs)
         out["goals"].update(print_a(out["a"], args.world_size, shape, args.warmup, args.steps))
     if "b" in args.part:
         models = ["llama3-8b", "gpt-oss-120b"] if args.quick else args.models
         out["b"] = part_b(models, (8, 64) if args.quick else (8, 64, 256))
         out["goals"].update(print_b(out["b"]))
+        if "a" not in args.part:
+            print(f"\n{host_line()}")
+    out["env"] = environment(out["a"]["threads"] if "a" in out else None)
     path = save_json("muon_quick" if args.quick else "muon", out)
     print(f"total {time.perf_counter() - t0:.0f} s; wrote {path}", file=sys.stderr)
     return out
