@@ -450,7 +450,7 @@ def plot(rows, name: str):
     return save_png(name, fig)
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, granules 1 and 128 rows")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -468,20 +468,12 @@ def main(argv=None) -> None:
     print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
     print(table(misses, floatfmt=".2f") if misses else "(none)")
     print(f"\nall layouts verified; benchmark wall time {wall:.1f}s\n{host_line()}")
-    path = save_json(
-        name,
-        {
-            "env": environment(),
-            "goal": GOAL,
-            "min_units_per_rank": MIN_UNITS_PER_RANK,
-            "wall_s": wall,
-            "rows": rows,
-            "misses": misses,
-            "buckets": details,
-        },
-    )
+    payload = {"env": environment(), "goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall,
+               "rows": rows, "misses": misses, "buckets": details}  # fmt: skip
+    path = save_json(name, payload)
     png = plot(rows, name)
     print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return payload
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""Every benchmark script's `--quick` run end to end, small (2 gloo ranks where it launches any):
+its table is there, its numbers are finite measurements, the peer was measured, and its JSON
+names the host. (fsdp.py, hsdp.py and checkpoint.py have test files of their own; kernels.py
+runs in test_kernels_gpu_check.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from _bench import results_in
+
+
+def _host(payload: dict, threads: int | None = None) -> None:
+    host = payload["env"]["host"]
+    assert host["cpu"] and host["avx512"] in ("yes", "no", "unknown") and host["native_bf16"]
+    assert host["load_average"] and all(t >= 1 for t in host["threads_per_rank"])
+    if threads is not None:
+        assert len(host["threads_per_rank"]) == threads  # what each rank said
+
+
+def _finite(rows: list[dict], columns: list[str]) -> None:
+    for r in rows:
+        for c in columns:
+            assert isinstance(r[c], int | float) and math.isfinite(r[c]), (r.get("config"), c, r[c])
+
+
+@pytest.mark.timeout(60)
+def test_padding(tmp_path, capsys):
+    from benchmarks import padding
+
+    with results_in(tmp_path):
+        out = padding.main(["--quick"])
+    rows = out["rows"]
+    granules = {(g, w) for g in ("1 row", "128 rows") for w in (8, 1024)}
+    assert {(r["granule"], r["W"]) for r in rows} == granules
+    _finite(rows, ["ours %", "ref %", "bound %", "FSDP2 %", "LCM %", "plan s"])
+    for r in rows:
+        assert r["bound %"] - 1e-9 <= r["ours %"] and r["planner misses"] == 0
+    assert all(r["ours %"] <= 3 for r in rows if r["granule"] == "1 row" and r["W"] == 8)
+    assert "| model" in capsys.readouterr().out
+    _host(json.loads((tmp_path / "padding_quick.json").read_text()))
+
+
+def test_model_shapes(tmp_path):
+    from benchmarks import model_shapes
+
+    with results_in(tmp_path):
+        rows = model_shapes.main(["--quick"])
+    totals = {m: model_shapes.total_params(m) for m in model_shapes.MODELS}
+    assert {r["model"]: r["params"] for r in rows} == totals
+    assert json.loads((tmp_path / "model_shapes.json").read_text())["rows"] == rows
+
+
+@pytest.mark.timeout(120)
+def test_memory(tmp_path):
+    from benchmarks import memory
+
+    with results_in(tmp_path):
+        out = memory.main(["--quick", "--world-size", "2"])
+    by = {(r["optimizer"], r["bits"]): r for r in out["rows"]}
+    torch_adamw = by[("torch.optim.AdamW (every DDP rank)", 32)]
+    assert torch_adamw["bytes/param (all ranks)"] == pytest.approx(8, rel=0.01)  # two fp32 moments
+    full, half, low = (by[("vo.AdamW", b)]["bytes/param (all ranks)"] for b in (32, 16, 8))
+    assert full == pytest.approx(8, rel=0.01) and full > half > low > 1
+    assert by[("vo.AdamW", 32)]["vs torch per rank"] == pytest.approx(0.5, rel=0.05)  # a half on each of 2
+    _host(out, threads=2)
+
+
+@pytest.mark.timeout(120)
+def test_shampoo(tmp_path):
+    from benchmarks import shampoo
+
+    with results_in(tmp_path):
+        out = shampoo.main(["--quick", "--world-size", "2"])
+    rep, shard = (next(r for r in out["rows"] if r["optimizer"] == k) for k in ("replicated", "sharded"))
+    _finite(out["rows"], shampoo.NUMBERS)
+    assert rep["step s"] > 0 and shard["step s"] > 0 and shard["speedup"] > 0
+    assert shard["root work / rank"] < rep["root work / rank"]  # the roots are split between the ranks
+    assert shard["preconditioner MiB / rank"] < rep["preconditioner MiB / rank"]
+    assert shard["max |dp|"] < 1e-3  # the same math up to the order of the gradient reduction
+    _host(out, threads=2)
+
+
+@pytest.mark.timeout(180)
+def test_adamw(tmp_path, capsys):
+    from benchmarks import adamw
+
+    with results_in(tmp_path):
+        out = adamw.main(["--quick", "--world-size", "2"])
+    rows = {r["config"]: r for r in out["rows"]}
+    assert list(rows) == adamw.CONFIGS and out["loss_check_ok"]
+    _finite(out["rows"], ["step ms", "step x", "train ms", "train x", "fwd ms", "bwd ms", "peak RSS MB"])
+    _finite([rows["ours"]], ["RS ms", "update ms", "AG ms"])  # from our profiler windows
+    for peer in ("FSDP2 reshard=True", "FSDP2 reshard=False"):  # from FSDP2's profiler windows
+        _finite([rows[peer]], ["RS ms", "AG ms"])
+        assert rows[peer]["RS ms"] > 0 and rows[peer]["AG ms"] > 0
+    assert rows["ours"]["update ms"] > 0 and rows["ours"]["AG ms"] > 0
+    assert rows["ours"]["opt state MB"] == pytest.approx(rows["FSDP2 reshard=True"]["opt state MB"], rel=0.01)
+    printed = capsys.readouterr().out
+    assert "host: " in printed and "FSDP2 issues its collectives synchronously" in printed
+    _host(out, threads=2)
+
+
+@pytest.mark.timeout(120)
+def test_collectives(tmp_path, capsys):
+    from benchmarks import collectives
+
+    with results_in(tmp_path):
+        out = collectives.main(["--quick", "--world-size", "2", "--runs", "2"])
+    rows = out["rows"]
+    assert {(r["path"], r["op"]) for r in rows} == {(p, op) for p in ("ours, 3 buckets", "FSDP2")
+                                                    for op in collectives.OPS}  # fmt: skip
+    _finite(rows, ["median ms", "min ms"])
+    for r in rows:
+        assert r["median ms"] > 0
+        if r["path"] == "FSDP2":
+            assert r["copies"] > 0 and r["ours/FSDP2"] is None  # its copy-in and copy-out
+        else:
+            assert r["copies"] == 0 and r["ours/FSDP2"] > 0 and math.isfinite(r["ours/FSDP2"])
+    assert "FSDP2 issues its collectives synchronously" in capsys.readouterr().out
+    _host(out, threads=2)
+
+
+@pytest.mark.timeout(180)
+def test_muon(tmp_path):
+    from benchmarks import muon
+
+    with results_in(tmp_path):
+        out = muon.main(["--quick", "--world-size", "2"])
+    assert all(out["goals"][k] for k in out["goals"] if "faster" not in k), out["goals"]  # the checks
+    assert any("construction" in k for k in out["goals"]) and any("measured" in k for k in out["goals"])
+    rows = {r["key"]: r for r in out["a"]["rows"]}
+    assert list(rows) == list(muon.LABEL)
+    _finite(list(rows.values()), [c for c in muon.COLUMNS if c not in ("config", "AR in bwd ms")])
+    assert all(r["step ms"] > 0 and r["NS GFLOP max"] > 0 for r in rows.values())  # every peer measured
+    assert rows["DDP"]["NS sum / total"] == pytest.approx(2, rel=1e-6)  # each of 2 ranks does it all
+    assert rows["ours"]["NS sum / total"] == pytest.approx(1, rel=1e-6)  # every matrix once
+    assert sum(rows["ours"]["orthogonalized by rank"]) == out["a"]["hidden_matrices"]
+    b = out["b"]
+    assert {r["W"] for r in b} == {8, 64} and all(r["max/mean"] >= 1 for r in b)
+    _host(out, threads=2)
