@@ -70,9 +70,9 @@ from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
+from benchmarks._muon_plan import ns_flops  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
-from vescale_optim.units.owners import ns_flops  # noqa: E402
 
 WORLD = 4
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
