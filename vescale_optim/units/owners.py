@@ -1,8 +1,11 @@
-"""Which rank orthogonalizes which matrix: balance Newton–Schulz FLOPs, keep matrices home.
+"""Which rank computes which work item: the one balancer of owner work.
 
-Cost model: one Newton–Schulz step on an `m x n` matrix, with `a = min(m, n)` and
-`b = max(m, n)`, costs `X Xᵀ` (2a²b) + `A A` (2a³) + `B X` (2a²b) = 4a²b + 2a³ FLOPs;
-communication is not part of the cost, it is avoided by preferring a matrix's home.
+Items (matrices, tiles) have a cost and possibly a home, the rank where their data already
+lies; the balancer keeps an item at home while that rank's load stays within a slack of the
+ideal mean and sends the rest to the least-loaded rank. Costs are whatever the optimizer
+measures (Newton–Schulz FLOPs, eigendecomposition work); communication is not part of the
+cost, it is avoided by preferring homes. Pure functions, deterministic, so every rank
+computes the same answer.
 """
 
 from __future__ import annotations
@@ -21,16 +24,25 @@ def assign_owners(
     world_size: int,
     homes: Sequence[int | None] | None = None,
     slack: float = 0.05,
+    tolerate: float | None = None,
 ) -> list[int]:
     """Greedy longest-processing-time assignment with home affinity, O(n log W).
 
-    Matrices are taken by decreasing cost. One whose data already lies on a single rank
-    (`homes[i]`) stays there while that rank's load stays within `1 + slack` of the
-    ideal mean; every other matrix goes to the least-loaded rank (ties: lowest rank).
-    Call it once over every matrix of a step: LPT balances only what it sees largest
-    first. Deterministic, so every rank computes the same answer.
+    Items are taken by decreasing cost. One with a home (`homes[i]`) stays there while that
+    rank's load stays within `1 + slack` of the ideal mean; every other item goes to the
+    least-loaded rank (ties: lowest rank). So the busiest rank ends within `1 + slack` of the
+    mean, or at most the cost of an item that went to the least-loaded rank above the mean;
+    and nothing leaves its home while every home's load is within `1 + slack` of the mean.
+    With `tolerate`, the same assignment with `slack=tolerate` is taken when it keeps every
+    item at its home (moving costs traffic every step: tolerate more imbalance before moving
+    anything than after). Call it once over every item of a step: LPT balances only what it
+    sees largest first.
     """
     homes = list(homes) if homes is not None else [None] * len(costs)
+    if tolerate is not None:
+        loose = assign_owners(costs, world_size, homes, tolerate)
+        if all(h is None or o == h for o, h in zip(loose, homes)):
+            return loose
     target = (1 + slack) * sum(costs) / max(world_size, 1)
     load = [0.0] * world_size
     heap = [(0.0, r) for r in range(world_size)]  # (load, rank), with stale entries skipped
@@ -49,10 +61,41 @@ def assign_owners(
     return owners
 
 
+def spread_homes(
+    costs: Sequence[float], homes: Sequence[int | None], ranks: Sequence[Sequence[int]]
+) -> list[int | None]:
+    """Homes (shard ranks) as world ranks of a `replicate x shard` mesh, `ranks[r][s]` being
+    the world rank of shard rank `s` in replica `r`.
+
+    Every replica holds an item's data at its home shard rank, so the items at each shard
+    rank are dealt out over its replicas, largest first, each to the replica with the least
+    cost so far (ties: lowest): the replicas split the work, and each item is computed once
+    in the whole world. Items without a home keep None."""
+    replicas = len(ranks)
+    dealt: dict[int, list[float]] = {}
+    out: list[int | None] = [None] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        shard = homes[i]
+        if shard is None:
+            continue
+        load = dealt.setdefault(shard, [0.0] * replicas)
+        r = min(range(replicas), key=lambda r: (load[r], r))
+        load[r] += costs[i]
+        out[i] = ranks[r][shard]
+    return out
+
+
+def rank_loads(costs: Sequence[float], owners: Sequence[int | None], world_size: int) -> list[float]:
+    """Sum of `costs` per owner rank (items whose owner is None count nowhere)."""
+    load = [0] * world_size
+    for c, o in zip(costs, owners):
+        if o is not None:
+            load[o] += c
+    return load
+
+
 def imbalance(costs: Sequence[float], owners: Sequence[int], world_size: int) -> float:
     """max / mean of the per-rank cost."""
-    load = [0.0] * world_size
-    for c, o in zip(costs, owners):
-        load[o] += c
+    load = rank_loads(costs, owners, world_size)
     mean = sum(load) / world_size
     return max(load) / mean if mean else 1.0
