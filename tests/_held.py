@@ -11,8 +11,9 @@ def held_tensor_bytes(opt) -> int:
 
     skip = set()
     for u in opt.units:  # parameters and gradients, whole or sharded (an fp32 master is state)
-        own = [u.full.data, u.full_grad.data, u.grad] + ([] if u.orig_dtype in LOW_PRECISION else [u.shard])
-        skip.update(t.untyped_storage().data_ptr() for t in own + u._reduced + u.stand_ins)
+        own = [u.full.data, u.grads.full.data, u.grads.shard]
+        own += [] if u.orig_dtype in LOW_PRECISION else [u.shard]
+        skip.update(t.untyped_storage().data_ptr() for t in own + u.grads.placeholders + u.stand_ins)
     for g in opt.param_groups:
         for p in g["params"]:
             skip.update(t.untyped_storage().data_ptr() for t in (p, p.grad) if t is not None)

@@ -14,6 +14,7 @@ from _shampoo_reference import ReferenceShampoo
 from _tiny_gpt import TinyGPT, batch, build, loss_fn, train, world_grads
 
 import vescale_optim as vo
+from vescale_optim.shard.handle import delayed
 from vescale_optim.units import State
 
 STEPS = 3
@@ -138,7 +139,7 @@ def test_variants_equal_one_process(world, kind, case):
 def _bf16_dtypes():
     model = build()
     opt = make_ours("adamw", model, shard_modules=[*model.layers, model], param_dtype=torch.bfloat16)
-    return {(u.full.data.dtype, u.shard.dtype, u.grad.dtype) for u in opt.units}
+    return {(u.full.data.dtype, u.shard.dtype, u.grads.shard.dtype) for u in opt.units}
 
 
 def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
@@ -165,12 +166,12 @@ def _reduced_in_fp32():
         loss_fn(model, *batch(0, dist.get_rank())).backward()
     unit = opt.units[0]
     unit.reshard()  # free its parameters, as the step would: only gradients are left
-    buf, numel = unit.full_grad, unit.full_grad.data.numel()
-    sent = unit.sent_bytes
-    unit.reduce_grad(async_op=True)
-    during = (buf.data.dtype, buf.nbytes, unit.scattering.dtype, unit.transient_bytes(), numel * 4)
-    unit.wait_grad()
-    return during, unit.transient_bytes(), unit.sent_bytes - sent, numel * 4
+    buf, numel = unit.grads.full, unit.grads.full.data.numel()
+    sent = unit.grads.sent_bytes
+    unit.grads.reduce(async_op=True)
+    during = (buf.data.dtype, buf.nbytes, unit.grads.scattering.dtype, unit.transient_bytes(), numel * 4)
+    unit.grads.wait()
+    return during, unit.transient_bytes(), unit.grads.sent_bytes - sent, numel * 4
 
 
 def test_bf16_gradients_reduced_in_fp32(world):
@@ -196,15 +197,13 @@ def _memory(backward_prefetch: bool = True, slow_scatter: bool = False):
     rank = dist.get_rank()
     model = build(layers=4)
     opt = make_ours("adamw", model, shard_modules=[*model.layers, model], backward_prefetch=backward_prefetch)
-    if slow_scatter:  # every reduce-scatter looks unfinished until waited for, as a long one would
-        for u in opt.units:
-            u.scatter_finished = lambda: False
     units = {u.name: u for u in opt.units}
     gathered_at = {}
 
     def holding():
         """Names of units whose unsharded parameters hold memory, and total unsharded gradient bytes."""
-        return {n for n, u in units.items() if u.full.nbytes}, sum(u.full_grad.nbytes for u in units.values())
+        gathered = {n for n, u in units.items() if u.full.nbytes}
+        return gathered, sum(u.grads.full.nbytes for u in units.values())
 
     def probe(k):
         def hook(module, args):  # runs after the unit's own pre-forward hook: inside its forward
@@ -218,8 +217,8 @@ def _memory(backward_prefetch: bool = True, slow_scatter: bool = False):
     in_backward = []  # unit-sized buffers of blocks alive, after each block parameter's gradient
 
     def buffers(u):
-        scattering = u.scattering is not None and u.scattering.untyped_storage().nbytes() > 0
-        return (u.full.nbytes > 0) + (u.full_grad.nbytes > 0) + scattering
+        scattering = u.grads.scattering is not None and u.grads.scattering.untyped_storage().nbytes() > 0
+        return (u.full.nbytes > 0) + (u.grads.full.nbytes > 0) + scattering
 
     for p in model.layers.parameters():
         p.register_post_accumulate_grad_hook(lambda p: in_backward.append(sum(buffers(u) for u in blocks)))
@@ -238,16 +237,18 @@ def _memory(backward_prefetch: bool = True, slow_scatter: bool = False):
     for u in blocks:
         for p in u.params:
             p.register_hook(arriving(u))
-    shard_bytes = sum(u.shard.numel() * 4 + u.grad.numel() * 4 for u in units.values())
+    shard_bytes = sum(u.shard.numel() * 4 + u.grads.shard.numel() * 4 for u in units.values())
     between = []
-    for t in range(2):
-        gathered_at.clear()
-        accumulated.clear()
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        stepped = opt.memory_stats()
-        opt.zero_grad()
-        between.append((holding(), stepped, opt.memory_stats()))
+    # slow_scatter: every collective runs only when waited for, as on a device still busy with it
+    with delayed() if slow_scatter else contextlib.nullcontext():
+        for t in range(2):
+            gathered_at.clear()
+            accumulated.clear()
+            loss_fn(model, *batch(t, rank)).backward()
+            opt.step()
+            stepped = opt.memory_stats()
+            opt.zero_grad()
+            between.append((holding(), stepped, opt.memory_stats()))
     total = sum(p.numel() for p in model.parameters())
     return gathered_at, between, shard_bytes, total, opt.world_size, max(in_backward), early
 
@@ -472,7 +473,8 @@ def _between_steps():
         logits = model(batch(1, rank)[0])
     freed = opt.memory_stats()["unsharded"] == 0
     model.double()  # the next gather refuses it, naming the parameter (not a silent revert)
-    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' \(shape .*\) is now torch.float64 on cpu"):
+    refused = r"parameter 'embed.weight' \(shape .*\) is now torch.float64 on cpu"
+    with pytest.raises(RuntimeError, match=refused):
         loss_fn(model, *batch(1, rank))
     return readable, freed, logits
 

@@ -127,7 +127,7 @@ def _zero_grad_keeps_zeros():
     assert all(g is None for g in grads[-2:])  # never had one: stays None
     # the others still have one, zeroed in the optimizer's shards
     assert all(isinstance(g, ReducedGrad) for g in grads[:6] if g is not None)
-    assert all(not u.grad.any() for u in opt.units)
+    assert all(not u.grads.shard.any() for u in opt.units)
     opt.step()  # a zero gradient still steps (weight decay, moment decay), as in torch
     return [p.detach().clone() for p in model.parameters()]
 

@@ -85,14 +85,14 @@ def _overlap():
     in_flight, steps = [], []
 
     def probe(module, grad_output):
-        in_flight.append(sum(u.reducing_over_replicas for u in opt.units))
+        in_flight.append(sum(u.grads.reducing_over_replicas for u in opt.units))
 
     for layer in model.layers:
         layer.register_full_backward_pre_hook(probe)
     for t in range(3):
         in_flight.clear()
         loss_fn(model, *batch(t, rank)).backward()
-        pending = [u.name for u in opt.units if u.has_full_grad or u.reducing_over_replicas]
+        pending = [u.name for u in opt.units if u.grads.has_full or u.grads.reducing_over_replicas]
         opt.step()
         opt.zero_grad()
         steps.append((list(in_flight), pending, opt.step_stats["bytes_sent"]))

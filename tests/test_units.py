@@ -66,8 +66,8 @@ def _train(steps, mode, micro=1, no_sync=False, reshard=True, checkpoint=False, 
                 (loss_fn(model, *batch(t, comm.rank, m)) / micro).backward()
         sched.finish()
         for u in units:
-            u.shard.sub_(LR * u.grad)
-            u.clear_grad()
+            u.shard.sub_(LR * u.grads.shard)
+            u.grads.clear()
             u.gather_after_step()
         between = [u.transient_bytes() for u in units]
         assert all(b == 0 for b in between) if mode == "zero3" else True, between

@@ -13,13 +13,20 @@ dead rank surfaces as an error on the others instead of a hang.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .handle import (
+    CollectiveError,
+    Handle,
+    Op,
+    before_synchronous,
+    get_collective_timeout,
+    issue,
+    set_collective_timeout,
+)
 from .redistribution import Plan, RankProgram, plan_redistribute
 from .spec import RaggedShard, Shape
 
@@ -28,57 +35,8 @@ _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, tor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
-_timeout: timedelta | None = None
 
-
-class CollectiveError(RuntimeError):
-    """A collective of this library failed or timed out on this rank: another rank died,
-    or did not make the same call in time. The process group is unusable afterwards."""
-
-
-def set_collective_timeout(timeout: float | timedelta | None) -> None:
-    """Bound every wait of this library's collectives to `timeout` (seconds or a
-    `timedelta`); None (the default) leaves it to the process group's own `timeout=`.
-
-    A collective still waiting then raises `CollectiveError` naming it. On NCCL a bounded
-    wait blocks the host until the collective finishes (the unbounded one only orders the
-    streams), so prefer the process group's timeout there outside of debugging.
-    """
-    global _timeout
-    if timeout is not None:
-        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-        if timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-    _timeout = timeout
-
-
-def get_collective_timeout() -> timedelta | None:
-    """The bound `set_collective_timeout` set, or None for the process groups' own timeouts."""
-    return _timeout
-
-
-class Op:
-    """What a collective is, for error messages: kind, purpose, tensor and group."""
-
-    def __init__(self, kind: str, what: str | None, tensor: torch.Tensor | None, comm: Comm):
-        self.kind, self.what, self.comm = kind, what, comm
-        self.numel = tensor.numel() if tensor is not None else None
-        self.dtype = tensor.dtype if tensor is not None else None
-
-    def __str__(self) -> str:
-        size = f"group of {self.comm.world_size} ranks"
-        if self.numel is not None:
-            size = f"{self.numel:,} {str(self.dtype).removeprefix('torch.')} elements, {size}"
-        return f"{self.kind} of {self.what or 'a tensor'} ({size})"
-
-    def error(self, cause: BaseException, timed_out: bool) -> CollectiveError:
-        """The error to raise on this rank when the collective failed with `cause`."""
-        when = f" within {_timeout.total_seconds():g} s (set_collective_timeout)" if timed_out else ""
-        return CollectiveError(
-            f"{self} did not complete on rank {self.comm.rank}{when}: {str(cause).strip()}\n"
-            "Another rank died, or did not make this call: every rank of the group must make the "
-            "same collective calls in the same order."
-        )
+__all__ = ["CollectiveError", "Comm", "Handle", "get_collective_timeout", "set_collective_timeout"]
 
 
 class Comm:
@@ -117,48 +75,6 @@ class Comm:
         return self.distributed and self.world_size > 1
 
 
-class Handle:
-    """Completion of one or more asynchronous collectives; `wait()` is idempotent and
-    raises `CollectiveError` naming `op` if a collective fails or outlasts the timeout."""
-
-    def __init__(self, work=None, finish: Callable[[], None] | None = None, op: Op | None = None):
-        self._works = work if isinstance(work, list) else [work] if work is not None else []
-        self._finish, self._done, self._op = finish, False, op
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        deadline = None if _timeout is None else time.monotonic() + _timeout.total_seconds()
-        for work in self._works:
-            if isinstance(work, Handle):
-                work.wait()
-            else:
-                self._wait(work, deadline)
-        if self._finish is not None:
-            self._finish()
-        self._done = True
-
-    def _wait(self, work, deadline: float | None) -> None:
-        try:
-            if deadline is None:
-                work.wait()
-            else:  # at least 1 ms: a zero timeout means "forever" to torch
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-        except RuntimeError as e:
-            if self._op is None:
-                raise
-            timed_out = deadline is not None and time.monotonic() >= deadline - 0.1
-            raise self._op.error(e, timed_out) from e
-
-    def is_completed(self) -> bool:
-        """Whether every collective is done (never blocks; `wait()` still runs what follows)."""
-        return self._done or all(w.is_completed() for w in self._works)
-
-    def then(self, finish: Callable[[], None]) -> Handle:
-        """A handle that waits for this one, then runs `finish`."""
-        return Handle([self], finish)
-
-
 def _movable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in _BYTE_VIEW else t
 
@@ -186,16 +102,19 @@ def _gather_in_place(
         return Handle()
     s = shard_size
     if comm.gloo:
+        op = Op("all-gather", what, data, comm)
         works = [
-            dist.broadcast(_movable(data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group,
-                           async_op=True)
+            issue(op, lambda r=r: dist.broadcast(_movable(data[r * s : (r + 1) * s]), comm.global_rank(r),
+                                                 group=comm.group, async_op=True))
             for r in range(comm.world_size)
         ]  # fmt: skip
-        handle = Handle(works, op=Op("all-gather", what, data, comm))
+        handle = Handle(works, op=op)
     else:
         local = data[comm.rank * s : (comm.rank + 1) * s]
-        work = _all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True)
-        handle = Handle(work, op=Op("all-gather", what, data, comm))
+        op = Op("all-gather", what, data, comm)
+        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(local), group=comm.group,
+                                                    async_op=True))  # fmt: skip
+        handle = Handle(work, op=op)
     if not async_op:
         handle.wait()
     return handle
@@ -215,8 +134,10 @@ def all_gather_into_(
     if shard.data_ptr() == local.data_ptr() and shard.dtype == data.dtype:
         return _gather_in_place(data, s, comm, async_op, what)
     if comm.active and not comm.gloo and shard.dtype == data.dtype:
-        work = _all_gather_single(_movable(data), _movable(shard), group=comm.group, async_op=True)
-        handle = Handle(work, op=Op("all-gather", what, data, comm))
+        op = Op("all-gather", what, data, comm)
+        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(shard), group=comm.group,
+                                                    async_op=True))  # fmt: skip
+        handle = Handle(work, op=op)
         if not async_op:
             handle.wait()
         return handle
@@ -243,17 +164,19 @@ def reduce_scatter_into_(
     reduce_op = _op(op)
     s = out.numel()
     divisor = comm.world_size if op == "mean" else 1
+    desc = Op("reduce-scatter", what, data, comm)
     if comm.active and comm.gloo:
         summed = dist.ReduceOp.SUM if op == "mean" else reduce_op
         src = data[comm.rank * s : (comm.rank + 1) * s]
-        work = dist.all_reduce(data, op=summed, group=comm.group, async_op=True)
+        work = issue(desc, lambda: dist.all_reduce(data, op=summed, group=comm.group, async_op=True))
     elif comm.active:
         direct = not accumulate and out.dtype == data.dtype
         src = out if direct else data.new_empty(s)
-        work = _reduce_scatter_single(src, data, op=reduce_op, group=comm.group, async_op=True)
+        work = issue(desc, lambda: _reduce_scatter_single(src, data, op=reduce_op, group=comm.group,
+                                                          async_op=True))  # fmt: skip
         divisor = 1
         if direct:
-            handle = Handle(work, op=Op("reduce-scatter", what, data, comm))
+            handle = Handle(work, op=desc)
             if not async_op:
                 handle.wait()
             return handle
@@ -268,7 +191,7 @@ def reduce_scatter_into_(
         else:
             out.copy_(src)
 
-    handle = Handle(work, finish, Op("reduce-scatter", what, data, comm))
+    handle = Handle(work, finish, desc)
     if not async_op:
         handle.wait()
     return handle
@@ -280,8 +203,10 @@ def broadcast_(
     """Every rank's `tensor` becomes rank `src`'s (a rank of `comm`'s group), in place."""
     if not comm.active:
         return Handle()
-    work = dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=True)
-    handle = Handle(work, op=Op(f"broadcast from rank {src}", what, tensor, comm))
+    desc = Op(f"broadcast from rank {src}", what, tensor, comm)
+    work = issue(desc, lambda: dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group,
+                                              async_op=True))  # fmt: skip
+    handle = Handle(work, op=desc)
     if not async_op:
         handle.wait()
     return handle
@@ -293,8 +218,9 @@ def all_reduce_(
     reduce_op = _op(op)
     if not comm.active:
         return Handle()
-    work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
-    handle = Handle(work, op=Op(f"all-reduce ({op})", what, tensor, comm))
+    desc = Op(f"all-reduce ({op})", what, tensor, comm)
+    work = issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True))
+    handle = Handle(work, op=desc)
     if not async_op:
         handle.wait()
     return handle
@@ -320,8 +246,9 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
     else:
         tensor = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
         reduce_op = dist.ReduceOp.MAX
-    work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
-    Handle(work, op=Op("all-reduce (any)", what, tensor, comm)).wait()
+    desc = Op("all-reduce (any)", what, tensor, comm)
+    Handle(issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)),
+           op=desc).wait()  # fmt: skip
     if not comm.gloo:
         return [bool(b) for b in tensor.tolist()]
     words = tensor.tolist()
@@ -363,15 +290,12 @@ def run_plan(
                 dst[o : o + n].copy_(recv[pos : pos + n])
                 pos += n
 
-    work = dist.all_to_all_single(
-        _movable(recv),
-        _movable(send),
-        _scale(prog.recv_splits, recv),
-        _scale(prog.send_splits, send),
-        group=comm.group,
-        async_op=True,
-    )
-    handle = Handle(work, finish, Op("all-to-all", what, send, comm))
+    desc = Op("all-to-all", what, send, comm)
+    work = issue(desc, lambda: dist.all_to_all_single(
+        _movable(recv), _movable(send), _scale(prog.recv_splits, recv), _scale(prog.send_splits, send),
+        group=comm.group, async_op=True,
+    ))  # fmt: skip
+    handle = Handle(work, finish, desc)
     if not async_op:
         handle.wait()
     return handle
@@ -404,13 +328,15 @@ def full_tensor(
         return out, Handle()
     gather = Op("all-gather", "a ragged tensor", local, comm)
     if all(n == width for n in lengths):
-        work = _all_gather_single(_movable(out.view(-1)), _movable(local), group=comm.group, async_op=True)
+        work = issue(gather, lambda: _all_gather_single(_movable(out.view(-1)), _movable(local),
+                                                        group=comm.group, async_op=True))  # fmt: skip
         handle = Handle(work, op=gather)
     else:
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=True)
+        work = issue(gather, lambda: _all_gather_single(_movable(gathered), _movable(padded),
+                                                        group=comm.group, async_op=True))  # fmt: skip
 
         def unpad() -> None:
             flat = out.view(-1)
@@ -446,8 +372,10 @@ def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
     if not comm.active:
         return local
     out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
-    work = _all_gather_single(_movable(out), _movable(local.reshape(-1)), group=comm.group, async_op=True)
-    Handle(work, op=Op("all-gather", "equal pieces", local, comm)).wait()
+    desc = Op("all-gather", "equal pieces", local, comm)
+    work = issue(desc, lambda: _all_gather_single(_movable(out), _movable(local.reshape(-1)),
+                                                  group=comm.group, async_op=True))  # fmt: skip
+    Handle(work, op=desc).wait()
     return out
 
 
@@ -462,6 +390,7 @@ def all_gather_object(obj, comm: Comm) -> list:
     if not comm.active:
         return [obj]
     out = [None] * comm.world_size
+    before_synchronous(Op("all-gather", "Python objects", None, comm))
     try:
         dist.all_gather_object(out, obj, group=comm.group)
     except RuntimeError as e:

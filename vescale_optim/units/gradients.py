@@ -79,7 +79,7 @@ class GradTracker:
         some rank still has unreduced gradients for (every rank reduces those, in order)."""
         problem = self.problem() or problem
         marks = [m for seg in self.segments for m in seg.marked]
-        unreduced = [u.has_full_grad for u in self.units]
+        unreduced = [u.grads.has_full for u in self.units]
         flags = [*marks, *unreduced, problem is not None]
         what = "the step's agreement on which parameters step"
         agreed = any_rank(flags, self.world, self.device, what=what)
@@ -110,8 +110,8 @@ class GradTracker:
                 if g is None:
                     seg, j = self.where[id(p)]
                     seg.mark(j, False)
-                elif not isinstance(g, ReducedGrad) and not u.is_live_grad(i) and g.device == u.device:
-                    u.take_grad(i, g)
+                elif not isinstance(g, ReducedGrad) and not u.grads.is_live(i) and g.device == u.device:
+                    u.grads.take(i, g)
                     self.mark(p)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -120,12 +120,12 @@ class GradTracker:
         gradients that exist, zeroed (those parameters step with a zero gradient)."""
         self.schedule.wait_reductions()
         for u in self.units:
-            u.clear_grad(set_to_none)
+            u.grads.clear(set_to_none)
         if set_to_none:
             for seg in self.segments:
                 seg.clear_marks()
 
     def any_nonfinite(self) -> bool:
         """Whether some rank's gradient shards hold inf or NaN (collective)."""
-        local = any(u.grad_bytes and not torch.isfinite(u.grad).all() for u in self.units)
+        local = any(u.grads.shard_bytes and not torch.isfinite(u.grads.shard).all() for u in self.units)
         return any_rank([local], self.world, self.device, what="the non-finite gradient check")[0]

@@ -36,7 +36,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
     device."""
     owner: dict[int, tuple[Unit, int]] = {}
     for unit in units:
-        if getattr(unit, "meta", False):
+        if unit.meta:
             for i, p in enumerate(unit.params):
                 owner[id(p)] = (unit, i)
     if not owner:
@@ -75,15 +75,4 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
             for unit, _ in mine:
                 remaining[unit.index] -= 1
                 if remaining[unit.index] == 0:
-                    _keep_shard(unit)
-
-
-def _keep_shard(unit: Unit) -> None:
-    """The unit's buffer holds its initial values: keep this rank's shard, free the rest."""
-    s, rank = unit.layout.shard_size, unit.comm.rank
-    unit.shard.copy_(unit.full.data[rank * s : (rank + 1) * s])
-    unit.meta = False
-    if unit.sharded:
-        unit.reshard()
-    else:
-        unit.gather_after_step()
+                    unit.adopt_full()

@@ -65,6 +65,7 @@ class ModelState:
                 module.register_load_state_dict_post_hook(self._loaded(unit)),
             ]
         self._incoming: dict[int, dict[int, torch.Tensor]] = {}
+        self._was_gathered: dict[int, bool] = {}  # by unit index, while a load is under way
 
     @staticmethod
     def _saved(unit: Unit):
@@ -90,8 +91,8 @@ class ModelState:
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(unit.params[i].shape):
                     incoming.setdefault(i, value)
             self._incoming[unit.index] = incoming
-            unit.was_gathered = unit.state is not State.RESHARDED
-            if unit.was_gathered:
+            gathered = self._was_gathered[unit.index] = unit.state is not State.RESHARDED
+            if gathered:
                 unit.wait_unshard()
             else:
                 unit.open_empty()  # somewhere for torch's own copy to land
@@ -104,9 +105,8 @@ class ModelState:
             with torch.no_grad():
                 for i, value in incoming.items():
                     unit.write_piece(i, value.detach())
-            if unit.was_gathered:
-                unit.state = State.RESHARDED
-                unit.unshard(async_op=False)
+            if self._was_gathered.pop(unit.index, False):
+                unit.regather()
             else:
                 unit.reshard()
 

@@ -67,9 +67,9 @@ class ReducedGrad(torch.Tensor):
     def _piece(self) -> torch.Tensor:
         """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
         unit = self._unit
-        unit.wait_grad()
+        unit.grads.wait()
         start, stop = unit.full.local_range(self._index)
-        return unit.grad[start:stop]
+        return unit.grads.shard[start:stop]
 
     def __repr__(self) -> str:
         return f"ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: in the optimizer's shards)"

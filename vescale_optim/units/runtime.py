@@ -29,11 +29,12 @@ from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
 from .gradients import GradTracker
+from .grads import ring
 from .materialize import materialize
 from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
-from .unit import LOW_PRECISION, Unit, ring
+from .unit import LOW_PRECISION, Unit
 
 
 @dataclass(frozen=True)
@@ -155,22 +156,22 @@ class Runtime:
         parameters step (collective; once per step). Returns the bytes this rank sent."""
         if self._reduced:
             return 0
-        sent_before = sum(u.sent_bytes for u in self.units)
+        sent_before = sum(u.grads.sent_bytes for u in self.units)
         with record_function("vescale_optim.sync_grads"):
             self.schedule.finish()
             self.tracker.reattach()
             pending = self.tracker.agree(self._check())
             for u in pending:
-                u.reduce_grad(async_op=True)
+                u.grads.reduce(async_op=True)
             for u in pending:
-                u.advance_grad()
+                u.grads.advance()
             for u in self.units:
-                u.sync_replicas()
-                u.advance_grad()
+                u.grads.sync_replicas()
+                u.grads.advance()
             for u in self.units:
-                u.wait_grad()
+                u.grads.wait()
         self._reduced = True
-        return sum(u.sent_bytes for u in self.units) - sent_before
+        return sum(u.grads.sent_bytes for u in self.units) - sent_before
 
     @property
     def gradients_reduced(self) -> bool:
@@ -198,12 +199,12 @@ class Runtime:
     def no_all_reduce(self) -> Iterator[None]:
         """Backward passes inside keep their gradients unsynced across replicas."""
         for u in self.units:
-            u.keep_unsynced(True)
+            u.grads.keep_unsynced(True)
         try:
             yield
         finally:
             for u in self.units:
-                u.keep_unsynced(False)
+                u.grads.keep_unsynced(False)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -212,7 +213,7 @@ class Runtime:
         the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
         self.reduce_gradients()
         norm_type = float(norm_type)
-        grads = [u.grad for u in self.units if u.grad_bytes]
+        grads = [u.grads.shard for u in self.units if u.grads.shard_bytes]
         inf = math.isinf(norm_type)
         # summed in float64, so that how parameters are grouped into units does not round it
         f64 = torch.float64
@@ -278,7 +279,7 @@ class Runtime:
                 params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
             else:
                 params += u.full.nbytes
-            grads += u.grad_bytes + (nbytes(u.grad_unsynced) if u.grad_unsynced is not None else 0)
+            grads += u.grads.shard_bytes + (nbytes(u.grads.unsynced) if u.grads.unsynced is not None else 0)
             unsharded += u.transient_bytes()
         return {"parameters": params, "gradients": grads, "unsharded": unsharded}
 

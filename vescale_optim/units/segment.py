@@ -73,7 +73,7 @@ class Segment:
 
     def local_grads(self) -> torch.Tensor:
         """The rank's averaged-gradient elements, in the parameters' update precision."""
-        return self.unit.grad[self.lo : self.hi]
+        return self.unit.grads.shard[self.lo : self.hi]
 
     @property
     def master(self) -> torch.Tensor | None:

@@ -1,0 +1,90 @@
+"""The schedule is the same on an asynchronous device: under an emulated one (every
+collective runs only when waited for, so it looks unfinished until then and its results
+appear late), the sequence of collectives interleaved with module forward and backward
+starts and gradient accumulations is the same as in a normal run and from run to run,
+and the trained parameters are the same bits. With prefetch on, backward gathers the
+block before the one computing after that block's backward started and before its last
+gradient accumulated."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from _tiny_gpt import batch, build, loss_fn
+
+import vescale_optim as vo
+from vescale_optim.shard.handle import delayed, traced
+
+STEPS = 2
+
+
+def _optimizer(kind, model, backward_prefetch):
+    sharding = dict(shard_modules=[*model.layers, model], backward_prefetch=backward_prefetch)
+    if kind == "adamw":
+        return vo.AdamW(model.parameters(), lr=1e-2, **sharding)
+    if kind == "muon":
+        mats = [p for p in model.parameters() if p.ndim == 2 and p is not model.embed.weight]
+        rest = [p for p in model.parameters() if all(p is not m for m in mats)]
+        return vo.Muon([{"params": mats}, {"params": rest, "use_muon": False}], lr=0.02, **sharding)
+    return vo.Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=8, **sharding)
+
+
+def _run(kind, backward_prefetch, emulate):
+    """The events of two training steps on this rank, and the trained parameters."""
+    model = build(layers=4)
+    opt = _optimizer(kind, model, backward_prefetch)
+    events = []
+    for name, module in model.named_modules():
+        if name.startswith("layers.") and name.count(".") == 1:
+            module.register_forward_pre_hook(lambda m, a, n=name: events.append(f"forward {n}"))
+            module.register_full_backward_pre_hook(lambda m, g, n=name: events.append(f"backward {n}"))
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(f"accumulated {n}"))
+    with delayed() if emulate else contextlib.nullcontext(), traced(into=events):
+        for t in range(STEPS):
+            loss_fn(model, *batch(t, dist.get_rank())).backward()
+            opt.step()
+            opt.zero_grad()
+    return events, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _compare(kind, backward_prefetch):
+    first, params = _run(kind, backward_prefetch, emulate=False)
+    emulated, emulated_params = _run(kind, backward_prefetch, emulate=True)
+    again, _ = _run(kind, backward_prefetch, emulate=False)
+    same_bits = all(torch.equal(params[k], emulated_params[k]) for k in params)
+    return first, emulated, again, same_bits
+
+
+CASES = [(2, "adamw", True), (3, "muon", True), (4, "shampoo", True), (3, "adamw", False), (2, "muon", False)]
+
+
+@pytest.mark.parametrize("world_size, kind, backward_prefetch", CASES)
+def test_the_same_schedule_on_an_asynchronous_device(world, world_size, kind, backward_prefetch):
+    for first, emulated, again, same_bits in world(world_size).run(_compare, kind, backward_prefetch):
+        assert any(e.startswith("all-gather") for e in first) and any(e.startswith("accumulated") for e in first)
+        assert emulated == first, next((i, a, b) for i, (a, b) in enumerate(zip(first, emulated)) if a != b)
+        assert again == first
+        assert same_bits
+
+
+def _prefetch_points():
+    """Per block k of backward (but the last): (where its backward starts, where the gather
+    of block k-1 is issued, where block k's first and last gradients accumulate)."""
+    events, _ = _run("adamw", True, emulate=True)
+    steps = [i for i, e in enumerate(events) if e == "forward layers.0"]
+    backward = events[steps[1] :]  # the second step: the backward order is known from the first
+    out = []
+    for k in (3, 2, 1):
+        start = backward.index(f"backward layers.{k}")
+        gather = backward.index(f"all-gather: unit layers.{k - 1}'s parameters", start)
+        mine = [i for i, e in enumerate(backward) if e.startswith(f"accumulated layers.{k}.")]
+        out.append((start, gather, min(mine), max(mine)))
+    return out
+
+
+def test_backward_prefetch_lands_inside_the_backward_of_the_block_computing(world):
+    for points in world(2).run(_prefetch_points):
+        for start, gather, first, last in points:
+            assert start < first < gather < last, points

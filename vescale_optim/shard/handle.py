@@ -1,0 +1,203 @@
+"""How this library's collectives are issued and waited for: `Op` (what a collective is,
+for errors), `Handle` (waiting, bounded by `set_collective_timeout`), and `issue`, the one
+door every `torch.distributed` call of the shard layer goes through.
+
+Two debugging aids work at that door, for tests above all:
+
+- `delayed()`: emulate an asynchronous device on gloo. Every collective issued inside is
+  queued and only runs when it (or a later one) is waited for, in issue order on every
+  rank. Until then its outputs hold their old values and its inputs are read only later,
+  as a collective still in flight on a GPU: code that reads a result before waiting, or
+  writes or frees an input before the collective is waited for, computes something else.
+- `traced()`: the list of the collectives issued inside, in issue order (kind and
+  purpose): the sequence every rank must issue the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .collectives import Comm
+
+_timeout: timedelta | None = None
+
+
+class CollectiveError(RuntimeError):
+    """A collective of this library failed or timed out on this rank: another rank died,
+    or did not make the same call in time. The process group is unusable afterwards."""
+
+
+def set_collective_timeout(timeout: float | timedelta | None) -> None:
+    """Bound every wait of this library's collectives to `timeout` (seconds or a
+    `timedelta`); None (the default) leaves it to the process group's own `timeout=`.
+
+    A collective still waiting then raises `CollectiveError` naming it. On NCCL a bounded
+    wait blocks the host until the collective finishes (the unbounded one only orders the
+    streams), so prefer the process group's timeout there outside of debugging.
+    """
+    global _timeout
+    if timeout is not None:
+        timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+    _timeout = timeout
+
+
+def get_collective_timeout() -> timedelta | None:
+    """The bound `set_collective_timeout` set, or None for the process groups' own timeouts."""
+    return _timeout
+
+
+class Op:
+    """What a collective is, for error messages: kind, purpose, tensor and group."""
+
+    def __init__(self, kind: str, what: str | None, tensor: torch.Tensor | None, comm: Comm):
+        self.kind, self.what, self.comm = kind, what, comm
+        self.numel = tensor.numel() if tensor is not None else None
+        self.dtype = tensor.dtype if tensor is not None else None
+
+    def __str__(self) -> str:
+        size = f"group of {self.comm.world_size} ranks"
+        if self.numel is not None:
+            size = f"{self.numel:,} {str(self.dtype).removeprefix('torch.')} elements, {size}"
+        return f"{self.kind} of {self.what or 'a tensor'} ({size})"
+
+    def error(self, cause: BaseException, timed_out: bool) -> CollectiveError:
+        """The error to raise on this rank when the collective failed with `cause`."""
+        when = f" within {_timeout.total_seconds():g} s (set_collective_timeout)" if timed_out else ""
+        return CollectiveError(
+            f"{self} did not complete on rank {self.comm.rank}{when}: {str(cause).strip()}\n"
+            "Another rank died, or did not make this call: every rank of the group must make the "
+            "same collective calls in the same order."
+        )
+
+
+class Handle:
+    """Completion of one or more asynchronous collectives; `wait()` is idempotent and
+    raises `CollectiveError` naming `op` if a collective fails or outlasts the timeout.
+
+    There is deliberately no way to ask whether a collective has finished: on a GPU the
+    host runs ahead and the answer is almost always no, so a decision taken on it would
+    differ from gloo's (and from run to run). Waiting is the only question, asked at a
+    fixed point; on NCCL it orders the current stream after the collective."""
+
+    def __init__(self, work=None, finish: Callable[[], None] | None = None, op: Op | None = None):
+        self._works = work if isinstance(work, list) else [work] if work is not None else []
+        self._finish, self._done, self._op = finish, False, op
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        deadline = None if _timeout is None else time.monotonic() + _timeout.total_seconds()
+        for work in self._works:
+            if isinstance(work, Handle):
+                work.wait()
+            else:
+                self._wait(work, deadline)
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+    def _wait(self, work, deadline: float | None) -> None:
+        try:
+            if deadline is None:
+                work.wait()
+            else:  # at least 1 ms: a zero timeout means "forever" to torch
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except RuntimeError as e:
+            if self._op is None:
+                raise
+            timed_out = deadline is not None and time.monotonic() >= deadline - 0.1
+            raise self._op.error(e, timed_out) from e
+
+    def then(self, finish: Callable[[], None]) -> Handle:
+        """A handle that waits for this one, then runs `finish`."""
+        return Handle([self], finish)
+
+
+class _Delayed:
+    """A collective that runs when waited for (see `delayed`)."""
+
+    def __init__(self, call: Callable[[], object]):
+        self.call, self.work = call, None
+
+    def start(self) -> object:
+        if self.work is None:
+            self.work = self.call()
+        return self.work
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        run_delayed(until=self)
+        work = self.work
+        return work.wait() if timeout is None else work.wait(timeout)
+
+
+_queue: list[_Delayed] = []
+_delaying = 0
+_trace: list[list[str]] = []
+
+
+def issue(op: Op, call: Callable[[], object]) -> object:
+    """Issue one collective: `call()` makes the `torch.distributed` call (async) and returns
+    its work; inside `delayed()` it is queued instead. Every collective of the shard layer
+    comes through here, so the order of issue is the order recorded by `traced()`."""
+    for trace in _trace:
+        trace.append(f"{op.kind}: {op.what or 'a tensor'}")
+    if not _delaying:
+        run_delayed()
+        return call()
+    pending = _Delayed(call)
+    _queue.append(pending)
+    return pending
+
+
+def before_synchronous(op: Op) -> None:
+    """A synchronous collective `op` is about to run outside `issue` (`all_gather_object`):
+    trace it, and run whatever is queued first, so that every rank keeps one order."""
+    for trace in _trace:
+        trace.append(f"{op.kind}: {op.what or 'a tensor'}")
+    run_delayed()
+
+
+def run_delayed(until: _Delayed | None = None) -> None:
+    """Run the queued collectives in issue order (up to `until` included). A synchronous
+    call outside this module (`all_gather_object`) runs what is queued first."""
+    while _queue:
+        pending = _queue.pop(0)
+        pending.start()
+        if pending is until:
+            return
+
+
+@contextlib.contextmanager
+def delayed() -> Iterator[None]:
+    """Collectives issued inside run only when waited for: an asynchronous device,
+    emulated (every rank must use it for the same calls). Whatever is still queued
+    runs on the way out."""
+    global _delaying
+    _delaying += 1
+    try:
+        yield
+    finally:
+        _delaying -= 1
+        if not _delaying:
+            run_delayed()
+
+
+@contextlib.contextmanager
+def traced(into: list | None = None) -> Iterator[list]:
+    """The collectives issued inside, in order, as `"kind: purpose"` strings, appended to
+    `into` (a new list by default: pass one to interleave other events with them)."""
+    trace = [] if into is None else into
+    _trace.append(trace)
+    try:
+        yield trace
+    finally:
+        _trace.remove(trace)

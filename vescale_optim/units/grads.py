@@ -1,0 +1,272 @@
+"""A unit's gradients: the unreduced buffer autograd accumulates into, its reduction, and
+the rank's averaged-gradient shard.
+
+Persistent: `shard`, the rank's `S` averaged-gradient elements (the dtype of the
+parameters' shard, fp32 for bf16/fp16 parameters), from the first reduction until
+`clear()`. Transient: `full`, where autograd accumulates while every `.grad` is a view
+of it, from the first gradient of a backward to the reduction that empties it into
+`shard`. A reduction is a reduce-scatter in the shard group and, with replicas (HSDP),
+an all-reduce of its result across them: `advance()` waits for the first stage (freeing
+the buffer it read) and issues the second, `wait()` finishes both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..shard.buffer import FlatBuffer
+from ..shard.collectives import Handle, all_reduce_, reduce_scatter_into_
+from .reduced_grad import ReducedGrad
+
+if TYPE_CHECKING:
+    from .unit import Unit
+
+
+def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
+    """Bytes a rank sends (and receives) to gather or reduce-scatter `shard_bytes` per rank
+    over `world` ranks (an all-reduce of `world * shard_bytes` is two passes)."""
+    return passes * (world - 1) * shard_bytes
+
+
+class _Reduction(Handle):
+    """A gradient reduction in two stages: `first` (the reduce-scatter), then the handle
+    `second()` issues (the all-reduce across replicas, if any). `advance()` waits for the
+    first stage and issues the second; `wait()` finishes both."""
+
+    def __init__(self, first: Handle, second: Callable[[], Handle] | None):
+        super().__init__()
+        self._first, self._start, self._second = first, second, None
+
+    @property
+    def second_issued(self) -> bool:
+        return self._second is not None
+
+    def advance(self) -> None:
+        if self._second is None:
+            self._first.wait()
+            self._second = self._start() if self._start is not None else Handle()
+
+    def wait(self) -> None:
+        self.advance()
+        self._second.wait()
+
+
+class Gradients:
+    """The gradients of `unit`'s parameters (see the module's docstring)."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self.full = self._new_buffer()
+        self._shard = torch.zeros(unit.layout.shard_size, dtype=unit.shard_dtype, device=unit.device)
+        self.has_values = False  # `shard` holds reductions not yet consumed
+        self.unsynced: torch.Tensor | None = None  # kept unsynced across replicas (`no_all_reduce`)
+        self._keep_unsynced = False
+        self.placeholders: list[ReducedGrad] = []  # each `.grad` once reduced (`make_placeholders`)
+        self._reduction: _Reduction | None = None  # the reduction writing `shard`, until waited
+        self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
+        self.sent_bytes = 0  # by this unit's reductions so far (as many received)
+
+    def make_placeholders(self) -> None:
+        """What each `.grad` holds once reduced, in the parameters' compute dtype and device
+        (called once the parameters are views of the unit's buffer)."""
+        u = self.unit
+        made = (ReducedGrad._of(u, i, p.shape, p.dtype, p.device) for i, p in enumerate(u.params))
+        self.placeholders = list(made)
+
+    def _new_buffer(self) -> FlatBuffer:
+        u = self.unit
+        shapes = [tuple(p.shape) for p in u.params]
+        return FlatBuffer(u.layout, shapes, u.comm.rank, u.compute_dtype, u.device, allocate=False)
+
+    # --- the unreduced buffer ---------------------------------------------------------------
+
+    @property
+    def has_full(self) -> bool:
+        return self.full.allocated and self.full.data.numel() > 0
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s view of the unreduced buffer (allocated, zeroed, on first use)."""
+        if not self.has_full:
+            self.full.allocate(zero=True)
+        return self.full.view(i)
+
+    def is_live(self, i: int) -> bool:
+        """Whether parameter `i`'s `.grad` is its view of the unreduced buffer."""
+        g = self.unit.params[i].grad
+        return g is not None and self.has_full and g.data_ptr() == self.full.view(i).data_ptr()
+
+    def drop(self, i: int) -> None:
+        """Forget what parameter `i` accumulated: its part of the unreduced buffer and this
+        rank's piece of `shard`."""
+        self.wait()
+        if self.has_full:
+            self.full.view(i).zero_()
+        start, stop = self.unit.full.local_range(i)
+        if stop > start:
+            if self.shard_bytes:
+                self._shard[start:stop].zero_()
+            if self.unsynced is not None:
+                self.unsynced[start:stop].zero_()
+
+    def take(self, i: int, grad: torch.Tensor) -> None:
+        """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
+        and what `shard` accumulated for it so far is dropped."""
+        self.drop(i)
+        self.view(i).copy_(grad)
+        self.unit.params[i].grad = self.full.view(i)
+
+    def bind(self, i: int) -> None:
+        """Autograd is about to accumulate parameter `i`'s gradient: its `.grad` becomes its
+        view of the unreduced buffer (a reduced gradient stays in the shard and this adds
+        to it; after `zero_grad` nothing reduced earlier counts; a gradient set by hand is
+        taken in, and autograd accumulates on it)."""
+        p = self.unit.params[i]
+        if p.grad is None:
+            self.drop(i)
+            p.grad = self.view(i)
+        elif isinstance(p.grad, ReducedGrad):
+            p.grad = self.view(i)
+        else:
+            self.take(i, p.grad)
+
+    # --- the reduction -----------------------------------------------------------------------
+
+    def reduce(self, async_op: bool = True) -> Handle:
+        """Average the unreduced gradients over ranks into `shard` (added to what it holds
+        since the last `clear()`). Each `.grad` that was a view of the buffer becomes a
+        `ReducedGrad` at once: a later backward accumulates into a new buffer while this
+        one is reduced and freed (once the reduce-scatter is waited for)."""
+        u = self.unit
+        self.wait()  # one reduction of a unit at a time (already done in a normal backward)
+        if not self.has_full:
+            self.full.allocate(zero=True)
+        for i, p in enumerate(u.params):
+            if self.is_live(i):
+                p.grad = self.placeholders[i]
+        buf, self.full = self.full, self._new_buffer()
+        data = buf.data
+        with torch.profiler.record_function(f"vescale::reduce_scatter[{u.name}]"):
+            if u.reduce_dtype != data.dtype:
+                data = data.to(u.reduce_dtype)  # on the compute stream: see `streams`
+                buf.free()  # the cast is what is reduced
+            self.scattering = data
+            self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
+            what = f"unit {u.name}'s gradients"
+            part = None if not u.replicate.active else torch.empty_like(self._shard)
+            with u.streams.reducing():
+                if part is None:
+                    add = self.has_values
+                    scatter = reduce_scatter_into_(data, self.shard, u.comm, "mean", add, True, what)
+                    self.has_values = True
+                    across = None
+                else:
+                    scatter = reduce_scatter_into_(data, part, u.comm, "mean", async_op=True, what=what)
+                    keep = self._keep_unsynced
+                    across = lambda: self._over_replicas(part, keep)  # noqa: E731
+        self._reduction = _Reduction(scatter.then(lambda: data.untyped_storage().resize_(0)), across)
+        if not async_op:
+            self.wait()
+        return self._reduction
+
+    def _over_replicas(self, part: torch.Tensor, keep: bool) -> Handle:
+        """Start averaging this shard group's reduction `part` over the replicas into
+        `shard` (or keep it, unsynced, when `keep`)."""
+        if self.unsynced is not None:
+            part.add_(self.unsynced)
+            self.unsynced = None
+        if keep:
+            self.unsynced = part
+            return Handle()
+        return self._all_reduce_replicas(part)
+
+    def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
+        u = self.unit
+        self.sent_bytes += ring(u.replicate.world_size, part.numel() * part.element_size(), 2)
+        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]"), u.streams.reducing():
+            handle = all_reduce_(part, u.replicate, "mean", async_op=True,
+                                 what=f"unit {u.name}'s gradients over replicas")  # fmt: skip
+
+        def add() -> None:
+            if self.has_values:
+                self.shard.add_(part)
+            else:
+                self.shard.copy_(part)
+            self.has_values = True
+
+        return handle.then(add)
+
+    def keep_unsynced(self, keep: bool) -> None:
+        """Whether reductions from now on keep this shard group's result unsynced across
+        replicas (summed in `unsynced`) instead of all-reducing it."""
+        self._keep_unsynced = keep
+
+    def sync_replicas(self) -> Handle:
+        """Start averaging what was kept unsynced over the replicas into `shard` (collective
+        over the replicas when there is something; every replica has or has not)."""
+        self.wait()
+        if self.unsynced is None:
+            return Handle()
+        part, self.unsynced = self.unsynced, None
+        self._reduction = _Reduction(Handle(), lambda: self._all_reduce_replicas(part))
+        return self._reduction
+
+    def advance(self) -> None:
+        """Wait for the reduce-scatter in flight (its buffer is freed) and issue its
+        all-reduce across replicas (without waiting for it)."""
+        if self._reduction is not None:
+            self._reduction.advance()
+
+    @property
+    def reducing_over_replicas(self) -> bool:
+        """Whether an all-reduce across replicas is issued and not yet waited for."""
+        return self._reduction is not None and self._reduction.second_issued
+
+    def wait(self) -> None:
+        """Until `shard` holds every reduction issued so far (on CUDA: the current stream)."""
+        if self._reduction is not None:
+            reduction, self._reduction = self._reduction, None
+            reduction.wait()
+
+    # --- the shard ------------------------------------------------------------------------------
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's averaged-gradient shard. `clear()` frees its memory, as torch's
+        `zero_grad(set_to_none=True)` frees gradients; it comes back zero when next used."""
+        storage = self._shard.untyped_storage()
+        if storage.nbytes() == 0 and self._shard.numel():
+            storage.resize_(self._shard.numel() * self._shard.element_size())
+            self._shard.zero_()
+        return self._shard
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes the gradient shard holds now (0 while freed)."""
+        return self._shard.untyped_storage().nbytes()
+
+    def clear(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients: free the shard (`set_to_none`) or zero it, drop an
+        unreduced buffer; every `.grad` becomes None, or with `set_to_none=False` a
+        `ReducedGrad` (now zero) where there was a gradient."""
+        self.wait()
+        if set_to_none:
+            self._shard.untyped_storage().resize_(0)
+        elif self.shard_bytes:
+            self._shard.zero_()
+        self.has_values = False
+        self.unsynced = None
+        if self.has_full:
+            self.full.free()
+        for i, p in enumerate(self.unit.params):
+            if set_to_none or p.grad is None:
+                p.grad = None
+            elif p.requires_grad:
+                p.grad = self.placeholders[i]
+
+    def transient_bytes(self) -> int:
+        """The unreduced buffer and the gradients being reduce-scattered, alive now."""
+        scattering = self.scattering.untyped_storage().nbytes() if self.scattering is not None else 0
+        return self.full.nbytes + scattering
