@@ -1,166 +1,78 @@
-"""Distributed Muon: momentum on local pieces, each matrix orthogonalized once by its owner."""
+"""Distributed Muon: momentum on local pieces, each matrix orthogonalized once by its owner.
+
+The math is `_muon_math`'s; where each matrix is orthogonalized, and how it gets there and
+back, is the owner layer's (`units.owner_plan`): Muon declares each matrix as a work item
+(its pieces, its Newton–Schulz FLOPs, the rank holding it whole if one does).
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
 import torch
 
-from ..kernels import newton_schulz
-from ..shard.mesh import Topology
-from ..shard.redistribution import (
-    Piece,
-    in_arrival_order,
-    owner_offsets,
-    plan_gather_to_owner,
-    plan_scatter_from_owner,
-)
+from ..shard.redistribution import Piece
 from ..units.moves import Move
-from ..units.owners import assign_owners, ns_flops
+from ..units.owner_plan import SegmentMoves, WorkItem, plan_owners
 from ..units.segment import FROZEN, Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
+from ._muon_math import ADJUST_LR_FNS as _ADJUST
+from ._muon_math import adjusted_lr, apply_, matrix_view, momentum_, ns_flops, orthogonalize_
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
 
-_ADJUST = (None, "original", "match_rms_adamw")
 _ADAMW_EPS = 1e-8
+_CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
+_SLACK = 0.05  # a matrix stays with the rank holding it while that rank's work is within 1.05x the mean
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """torch.optim.Muon's per-matrix learning-rate scaling."""
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {_ADJUST}")
-
-
-def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(count, rows, cols): a 2-D weight is one matrix, a 3-D stack `count` of them, and a
-    4-D convolution weight one `[out, in*kh*kw]` matrix."""
-    if len(shape) == 2:
-        return 1, shape[0], shape[1]
-    if len(shape) == 3:
-        return shape[0], shape[1], shape[2]
-    return 1, shape[0], math.prod(shape[1:])
+def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
+    """The segment's matrices as work items, and their `(rows, cols)`. A matrix's pieces lie in
+    each shard rank's part of the segment (from `seg.rank_start(r)`); its cost is its
+    Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does."""
+    layout = seg.layout
+    shard = layout.shard_size
+    items, shapes = [], []
+    for i, p in enumerate(seg.params):
+        count, rows, cols = matrix_view(tuple(p.shape))
+        for s in range(count):
+            start, numel = layout.offsets[i] + s * rows * cols, rows * cols
+            first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
+            pieces = []
+            for r in range(first, last + 1):
+                lo, hi = max(start, r * shard), min(start + numel, (r + 1) * shard)
+                at = lo - r * shard - seg.rank_start(r)  # in rank r's part of the segment
+                pieces.append(Piece(r, len(items), at, lo - start, hi - start))
+            home = first if first == last else None
+            items.append(WorkItem(tuple(pieces), ns_flops(rows, cols, ns_steps), home))
+            shapes.append((rows, cols))
+    return items, shapes
 
 
 @dataclass(frozen=True)
-class _Matrix:
-    param: int  # index in the seg
-    start: int  # offset of the matrix in the seg's global buffer
-    rows: int
-    cols: int
+class _SegmentWork:
+    """A Muon segment's moves, and this rank's matrices batched by shape: `(rows, cols) ->
+    offsets` in the local update (`held`: matrices it holds whole) or in the received buffer
+    (`arriving`); `returned`: `(offset, in back, length)` of the results that come back."""
 
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
+    moves: SegmentMoves
+    held: dict[tuple[int, int], list[int]]
+    arriving: dict[tuple[int, int], list[int]]
+    returned: list[tuple[int, int, int]]
 
-
-class _MuonPlan:
-    """Per-segment matrices, their owners, gather/scatter plans and this rank's batches.
-
-    Built in two steps: the matrices, where they lie and what they cost; then, once
-    owners are chosen over every segment of the step, the plans. Positions are the
-    unit's; each rank's buffers hold its part of the segment, from `seg.rank_start(r)`.
-    """
-
-    def __init__(self, seg: Segment, topology: Topology, ns_steps: int):
-        layout = seg.layout
-        self.topology, self.shard = topology, layout.shard_size
-        shards = topology.shards
-        self.starts = [seg.rank_start(r) for r in range(shards)]
-        self.sizes = seg.counts
-        self.matrices: list[_Matrix] = []
-        for i, p in enumerate(seg.params):
-            count, rows, cols = matrix_view(tuple(p.shape))
-            for s in range(count):
-                self.matrices.append(_Matrix(i, layout.offsets[i] + s * rows * cols, rows, cols))
-        self.homes: list[int | None] = []  # the only shard rank holding a matrix, if one does
-        self.pieces: list[Piece] = []  # by shard rank
-        for t, m in enumerate(self.matrices):
-            first, last = m.start // self.shard, (m.start + m.numel - 1) // self.shard  # ranks it spans
-            for r in range(first, last + 1):
-                lo, hi = max(m.start, r * self.shard), min(m.start + m.numel, (r + 1) * self.shard)
-                at = lo - r * self.shard - self.starts[r]
-                self.pieces.append(Piece(r, t, at, lo - m.start, hi - m.start))
-            self.homes.append(first if first == last else None)
-        self.costs = [ns_flops(m.rows, m.cols, ns_steps) for m in self.matrices]
-
-    def world_homes(self) -> list[int | None]:
-        """Homes as world ranks: with replicas, the home shard rank of one replica (matrix t
-        in replica t mod R, spreading them), since every replica holds the matrix there."""
-        topo = self.topology
-        return [None if h is None else topo.world_rank(t % topo.replicas, h)
-                for t, h in enumerate(self.homes)]  # fmt: skip
-
-    def assign(self, owners: list[int], rank: int) -> None:
-        """Plan the moves to `owners` (world ranks) and this rank's (world rank) batched work.
-
-        The owner gathers a matrix from its own replica's pieces; with replicas, the result
-        goes back to the pieces of every replica, so each matrix is orthogonalized once in
-        the world. A matrix its owner holds whole already stays in place (one replica)."""
-        topo = self.topology
-        world, replicas = topo.world_size, topo.replicas
-        self.owners = owners
-        if replicas == 1:
-            moved = {t for t, (h, o) in enumerate(zip(self.homes, owners)) if h != o}
-        else:
-            moved = set(range(len(self.matrices)))
-        mine = [p for p in self.pieces if p.tensor in moved]
-        owner_replica = [topo.coords(o)[0] for o in owners]
-        gather = [replace(p, rank=topo.world_rank(owner_replica[p.tensor], p.rank)) for p in mine]
-        scatter = [replace(p, rank=topo.world_rank(r, p.rank)) for r in range(replicas) for p in mine]
-        numels = [m.numel if t in moved else 0 for t, m in enumerate(self.matrices)]
-        sizes = [self.sizes[topo.shard_of(w)] for w in range(world)]
-        self.gather = plan_gather_to_owner(gather, numels, owners, world, sizes)
-        # results come back in arrival order (received in place) and are read from there
-        self.scatter, where = in_arrival_order(plan_scatter_from_owner(scatter, numels, owners, world, sizes))
-        self.returned = where[rank]
-        self.gather_program = self.gather.program(rank)
-        self.scatter_program = self.scatter.program(rank)
-        offsets, _ = owner_offsets(numels, owners, world)
-        # This rank's work, batched by shape: (rows, cols) -> [(in_gather_buffer, offset)];
-        # a matrix whose owner already holds all of it is orthogonalized in place.
-        me = topo.shard_of(rank)
-        self.batches: dict[tuple[int, int], list[tuple[bool, int]]] = {}
-        for t, m in enumerate(self.matrices):
-            if owners[t] == rank:
-                here = m.start - me * self.shard - self.starts[me]
-                entry = (True, offsets[t]) if t in moved else (False, here)
-                self.batches.setdefault((m.rows, m.cols), []).append(entry)
-
-
-_CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
-
-
-def _pieces(lo: int, hi: int, update: torch.Tensor, back: torch.Tensor, returned):
-    """`(a, z, values)` covering `[lo, hi)` of the local slice: from `back` where a piece
-    returned there (`returned`: `(offset, in_back, length)`, sorted), else from `update`."""
-    pos = lo
-    for offset, at, n in returned:
-        a, z = max(lo, offset), min(hi, offset + n)
-        if a >= z:
-            continue
-        if pos < a:
-            yield pos, a, update[pos:a]
-        yield a, z, back[at + a - offset : at + z - offset]
-        pos = z
-    if pos < hi:
-        yield pos, hi, update[pos:hi]
-
-
-def _chunks(runs, keep: bool = False):
-    """`(lo, hi)` pieces of at most `_CHUNK` elements of each run `(lo, hi, key)` (with
-    the key when `keep`)."""
-    for lo, hi, key in runs:
-        for a in range(lo, hi, _CHUNK):
-            yield (a, min(hi, a + _CHUNK), key) if keep else (a, min(hi, a + _CHUNK))
+    @staticmethod
+    def of(moves: SegmentMoves, items: list[WorkItem], shapes: list[tuple[int, int]]) -> _SegmentWork:
+        held: dict[tuple[int, int], list[int]] = {}
+        arriving: dict[tuple[int, int], list[int]] = {}
+        for k in moves.local:
+            held.setdefault(shapes[k], []).append(next((p.offset for p in items[k].pieces), 0))
+        for k in moves.arriving:
+            arriving.setdefault(shapes[k], []).append(moves.received_at[k])
+        returned = [(p.offset, at, p.stop - p.start) for _, p, at in moves.returned]
+        return _SegmentWork(moves, held, arriving, returned)
 
 
 def check_muon_group(group: dict) -> None:
@@ -245,23 +157,16 @@ class Muon(ShardedOptimizer):
             adamw = {"eps": _ADAMW_EPS, "betas": betas}
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(params, defaults, sharding)
+        # One plan over every matrix of the step and every rank of the world (replicas too),
+        # so the step's total is balanced and each matrix is orthogonalized once.
         runtime = self.runtime
-        self._plans: dict[int, _MuonPlan] = {}  # by id of the segment
-        for seg in runtime.segments:
-            if seg.group["use_muon"] and seg.tier != FROZEN:
-                self._plans[id(seg)] = _MuonPlan(seg, runtime.topology, seg.group["ns_steps"])
-        # One assignment over every matrix of the step and every rank of the world (replicas
-        # too), so the step's total is balanced and each matrix is orthogonalized once.
-        plans, world = list(self._plans.values()), runtime.world.world_size
-        costs, homes = [c for p in plans for c in p.costs], [h for p in plans for h in p.world_homes()]
-        owners = assign_owners(costs, world, homes)
-        self.ns_load = [0.0] * world  # Newton–Schulz FLOPs per world rank per step
-        start = 0
-        for plan in plans:
-            plan.assign(owners[start : start + len(plan.costs)], runtime.world.rank)
-            start += len(plan.costs)
-            for o, c in zip(plan.owners, plan.costs):
-                self.ns_load[o] += c
+        segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
+        work = [matrix_work(seg, seg.group["ns_steps"]) for seg in segs]
+        plan = plan_owners([items for items, _ in work], runtime.topology, runtime.world.rank, slack=_SLACK,
+                           sources=[seg.counts for seg in segs])  # fmt: skip
+        self.ns_load = [float(x) for x in plan.loads]  # Newton–Schulz FLOPs per world rank per step
+        self._work = {id(seg): _SegmentWork.of(moves, items, shapes)
+                      for seg, moves, (items, shapes) in zip(segs, plan.segments, work)}  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -303,66 +208,41 @@ class Muon(ShardedOptimizer):
         self.orthogonalized = 0
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        plan = self._plans.get(id(seg))
-        if plan is None:
+        work = self._work.get(id(seg))
+        if work is None:
             adamw_segment_step(seg, lowbit.kind(seg.tier), grads)
             return None
-        update = self._momentum(seg)
-        group = seg.group
-        back = update.new_empty(plan.scatter.dst_numel[self.runtime.world.rank])
-        return Move(
-            gather=plan.gather, src=update, scatter=plan.scatter, dst=back,
-            programs=(plan.gather_program, plan.scatter_program), label="newton_schulz",
-            local=lambda: self._orthogonalize(plan, group, update, moved=False),
-            compute=lambda received: self._orthogonalize(plan, group, received, moved=True),
-            finish=lambda: self._apply(seg, update, back, plan.returned),
+        g, kind = seg.group, lowbit.kind(seg.tier)
+        buf = lowbit.decode(seg.state, "momentum_buffer", kind)
+        runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
+        update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
+        lowbit.encode_(seg.state, "momentum_buffer", kind, buf)
+        return work.moves.move(
+            update, label="newton_schulz",
+            local=lambda: self._orthogonalize(work.held, g, update),
+            compute=lambda received: self._orthogonalize(work.arriving, g, received),
+            finish=lambda back: self._apply(seg, update, back, work.returned),
         )  # fmt: skip
 
-    def _momentum(self, seg: Segment) -> torch.Tensor:
-        """Momentum on the active runs of the local slice; returns the (nesterov) update
-        in bf16, zero where parameters do not step. Temporaries stay chunk-sized."""
-        g = seg.group
-        mu, grad, kind = g["momentum"], seg.local_grads(), lowbit.kind(seg.tier)
-        buf = lowbit.decode(seg.state, "momentum_buffer", kind)
-        runs = list(seg.runs(key=lambda i: True))
-        whole = [(lo, hi) for lo, hi, _ in runs] == [(0, buf.numel())]
-        update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
-        if not whole:
-            update.zero_()
-        for lo, hi in _chunks(runs):
-            m, gr = buf[lo:hi], grad[lo:hi]
-            m.lerp_(gr, 1 - mu)
-            update[lo:hi].copy_(gr.lerp(m, mu) if g["nesterov"] else m)
-        lowbit.encode_(seg.state, "momentum_buffer", kind, buf)
-        return update
-
     def _apply(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
-               returned: Sequence[tuple[int, int, int]]) -> None:  # fmt: skip
-        """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the active runs, with one adjusted
-        learning rate per run of parameters that share it (a scalar, as in torch). `O` is
-        in `back` where it came back from an owner (`returned`), in `update` elsewhere."""
-        g, params = seg.group, seg.local_params
-        lr, decay = float(g["lr"]), 1 - float(g["lr"]) * g["weight_decay"]
+               returned: list[tuple[int, int, int]]) -> None:  # fmt: skip
+        """The update on the active runs, with one adjusted learning rate per run of
+        parameters that share it (a scalar, as in torch)."""
+        g, lr = seg.group, float(seg.group["lr"])
         shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
         runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
-        for lo, hi, alr in _chunks(runs, keep=True):
-            for a, z, values in _pieces(lo, hi, update, back, returned):
-                params[a:z].mul_(decay).add_(values, alpha=-alr)
+        apply_(seg.local_params, runs, lr, g["weight_decay"], update, back, returned, _CHUNK)
 
-    def _orthogonalize(self, plan: _MuonPlan, group: dict, buf: torch.Tensor, moved: bool) -> torch.Tensor:
-        """Newton–Schulz, in place in `buf`, on every matrix this rank owns that lies there:
-        those it received (`moved`) or those it held whole already; batched by shape."""
-        for (rows, cols), everything in plan.batches.items():
-            entries = [e for e in everything if e[0] == moved]
-            if not entries:
-                continue
+    def _orthogonalize(self, batches: dict[tuple[int, int], list[int]], group: dict,
+                       buf: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Newton–Schulz, in place in `buf`, on the matrices at `batches`' offsets, one batch
+        per shape."""
+        steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
+        for (rows, cols), offsets in batches.items():
             n = rows * cols
-            views = [buf[o : o + n].view(rows, cols) for _, o in entries]
-            x = views[0] if len(views) == 1 else torch.stack(views)  # one matrix: torch's exact path
-            out = newton_schulz(x, group["ns_steps"], group["ns_coefficients"], group["eps"], self.ns_backend)
-            for view, o in zip(views, out.view(len(views), rows, cols)):
-                view.copy_(o)
-            self.orthogonalized += len(views)
-            self.step_stats["ns_matrices"] += len(views)
-            self.step_stats["ns_flops"] += len(views) * ns_flops(rows, cols, group["ns_steps"])
+            orthogonalize_([buf[o : o + n].view(rows, cols) for o in offsets], steps, coefficients, eps,
+                           self.ns_backend)  # fmt: skip
+            self.orthogonalized += len(offsets)
+            self.step_stats["ns_matrices"] += len(offsets)
+            self.step_stats["ns_flops"] += len(offsets) * ns_flops(rows, cols, steps)
         return buf

@@ -14,11 +14,6 @@ import heapq
 from collections.abc import Sequence
 
 
-def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
-    a, b = min(rows, cols), max(rows, cols)
-    return steps * (4 * a * a * b + 2 * a * a * a)
-
-
 def assign_owners(
     costs: Sequence[float],
     world_size: int,

@@ -1,0 +1,110 @@
+"""Muon's functional core, as in `torch.optim._muon`: pure functions over flat tensors and
+batches of matrices. Per matrix, with gradient g and momentum buffer B:
+
+    B <- mu*B + (1-mu)*g                      momentum_          (on flat runs)
+    U  = g + mu*(B - g)  (nesterov) else B    momentum_
+    O  = NS(U)                                orthogonalize_     (bf16 Newton–Schulz, batched)
+    p <- p*(1 - lr*wd) - adjusted_lr*O        apply_             (on flat runs)
+
+No processes, no optimizer state objects: `muon.Muon` decides where each piece lies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from ..kernels import newton_schulz
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+CHUNK = 1 << 20  # elements per element-wise call by default: bounds the temporaries of a step
+
+Run = tuple[int, int]  # [lo, hi) of a flat tensor
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's per-matrix learning-rate scaling."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}; expected one of {ADJUST_LR_FNS}")
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(count, rows, cols): a 2-D weight is one matrix, a 3-D stack `count` of them, and a
+    4-D convolution weight one `[out, in*kh*kw]` matrix."""
+    if len(shape) == 2:
+        return 1, shape[0], shape[1]
+    if len(shape) == 3:
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], math.prod(shape[1:])
+
+
+def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """FLOPs of `steps` Newton–Schulz steps on an `m x n` matrix, `a = min(m, n)`, `b = max(m, n)`:
+    `X Xᵀ` (2a²b) + `A A` (2a³) + `B X` (2a²b) = 4a²b + 2a³ per step."""
+    a, b = min(rows, cols), max(rows, cols)
+    return steps * (4 * a * a * b + 2 * a * a * a)
+
+
+def chunks(runs: Iterable[tuple], size: int = CHUNK) -> Iterator[tuple]:
+    """Each run `(lo, hi, *rest)` cut into pieces of at most `size` elements, `rest` kept."""
+    for lo, hi, *rest in runs:
+        for a in range(lo, hi, size):
+            yield (a, min(hi, a + size), *rest)
+
+
+def momentum_(buf: torch.Tensor, grad: torch.Tensor, runs: Sequence[Run], momentum: float,
+              nesterov: bool, chunk: int = CHUNK) -> torch.Tensor:  # fmt: skip
+    """`B <- mu*B + (1-mu)*g` on the runs of the flat `buf`, in place; returns the update `U`
+    in bf16, as long as `buf` and zero outside the runs. Temporaries stay `chunk`-sized."""
+    update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
+    if [tuple(r) for r in runs] != [(0, buf.numel())]:
+        update.zero_()
+    for lo, hi in chunks(runs, chunk):
+        m, g = buf[lo:hi], grad[lo:hi]
+        m.lerp_(g, 1 - momentum)
+        update[lo:hi].copy_(g.lerp(m, momentum) if nesterov else m)
+    return update
+
+
+def orthogonalize_(matrices: Sequence[torch.Tensor], steps: int, coefficients: Sequence[float], eps: float,
+                   backend: str = "auto") -> None:  # fmt: skip
+    """`X <- NS(X)` in place for equal-shaped matrices, batched (one matrix takes torch's
+    exact path, unstacked)."""
+    x = matrices[0] if len(matrices) == 1 else torch.stack(list(matrices))
+    out = newton_schulz(x, steps, coefficients, eps, backend)
+    rows, cols = matrices[0].shape
+    for view, o in zip(matrices, out.view(len(matrices), rows, cols)):
+        view.copy_(o)
+
+
+def merged(lo: int, hi: int, update: torch.Tensor, back: torch.Tensor,
+           returned: Sequence[tuple[int, int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:  # fmt: skip
+    """`(a, z, O[a:z])` covering `[lo, hi)` of the local slice: from `back` where a result
+    came back there (`returned`: `(offset, in back, length)`, sorted), else from `update`."""
+    pos = lo
+    for offset, at, n in returned:
+        a, z = max(lo, offset), min(hi, offset + n)
+        if a >= z:
+            continue
+        if pos < a:
+            yield pos, a, update[pos:a]
+        yield a, z, back[at + a - offset : at + z - offset]
+        pos = z
+    if pos < hi:
+        yield pos, hi, update[pos:hi]
+
+
+def apply_(params: torch.Tensor, runs: Iterable[tuple[int, int, float]], lr: float, weight_decay: float,
+           update: torch.Tensor, back: torch.Tensor, returned: Sequence[tuple[int, int, int]],
+           chunk: int = CHUNK) -> None:  # fmt: skip
+    """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the runs `(lo, hi, adjusted_lr)` of the flat
+    `params`; `O` as `merged` finds it."""
+    decay = 1 - lr * weight_decay
+    for lo, hi, alr in chunks(runs, chunk):
+        for a, z, values in merged(lo, hi, update, back, returned):
+            params[a:z].mul_(decay).add_(values, alpha=-alr)
