@@ -1,5 +1,6 @@
-"""Shampoo's functional core: the global tiling, tile ownership, and the math on flat
-tensors and on stacks of equal-shaped tiles. No processes, no optimizer state objects."""
+"""Shampoo's functional core: the global tiling and the math on flat tensors and on stacks
+of equal-shaped tiles. No processes, no optimizer state objects; who owns which tile is the
+owner layer's (`units.owner_plan`)."""
 
 from __future__ import annotations
 
@@ -73,47 +74,6 @@ def stripe_granule(shape: Sequence[int], max_dim: int) -> int:
         return 1
     m, n = ms
     return m * n if m <= max_dim else math.gcd(m, max_dim) * n
-
-
-def balance(
-    costs: Sequence[int], owners: Sequence[int], world_size: int, trigger: float = 1.2, target: float = 1.1
-) -> list[int]:
-    """Move tiles between ranks when the busiest rank has more than `trigger` times the mean
-    work, until it has at most `target` times (or no move helps). Each move takes the tile of
-    the busiest rank that best evens it with the idlest one; deterministic."""
-    owners = list(owners)
-    loads = [0] * world_size
-    mine: list[list[int]] = [[] for _ in range(world_size)]
-    for t, (c, o) in enumerate(zip(costs, owners)):
-        loads[o] += c
-        mine[o].append(t)
-    mean = sum(loads) / world_size
-    if mean == 0 or max(loads) <= trigger * mean:
-        return owners
-    for _ in range(len(costs)):
-        hi = max(range(world_size), key=lambda r: (loads[r], -r))
-        lo = min(range(world_size), key=lambda r: (loads[r], r))
-        if loads[hi] <= target * mean:
-            break
-        gap = loads[hi] - loads[lo]
-        fits = [t for t in mine[hi] if 0 < costs[t] < gap]
-        if not fits:
-            break
-        t = min(fits, key=lambda t: (abs(2 * costs[t] - gap), t))
-        mine[hi].remove(t)
-        mine[lo].append(t)
-        owners[t] = lo
-        loads[hi] -= costs[t]
-        loads[lo] += costs[t]
-    return owners
-
-
-def rank_loads(costs: Sequence[int], owners: Sequence[int], world: int) -> tuple[int, ...]:
-    """Sum of `costs` per owner rank."""
-    loads = [0] * world
-    for c, o in zip(costs, owners):
-        loads[o] += c
-    return tuple(loads)
 
 
 def _is_int(x) -> bool:

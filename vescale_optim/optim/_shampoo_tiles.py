@@ -1,14 +1,15 @@
 """Shampoo's tiles on a rank: the ones it owns, stacked by shape with their factors and roots,
-and the moves that bring a tile whose rows its owner does not hold to the owner and its
-update back. The math is `_shampoo_math`'s; the optimizer is `shampoo.Shampoo`."""
+and the step that brings a tile whose rows its owner does not hold to the owner and its
+update back, as the owner layer planned it (`units.owner_plan`). The math is
+`_shampoo_math`'s; the optimizer is `shampoo.Shampoo`."""
 
 from __future__ import annotations
 
 import torch
 
-from ..shard.mesh import Topology
-from ..shard.redistribution import Piece, owner_offsets, plan_gather_to_owner, plan_scatter_from_owner
+from ..shard.redistribution import Piece
 from ..units.moves import Move
+from ..units.owner_plan import SegmentMoves, WorkItem
 from ..units.segment import Segment
 from ._shampoo_math import (
     Tile,
@@ -84,45 +85,47 @@ def _by_step(steps: list[int]):
     return [(st, torch.tensor(idx)) for st, idx in found.items()]
 
 
+CHANNELS = 3  # what travels to a tile's owner: gradient, mhat, grafting update
+
+
+def tile_work(tiles: list[Tile], held: list[list[tuple[int, int]]]) -> list[WorkItem]:
+    """The tiles as work items: `held[k][s]`, the rows `[a, b)` of tile k that shard rank s
+    holds, are its pieces (staged: their offsets are the plan's); its cost its root work; its
+    home the rank holding most of its rows (ties: the lowest)."""
+    items = []
+    for k, t in enumerate(tiles):
+        pieces = tuple(Piece(s, k, 0, a * t.w, b * t.w) for s, (a, b) in enumerate(held[k]) if b > a)
+        home = min(range(len(held[k])), key=lambda s, h=held[k]: (h[s][0] - h[s][1], s))
+        items.append(WorkItem(pieces, t.cost, home))
+    return items
+
+
 class SegmentTiles:
     """One segment's tiles seen from this rank: the tiles it owns (grouped by shape), and the
-    plans that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
+    moves that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
     and grafting update) and the tile's update back. Between steps it holds only factors and
-    roots: tiles are read from the step's flat tensors and staging buffers live for one step.
+    roots: tiles are read from the step's flat tensors and staging buffers live for one step."""
 
-    Owners are ranks of the world (`topology`); `held[k][s]` are the rows of tile k that
-    shard rank s holds, in every replica. With replicas, an owner gathers from its own
-    replica and sends the update to every replica, so each tile is computed once."""
-
-    def __init__(self, seg: Segment, tiles: list[Tile], owners: list[int], held, topology: Topology, me: int):
-        self.tiles, self.owners, self.held, self.topology, self.me = tiles, owners, held, topology, me
+    def __init__(self, seg: Segment, tiles: list[Tile], moves: SegmentMoves):
+        self.tiles, self.moves, self.owners = tiles, moves, moves.owners
         self.seg, self.like = seg, seg.local_params
         self.where = {}  # param -> (local range, first local row, columns)
         for t in tiles:
             n = matrix_shape(seg.params[t.param].shape)[1]
             lo, hi = seg.local_range(t.param)
             self.where[t.param] = (lo, hi, seg.tensor_range(t.param)[0] // n, n)
-        if topology.replicas == 1:  # a tile whose owner holds all its rows stays in place
-            moved = [k for k, t in enumerate(tiles) if held[k][owners[k]] != (0, t.h)]
-        else:
-            moved = list(range(len(tiles)))
-        # by first holder, so that runs from one rank arrive in order (received in place)
-        moved.sort(key=lambda k: (min(r for r, (a, b) in enumerate(held[k]) if b > a), k))
-        self.moved = len(moved)
+        self.moved = len(moves.moved)
         self.kept = self.roots = 0  # roots kept instead of refreshed, and roots computed, by `step`
-        recv_at, result_at = self._plan_moves(moved) if moved else ([], [])
         groups: dict[tuple[bool, int, int], TileGroup] = {}
         self.owned: dict[int, tuple[TileGroup, int]] = {}
-        position = {k: j for j, k in enumerate(moved)}
-        for k, t in enumerate(tiles):
-            if owners[k] != me:
-                continue
-            remote = k in position
+        arriving = set(moves.arriving)
+        for k in sorted([*moves.local, *moves.arriving]):
+            t, remote = tiles[k], k in arriving
             g = groups.setdefault((remote, t.h, t.w), TileGroup(t.h, t.w, self.like))
             self.owned[k] = (g, len(g.tiles))
             g.tiles.append(k)
             if remote:
-                g.at.append((recv_at[3 * position[k]], result_at[position[k]]))
+                g.at.append((moves.received_at[k], moves.result_at[k]))
         for g in groups.values():
             g.allocate()
         self.local = [g for (remote, _, _), g in groups.items() if not remote]
@@ -133,45 +136,6 @@ class SegmentTiles:
         view (this rank holds them)."""
         lo, hi, first, n = self.where[t.param]
         return flat[lo:hi].view(-1, n)[t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
-
-    def _plan_moves(self, moved: list[int]):
-        """Gather plan: moved tile j is three tensors `3j + c` (c: gradient, mhat, grafting
-        update) that each holder in the owner's replica sends its rows of; scatter plan:
-        tensor j, the update, back to every holder of every replica."""
-        topo, me, tiles, held = self.topology, self.me, self.tiles, self.held
-        world = topo.world_size
-        numels = [tiles[k].h * tiles[k].w for k in moved]
-        owners1 = [self.owners[k] for k in moved]
-        from_replica = [topo.coords(o)[0] for o in owners1]
-        gather, back, send_numel, back_numel = [], [], [], []
-        self.pack, self.unpack = [], []  # (tile, rows a, b, offset in send / back buffer)
-        for w in range(world):
-            replica, r = topo.coords(w)
-            off3 = off1 = 0
-            for j in sorted(range(len(moved)), key=lambda j: (owners1[j], j)):  # send order
-                a, b = held[moved[j]][r]
-                if b <= a:
-                    continue
-                t, n = tiles[moved[j]], (b - a) * tiles[moved[j]].w
-                if from_replica[j] == replica:
-                    gather += [Piece(w, 3 * j + c, off3 + c * n, a * t.w, b * t.w) for c in range(3)]
-                    if w == me:
-                        self.pack.append((t, a, b, off3))
-                    off3 += 3 * n
-                back.append(Piece(w, j, off1, a * t.w, b * t.w))
-                if w == me:
-                    self.unpack.append((t, a, b, off1))
-                off1 += n
-            send_numel.append(off3)
-            back_numel.append(off1)
-        owners3, numels3 = [o for o in owners1 for _ in "gma"], [n for n in numels for _ in "gma"]
-        recv_at, recv_numel = owner_offsets(numels3, owners3, world)
-        result_at, result_numel = owner_offsets(numels, owners1, world)
-        self.gather = plan_gather_to_owner(gather, numels3, owners3, world, send_numel)
-        self.scatter = plan_scatter_from_owner(back, numels, owners1, world, back_numel)
-        self.programs = (self.gather.program(me), self.scatter.program(me))
-        self.numels = (send_numel[me], recv_numel[me], result_numel[me], back_numel[me])
-        return recv_at, result_at
 
     def step(self, group: dict, steps: list[int], grads: torch.Tensor, mhat: torch.Tensor,
              update: torch.Tensor, finish) -> Move | None:  # fmt: skip
@@ -197,40 +161,36 @@ class SegmentTiles:
                 for view, u in zip(views[2], out if out is not None else ()):
                     view.copy_(u)
 
-        if not self.moved:
-            local()
-            finish()
-            return None
-        send_numel, _, result_numel, back_numel = self.numels
-        send = self.like.new_empty(send_numel)
-        for t, a, b, off in self.pack:
-            out = send[off : off + 3 * (b - a) * t.w].view(3, b - a, t.w)
+        moves = self.moves
+        send = self.like.new_empty(moves.send_numel)
+        for k, p, off in moves.pack:
+            t = self.tiles[k]
+            a, b = p.start // t.w, p.stop // t.w
+            out = send[off : off + CHANNELS * (b - a) * t.w].view(CHANNELS, b - a, t.w)
             for c, flat in enumerate(flats):
                 out[c].copy_(self._rows(flat, t, a, b))
-        back = self.like.new_empty(back_numel)
 
         def compute(recv: torch.Tensor) -> torch.Tensor:
-            result = self.like.new_empty(result_numel if apply else 0)
+            result = self.like.new_empty(moves.result_numel if apply else 0)
             for g in self.remote:
                 n, shape = g.h * g.w, (len(g.tiles), g.h, g.w)
                 channels = [torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at])
-                            for c in range(3)]  # fmt: skip
+                            for c in range(CHANNELS)]  # fmt: skip
                 out = run(g, *(x.view(shape) for x in channels))
                 if apply:  # every tile's update goes back (the grafting update where none started)
                     for (_, r), u in zip(g.at, out if out is not None else channels[2]):
                         result[r : r + n].view(g.h, g.w).copy_(u.view(g.h, g.w))
             return result
 
-        def done() -> None:
+        def done(back: torch.Tensor) -> None:
             if apply:
-                for t, a, b, off in self.unpack:
-                    self._rows(update, t, a, b).copy_(back[off : off + (b - a) * t.w].view(b - a, t.w))
+                for k, p, at in moves.returned:
+                    t = self.tiles[k]
+                    a, b = p.start // t.w, p.stop // t.w
+                    self._rows(update, t, a, b).copy_(back[at : at + (b - a) * t.w].view(b - a, t.w))
             finish()
 
-        return Move(
-            gather=self.gather, src=send, compute=compute, finish=done, local=local, label="shampoo",
-            scatter=self.scatter if apply else None, dst=back, programs=self.programs,
-        )  # fmt: skip
+        return moves.move(send, compute=compute, finish=done, local=local, label="shampoo", returns=apply)
 
     def factors(self, k: int) -> dict[str, torch.Tensor]:
         g, i = self.owned[k]

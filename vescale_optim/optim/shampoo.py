@@ -9,26 +9,28 @@ import torch
 
 from ..shard.collectives import all_reduce_
 from ..units.moves import Move
+from ..units.owner_plan import plan_owners
 from ..units.segment import FROZEN, Segment
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel
 from ._shampoo_math import (
     Tile,
-    balance,
     bias_correction,
     check_hyperparameters,
     grafting_step_,
     matrix_shape,
-    rank_loads,
     schedule,
     stripe_granule,
     tiles_of,
 )
-from ._shampoo_tiles import FACTORS, SegmentTiles
+from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
 _SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
+# No tile leaves the rank holding its rows while no rank's root work exceeds 1.2x the mean;
+# when some must, tiles stay while their rank's work is within 1.1x the mean.
+_TOLERATE, _SLACK = 0.2, 0.1
 
 
 class Shampoo(ShardedOptimizer):
@@ -59,10 +61,14 @@ class Shampoo(ShardedOptimizer):
     rows (the whole matrix when `m <= max_preconditioner_dim`); when stripes do not divide
     `m`, it is `gcd(m, max_preconditioner_dim)` rows, and a stripe cut by a rank boundary
     is gathered to one rank. Each tile's factors and roots are computed only on its owner,
-    from the reduced gradient the owner holds; tiles move to other owners only when the root
-    work (sum of `h^3 + w^3`) of the busiest rank exceeds 1.2x the mean. The tiling is fixed
-    at construction. `root_work` / `native_root_work` give that work per rank after / before
-    balancing, `moved_tiles` how many tiles travel each step, `num_tiles` how many there are.
+    from the reduced gradient the owner holds. Owners come from one balance of root work (sum
+    of `h^3 + w^3`) over the world: tiles stay at the rank holding most of their rows unless
+    the busiest rank would exceed 1.2x the mean; then, largest tiles first, a tile stays while
+    its rank's work is within 1.1x the mean and goes to the least-loaded rank otherwise. With
+    a `replicate` mesh dimension the replicas split the tiles, each computed once. The tiling
+    is fixed at construction. `root_work` / `native_root_work` give that work per rank after /
+    before balancing (each tile at the rank holding most of its rows, in the replica it was
+    dealt to), `moved_tiles` how many tiles travel each step, `num_tiles` how many there are.
     Results are the same bits at every world size. Between steps a rank keeps only its state
     (`exp_avg`, the grafting state, masters, factors and roots: what `local_state_bytes()`
     counts); the update and the staging buffers of moved tiles live for one step.
@@ -174,36 +180,27 @@ class Shampoo(ShardedOptimizer):
     # --- tile placement -------------------------------------------------------------
 
     def _plan_tiles(self) -> None:
+        """Declare every tile as owner work and take the owner layer's plan: one balance of
+        root work over the world; tiles whose owner lacks some of their rows travel."""
         topo = self.runtime.topology
-        shards = topo.shards
-        found = []
+        segs, tiles, work = [], [], []
         for seg in self.runtime.segments:
             d = seg.group["max_preconditioner_dim"]
             params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
-            tiles = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
-            held = [[self._rows_held(seg, t, r) for r in range(shards)] for t in tiles]
-            native = [max(range(shards), key=lambda r, h=h: (h[r][1] - h[r][0], -r)) for h in held]
-            found.append((seg, tiles, held, native))
-        costs = [t.cost for _, tiles, _, _ in found for t in tiles]
-        native = [topo.world_rank(0, o) for *_, owners in found for o in owners]
-        owners = [topo.world_rank(0, o) for o in balance(costs, [topo.shard_of(o) for o in native], shards)]
-        if topo.replicas > 1:  # each shard rank's tiles split over the replicas: once in the world
-            loads = [[0] * topo.replicas for _ in range(shards)]
-            for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-                s = topo.shard_of(owners[k])
-                r = min(range(topo.replicas), key=lambda r: (loads[s][r], r))
-                loads[s][r] += costs[k]
-                owners[k] = topo.world_rank(r, s)
-        self.native_root_work = rank_loads(costs, native, topo.world_size)
-        self.root_work = rank_loads(costs, owners, topo.world_size)
-        self._tiles: dict[int, SegmentTiles] = {}
-        pos = 0
-        for seg, tiles, held, _ in found:
-            mine = owners[pos : pos + len(tiles)]
-            self._tiles[id(seg)] = SegmentTiles(seg, tiles, mine, held, topo, self.runtime.world.rank)
-            pos += len(tiles)
-        self.num_tiles = len(costs)
-        self.moved_tiles = sum(bt.moved for bt in self._tiles.values())
+            found = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
+            held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in found]
+            segs.append(seg)
+            tiles.append(found)
+            work.append(tile_work(found, held))
+        plan = plan_owners(work, topo, self.runtime.world.rank, slack=_SLACK, tolerate=_TOLERATE,
+                           channels=CHANNELS)  # fmt: skip
+        self.native_root_work = tuple(plan.home_loads)
+        self.root_work = tuple(plan.loads)
+        self._tiles: dict[int, SegmentTiles] = {
+            id(seg): SegmentTiles(seg, found, moves) for seg, found, moves in zip(segs, tiles, plan.segments)
+        }
+        self.num_tiles = len(plan.owners)
+        self.moved_tiles = plan.moved
 
     @staticmethod
     def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
