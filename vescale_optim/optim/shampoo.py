@@ -125,7 +125,7 @@ class Shampoo(ShardedOptimizer):
         return ["exp_avg", second] if second else ["exp_avg"]
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        g, bt = seg.group, self._tiles[id(seg)]
+        g, seg_tiles = seg.group, self._tiles[id(seg)]
         exp_avg, second = seg.state["exp_avg"], seg.state.get(_SECOND.get(g["grafting"], ""))
         update, mhat = torch.empty_like(exp_avg), torch.empty_like(exp_avg)
         runs = list(seg.runs())
@@ -144,21 +144,21 @@ class Shampoo(ShardedOptimizer):
                     p[lo:hi].mul_(1 - lr * g["weight_decay"])
                 p[lo:hi].add_(update[lo:hi], alpha=-lr)
 
-        if not bt.tiles:
+        if not seg_tiles.tiles:
             apply()
             return None
-        steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in bt.tiles]
+        steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in seg_tiles.tiles]
         self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
-        return bt.step(g, steps, grads, mhat, update, apply)
+        return seg_tiles.step(g, steps, grads, mhat, update, apply)
 
     def _before_update(self) -> None:
         self._refreshed = False
-        for bt in self._tiles.values():
-            bt.kept = bt.roots = 0
+        for seg_tiles in self._tiles.values():
+            seg_tiles.kept = seg_tiles.roots = 0
 
     def _after_update(self) -> None:
-        self._kept = sum(bt.kept for bt in self._tiles.values())
-        self.step_stats["roots"] += sum(bt.roots for bt in self._tiles.values())
+        self._kept = sum(seg_tiles.kept for seg_tiles in self._tiles.values())
+        self.step_stats["roots"] += sum(seg_tiles.roots for seg_tiles in self._tiles.values())
         if self._refreshed:
             self._count_kept_roots()
 
@@ -212,8 +212,8 @@ class Shampoo(ShardedOptimizer):
         return (a, z) if z > a else (0, 0)
 
     def _preconditioners(self):
-        for bt in self._tiles.values():
-            for g in bt.local + bt.remote:
+        for seg_tiles in self._tiles.values():
+            for g in seg_tiles.local + seg_tiles.remote:
                 yield from g.state.values()
 
     def local_preconditioner_numel(self) -> int:
@@ -225,15 +225,15 @@ class Shampoo(ShardedOptimizer):
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:
         """Each tile's factors and roots, `L_i_j`, `R_i_j`, `L_inv_root_i_j` and
         `R_inv_root_i_j`, kept whole by the tile's owner."""
-        bt = self._tiles.get(id(seg))
+        seg_tiles = self._tiles.get(id(seg))
         out: list[list[Owned]] = [[] for _ in seg.params]
-        if bt is None:  # during construction, before the tiles are planned
+        if seg_tiles is None:  # during construction, before the tiles are planned
             return out
-        for k, t in enumerate(bt.tiles):
-            mine = bt.factors(k) if k in bt.owned else None
+        for k, t in enumerate(seg_tiles.tiles):
+            mine = seg_tiles.factors(k) if k in seg_tiles.owned else None
             for name, side in zip(FACTORS, (t.h, t.w, t.h, t.w)):
                 tensor = mine[name] if mine is not None else None
-                out[t.param].append(Owned(f"{name}_{t.key}", (side, side), bt.owners[k], tensor))
+                out[t.param].append(Owned(f"{name}_{t.key}", (side, side), seg_tiles.owners[k], tensor))
         return out
 
 
