@@ -18,7 +18,7 @@ from benchmarks.model_shapes import MODELS, matrices
 
 # The library's pure planning functions, called as vo.Muon calls them: imported here only, so that
 # a module that moves is a one-line fix.
-from vescale_optim.optim._muon_math import ns_flops  # noqa: I001
+from vescale_optim.optim.muon import ns_flops  # noqa: I001
 from vescale_optim.shard.layout import bucket_indices, plan_layout
 from vescale_optim.units.owners import assign_owners, imbalance
 

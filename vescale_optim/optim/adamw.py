@@ -9,6 +9,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from ..kernels import adamw8bit_update_
+from ..shard.comm import host_to_device
 from ..units.segment import Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
@@ -154,7 +155,8 @@ def adamw_segment_step(seg: Segment, kind: str, grads: torch.Tensor) -> None:
         amsgrad = "max_exp_avg_sq" in st
         cut = lambda t: [t[lo:hi] for lo, hi, _ in runs]  # noqa: E731
         # the fused kernel counts each step up itself before using it
-        steps = torch.tensor([float(s - 1) for _, _, s in runs], device=params.device).unbind()
+        # copied to the device without a stall (pinned, non-blocking on CUDA)
+        steps = host_to_device([float(s - 1) for _, _, s in runs], torch.float32, params.device).unbind()
         _torch_adamw(
             cut(params), cut(grads), cut(st["exp_avg"]), cut(st["exp_avg_sq"]),
             cut(st["max_exp_avg_sq"]) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad, **hyper,

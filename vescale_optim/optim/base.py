@@ -263,6 +263,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # --- the model's own state ----------------------------------------------------------
 
+    def full_model_state_dict(self, model: nn.Module | None = None, *, to_rank: int | None = None) -> dict:
+        """`model.state_dict()` with full tensors on the CPU (the outermost of
+        `shard_modules` by default): each unit's parameters are gathered and moved to the
+        CPU in turn, so no more than one unit's full parameters are on the device at a
+        time; with `to_rank=r` the sharded units' parameters go to shard-group rank `r`
+        only (the others' dicts lack them). Collective. Plain `model.state_dict()` gives
+        the same on every rank."""
+        return self.runtime.full_model_state_dict(model, to_rank)
+
     def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
         """The model's parameters as this rank's pieces of them, `{name: DcpPiece}` (views
         of the shards in full precision: fp32 for bf16/fp16 models), for

@@ -21,6 +21,8 @@ from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from ._muon_math import ADJUST_LR_FNS as _ADJUST
 from ._muon_math import adjusted_lr, apply_, matrix_view, momentum_, ns_flops, orthogonalize_
+
+__all__ = ["Muon", "adjusted_lr", "matrix_view", "ns_flops"]  # the cost model is public: benchmarks read it
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import Comm, forced, host_to_device
 from .handle import (
     CollectiveError,
     Handle,
@@ -36,43 +37,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
-__all__ = ["CollectiveError", "Comm", "Handle", "get_collective_timeout", "set_collective_timeout"]
-
-
-class Comm:
-    """Rank, size and group of a process group; one process when none is initialised."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if group is not None and not self.distributed:
-            raise ValueError("a process_group was given but torch.distributed is not initialised")
-        self.group = group
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.gloo = self.distributed and dist.get_backend(group) == "gloo"
-
-    @classmethod
-    def alone(cls) -> Comm:
-        """A group of this process alone (nothing to talk to), even under torch.distributed."""
-        comm = cls.__new__(cls)
-        comm.distributed, comm.group, comm.rank, comm.world_size, comm.gloo = False, None, 0, 1, False
-        return comm
-
-    def global_rank(self, rank: int) -> int:
-        """The default group's rank of this group's `rank`."""
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
-
-    @property
-    def device(self) -> torch.device:
-        """Where this group's tensors live by default: the current CUDA device for NCCL."""
-        if self.distributed and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    @property
-    def active(self) -> bool:
-        """Whether calls need to talk to other processes."""
-        return self.distributed and self.world_size > 1
+__all__ = [
+    "CollectiveError", "Comm", "Handle", "forced", "get_collective_timeout", "set_collective_timeout",
+]
 
 
 def _movable(t: torch.Tensor) -> torch.Tensor:
@@ -233,7 +200,9 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
     On gloo the flags travel as bits of int64 words (bitwise or): a handful of words
     instead of one float per flag, and below the world size gloo's small-message path is
     several times faster than its ring (4 ranks on 2 cores: 0.7 ms for 2 words, 5-7 ms
-    for 78 floats). NCCL has no bitwise reduction: a byte per flag, max."""
+    for 78 floats). NCCL has no bitwise reduction: a byte per flag, max, on the group's
+    device, copied there without a stall; reading the answer back is one host sync (the
+    host decides what follows from it). `device` is ignored (kept for callers)."""
     if not comm.active:
         return [bool(f) for f in flags]
     if comm.gloo:
@@ -244,7 +213,7 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
         signed = [w - (1 << 64) if w >> 63 else w for w in words]
         tensor, reduce_op = torch.tensor(signed, dtype=torch.int64), dist.ReduceOp.BOR
     else:
-        tensor = torch.tensor([bool(f) for f in flags], dtype=torch.uint8, device=device)
+        tensor = host_to_device([bool(f) for f in flags], torch.uint8, comm.device)
         reduce_op = dist.ReduceOp.MAX
     desc = Op("all-reduce (any)", what, tensor, comm)
     Handle(issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)),
@@ -253,6 +222,17 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
         return [bool(b) for b in tensor.tolist()]
     words = tensor.tolist()
     return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
+
+
+def any_rank_flag(flag: torch.Tensor, comm: Comm, what: str | None = None) -> bool:
+    """Whether some rank's boolean tensor `flag` (one element, on any device) is set: one
+    all-reduce on the group's device and one host sync, to read the answer."""
+    wire = flag.reshape(1).to(comm.device, torch.uint8)
+    if comm.active:
+        desc = Op("all-reduce (any)", what, wire, comm)
+        Handle(issue(desc, lambda: dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=comm.group,
+                                                   async_op=True)), op=desc).wait()  # fmt: skip
+    return bool(wire.item())
 
 
 def run_plan(

@@ -17,16 +17,17 @@ def outermost(modules: Sequence[nn.Module]) -> nn.Module | None:
     return None
 
 
-def module_order(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """Every module under the listed ones, once each, in the order a model builds them:
-    the outermost module's `modules()`, or each listed module's in turn."""
+def module_order(modules: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Every module under the listed ones, once each, in the order a model builds them
+    (the outermost module's `modules()`, or each listed module's in turn), with a name
+    for errors: the top module's class, then the path (`Net.layers.0.norm`)."""
     root = outermost(modules)
     seen, out = set(), []
     for top in [root] if root is not None else modules:
-        for m in top.modules():
+        for name, m in top.named_modules():
             if id(m) not in seen:
                 seen.add(id(m))
-                out.append(m)
+                out.append((".".join(filter(None, [type(top).__name__, name])), m))
     return out
 
 

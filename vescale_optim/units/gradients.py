@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard.collectives import Comm, any_rank
+from ..shard.collectives import Comm, any_rank, any_rank_flag
 from .reduced_grad import ReducedGrad
 from .schedule import Schedule
 from .segment import FROZEN, Segment
@@ -126,6 +126,10 @@ class GradTracker:
                 seg.clear_marks()
 
     def any_nonfinite(self) -> bool:
-        """Whether some rank's gradient shards hold inf or NaN (collective)."""
-        local = any(u.grads.shard_bytes and not torch.isfinite(u.grads.shard).all() for u in self.units)
-        return any_rank([local], self.world, self.device, what="the non-finite gradient check")[0]
+        """Whether some rank's gradient shards hold inf or NaN (collective). The flag is
+        summed on the device; reading the answer is this check's one host sync."""
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        for u in self.units:
+            if u.grads.shard_bytes:
+                bad |= ~torch.isfinite(u.grads.shard).all()
+        return any_rank_flag(bad, self.world, what="the non-finite gradient check")

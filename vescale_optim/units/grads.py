@@ -155,7 +155,9 @@ class Gradients:
             self.scattering = data
             self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
             what = f"unit {u.name}'s gradients"
-            part = None if not u.replicate.active else torch.empty_like(self._shard)
+            # across replicas the wire is in reduce_dtype too: half the inter-node bytes in bf16
+            part = None if not u.replicate.active else torch.empty(self._shard.numel(), dtype=data.dtype,
+                                                                   device=data.device)  # fmt: skip
             with u.streams.reducing():
                 if part is None:
                     add = self.has_values
@@ -172,14 +174,16 @@ class Gradients:
         return self._reduction
 
     def _over_replicas(self, part: torch.Tensor, keep: bool) -> Handle:
-        """Start averaging this shard group's reduction `part` over the replicas into
-        `shard` (or keep it, unsynced, when `keep`)."""
-        if self.unsynced is not None:
-            part.add_(self.unsynced)
-            self.unsynced = None
+        """Start averaging this shard group's reduction `part` (in `reduce_dtype`) over the
+        replicas into `shard`, or keep it unsynced when `keep` (summed in the shard's
+        dtype, so that many micro-batches do not round in bf16)."""
         if keep:
-            self.unsynced = part
+            kept = part.to(self._shard.dtype)
+            self.unsynced = kept if self.unsynced is None else self.unsynced.add_(kept)
             return Handle()
+        if self.unsynced is not None:
+            part = self.unsynced.add_(part).to(part.dtype)
+            self.unsynced = None
         return self._all_reduce_replicas(part)
 
     def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
@@ -209,7 +213,7 @@ class Gradients:
         self.wait()
         if self.unsynced is None:
             return Handle()
-        part, self.unsynced = self.unsynced, None
+        part, self.unsynced = self.unsynced.to(self.unit.reduce_dtype), None
         self._reduction = _Reduction(Handle(), lambda: self._all_reduce_replicas(part))
         return self._reduction
 

@@ -1,13 +1,17 @@
 """Initialise a model built on the meta device one unit at a time.
 
-Modules are visited in the outermost module's `modules()` order (the order a model usually builds them),
-each calling its own `reset_parameters()` into its unit's unsharded buffer; once every
-module of a unit is done, the rank keeps its shard and frees the buffer, so the peak is
-about one unit (plus the outermost one, whose modules come first and last). A parameter
-that a module shares with an earlier one (a tied head) keeps the earlier module's
-values, as when the tie is made after building. Every rank draws from rank 0's random
-state, so they agree, and the result equals the model built normally under that state;
-the callers' own random states are left as they were.
+Modules are visited in the outermost module's `modules()` order (the order a model
+usually builds them). Each module holding parameters or buffers on the meta device calls
+its own `reset_parameters()`: parameters into their unit's unsharded buffer, buffers
+into tensors made on the units' device (a buffer-only module, like a rotary embedding's
+`inv_freq`, is visited too). Once every module of a unit is done, the rank keeps its
+shard and frees the buffer, so the peak is about one unit (plus the outermost one, whose
+modules come first and last). A parameter that a module shares with an earlier one (a
+tied head) keeps the earlier module's values, as when the tie is made after building;
+so does any parameter that was not on the meta device. Every rank draws from rank 0's
+random state (sent on the group's device), so they agree, and the result equals the
+model built normally under that state; the callers' own random states are left as they
+were. A parameter or buffer that nothing can initialise is a `ValueError` naming it.
 """
 
 from __future__ import annotations
@@ -17,62 +21,79 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..shard.collectives import broadcast_
+from ..shard.collectives import Comm, broadcast_
 from .assign import module_order
 from .unit import Unit
 
 
-def _rank0_rng_state(unit: Unit, device: torch.device) -> list[torch.Tensor]:
+def _rank0_rng_states(world: Comm, device: torch.device) -> list[torch.Tensor]:
+    """The CPU (and `device`'s CUDA) random states of world rank 0, on every rank."""
     states = [torch.get_rng_state()]
     if device.type == "cuda":
         states.append(torch.cuda.get_rng_state(device))
     for state in states:
-        broadcast_(state, 0, unit.world)
+        wire = state.to(world.device)  # NCCL sends device tensors only
+        broadcast_(wire, 0, world, what="rank 0's random state for the meta-device initialisation")
+        state.copy_(wire.cpu())
     return states
 
 
+def needs_materializing(units: Sequence[Unit], modules: Sequence[nn.Module]) -> bool:
+    """Whether a parameter of `units` or a buffer of `modules` is on the meta device."""
+    return any(u.meta for u in units) or any(
+        b.is_meta for _, m in module_order(modules) for b in m.buffers(recurse=False)
+    )
+
+
 def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
-    """Initialise every parameter of `units` (the units of `modules`) that was on the meta
-    device."""
+    """Initialise every parameter of `units` (the units of `modules`) and every buffer of
+    `modules` that is on the meta device."""
     owner: dict[int, tuple[Unit, int]] = {}
     for unit in units:
         if unit.meta:
             for i, p in enumerate(unit.params):
                 owner[id(p)] = (unit, i)
-    if not owner:
-        return
-    plan: list[tuple[nn.Module, list[tuple[Unit, int]]]] = []
+    plan: list[tuple[nn.Module, list[tuple[Unit, int]], list[str]]] = []
     remaining: dict[int, int] = {}
-    for module in module_order(modules):
+    for name, module in module_order(modules):
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
-        if not mine:
+        buffers = [b for b, t in module.named_buffers(recurse=False) if t.is_meta]
+        if not mine and not buffers:
             continue
         if not hasattr(module, "reset_parameters"):
-            name = type(module).__name__
-            raise ValueError(f"a {name} holds parameters on the meta device but has no reset_parameters()")
-        plan.append((module, mine))
+            what = [n for n, p in module.named_parameters(recurse=False) if id(p) in owner] + buffers
+            raise ValueError(
+                f"{name}.{what[0]} is on the meta device, but its module ({type(module).__name__}) has no "
+                "reset_parameters() to initialise it; give the module one, or build it off the meta device"
+            )
+        plan.append((module, mine, buffers))
         for unit, _ in mine:
             remaining[unit.index] = remaining.get(unit.index, 0) + 1
+    if not plan:
+        return
     device = units[0].device
-    states = _rank0_rng_state(units[0], device)
+    states = _rank0_rng_states(units[0].world, device)
     done: set[int] = set()  # parameters initialised so far (by id)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.set_rng_state(states[0])
         if device.type == "cuda":
             torch.cuda.set_rng_state(states[1], device)
-        for module, mine in plan:
+        for module, mine, buffers in plan:
             for unit, _ in mine:
                 unit.open_empty()
-            for name, buf in module.named_buffers(recurse=False):
-                if buf.is_meta:
-                    setattr(module, name, torch.empty_like(buf, device=device))
-            kept = [(unit.params[i], unit.params[i].detach().clone()) for unit, i in mine
-                    if id(unit.params[i]) in done]  # fmt: skip
+            for b in buffers:
+                setattr(module, b, torch.empty_like(getattr(module, b), device=device))
+            fresh = {id(unit.params[i]) for unit, i in mine} - done
+            kept = [(p, p.detach().clone()) for p in module.parameters(recurse=False) if id(p) not in fresh]
             module.reset_parameters()
             for p, value in kept:
                 p.copy_(value)
-            done.update(id(unit.params[i]) for unit, i in mine)
+            done |= fresh
             for unit, _ in mine:
                 remaining[unit.index] -= 1
                 if remaining[unit.index] == 0:
                     unit.adopt_full()
+    left = [f"{name}.{n}" for name, m in module_order(modules)
+            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t.is_meta]
+    if left:  # fmt: skip
+        raise ValueError(f"{left[0]} is still on the meta device after every module's reset_parameters()")

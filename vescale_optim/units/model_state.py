@@ -4,16 +4,21 @@ Between steps a sharded unit's parameters hold no memory, so the module hooks he
 `state_dict()` return full tensors gathered unit by unit from the shards (in the
 parameters' original dtype, full precision), and make `load_state_dict()` write each
 rank's piece of the given tensors into its shards. Both are collective for sharded units.
+On CUDA each unit's gathered tensors move to CPU as soon as they are gathered, so saving
+never holds more than one unit's full parameters on the GPU; `ModelState.to_rank(r)`
+gathers them to one rank only (the others get none of the sharded units' parameters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..shard.collectives import all_gather_into_
+from ..shard.collectives import all_gather_into_, redistribute
+from ..shard.spec import RaggedShard
 from .unit import State, Unit
 
 
@@ -28,12 +33,22 @@ def _keys(module: nn.Module, prefix: str, unit: Unit) -> list[tuple[str, int]]:
     return out
 
 
-def gather_full(unit: Unit) -> torch.Tensor:
-    """The unit's whole flat parameter buffer in the original dtype, gathered from the
-    shards (a new tensor; collective)."""
-    full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.device)
-    all_gather_into_(full, unit.shard, unit.comm, what=f"unit {unit.name}'s parameters for the state dict")
-    return full if unit.orig_dtype == full.dtype else full.to(unit.orig_dtype)
+def gather_full(unit: Unit, to_rank: int | None = None) -> torch.Tensor | None:
+    """The unit's whole flat parameter buffer in the original dtype on the CPU, gathered
+    from the shards (a new tensor; collective), on every rank or on `to_rank` only (None
+    elsewhere)."""
+    what = f"unit {unit.name}'s parameters for the state dict"
+    if to_rank is None:
+        full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.device)
+        all_gather_into_(full, unit.shard, unit.comm, what=what)
+    else:
+        world = unit.comm.world_size
+        pieces, owner = RaggedShard((0,), (1,) * world), RaggedShard.owned(to_rank, world)
+        full, _ = redistribute(unit.shard, (unit.layout.numel,), pieces, owner, unit.comm)
+        if unit.comm.rank != to_rank:
+            return None
+        full = full.reshape(-1)
+    return full.to("cpu", unit.orig_dtype)  # on CUDA a blocking copy: this unit's GPU copy goes now
 
 
 def sharded_model_state(units: Sequence[Unit], names: dict[int, str]) -> dict:
@@ -65,19 +80,32 @@ class ModelState:
                 module.register_load_state_dict_post_hook(self._loaded(unit)),
             ]
         self._incoming: dict[int, dict[int, torch.Tensor]] = {}
+        self._to_rank: int | None = None
         self._was_gathered: dict[int, bool] = {}  # by unit index, while a load is under way
 
-    @staticmethod
-    def _saved(unit: Unit):
+    @contextlib.contextmanager
+    def to_rank(self, rank: int | None) -> Iterator[None]:
+        """`model.state_dict()` inside gathers the sharded units' parameters to `rank` only."""
+        previous, self._to_rank = self._to_rank, rank
+        try:
+            yield
+        finally:
+            self._to_rank = previous
+
+    def _saved(self, unit: Unit):
         def hook(module, state_dict, prefix, local_metadata):
             keys = _keys(module, prefix, unit)
             if not keys:
                 return
-            full = gather_full(unit)
+            full = gather_full(unit, self._to_rank)
             for key, i in keys:
-                if key in state_dict:
-                    start = unit.layout.offsets[i]
-                    state_dict[key] = full[start : start + unit.params[i].numel()].view(unit.params[i].shape)
+                if key not in state_dict:
+                    continue
+                if full is None:
+                    del state_dict[key]
+                    continue
+                start = unit.layout.offsets[i]
+                state_dict[key] = full[start : start + unit.params[i].numel()].view(unit.params[i].shape)
 
         return hook
 

@@ -30,7 +30,7 @@ from .assign import assign_units, outermost
 from .config import ShardingConfig
 from .gradients import GradTracker
 from .grads import ring
-from .materialize import materialize
+from .materialize import materialize, needs_materializing
 from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
@@ -47,6 +47,20 @@ class Declaration:
     granule: int
     tier: str
     align: int = 1
+
+
+def check_devices(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> None:
+    """Refuse a parameter on another kind of device than the group moves (CPU parameters
+    over NCCL), naming it, instead of a raw error from inside the first collective."""
+    if not comm.active:
+        return
+    for p in params:
+        if not p.is_meta and p.device.type != comm.device.type:
+            raise ValueError(
+                f"parameter {labels[id(p)]} is on {p.device}, but the process group ({comm.backend}) moves "
+                f"{comm.device.type} tensors; move the model to {comm.device} before building the optimizer "
+                "(model.to(device)), or build it on the meta device and pass device="
+            )
 
 
 class Runtime:
@@ -68,6 +82,7 @@ class Runtime:
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology = groups.topology
         params = [p for g in param_groups for p in g["params"]]
+        check_devices(params, self.comm, labels)
         group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
         index = {id(p): i for i, p in enumerate(params)}
         members, modules, names = self._plan(params)
@@ -91,8 +106,9 @@ class Runtime:
                 mine = [j for j, kk in enumerate(keys) if kk == key]
                 group = param_groups[key[0]]
                 self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
-        if any(u.meta for u in self.units):
-            materialize(self.units, [m for m in modules if m is not None])
+        listed = [m for m in modules if m is not None]
+        if needs_materializing(self.units, listed):
+            materialize(self.units, listed)
         self.schedule = Schedule(
             self.units, modules, reshard_after_forward=config.reshard_after_forward,
             backward_prefetch=config.backward_prefetch, on_grad=self._on_grad,
@@ -296,6 +312,19 @@ class Runtime:
         if missing:
             raise ValueError(f"the model does not hold parameters {missing} of this optimizer")
         return names
+
+    def full_model_state_dict(self, model: nn.Module | None = None, to_rank: int | None = None) -> dict:
+        """`model.state_dict()` (the outermost of `shard_modules` by default) with full CPU
+        tensors, the sharded units' parameters gathered to every rank or to `to_rank` only
+        (collective)."""
+        root = model if model is not None else self.root
+        if root is None:
+            raise ValueError("pass the model: without shard_modules the optimizer does not know it")
+        if to_rank is not None and not (isinstance(to_rank, int) and 0 <= to_rank < self.comm.world_size):
+            raise ValueError(f"to_rank must be a rank of the shard group, 0..{self.comm.world_size - 1}; "
+                             f"got {to_rank!r}")  # fmt: skip
+        with self.model_state.to_rank(to_rank):
+            return root.state_dict()
 
     def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
         return sharded_model_state(self.units, self.param_names(model))

@@ -42,11 +42,13 @@ def shard_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 
 def _device(device: torch.device | str) -> torch.device:
-    """`device` with its index: `cuda` is the current CUDA device, so it compares equal to
-    the `cuda:0` a tensor reports."""
+    """`device` as tensors report theirs, so that the two compare equal: `cuda` is the
+    current CUDA device (`cuda:0`), and `cpu:0` is `cpu`."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
     return device
 
 

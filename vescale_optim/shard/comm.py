@@ -1,0 +1,81 @@
+"""A process group as this library sees it: rank, size, backend and device (`Comm`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def forced() -> bool:
+    """Whether `VESCALE_OPTIM_FORCE_COLLECTIVES=1` makes a group of one rank issue its
+    collectives anyway (a test switch: one GPU then runs the NCCL paths, asynchronous
+    handles and streams of a real world)."""
+    return os.environ.get("VESCALE_OPTIM_FORCE_COLLECTIVES", "0") == "1"
+
+
+class Comm:
+    """Rank, size, group and device of a process group; one process when none is initialised.
+
+    The group's device, by one rule: a group whose backend includes NCCL (`"nccl"`, or
+    `"cpu:gloo,cuda:nccl"`) moves CUDA tensors, on the device it was bound to
+    (`init_process_group(device_id=...)`) or else the current CUDA device; any other
+    group moves CPU tensors. `gloo` says whether this library's tensors travel through
+    gloo (whose quirks the calls below work around)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not self.distributed:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.backend = str(dist.get_backend(group)) if self.distributed else "none"
+        self.device = _group_device(group, self.backend) if self.distributed else torch.device("cpu")
+        self.gloo = self.device.type == "cpu" and "gloo" in self.backend
+
+    @classmethod
+    def alone(cls) -> Comm:
+        """A group of this process alone (nothing to talk to), even under torch.distributed."""
+        comm = cls.__new__(cls)
+        comm.distributed, comm.group, comm.rank, comm.world_size, comm.gloo = False, None, 0, 1, False
+        comm.backend, comm.device = "none", torch.device("cpu")
+        return comm
+
+    def global_rank(self, rank: int) -> int:
+        """The default group's rank of this group's `rank`."""
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    @property
+    def active(self) -> bool:
+        """Whether calls need to talk to other processes (or are forced to: `forced()`)."""
+        return self.distributed and (self.world_size > 1 or forced())
+
+
+def _group_device(group: dist.ProcessGroup | None, backend: str) -> torch.device:
+    """The device a group's tensors live on (see `Comm`)."""
+    if "nccl" not in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    pg = group if group is not None else dist.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    current = torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and int(local) != current and int(local) < torch.cuda.device_count():
+        raise RuntimeError(
+            f"this process is local rank {local} but its current CUDA device is cuda:{current}, so it "
+            "would share that GPU with another rank; call torch.cuda.set_device(int(os.environ"
+            "['LOCAL_RANK'])) before init_process_group (or pass device_id= to it)"
+        )
+    return torch.device("cuda", current)
+
+
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of Python `values` on `device` without stalling it: on CUDA through pinned
+    memory and a non-blocking copy (`torch.tensor(values, device="cuda")` copies from
+    pageable memory and synchronises); elsewhere the tensor itself."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
