@@ -2,11 +2,13 @@
 size bit for bit with the uninterrupted run (random states included), at another world size
 (or from a 2x2 mesh) bit for bit with continuing from the same state in torch's format — for
 AdamW (fp32 and 8-bit), Muon and Shampoo, with and without shard_modules, saved synchronously
-or asynchronously; keep-k and the step folders."""
+or asynchronously; keep-k and the step folders; how a save stages its state (buffers reused,
+the values of its step, nothing done on CUDA by the writer)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
 import time
@@ -21,6 +23,9 @@ from test_fsdp import make_ours
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST
+from vescale_optim.checkpoint.dcp_tree import leaves
+from vescale_optim.checkpoint.staging import HostStager, Staging, staging
+from vescale_optim.shard.dcp import DcpPiece
 
 
 def _rank() -> int:
@@ -258,3 +263,133 @@ def test_buffers_are_saved_and_loaded(tmp_path):
     vo.CheckpointManager(tmp_path, again, vo.AdamW(again.parameters(), lr=1e-2)).load()
     assert_same(again.state_dict(), model.state_dict())
     assert torch.equal(again.scratch, torch.zeros(3))
+
+
+# --- staging: pinned buffers reused, one synchronisation, nothing on the writer thread ----------
+
+
+def test_the_staging_of_a_tensor_follows_its_device():
+    """CUDA tensors go into pinned buffers (synchronous or not), CPU ones are left in place by
+    a synchronous save and copied by an asynchronous one, other devices' copied."""
+    for asynchronous in (False, True):
+        assert staging(torch.device("cuda", 1), asynchronous) is Staging.PINNED
+        assert staging("cuda", asynchronous) is Staging.PINNED
+        assert staging("xpu:0", asynchronous) is Staging.COPY
+    assert staging("cpu", False) is Staging.LIVE
+    assert staging(torch.device("cpu"), True) is Staging.COPY
+
+
+def _stage_values(x):
+    """A staged or live leaf's values, copied (a piece's flat range, decoded for a reader)."""
+    if isinstance(x, DcpPiece):
+        return x._flat(0, x._numel).clone()
+    return x.clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x)
+
+
+def _tensors(sd):
+    return {k: v for k, v in leaves(sd) if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw8"])
+def test_staged_buffers_are_reused_and_hold_the_values_of_their_save(kind):
+    """The buffer path a CUDA tensor takes, with CPU tensors standing in (plain buffers):
+    every tensor and piece (8-bit readers decoded) lands in a buffer of its own; training
+    after the staging leaves the staged values alone; the next staging of the same state
+    reuses every buffer (no new bytes) and holds the values of that moment."""
+    model, opt, sched = make(kind)
+    stager = HostStager(policy=lambda device, asynchronous: Staging.PINNED)
+    state = lambda: {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}  # noqa: E731
+    train(model, opt, sched, Counter(), 0, 1, False)
+    first = stager.stage(state(), asynchronous=True)
+    live = {k: _stage_values(v) for k, v in _tensors(state()).items()}
+    stats = stager.last
+    assert stats.buffers == len(live) and stats.reused == 0 and stats.syncs == 0
+    assert stats.new_pinned_bytes == stats.pinned_bytes == stats.device_bytes > 0
+    assert stats.copied_bytes == 0
+    staged = _tensors(first)
+    assert staged.keys() == live.keys()
+    for k, v in staged.items():
+        assert torch.equal(_stage_values(v), live[k]), k
+    train(model, opt, sched, Counter(), 1, 2, False)
+    changed = {k: _stage_values(v) for k, v in _tensors(state()).items()}
+    assert any(not torch.equal(changed[k], live[k]) for k in live)
+    for k, v in staged.items():  # the live state moved on; the staged copy did not
+        assert torch.equal(_stage_values(v), live[k]), k
+
+    second = _tensors(stager.stage(state(), asynchronous=True))
+    again = stager.last
+    assert again.reused == again.buffers == stats.buffers and again.new_pinned_bytes == 0
+    assert again.pinned_bytes == stats.pinned_bytes
+    for k, v in second.items():
+        buffer = v._values if isinstance(v, DcpPiece) else v
+        before = staged[k]._values if isinstance(staged[k], DcpPiece) else staged[k]
+        assert buffer.data_ptr() == before.data_ptr(), k  # the same memory, refilled
+        assert torch.equal(_stage_values(v), changed[k]), k
+    stager.release()
+    assert stager.pinned_bytes == 0
+
+
+def test_a_cpu_save_stages_as_before(tmp_path):
+    """On the CPU nothing is pinned: a synchronous save copies nothing, an asynchronous one
+    copies its state once into plain memory; staging seconds are measured."""
+    model, opt, sched = make("adamw")
+    train(model, opt, sched, Counter(), 0, 1, False)
+    sync = vo.CheckpointManager(tmp_path / "sync", model, opt, sched)
+    assert sync.last_staging is None
+    sync.save(1)
+    got = sync.last_staging
+    assert (got.device_bytes, got.copied_bytes, got.pinned_bytes, got.buffers, got.syncs) == (0, 0, 0, 0, 0)
+    assert got.seconds > 0 and got.device is None
+    background = vo.CheckpointManager(tmp_path / "async", model, opt, sched, async_save=True)
+    background.save(1)
+    background.close()
+    got = background.last_staging
+    state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+    want = sum(v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
+               for v in _tensors(state).values())  # fmt: skip
+    assert got.copied_bytes == want > 0 and got.pinned_bytes == got.device_bytes == got.syncs == 0
+
+
+def test_an_asynchronous_save_through_staging_buffers_resumes_exactly(tmp_path):
+    """Both saves of a run stage through the buffers (CPU stand-ins for pinned ones); the
+    second reuses them while the writes start late, and each checkpoint holds its step."""
+    model, opt, sched = make("shampoo")
+    manager = vo.CheckpointManager(tmp_path, model, opt, sched, async_save=True)
+    manager._stager.policy = lambda device, asynchronous: Staging.PINNED
+    with slow_writes(0.5):
+        train(model, opt, sched, Counter(), 0, 2, False)
+        manager.save(2)
+        at_two = full(model, opt, sched)
+        first = manager.last_staging
+        train(model, opt, sched, Counter(), 2, 4, False)
+        manager.save(4)
+        at_four = full(model, opt, sched)
+        manager.close()
+    second = manager.last_staging
+    assert first.buffers > 0 and first.reused == 0 and first.new_pinned_bytes > 0
+    assert second.reused == second.buffers == first.buffers and second.new_pinned_bytes == 0
+    for step, want in ((2, at_two), (4, at_four)):
+        model, opt, sched = make("shampoo", seed=7)
+        vo.CheckpointManager(tmp_path, model, opt, sched).load(step)
+        assert_same(full(model, opt, sched), want)
+
+
+def test_a_staged_save_does_no_cuda_work_where_cuda_is_available(tmp_path, monkeypatch):
+    """DCP's writer takes its overlapping loader, which synchronises the current CUDA stream
+    (device 0's on a thread of its own), whenever CUDA is available; the manager's writer
+    must not, since what it writes is staged already. Here CUDA claims to be available and
+    any call into it fails."""
+    model, opt, sched = make("adamw")
+    train(model, opt, sched, Counter(), 0, 1, False)
+
+    def touched(*args, **kwargs):
+        raise AssertionError("the save touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("current_stream", "synchronize", "current_device", "set_device", "Event", "stream"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    for async_save in (False, True):
+        manager = vo.CheckpointManager(tmp_path / str(async_save), model, opt, sched, async_save=async_save)
+        manager.save(1)
+        manager.close()
+        assert manager.steps() == [1]

@@ -1,4 +1,5 @@
-"""How the checkpoint manager walks, copies and checks a state dict as DCP sees it.
+"""How the checkpoint manager walks, loads into and checks a state dict as DCP sees it
+(copies for a save are `staging`'s).
 
 DCP flattens nested dicts (and lists of dicts) into dotted keys; a leaf is a tensor, a
 `DcpPiece` (this rank's piece of a sharded tensor) or any other value (one pickled item).
@@ -35,15 +36,6 @@ def map_leaves(x, fn):
     if isinstance(x, list):
         return [map_leaves(v, fn) for v in x]
     return fn(x)
-
-
-def snapshot(x):
-    """A copy that training cannot change: pieces and tensors to CPU, the rest deep-copied."""
-    if isinstance(x, DcpPiece):
-        return x.copy("cpu")
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    return copy.deepcopy(x)
 
 
 def blank(x):

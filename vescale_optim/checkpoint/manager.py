@@ -12,6 +12,11 @@ as they were, and the newest `step-N` is always complete. A load checks what it 
 before it changes anything (the manifest, DCP's metadata, every file's size, the
 optimizer's class and state-shaping hyperparameters, the model's names and shapes),
 reads into new CPU buffers, and only then writes them into the live objects.
+
+A save stages its state in host memory first (`staging.HostStager`): CUDA tensors by
+non-blocking copies into pinned buffers kept for the next save, with one device
+synchronisation a save; CPU tensors as before. DCP then writes plain CPU memory, so an
+asynchronous save's writer thread does no CUDA work.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,9 +39,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from . import manifest as _manifest
-from .dcp_tree import blank, check_files, map_leaves, snapshot, take
+from .dcp_tree import blank, check_files, map_leaves, take
 from .manifest import MANIFEST
 from .rng import rng_state, set_rng_state
+from .staging import HostStager, StagingStats
 
 _NAME = re.compile(r"step-(\d+)")
 
@@ -59,21 +65,6 @@ class _Blob:
 
     def __init__(self, value):
         self.value = value
-
-
-class _Staged:
-    """DCP's stager for state this module already copied to CPU: hands it over as is."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -102,6 +93,25 @@ def _quiet():
         yield
 
 
+def _writer(path: Path) -> dcp.FileSystemWriter:
+    """DCP's file writer for a staged state (plain CPU memory). `per_thread_copy_ahead=0`
+    picks its serial loader: the overlapping one, which it takes whenever CUDA is
+    available, synchronises the current CUDA stream (on a thread of its own: device 0's,
+    creating a context there) although nothing is left to copy."""
+    return dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
+
+
+@contextlib.contextmanager
+def _on_device(index: int | None):
+    """CUDA work of the writer thread, if any (a CUDA tensor in `extra`), on this rank's
+    device, not on device 0 where a new thread starts."""
+    if index is None:
+        yield
+    else:
+        with torch.cuda.device(index):
+            yield
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -122,6 +132,11 @@ class CheckpointManager:
     writes them in a background thread over a gloo process group of its own (created
     here, with `timeout`), while training goes on. `directory` must be one that every
     rank sees.
+
+    Every save stages CUDA state in pinned CPU buffers, allocated by the first save and
+    reused by the next ones (`last_staging.pinned_bytes`; `close()` frees them), with
+    one synchronisation a save; `last_staging` tells what the last save's staging did
+    and how long it took.
     """
 
     def __init__(
@@ -158,7 +173,17 @@ class CheckpointManager:
         if async_save and self._distributed:  # DCP's collectives from the background thread
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: Future | None = None
+        self._thread: ThreadPoolExecutor | None = None  # the asynchronous saves' writer
+        self._stager = HostStager()
         self._params = list(optimizer.sharded_model_state_dict(model))
+
+    @property
+    def last_staging(self) -> StagingStats | None:
+        """What the last save's staging did on this rank (None before the first save):
+        `seconds` it held training up, bytes copied from the device (`device_bytes`) or
+        on the CPU (`copied_bytes`), the pinned buffers kept (`pinned_bytes`) and those it
+        allocated (`new_pinned_bytes`, 0 when it reused them all), `syncs` waited for."""
+        return self._stager.last
 
     # --- where checkpoints are ----------------------------------------------------------
 
@@ -224,31 +249,34 @@ class CheckpointManager:
         self._barrier()
         sd = self._state(dict(extra or {}), [self.rank])
         manifest = self._describe(step, sd) if self.rank == 0 else None
+        staged = self._stager.stage(sd, asynchronous=self.async_save)
         if not self.async_save:
-            with _quiet():
-                dcp.save(sd, checkpoint_id=tmp, process_group=self._group, no_dist=not self._distributed)
+            self._write(staged, tmp)
             if self.rank == 0:
                 self._commit(tmp, final, manifest)
             self._barrier()
             return final
-        staged = map_leaves(sd, snapshot)
-        with _quiet():
-            written = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group,
-                                     async_stager=_Staged(), no_dist=not self._distributed)  # fmt: skip
-        done: Future = Future()
+        device = self._stager.last.device
+        if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
 
-        def finish(f: Future) -> None:
-            try:
-                f.result()
-                if self.rank == 0:
-                    self._commit(tmp, final, manifest)
-                done.set_result(final)
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                done.set_exception(e)
+        def write() -> Path:  # on the writer thread: the staged state is plain CPU memory
+            with _on_device(device):
+                self._write(staged, tmp)
+            if self.rank == 0:
+                self._commit(tmp, final, manifest)
+            return final
 
-        written.add_done_callback(finish)
-        self._pending = done
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vescale-checkpoint")
+        self._pending = self._thread.submit(write)
         return final
+
+    def _write(self, staged: dict, tmp: Path) -> None:
+        """DCP writes this rank's part of the staged state into `tmp` (collective)."""
+        with _quiet():
+            dcp.save(staged, storage_writer=_writer(tmp), process_group=self._group,
+                     no_dist=not self._distributed)  # fmt: skip
 
     def _commit(self, tmp: Path, final: Path, manifest: dict) -> None:
         """Rank 0, once every rank's part is written: the manifest, then the name."""
@@ -279,8 +307,13 @@ class CheckpointManager:
         self._barrier()
 
     def close(self) -> None:
-        """Finish any asynchronous save."""
+        """Finish any asynchronous save; free the staging buffers and the writer thread
+        (a later save makes them again)."""
         self.wait()
+        self._stager.release()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
 
     def __enter__(self) -> CheckpointManager:
         return self

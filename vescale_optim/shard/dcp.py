@@ -90,6 +90,19 @@ class DcpPiece(torch.Tensor):
         values = values.to(device or values.device, copy=not fresh)
         return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, values)
 
+    def copy_into(self, out: torch.Tensor, *, non_blocking: bool = False) -> DcpPiece:
+        """A piece of the same chunks over `out` (flat, this piece's dtype and number of
+        elements, any device), filled with this piece's values (decoded, for a reader) by
+        one `copy_`. With `non_blocking` a device-to-host copy into pinned memory is only
+        queued: the caller waits for the device before reading `out`, as a checkpoint's
+        staging does once for all its copies."""
+        if out.dim() != 1 or out.numel() != self._numel or out.dtype != self.dtype:
+            raise ValueError(
+                f"cannot copy {self!r} into a tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
+            )
+        out.copy_(self._flat(0, self._numel), non_blocking=non_blocking)
+        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, out)
+
     def blank(self, device: torch.device | str | None = None) -> DcpPiece:
         """A piece of the same chunks over new zeroed memory on `device` (default: this
         piece's): `dcp.load` fills it without touching this piece's values."""
