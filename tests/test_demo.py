@@ -1,6 +1,7 @@
 """Smoke tests of the demo: in-process training at world size 1 (ZeRO-3 and ZeRO-2 train the
-same model), the command line's help, and 2-rank CLI runs of both modes with their memory; a
-run resumed from a checkpoint ends bit for bit as an uninterrupted one."""
+same model; bf16 gathered parameters with --param-dtype bf16), the command line's help, and
+2-rank CLI runs of both modes with their memory; a run resumed from a checkpoint ends bit for
+bit as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from vescale_optim.demo.__main__ import build_parser, parse_args
 from vescale_optim.demo.config import TrainConfig
 from vescale_optim.demo.data import batch_generator, get_batch, load_corpus, val_windows
 from vescale_optim.demo.model import GPT
-from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier
+from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier, mixed_precision
 from vescale_optim.demo.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,34 @@ def test_train_in_process_loss_decreases(tmp_path, one_thread):
     assert loss[0] == pytest.approx(math.log(256), abs=0.3)
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 1.0
     assert summary["runs"]["adamw"]["val_loss"] < loss[0] - 1.0
+
+
+@pytest.mark.timeout(90)
+def test_param_dtype_bf16_trains_on_cpu(tmp_path, one_thread):
+    """`--param-dtype bf16` on the CPU (fp32 is its default there, bf16 on CUDA): every
+    optimizer gathers bf16 parameters over fp32 shards, and the run's loss falls."""
+    assert parse_args([])[0].param_dtype is None
+    cfg = parse_args([*TINY_FLAGS, "--param-dtype", "bf16"])[0]
+    assert cfg.param_dtype == "bf16"
+    with pytest.raises(SystemExit):
+        parse_args(["--param-dtype", "fp16"])
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    assert mixed_precision(TrainConfig(), torch.device("cuda", 1)) == bf16
+    assert mixed_precision(TrainConfig(), torch.device("cpu")) == {}
+    assert mixed_precision(TrainConfig(param_dtype="fp32"), torch.device("cuda")) == {}
+    for zero in (3, 2):
+        for name in OPTIMIZERS:
+            for dtype, want in ((None, torch.float32), ("bf16", torch.bfloat16)):
+                opt = OPTIMIZERS[name](GPT(TINY.model_config()), replace(TINY, zero=zero, param_dtype=dtype))
+                assert {u.full.data.dtype for u in opt.units} == {want}, (zero, name, dtype)
+                assert {u.shard.dtype for u in opt.units} == {torch.float32}, (zero, name, dtype)
+    summary = train(replace(TINY, steps=30, lr=1e-2, out=str(tmp_path), progress=False, param_dtype="bf16"))
+    _check_outputs(tmp_path, ["adamw"], 30, 1)
+    assert summary["param_dtype"] == "bf16"
+    loss = summary["runs"]["adamw"]["loss"]
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 1.0
+    assert summary["runs"]["adamw"]["val_loss"] < loss[0] - 1.0
+    assert train(replace(TINY, steps=1, out=str(tmp_path / "fp32"), progress=False))["param_dtype"] == "fp32"
 
 
 @pytest.mark.timeout(120)

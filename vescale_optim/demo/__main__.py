@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from .config import TrainConfig
 from .launch import launch
-from .optimizers import OPTIMIZERS, optimizer_names
+from .optimizers import OPTIMIZERS, PARAM_DTYPES, optimizer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="3: shard_modules = every block + the model (parameters, gradients and state sharded, "
         "each block gathered for its forward and backward); 2: parameters whole on every rank, "
         "gradients and state sharded",
+    )
+    add(
+        "--param-dtype",
+        choices=list(PARAM_DTYPES),
+        default=d.param_dtype,
+        help="dtype of the gathered parameters and the compute (the optimizers' param_dtype; shards, "
+        "fp32 masters, state and the gradient reduction stay fp32) (default %(default)s: bf16 on CUDA, "
+        "fp32 on the CPU)",
     )
     add("--steps", type=int, default=d.steps, help="optimizer steps")
     add("--out", default=d.out, help="folder for summary.json and loss.png")

@@ -13,7 +13,8 @@ class TrainConfig:
     `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank.
     With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
     `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
-    every collective wait."""
+    every collective wait. `param_dtype` ("fp32" or "bf16"; None: bf16 on CUDA, fp32 on the
+    CPU) is the dtype of the gathered parameters and the compute, over fp32 shards."""
 
     optimizer: str = "adamw"
     zero: int = 3
@@ -34,6 +35,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     resume: bool = False
     timeout: float = 60.0
+    param_dtype: str | None = None
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(

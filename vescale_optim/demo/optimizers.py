@@ -3,8 +3,8 @@
 Register a new one by adding a factory to `OPTIMIZERS`: it gets the model (already
 on its device) and the run's `TrainConfig` and returns the optimizer. `cfg.lr` is
 None unless the user passed `--lr`; use the optimizer's own tuned default then, and
-pass `**sharding(model, cfg)` so that `--zero` applies. Every optimizer gets the same
-warmup + cosine multiplier (`make_scheduler`).
+pass `**sharding(model, cfg)` so that `--zero` and `--param-dtype` apply. Every
+optimizer gets the same warmup + cosine multiplier (`make_scheduler`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,41 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def param_dtype_name(cfg: TrainConfig, device: torch.device) -> str:
+    """`--param-dtype`, or by default "bf16" on CUDA and "fp32" on the CPU (which has no
+    fast bf16 everywhere)."""
+    if cfg.param_dtype is not None:
+        return cfg.param_dtype
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+
+
+def mixed_precision(cfg: TrainConfig, device: torch.device) -> dict:
+    """The optimizers' mixed-precision keywords for a model on `device`. bf16: parameters
+    gathered and computed in bf16 (`param_dtype`; ZeRO-3 frees them after each unit, as
+    FSDP2's `MixedPrecisionPolicy` does) over fp32 shards, masters and state; gradients
+    reduced in fp32 (`reduce_dtype`, torchtitan's default too: the mean over ranks is not
+    rounded to bf16 at every hop before it reaches the fp32 gradient shards). fp32: none."""
+    name = param_dtype_name(cfg, device)
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {list(PARAM_DTYPES)} or None, not {name!r}")
+    if name == "fp32":
+        return {}
+    return {"param_dtype": PARAM_DTYPES[name], "reduce_dtype": torch.float32}
+
+
 def sharding(model: nn.Module, cfg: TrainConfig) -> dict:
     """`--zero 3`: every block is a unit, and the model (embeddings, final norm, head) the
     outermost one: parameters, gradients and state sharded. `--zero 2`: no units listed,
-    parameters whole on every rank."""
+    parameters whole on every rank. Either with `mixed_precision` for the model's device
+    (`--param-dtype`)."""
+    precision = mixed_precision(cfg, next(model.parameters()).device)
     if cfg.zero == 3:
-        return {"shard_modules": [*model.blocks, model]}
+        return {"shard_modules": [*model.blocks, model], **precision}
     if cfg.zero == 2:
-        return {}
+        return precision
     raise ValueError(f"zero must be 2 or 3, not {cfg.zero!r}")
 
 
@@ -96,6 +123,8 @@ def optimizer_names(cfg: TrainConfig) -> list[str]:
         raise ValueError("resume needs a checkpoint_dir")
     if cfg.checkpoint_dir is not None and cfg.optimizer == "all":
         raise ValueError("checkpoints are of one run: pick one optimizer, not 'all'")
+    if cfg.param_dtype not in (None, *PARAM_DTYPES):
+        raise ValueError(f"param_dtype must be one of {list(PARAM_DTYPES)} or None, not {cfg.param_dtype!r}")
     if cfg.checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
     if cfg.optimizer == "all":

@@ -24,7 +24,7 @@ from .checkpoints import Checkpoints, collective_timeout, params_sha256
 from .config import TrainConfig
 from .data import Batches, load_corpus, stdlib_files, val_windows
 from .model import GPT
-from .optimizers import OPTIMIZERS, make_scheduler, optimizer_names
+from .optimizers import OPTIMIZERS, make_scheduler, optimizer_names, param_dtype_name
 
 
 class _World:
@@ -54,6 +54,12 @@ class _World:
 SHARDING = {
     3: "ZeRO-3: shard_modules = every block + the model (parameters, gradients, state sharded)",
     2: "ZeRO-2: no shard_modules (parameters whole on every rank; gradients, state sharded)",
+}
+
+PRECISION = {
+    "bf16": "param_dtype bf16 (gathered parameters and compute in bf16; fp32 shards, masters, state "
+    "and gradient reduction)",
+    "fp32": "fp32 throughout",
 }
 
 # The train loss reported at the end: the mean over the last TAIL steps of each step's
@@ -88,16 +94,11 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> 
     total = torch.zeros(2, dtype=torch.float64, device=world.device)
     for i in range(0, x.shape[0], 32):
         xb, yb = x[i : i + 32].to(world.device), y[i : i + 32].to(world.device)
-        with _autocast(world.device):
-            total[0] += model.loss(xb, yb).double() * yb.numel()
+        total[0] += model.loss(xb, yb).double() * yb.numel()
         total[1] += yb.numel()
     model.train()
     total = world.sum(total)
     return (total[0] / total[1]).item(), int(total[1].item())
-
-
-def _autocast(device: torch.device) -> torch.autocast:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def train_one(
@@ -122,8 +123,7 @@ def train_one(
     for step in bar:
         x, y = batches.next()
         x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        with _autocast(world.device):
-            loss = model.loss(x, y)
+        loss = model.loss(x, y)  # in the gathered parameters' dtype (--param-dtype), fp32 logits' loss
         loss.backward()
         if hasattr(opt, "clip_grad_norm_"):
             opt.clip_grad_norm_(cfg.grad_clip)
@@ -184,7 +184,8 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
             f"byte-level GPT, {n_params / 1e6:.2f}M params, on {len(stdlib_files())} stdlib files "
             f"({train_data.numel() / 1e6:.2f} MB train, {val_data.numel() / 1e6:.2f} MB val); "
             f"{world.size} rank(s), {world.backend} on {world.device.type}; {cfg.steps} steps of "
-            f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens; {SHARDING[cfg.zero]}",
+            f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens; {SHARDING[cfg.zero]}; "
+            f"{PRECISION[param_dtype_name(cfg, world.device)]}",
             flush=True,
         )
     with collective_timeout(cfg.timeout, world.backend):
@@ -196,6 +197,7 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
         "world_size": world.size,
         "backend": world.backend,
         "device": world.device.type,
+        "param_dtype": param_dtype_name(cfg, world.device),
         "corpus": {
             "files": [f.name for f in stdlib_files()],
             "train_bytes": train_data.numel(),
