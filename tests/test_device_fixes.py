@@ -190,3 +190,72 @@ def test_the_full_model_state_dict_on_one_rank_or_every_rank(world):
     assert got1 == keys and equal0 and equal1
     assert [k for k in got0 if "weight" in k or "bias" in k] == []  # the sharded parameters went to rank 1
     assert {k for k in got0} == {k for k in keys if k.endswith("count")}  # buffers stay on every rank
+
+
+class Plain(nn.Module):
+    """Modules with no reset_parameters(): initialised only through param_init_fn."""
+
+    def __init__(self, dim: int = 6):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(dim, dim))
+        self.register_buffer("freq", torch.empty(dim))
+
+    def forward(self, x):
+        return x @ self.w * self.freq
+
+
+class PlainNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Plain() for _ in range(2))
+        self.scale = nn.Parameter(torch.empty(6))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x * self.scale
+
+
+def _init(module):
+    """A transformers-style `_init_weights`: one function for every kind of module."""
+    with torch.no_grad():
+        if isinstance(module, Plain):
+            module.w.normal_(std=0.02)
+            module.freq.copy_(torch.arange(6.0))
+        elif isinstance(module, PlainNet):
+            module.scale.fill_(1.0)
+
+
+def _param_init_fn():
+    torch.manual_seed(3)
+    normal = PlainNet()
+    for m in normal.modules():
+        _init(m)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = PlainNet()
+    vo.Muon([{"params": [b.w for b in model.blocks]}, {"params": [model.scale], "use_muon": False}],
+            shard_modules=[*model.blocks, model], device="cpu", param_init_fn=_init)  # fmt: skip
+    got, want = {**model.state_dict(), **dict(model.named_buffers())}, {**normal.state_dict(),
+                                                                        **dict(normal.named_buffers())}
+    return all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_param_init_fn_initialises_a_meta_model_as_built_normally(world, world_size):
+    assert world(world_size).run(_param_init_fn) == [True] * world_size
+
+
+def test_a_tensor_param_init_fn_skips_is_named():
+    with torch.device("meta"):
+        model = PlainNet()
+
+    def forgets_buffers(module):
+        if isinstance(module, Plain):
+            module.w.data.zero_()
+        if isinstance(module, PlainNet):
+            module.scale.data.fill_(1.0)
+
+    with pytest.raises(ValueError, match=r"PlainNet\.blocks\.0\.freq was not initialised by param_init_fn"):
+        vo.AdamW(model.parameters(), shard_modules=[*model.blocks, model], device="cpu",
+                 param_init_fn=forgets_buffers)  # fmt: skip

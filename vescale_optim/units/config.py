@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,6 +32,10 @@ class ShardingConfig:
       all-gather) and of the gradient reduction (default: `param_dtype`).
     - `device`: where the shards of a model built on the meta device go (default: the
       process group's device).
+    - `param_init_fn`: how a module built on the meta device is initialised:
+      `param_init_fn(module)` for every module holding meta parameters or buffers, one unit
+      at a time, after its meta tensors got memory on `device` (with transformers:
+      `param_init_fn=model._init_weights`); default: the module's `reset_parameters()`.
     - `sync_params`: start every rank from rank 0's parameters (one broadcast per unit).
     - `skip_nonfinite`: skip a step (on every rank) whose gradients hold inf or NaN.
     - `align`: every tensor starts at a multiple of this many elements in its buffer.
@@ -45,6 +49,7 @@ class ShardingConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     device: torch.device | str | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
     bucket_cap_numel: int = 64 * 1024 * 1024
     sync_params: bool = True
     skip_nonfinite: bool = False
@@ -72,6 +77,9 @@ class ShardingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            got = self.param_init_fn
+            raise TypeError(f"param_init_fn must be callable as param_init_fn(module); got {got!r}")
         if self.device is not None:
             object.__setattr__(self, "device", torch.device(self.device))
 

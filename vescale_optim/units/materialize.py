@@ -1,9 +1,10 @@
 """Initialise a model built on the meta device one unit at a time.
 
 Modules are visited in the outermost module's `modules()` order (the order a model
-usually builds them). Each module holding parameters or buffers on the meta device calls
-its own `reset_parameters()`: parameters into their unit's unsharded buffer, buffers
-into tensors made on the units' device (a buffer-only module, like a rotary embedding's
+usually builds them). Each module holding parameters or buffers on the meta device is
+initialised by `init(module)` — the user's `param_init_fn`, by default the module's own
+`reset_parameters()` — parameters into their unit's unsharded buffer, buffers (persistent
+or not) into tensors made on the units' device first (a buffer-only module, like a rotary embedding's
 `inv_freq`, is visited too). Once every module of a unit is done, the rank keeps its
 shard and frees the buffer, so the peak is about one unit (plus the outermost one, whose
 modules come first and last). A parameter that a module shares with an earlier one (a
@@ -16,7 +17,7 @@ were. A parameter or buffer that nothing can initialise is a `ValueError` naming
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -45,9 +46,16 @@ def needs_materializing(units: Sequence[Unit], modules: Sequence[nn.Module]) -> 
     )
 
 
-def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()
+
+
+def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
+                init: Callable[[nn.Module], None] | None = None) -> None:  # fmt: skip
     """Initialise every parameter of `units` (the units of `modules`) and every buffer of
-    `modules` that is on the meta device."""
+    `modules` that is on the meta device, by `init(module)` (default: `reset_parameters()`)."""
+    custom = init is not None
+    init = init or _reset
     owner: dict[int, tuple[Unit, int]] = {}
     for unit in units:
         if unit.meta:
@@ -55,16 +63,18 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
                 owner[id(p)] = (unit, i)
     plan: list[tuple[nn.Module, list[tuple[Unit, int]], list[str]]] = []
     remaining: dict[int, int] = {}
+    names = {id(m): name for name, m in module_order(modules)}
     for name, module in module_order(modules):
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         buffers = [b for b, t in module.named_buffers(recurse=False) if t.is_meta]
         if not mine and not buffers:
             continue
-        if not hasattr(module, "reset_parameters"):
+        if not custom and not hasattr(module, "reset_parameters"):
             what = [n for n, p in module.named_parameters(recurse=False) if id(p) in owner] + buffers
             raise ValueError(
                 f"{name}.{what[0]} is on the meta device, but its module ({type(module).__name__}) has no "
-                "reset_parameters() to initialise it; give the module one, or build it off the meta device"
+                "reset_parameters() to initialise it; give the module one, pass param_init_fn, or build it "
+                "off the meta device"
             )
         plan.append((module, mine, buffers))
         for unit, _ in mine:
@@ -85,9 +95,22 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
                 setattr(module, b, torch.empty_like(getattr(module, b), device=device))
             fresh = {id(unit.params[i]) for unit, i in mine} - done
             kept = [(p, p.detach().clone()) for p in module.parameters(recurse=False) if id(p) not in fresh]
-            module.reset_parameters()
+            # what the initialisation must write starts as NaN: one it skips is found below
+            blank = [(n, t) for n, t in module.named_parameters(recurse=False) if id(t) in fresh]
+            blank += [(b, getattr(module, b)) for b in buffers]
+            for _, t in blank:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+            init(module)
             for p, value in kept:
                 p.copy_(value)
+            skipped = [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]
+            if skipped:
+                how = "param_init_fn" if custom else "reset_parameters()"
+                raise ValueError(
+                    f"{names[id(module)]}.{skipped[0]} was not initialised by {how}: it still holds NaN "
+                    "where its meta tensor got memory"
+                )
             done |= fresh
             for unit, _ in mine:
                 remaining[unit.index] -= 1
@@ -96,4 +119,5 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module]) -> None:
     left = [f"{name}.{n}" for name, m in module_order(modules)
             for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t.is_meta]
     if left:  # fmt: skip
-        raise ValueError(f"{left[0]} is still on the meta device after every module's reset_parameters()")
+        how = "param_init_fn" if custom else "every module's reset_parameters()"
+        raise ValueError(f"{left[0]} is still on the meta device after {how}: nothing initialised it")

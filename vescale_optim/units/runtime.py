@@ -108,7 +108,7 @@ class Runtime:
                 self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
         listed = [m for m in modules if m is not None]
         if needs_materializing(self.units, listed):
-            materialize(self.units, listed)
+            materialize(self.units, listed, config.param_init_fn)
         self.schedule = Schedule(
             self.units, modules, reshard_after_forward=config.reshard_after_forward,
             backward_prefetch=config.backward_prefetch, on_grad=self._on_grad,

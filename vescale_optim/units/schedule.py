@@ -122,8 +122,12 @@ class Schedule:
                 self._handles.append(p.register_hook(self._attach(unit, i)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated(unit)))
             if module is not None:
-                pre = module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True)
-                self._handles += [pre, module.register_forward_hook(self._post_forward(unit, module))]
+                # the hooks run eagerly, outside any compiled graph of the module (a graph
+                # breaks at them: at the unit's boundaries, nowhere else)
+                pre = module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(unit)),
+                                                       with_kwargs=True)  # fmt: skip
+                post = module.register_forward_hook(torch.compiler.disable(self._post_forward(unit, module)))
+                self._handles += [pre, post]
         # the fixed order of reductions not tied to a module: backward's usual order, then
         # the order they completed in the first backward on rank 0 (`_settle_order`)
         self._static = [u for u in sorted(self.units, key=lambda u: -u.index) if self._rec(u).module is None]
