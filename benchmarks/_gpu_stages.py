@@ -1,0 +1,355 @@
+"""The stage runner behind the prepared GPU checks (`benchmarks/gpu_check.py` on one GPU,
+`benchmarks/_gpu_multi.py` on eight): every stage runs in a process of its own, in its own
+session, under its own time limit, so a stage that hangs (a collective) or kills its process
+(an illegal memory access) is reported and the next one still runs.
+
+A stage is a function that fills a `Result`: named checks, each `passed`, `failed` or
+`skipped` with its reason, its measurement and the bound it was held to, plus free-form
+measurements. A stage's status follows from its checks: `failed` if one failed (or the
+stage raised, crashed or ran out of time), `skipped` if every check was skipped, else
+`passed`. The runner prints each stage as it ends and writes `report.json` and
+`report.md` (each stage's log beside them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with tensors, dtypes, devices, paths and non-finite floats made JSON-safe."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
+        return jsonable(value.item())
+    return str(value)
+
+
+class Result:
+    """What one stage found: checks (`check`, `skip`), measurements (`measure`)."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.checks: list[dict] = []
+        self.measurements: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def check(
+        self, name: str, ok: bool, *, measured: Any = None, bound: Any = None, detail: str | None = None
+    ) -> bool:
+        """Record check `name`: passed iff `ok`; `measured` against `bound`, `detail` in words."""
+        self.checks.append(
+            {
+                "name": name,
+                "status": PASSED if ok else FAILED,
+                "measured": jsonable(measured),
+                "bound": jsonable(bound),
+                "detail": detail,
+            }
+        )
+        return bool(ok)
+
+    def fail(self, name: str, detail: str, measured: Any = None) -> None:
+        self.check(name, False, detail=detail, measured=measured)
+
+    def skip(self, name: str, reason: str) -> None:
+        """Record check `name` as skipped, with the reason (e.g. it needs CUDA)."""
+        self.checks.append(
+            {"name": name, "status": SKIPPED, "measured": None, "bound": None, "detail": reason}
+        )
+
+    def measure(self, **values: Any) -> None:
+        self.measurements.update(jsonable(values))
+
+    @property
+    def status(self) -> str:
+        statuses = {c["status"] for c in self.checks}
+        if self.error or FAILED in statuses:
+            return FAILED
+        if not statuses or statuses == {SKIPPED}:
+            return SKIPPED if statuses else FAILED
+        return PASSED
+
+    def reason(self) -> str | None:
+        if self.error:
+            return self.error.strip().splitlines()[-1]
+        failed = [c for c in self.checks if c["status"] == FAILED]
+        if failed:
+            return "; ".join(f"{c['name']}: {c['detail'] or 'outside its bound'}" for c in failed)[:2000]
+        if self.status == SKIPPED:
+            return "; ".join(f"{c['name']}: {c['detail']}" for c in self.checks)[:2000] or "no checks ran"
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "status": self.status,
+            "reason": self.reason(),
+            "checks": self.checks,
+            "measurements": self.measurements,
+            "error": self.error,
+        }
+
+
+@dataclass
+class Stage:
+    """One stage: `limit` seconds per mode (`gpu`, `cpu`), what it checks, and whether its
+    process runs with the library's `VESCALE_OPTIM_FORCE_COLLECTIVES=1` switch."""
+
+    name: str
+    fn: Callable[..., None]
+    limits: dict[str, int]
+    what: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def child_env(mode: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a stage's process: the repository importable without installing
+    it, the Triton interpreter on CPU only, hypothesis's `ci` profile, unbuffered output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["TRITON_INTERPRET"] = "1" if mode == "cpu" else "0"
+    env.setdefault("HYPOTHESIS_PROFILE", "ci")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_process(
+    cmd: Sequence[str], *, limit: float, log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> tuple[int | None, float]:
+    """Run `cmd` in a session of its own with stdout and stderr into `log`; past `limit`
+    seconds the whole session gets SIGTERM, then SIGKILL. Returns (exit code or None when
+    it ran out of time, seconds)."""
+    start = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            rc = None
+        _end_session(proc)
+    return rc, time.monotonic() - start
+
+
+def _end_session(proc: subprocess.Popen) -> None:
+    """Stop whatever is left of the session `proc` leads (its own children included)."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(0.2)  # the leader is gone; give its children the same moment before SIGKILL
+    if proc.poll() is None:
+        proc.wait()
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def host_info() -> dict:
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+
+
+def run_stage_here(stages: Sequence[Stage], name: str, out: Path, **kw: Any) -> int:
+    """In a stage's own process: run stage `name`, write `out/<name>.json`; 0 unless it raised."""
+    stage = next(s for s in stages if s.name == name)
+    for key, value in stage.env.items():
+        os.environ[key] = value
+    result = Result(name)
+    rc = 0
+    try:
+        stage.fn(result, out=out, **kw)
+    except BaseException as e:  # noqa: BLE001 (a stage's failure is its result)
+        result.error = "".join(traceback.format_exception(e))
+        print(result.error, file=sys.stderr, flush=True)
+        rc = 1
+    (out / f"{name}.json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
+    return rc
+
+
+def dry_run(stages: Sequence[Stage], mode: str, out: Path, command: Callable[[Stage], list[str]]) -> None:
+    total = 0
+    for s in stages:
+        limit = s.limits[mode]
+        total += limit
+        env = " ".join(f"{k}={v}" for k, v in s.env.items())
+        print(
+            f"[{s.name}] (limit {limit} s) {s.what}\n    {env + ' ' if env else ''}{' '.join(command(s))}"
+            f" > {out / (s.name + '.log')}"
+        )
+    print(f"[report] {out / 'report.md'} {out / 'report.json'} (stage limits add up to {total} s)")
+
+
+def run_all(
+    stages: Sequence[Stage],
+    *,
+    mode: str,
+    out: Path,
+    title: str,
+    budget: float,
+    command: Callable[[Stage], list[str]],
+    notes: Sequence[str] = (),
+) -> int:
+    """Run every stage in its own process (`command(stage)`), print each as it ends, write the
+    report. Every stage gets its own limit, cut to what is left of `budget` seconds; a stage
+    with under 5 s left is skipped. Returns 0 when no stage failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    results = []
+    print(
+        f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}", flush=True
+    )
+    for i, s in enumerate(stages, 1):
+        left = budget - (time.monotonic() - start)
+        limit = min(s.limits[mode], left)
+        log = out / f"{s.name}.log"
+        log.write_text("")
+        (out / f"{s.name}.json").unlink(missing_ok=True)
+        print(f"== [{i:2d}/{len(stages)}] {s.name} (limit {limit:.0f} s): {s.what}", flush=True)
+        if limit < 5:
+            entry = Result(s.name)
+            entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
+            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0}
+        else:
+            rc, seconds = run_process(command(s), limit=limit, log=log, env=child_env(mode, s.env))
+            entry = _collect(s, out, rc, seconds, limit, log)
+        entry["log"] = log.name
+        results.append(entry)
+        _print_stage(entry)
+    total = time.monotonic() - start
+    report = {
+        "title": title,
+        "mode": mode,
+        "host": host_info(),
+        "seconds": round(total, 1),
+        "budget_s": budget,
+        "passed": all(r["status"] != FAILED for r in results),
+        "notes": list(notes),
+        "stages": results,
+        "skipped_checks": [
+            {"check": f"{r['stage']}.{c['name']}", "reason": c["detail"]}
+            for r in results
+            for c in r["checks"]
+            if c["status"] == SKIPPED
+        ],
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    counts = {st: sum(r["status"] == st for r in results) for st in (PASSED, FAILED, SKIPPED)}
+    print(
+        f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
+        f"report: {out / 'report.md'} and {out / 'report.json'}",
+        flush=True,
+    )
+    return 0 if report["passed"] else 1
+
+
+def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, log: Path) -> dict:
+    path = out / f"{s.name}.json"
+    entry = None
+    if path.exists():
+        try:
+            entry = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            entry = None
+    if entry is None or rc is None:
+        result = Result(s.name)
+        why = f"ran out of its {limit:.0f} s" if rc is None else f"its process exited with {rc} and no result"
+        result.error = f"{why}; the log ends:\n{_tail(log)}\n{s.name}: {why}"
+        if entry is not None:  # it wrote a result, then hung (e.g. in teardown): keep what it found
+            result.checks, result.measurements = entry["checks"], entry["measurements"]
+        entry = result.to_dict()
+    entry["seconds"], entry["limit_s"] = round(seconds, 1), round(limit)
+    return entry
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict | list):
+        text = json.dumps(value, default=str)
+        return text if len(text) <= 160 else text[:157] + "..."
+    return str(value)
+
+
+def check_line(c: dict) -> str:
+    tag = {PASSED: "ok  ", FAILED: "FAIL", SKIPPED: "skip"}[c["status"]]
+    text = f"{tag} {c['name']}"
+    if c["measured"] is not None:
+        text += f": {_fmt(c['measured'])}"
+        if c["bound"] is not None:
+            text += f" (bound {_fmt(c['bound'])})"
+    if c["detail"]:
+        text += f" - {c['detail']}"
+    return text
+
+
+def _print_stage(entry: dict) -> None:
+    print(f"   {entry['status']} in {entry['seconds']} s", flush=True)
+    for c in entry["checks"]:
+        print("   " + check_line(c).replace("\n", "\n     "), flush=True)
+    if entry.get("error"):
+        print("   | " + "\n   | ".join(entry["error"].strip().splitlines()[-8:]), flush=True)
+
+
+def markdown(report: dict) -> str:
+    md = [
+        f"# {report['title']} ({report['mode']})",
+        "",
+        f"{report['host']['hostname']}, {report['host']['platform']}, Python {report['host']['python']}; "
+        f"{report['seconds']} s of a {report['budget_s']:.0f} s budget; "
+        f"{'no stage failed' if report['passed'] else 'FAILED'}",
+        "",
+    ]
+    md += [f"- {n}" for n in report["notes"]]
+    md += ["", "| stage | status | seconds | limit s | reason |", "|---|---|---:|---:|---|"]
+    for r in report["stages"]:
+        reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")
+        md.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {r['limit_s']} | {reason[:300]} |")
+    for r in report["stages"]:
+        md += ["", f"## {r['stage']}: {r['status']}", ""]
+        md += [f"- {check_line(c)}" for c in r["checks"]]
+        if r["measurements"]:
+            md += ["", "```json", json.dumps(r["measurements"], indent=1, default=str)[:6000], "```"]
+        if r.get("error"):
+            md += ["", "```", r["error"].strip()[-3000:], "```"]
+        md.append(f"\nlog: `{r['log']}`")
+    return "\n".join(md) + "\n"
