@@ -1,6 +1,7 @@
 """vescale_optim: structure-aware distributed optimizers over RaggedShard layouts."""
 
 from .checkpoint import CheckpointError, CheckpointManager
+from .distributed import init_distributed
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
 from .units import ShardingConfig
@@ -18,6 +19,7 @@ __all__ = [
     "Shampoo",
     "ShardingConfig",
     "__version__",
+    "init_distributed",
     "muon_param_groups",
     "plan_layout",
     "set_collective_timeout",
