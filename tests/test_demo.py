@@ -1,5 +1,6 @@
 """Smoke tests of the demo: in-process training at world size 1 (ZeRO-3 and ZeRO-2 train the
-same model; bf16 gathered parameters with --param-dtype bf16), the command line's help, and
+same model; bf16 gathered parameters with --param-dtype bf16), the default run (AdamW and Muon
+from the same weights, plotted against step and wall time), the command line's help, and
 2-rank CLI runs of both modes with their memory; a run resumed from a checkpoint ends bit for
 bit as an uninterrupted one."""
 
@@ -21,11 +22,18 @@ from vescale_optim.demo.__main__ import build_parser, parse_args
 from vescale_optim.demo.config import TrainConfig
 from vescale_optim.demo.data import batch_generator, get_batch, load_corpus, val_windows
 from vescale_optim.demo.model import GPT
-from vescale_optim.demo.optimizers import OPTIMIZERS, lr_multiplier, mixed_precision
+from vescale_optim.demo.optimizers import (
+    DEFAULT_OPTIMIZERS,
+    OPTIMIZERS,
+    lr_multiplier,
+    mixed_precision,
+    optimizer_names,
+)
 from vescale_optim.demo.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = TrainConfig(batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3, val_tokens=1024)
+TINY = TrainConfig(optimizer="adamw", batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3,
+                  val_tokens=1024)  # fmt: skip
 TINY_FLAGS = ["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
 
 
@@ -39,13 +47,20 @@ def one_thread():
 
 
 def _check_outputs(out: Path, names: list[str], steps: int, world_size: int) -> dict:
-    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = (out / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 2 * height, (width, height)  # two panels side by side: loss vs step, vs wall time
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == world_size
     assert list(summary["runs"]) == names
+    starts = {run["init_params_sha256"] for run in summary["runs"].values()}
+    assert len(starts) == 1, "every optimizer starts from the same weights"
     for run in summary["runs"].values():
         assert len(run["loss"]) == steps
         assert all(math.isfinite(x) for x in run["loss"])
+        seconds = run["time_s"]
+        assert len(seconds) == steps and all(0 < a <= b for a, b in zip(seconds, seconds[1:]))
         assert math.isfinite(run["val_loss"]) and run["tokens_per_s"] > 0
         assert [m["rank"] for m in run["peak_memory"]] == list(range(world_size))
         assert all(m["rss_mib"] > 0 for m in run["peak_memory"])
@@ -84,6 +99,32 @@ def test_train_in_process_loss_decreases(tmp_path, one_thread):
     assert loss[0] == pytest.approx(math.log(256), abs=0.3)
     assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 1.0
     assert summary["runs"]["adamw"]["val_loss"] < loss[0] - 1.0
+
+
+@pytest.mark.timeout(90)
+def test_the_default_run_trains_adamw_and_muon_from_the_same_weights(tmp_path, one_thread):
+    """No --optimizer: AdamW and Muon, each from the seeded weights on the same batches (the same
+    first loss), plotted against step and wall time; AdamW alone with a checkpoint directory."""
+    flags = ["--steps", "12", "--warmup", "3", "--val-tokens", "512", "--no-progress", "--out", str(tmp_path)]
+    cfg, _ = parse_args([*TINY_FLAGS, *flags])
+    assert cfg.optimizer is None and optimizer_names(cfg) == list(DEFAULT_OPTIMIZERS) == ["adamw", "muon"]
+    runs = train(cfg)["runs"]
+    _check_outputs(tmp_path, ["adamw", "muon"], 12, 1)
+    adamw, muon = runs["adamw"], runs["muon"]
+    assert adamw["init_params_sha256"] == muon["init_params_sha256"]
+    assert adamw["loss"][0] == muon["loss"][0]  # before any step: the same weights on the same batch
+    assert adamw["loss"][1:] != muon["loss"][1:] and adamw["params_sha256"] != muon["params_sha256"]
+    for run in (adamw, muon):
+        assert sum(run["loss"][-3:]) / 3 < run["loss"][0] - 0.5
+    # a checkpointed run is one optimizer's: AdamW unless --optimizer names one
+    assert optimizer_names(parse_args(["--checkpoint-dir", "d"])[0]) == ["adamw"]
+    assert optimizer_names(parse_args(["--checkpoint-dir", "d", "--optimizer", "muon"])[0]) == ["muon"]
+    assert optimizer_names(parse_args(["--optimizer", "muon,adamw"])[0]) == ["muon", "adamw"]
+    assert optimizer_names(parse_args(["--optimizer", "all"])[0]) == list(OPTIMIZERS)
+    for bad in (["--optimizer", "sgd"], ["--optimizer", "adamw,adamw"], ["--optimizer", "adamw,"],
+                ["--checkpoint-dir", "d", "--optimizer", "adamw,muon"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 @pytest.mark.timeout(90)
@@ -137,6 +178,8 @@ def test_all_optimizers_start_from_the_same_weights_and_zero_modes_agree(tmp_pat
 def test_cli_two_ranks(tmp_path, zero):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "vescale_optim.demo", "--world-size", "2", "--steps", "5"]
+    names = ["adamw", "muon"] if zero == 3 else ["adamw"]  # ZeRO-3: the default run, both optimizers
+    cmd += [] if zero == 3 else ["--optimizer", "adamw"]
     proc = subprocess.run(
         [*cmd, "--zero", str(zero), *TINY_FLAGS, "--val-tokens", "512", "--out", str(out), "--no-progress"],
         cwd=ROOT,
@@ -145,7 +188,7 @@ def test_cli_two_ranks(tmp_path, zero):
         timeout=170,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = _check_outputs(out, ["adamw"], 5, 2)
+    summary = _check_outputs(out, names, 5, 2)
     assert summary["config"]["zero"] == zero
     assert "averaged over the last 5 steps" in proc.stdout and "over 512 held-out tokens" in proc.stdout
     assert "params MiB" in proc.stdout and "peak RSS" in proc.stdout
@@ -175,6 +218,7 @@ def test_resume_continues_bit_for_bit_in_process(tmp_path, one_thread):
     assert (resumed["final_step"], resumed["resumed_from_step"]) == (6, 3)
     assert resumed["params_sha256"] == whole["params_sha256"]
     assert resumed["loss"] == whole["loss"]
+    assert resumed["time_s"][:3] == whole["time_s"][:3]  # the checkpoint's; then the resumed run's own
     _check_outputs(tmp_path / "resumed", ["adamw"], 6, 1)
 
 

@@ -1,4 +1,5 @@
-"""`python -m vescale_optim.demo`: train a byte-level GPT on a local world of ranks.
+"""`python -m vescale_optim.demo`: train a byte-level GPT on a local world of ranks, with AdamW and
+Muon from the same initial weights (by default), and plot their losses against step and wall time.
 
 Spawns `--world-size` CPU ranks joined by gloo (or trains in this process for
 `--world-size 1`); under torchrun each process joins the torchrun group instead.
@@ -16,7 +17,7 @@ from dataclasses import fields
 
 from .config import TrainConfig
 from .launch import launch
-from .optimizers import OPTIMIZERS, PARAM_DTYPES, optimizer_names
+from .optimizers import DEFAULT_OPTIMIZERS, OPTIMIZERS, PARAM_DTYPES, optimizer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     add(
         "--optimizer",
-        choices=[*OPTIMIZERS, "all"],
+        metavar="NAME[,NAME...]",
         default=d.optimizer,
-        help="'all' trains each registered optimizer from the same initial weights",
+        help=f"one of {', '.join(OPTIMIZERS)}, several separated by commas, or 'all'; each trains from the "
+        f"same initial weights (default %(default)s: {','.join(DEFAULT_OPTIMIZERS)}, or adamw alone with "
+        "--checkpoint-dir)",
     )
     add(
         "--zero",
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fp32 on the CPU)",
     )
     add("--steps", type=int, default=d.steps, help="optimizer steps")
-    add("--out", default=d.out, help="folder for summary.json and loss.png")
+    add("--out", default=d.out, help="folder for summary.json and loss.png (loss vs step and vs wall time)")
     add("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
     add("--d-model", type=int, default=d.d_model, help="model width")

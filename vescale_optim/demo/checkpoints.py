@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -53,12 +54,13 @@ class Checkpoints:
             stateful = {"data": batches}
             self.manager = vo.CheckpointManager(cfg.checkpoint_dir, model, opt, sched, stateful=stateful)
 
-    def resume(self) -> tuple[int, list[float]]:
+    def resume(self) -> tuple[int, list[float], list[float]]:
         """With `--resume`, restore the newest complete checkpoint (if any); the step to start
-        from and the losses of the steps before it. Without it, a directory that already has
+        from, and the losses and training seconds (since the run began, NaN where a checkpoint
+        did not record them) of the steps before it. Without it, a directory that already has
         checkpoints is refused, so that a fresh run never mixes with an old one."""
         if self.manager is None:
-            return 0, []
+            return 0, [], []
         if not self.cfg.resume:
             latest = self.manager.latest()
             if latest is not None:
@@ -66,14 +68,18 @@ class Checkpoints:
                     f"{self.cfg.checkpoint_dir} already holds checkpoints (the newest of step {latest}): "
                     "pass --resume to continue from it, or choose another --checkpoint-dir"
                 )
-            return 0, []
+            return 0, [], []
         loaded = self.manager.load()
         if loaded is None:
-            return 0, []
-        return loaded.step, list(loaded.extra["loss"])
+            return 0, [], []
+        losses = list(loaded.extra["loss"])
+        seconds = list(loaded.extra.get("time_s", []))
+        if len(seconds) != len(losses):
+            seconds = [math.nan] * len(losses)
+        return loaded.step, losses, seconds
 
-    def after_step(self, step: int, losses: list[float]) -> str | None:
+    def after_step(self, step: int, losses: list[float], seconds: list[float]) -> str | None:
         """Save after `step` steps when one is due; the folder written, or None."""
         if self.manager is None or (step % self.cfg.checkpoint_every and step != self.cfg.steps):
             return None
-        return str(self.manager.save(step, extra={"loss": losses}))
+        return str(self.manager.save(step, extra={"loss": losses, "time_s": seconds}))

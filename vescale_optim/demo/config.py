@@ -9,16 +9,18 @@ from .model import GPTConfig
 
 @dataclass
 class TrainConfig:
-    """Everything a run depends on; `batch_size` is per rank, `lr=None` is each optimizer's default,
+    """Everything a run depends on; `optimizer` is one name, several separated by commas or "all"
+    (None: AdamW and Muon, from the same initial weights; AdamW alone with a `checkpoint_dir`);
+    `batch_size` is per rank, `lr=None` is each optimizer's default,
     `zero` 3 shards parameters per block (`shard_modules`), 2 keeps them whole on every rank.
     With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
     `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
     every collective wait. `param_dtype` ("fp32" or "bf16"; None: bf16 on CUDA, fp32 on the
     CPU) is the dtype of the gathered parameters and the compute, over fp32 shards."""
 
-    optimizer: str = "adamw"
+    optimizer: str | None = None
     zero: int = 3
-    steps: int = 200
+    steps: int = 100
     batch_size: int = 8
     seq_len: int = 128
     d_model: int = 128

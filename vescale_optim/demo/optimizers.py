@@ -114,21 +114,35 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, warmup, cfg.steps))
 
 
+# What a run trains when `--optimizer` is not given: AdamW and Muon from the same initial weights
+# (AdamW alone with a checkpoint directory: checkpoints are of one run).
+DEFAULT_OPTIMIZERS = ("adamw", "muon")
+
+
 def optimizer_names(cfg: TrainConfig) -> list[str]:
-    """The optimizers a run trains, in order (`cfg.optimizer`, or every one for "all"); a
-    ValueError for a configuration no run can take."""
+    """The optimizers a run trains, in order: `cfg.optimizer` (one name, several separated by
+    commas, or "all": every registered one), by default `DEFAULT_OPTIMIZERS` (AdamW alone with
+    a `checkpoint_dir`); a ValueError for a configuration no run can take."""
     if cfg.zero not in (2, 3):
         raise ValueError(f"zero must be 2 or 3, not {cfg.zero!r}")
     if cfg.resume and cfg.checkpoint_dir is None:
         raise ValueError("resume needs a checkpoint_dir")
-    if cfg.checkpoint_dir is not None and cfg.optimizer == "all":
-        raise ValueError("checkpoints are of one run: pick one optimizer, not 'all'")
     if cfg.param_dtype not in (None, *PARAM_DTYPES):
         raise ValueError(f"param_dtype must be one of {list(PARAM_DTYPES)} or None, not {cfg.param_dtype!r}")
     if cfg.checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be at least 1, not {cfg.checkpoint_every}")
+    if cfg.optimizer is None:
+        return ["adamw"] if cfg.checkpoint_dir is not None else list(DEFAULT_OPTIMIZERS)
     if cfg.optimizer == "all":
-        return list(OPTIMIZERS)
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}")
-    return [cfg.optimizer]
+        names = list(OPTIMIZERS)
+    else:
+        names = [n.strip() for n in cfg.optimizer.split(",")]
+        unknown = [n for n in names if n not in OPTIMIZERS]
+        if unknown or not names:
+            raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}, "
+                             "or several separated by commas")  # fmt: skip
+        if len(set(names)) != len(names):
+            raise ValueError(f"optimizer {cfg.optimizer!r} names one twice")
+    if cfg.checkpoint_dir is not None and len(names) > 1:
+        raise ValueError(f"checkpoints are of one run: pick one optimizer, not {cfg.optimizer!r}")
+    return names

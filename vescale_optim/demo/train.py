@@ -1,8 +1,10 @@
 """The demo's training loop: every rank trains the same model on its own batches.
 
 `train(cfg)` runs on each rank of an initialised process group, or alone with none.
-Rank 0 shows the progress bar, prints the tables and writes `summary.json` and
-`loss.png` into `cfg.out`.
+Every optimizer of the run (`optimizer_names`: AdamW and Muon by default) trains a fresh model
+from the same seeded weights on the same batches. Rank 0 shows the progress bar, prints the
+tables and writes `summary.json` and `loss.png` (loss against step and against training wall
+time) into `cfg.out`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ PRECISION = {
 # The train loss reported at the end: the mean over the last TAIL steps of each step's
 # loss, itself the mean next-byte cross-entropy over every rank's tokens of that step.
 TAIL = 10
+SMOOTH = 9  # steps in the plot's running mean, centred
 
 
 def held_memory(opt: torch.optim.Optimizer) -> dict[str, int] | None:
@@ -109,10 +112,11 @@ def train_one(
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(world.device)
     opt = OPTIMIZERS[name](model, cfg)
+    init_digest = params_sha256(model)  # the seeded weights every optimizer starts from
     sched = make_scheduler(opt, cfg)
     batches = Batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed, world.rank)
     checkpoints = Checkpoints(cfg, model, opt, sched, batches)
-    first, losses = checkpoints.resume()
+    first, losses, seconds = checkpoints.resume()
     if first and world.rank == 0:
         print(f"resumed from {checkpoints.manager.path(first)}", flush=True)
     if world.device.type == "cuda":
@@ -120,6 +124,7 @@ def train_one(
     bar = tqdm(range(first, cfg.steps), desc=name, initial=first, total=cfg.steps,
                disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)  # fmt: skip
     start = time.perf_counter()
+    before = next((t for t in reversed(seconds) if math.isfinite(t)), 0.0)  # trained before a resume
     for step in bar:
         x, y = batches.next()
         x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
@@ -132,10 +137,14 @@ def train_one(
         opt.step()
         opt.zero_grad()
         sched.step()
-        # every rank has batch_size x seq_len tokens: the mean of the ranks' means is the mean over all
-        losses.append(world.sum(loss.detach().float().reshape(1)).item() / world.size)
+        # every rank has batch_size x seq_len tokens: the mean of the ranks' means is the mean over all;
+        # the seconds since training began, the ranks' mean (the same number on every rank)
+        now = torch.tensor([loss.item(), before + time.perf_counter() - start], dtype=torch.float64)
+        mean = world.sum(now.to(world.device)).cpu() / world.size
+        losses.append(mean[0].item())
+        seconds.append(mean[1].item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
-        saved = checkpoints.after_step(step + 1, losses)
+        saved = checkpoints.after_step(step + 1, losses, seconds)
         if saved and world.rank == 0:
             bar.write(f"saved {saved}")
     if world.device.type == "cuda":
@@ -150,6 +159,7 @@ def train_one(
     tail = losses[-min(TAIL, len(losses)) :]
     result = {
         "loss": losses,
+        "time_s": seconds,
         "peak_lr": sched.base_lrs[0],
         "final_loss": sum(tail) / len(tail),
         "final_loss_steps": len(tail),
@@ -160,6 +170,7 @@ def train_one(
         "final_step": final_step,
         "resumed_from_step": first,
         "params_sha256": digest,
+        "init_params_sha256": init_digest,
         "peak_memory": [{"rank": r, **m} for r, m in enumerate(world.gather(peak_memory(world.device)))],
         "held_bytes": world.gather(held),
     }
@@ -185,7 +196,8 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
             f"({train_data.numel() / 1e6:.2f} MB train, {val_data.numel() / 1e6:.2f} MB val); "
             f"{world.size} rank(s), {world.backend} on {world.device.type}; {cfg.steps} steps of "
             f"{world.size}x{cfg.batch_size}x{cfg.seq_len} tokens; {SHARDING[cfg.zero]}; "
-            f"{PRECISION[param_dtype_name(cfg, world.device)]}",
+            f"{PRECISION[param_dtype_name(cfg, world.device)]}; "
+            + (f"{', '.join(names)}, each from the same initial weights" if len(names) > 1 else names[0]),
             flush=True,
         )
     with collective_timeout(cfg.timeout, world.backend):
@@ -236,7 +248,8 @@ def memory_table(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def write_report(summary: dict, out: Path) -> None:
-    """Print the result and memory tables; write `summary.json` and `loss.png` into `out`."""
+    """Print the result and memory tables; write `summary.json` and `loss.png` (loss vs step and
+    vs training wall time) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     runs = summary["runs"]
     rows = [
@@ -256,6 +269,11 @@ def write_report(summary: dict, out: Path) -> None:
         f"last {first['final_loss_steps']} steps; val loss: over {first['val_tokens']:,} held-out tokens "
         "after training"
     )
+    starts = {r["init_params_sha256"] for r in runs.values()}
+    if len(runs) > 1:
+        same = "the same initial weights" if len(starts) == 1 else "DIFFERENT initial weights"
+        print(f"{', '.join(runs)} trained from {same} (SHA-256 {', '.join(sorted(s[:12] for s in starts))}) "
+              "on the same batches")  # fmt: skip
     print(format_table(*memory_table(summary)))
     print(
         "held between steps, from opt.memory_stats(): parameter and gradient shards (whole parameters "
@@ -264,34 +282,47 @@ def write_report(summary: dict, out: Path) -> None:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_losses(summary, out / "loss.png")
-    print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'}")
+    print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'} "
+          "(loss vs step and vs training wall time)")  # fmt: skip
+
+
+def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
+    """The mean of each value and its neighbours, `window` of them centred on it (fewer at the ends)."""
+    half = window // 2
+    return [sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
+            for i in range(len(values))]  # fmt: skip
 
 
 def plot_losses(summary: dict, path: Path) -> None:
-    """Training loss per step of every optimizer, with its validation loss marked at the end."""
+    """Training loss of every optimizer against step and against training wall time (each step
+    thin, the mean of the last `SMOOTH` steps bold), with its validation loss marked at the end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for name, r in summary["runs"].items():
-        (line,) = ax.plot(range(1, len(r["loss"]) + 1), r["loss"], lw=1.2, label=f"{name} train")
-        ax.plot(
-            [len(r["loss"])],
-            [r["val_loss"]],
-            "o",
-            color=line.get_color(),
-            label=f"{name} val {r['val_loss']:.3f}",
-        )
-    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform (ln 256)")
-    ax.set(
-        xlabel="step",
-        ylabel="loss (nats / byte)",
-        title=f"byte-level GPT on stdlib source, {summary['world_size']} rank(s)",
+        steps, loss, seconds = range(1, len(r["loss"]) + 1), r["loss"], r["time_s"]
+        label = f"{name} train (each step; mean of {SMOOTH})"
+        (line,) = by_step.plot(steps, smooth(loss), lw=1.6, label=label)
+        color = line.get_color()
+        by_step.plot(steps, loss, lw=0.6, alpha=0.35, color=color)
+        by_time.plot(seconds, smooth(loss), lw=1.6, color=color, label=f"{name} train")
+        by_time.plot(seconds, loss, lw=0.6, alpha=0.35, color=color)
+        val = f"{name} val {r['val_loss']:.3f}"
+        by_step.plot([len(loss)], [r["val_loss"]], "o", color=color, label=val)
+        by_time.plot([seconds[-1] if seconds else 0.0], [r["val_loss"]], "o", color=color, label=val)
+    for ax in (by_step, by_time):
+        ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform (ln 256)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    by_step.set(xlabel="step", ylabel="loss (nats / byte)")
+    by_time.set(xlabel="training wall time (s)")
+    fig.suptitle(
+        f"byte-level GPT on stdlib source, {summary['world_size']} rank(s), "
+        f"{'ZeRO-3' if summary['config']['zero'] == 3 else 'ZeRO-2'}, from the same initial weights"
     )
-    ax.grid(alpha=0.3)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
