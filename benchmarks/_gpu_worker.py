@@ -37,15 +37,10 @@ from benchmarks import _gpu_models as gm  # noqa: E402
 
 
 def setup(timeout: float, bounded: float | None) -> tuple[torch.device, int, int]:
-    """Join torchrun's group: NCCL bound to this rank's GPU, else gloo. The group's timeout is
-    `timeout`; `bounded` sets the library's own bound on every wait (None: none)."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    """Join torchrun's group (`vo.init_distributed`: NCCL bound to this rank's GPU, else gloo,
+    under keys of this restart attempt only). The group's timeout is `timeout`; `bounded` sets
+    the library's own bound on every wait (None: none)."""
+    device = vo.init_distributed(timeout=timedelta(seconds=timeout))
     vo.set_collective_timeout(bounded)
     return device, dist.get_rank(), dist.get_world_size()
 

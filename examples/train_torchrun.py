@@ -7,8 +7,9 @@
 Every block of a small model, and the model itself, is a unit of `shard_modules`: between
 steps each rank holds only its shard of the parameters, gradients and optimizer state
 (ZeRO-3). The model is built on the meta device and materialised one unit at a time.
-Each process joins torchrun's group: NCCL on its own GPU when there is one, gloo on CPU.
-Run without torchrun, it trains in one process with no process group.
+Each process joins torchrun's group through `vo.init_distributed`: NCCL on its own GPU when
+there is one, gloo on CPU, under keys of this restart attempt only (a restarted run meets
+again). Run without torchrun, it trains in one process with no process group.
 
 A `vescale_optim.CheckpointManager` saves the model, optimizer, schedule and random states
 into `step-N` folders (atomically: a folder with that name is complete) and the run starts
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -66,18 +66,14 @@ class Model(nn.Module):
 def setup(timeout: timedelta) -> tuple[torch.device, int, int]:
     """Join torchrun's process group (when launched by torchrun); this rank's device, rank, world size.
 
+    `vo.init_distributed` joins it under keys of this restart attempt only, so a run that
+    `torchrun --max-restarts` restarts meets again (NCCL on cuda:LOCAL_RANK, gloo on CPU).
     `timeout` bounds every collective wait: the process group's own (NCCL, gloo, DCP) and, on
     gloo, the optimizer's (`set_collective_timeout`: its error names the collective)."""
-    if "RANK" not in os.environ:  # plain `python train_torchrun.py`: one process, no group
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu"), 0, 1
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-        vo.set_collective_timeout(timeout)
+    on_gloo = not torch.cuda.is_available()
+    device = vo.init_distributed(timeout=timeout, collective_timeout=timeout if on_gloo else None)
+    if not dist.is_initialized():  # plain `python train_torchrun.py`: one process, no group
+        return device, 0, 1
     return device, dist.get_rank(), dist.get_world_size()
 
 

@@ -75,7 +75,7 @@ def test_example_trains_saves_and_resumes(tmp_path):
 
 def _readme_torchrun_script() -> str:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    found = [b for b in blocks if "init_process_group" in b and "shard_modules" in b and "dcp.save" in b]
+    found = [b for b in blocks if "init_distributed" in b and "shard_modules" in b and "dcp.save" in b]
     assert len(found) == 1, "the README shows one fully sharded torchrun script"
     return found[0]
 

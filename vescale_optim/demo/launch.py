@@ -7,36 +7,18 @@ import os
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
+from ..distributed import init_distributed
 from ..local_world import run_local
 from .config import TrainConfig
 from .train import train
 
 
-def _attempt_store(timeout: timedelta) -> dict:
-    """After an elastic restart, gloo's addresses under keys of this attempt only: a restarted
-    rank could otherwise read a dead worker's address and fail to connect."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)  # fmt: skip
-    store = dist.PrefixStore(f"vescale_demo/attempt_{attempt}", agent)
-    return dict(store=store, rank=rank, world_size=world_size)
-
-
 def _torchrun(cfg: TrainConfig, launch_time: float) -> None:
-    """One torchrun rank: env:// init, NCCL on the local GPU when there is one."""
-    timeout = timedelta(seconds=cfg.timeout)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout, **_attempt_store(timeout))
+    """One torchrun rank: NCCL on the local GPU when there is one, else gloo, joined under keys of
+    this restart attempt only (`vescale_optim.init_distributed`), so a restarted run meets again."""
+    init_distributed(timeout=timedelta(seconds=cfg.timeout))
     try:
         train(cfg, launch_time)
     finally:
