@@ -7,6 +7,7 @@ fails on a configuration whose pipeline stages overflow shared memory.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -94,6 +95,29 @@ def test_newton_schulz_inputs_of_the_issue_are_covered(build):
     inputs = {i for r in _records(build[1]) if r["role"] == "newton_schulz" for i in r["inputs"]}
     for w in (128, 1024, 4096):
         assert f"bf16 ({w}, {w})" in inputs and f"bf16 ({aot.NS_BATCH}, {w}, {w})" in inputs
+
+
+FLOAT_MAX_MIN_DROPPING_NAN = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:max|min)(?:\.ftz)?\.f(?:16|32|64)\b", re.M)
+"""``max.f32`` / ``min.f32`` (no ``.NaN``): they return the other operand of a NaN."""
+NAN_TEST = re.compile(r"^\s*(?:@!?%p\d+\s+)?setp\.(?:nan|num)\.f32\b", re.M)
+INT_MAX = re.compile(r"^\s*(?:@!?%p\d+\s+)?max\.[su]32\b", re.M)
+
+
+def test_quantizing_kernels_keep_nan_compiled(build):
+    """In the PTX of every quantize and 8-bit update kernel: no float max or min that drops
+    NaN (the absmax is an integer max, ``max.s32``/``max.u32``, the clamp NaN-propagating),
+    and the explicit NaN test that gives a NaN code 0 survived the optimizer (``setp.num``
+    or ``setp.nan``). The interpreter cannot show this: it computes with numpy."""
+    proc, out = build
+    records = [r for r in _records(out) if r["role"] in ("quantize", "adamw8bit") and not r["error"]]
+    assert {r["arch"] for r in records} == {80, 90}
+    for r in records:
+        ptx = (out / r["ptx"]).read_text()
+        dropping = FLOAT_MAX_MIN_DROPPING_NAN.findall(ptx)
+        assert not dropping, (r["kernel"], r["arch"], r["config"], dropping[:3])
+        assert NAN_TEST.search(ptx), (r["kernel"], r["arch"], r["config"])
+        if r["config"]["BLOCK"] > 1:  # a one-element row needs no max at all
+            assert INT_MAX.search(ptx), (r["kernel"], r["arch"], r["config"])
 
 
 OVERSIZED = textwrap.dedent(

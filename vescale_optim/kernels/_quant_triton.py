@@ -5,6 +5,13 @@ Each program owns ``ROWS`` whole blocks, laid out as a ``(ROWS, BLOCK)`` tile
 last block are masked and read as zero). A block's absmax is a row reduction, so the
 scale never needs a second pass. The arithmetic mirrors ``quant``'s torch reference
 op for op, with correctly rounded division and square root (``div_rn``, ``sqrt_rn``).
+
+NaN and Inf propagate exactly as in the reference, without depending on the float max
+and min instructions: ``tl.max`` / ``tl.maximum`` / ``tl.minimum`` compile to ``max.f32``
+/ ``min.f32``, which return the other operand of a NaN where torch propagates it, so a
+NaN gradient would quietly become a finite scale and finite codes. The absmax is an
+integer max over the magnitude bits, the clamp propagates NaN (``max.NaN.f32``), and a
+NaN's code is 0 by an explicit test (what the reference's cast gives; ``_quantize_rows``).
 """
 
 from __future__ import annotations
@@ -52,11 +59,26 @@ def _dither(block_scales, salt, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _absmax(x):
+    """``max |x|`` of each row, NaN when the row holds one (``torch.amax``), Inf when it
+    holds an Inf: an int32 max over the bits with the sign cleared (non-negative floats
+    order as their bits do, and every NaN lies above Inf), so it is exact and does not
+    depend on whether the float max instruction drops NaN (compiled ``max.f32`` does)."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(bits, axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_rows(x, dither, STOCHASTIC: tl.constexpr):
     """Codes (fp32, in [-127, 127]) and scales of each row of an fp32 tile; see
-    ``quant._quantize_rows`` for the ``STOCHASTIC`` (second-moment) rules."""
-    absmax = tl.max(tl.abs(x), axis=1)
-    scale = tl.div_rn(absmax, 127.0)
+    ``quant._quantize_rows`` for the ``STOCHASTIC`` (second-moment) rules.
+
+    A row holding a NaN gets a NaN scale (its codes then do not matter: ``q * NaN`` is
+    NaN), one holding an Inf an Inf scale; as in the reference, the clamp passes NaN
+    through (``torch.clamp``) and a NaN's code is 0 (the reference's float -> int8 cast
+    gives 0 for NaN on x86 and ARM, and PTX's ``cvt`` does too; here it is explicit, and
+    tested on ``y``, so it holds whatever the clamp makes of a NaN)."""
+    scale = tl.div_rn(_absmax(x), 127.0)
     scale = (scale.to(tl.int32, bitcast=True) & -256).to(tl.float32, bitcast=True)
     divisor = tl.where(scale > 0.0, scale, 1.0)
     y = tl.div_rn(x, divisor[:, None])
@@ -64,10 +86,10 @@ def _quantize_rows(x, dither, STOCHASTIC: tl.constexpr):
         q = tl.floor(y + dither)
     else:
         q = _rint(y)
-    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    q = tl.clamp(q, -127.0, 127.0, propagate_nan=tl.PropagateNan.ALL)
     if STOCHASTIC:
         q = tl.where((q == 0.0) & (x > 0.0), 1.0, q)
-    return q, scale
+    return tl.where(y == y, q, 0.0), scale
 
 
 @triton.jit

@@ -47,10 +47,12 @@ def cast_rne(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest-even, as compiled kernels do.
 
     The interpreter truncates fp32 -> bf16; rounding the fp32 bits first makes the
-    truncation exact, so interpreted results match the hardware bit for bit.
+    truncation exact, so interpreted results match the hardware bit for bit. A NaN
+    becomes the quiet NaN ``0x7FC0`` (rounding its bits could carry into the exponent or
+    the sign and make it an Inf or -0), so it stays a NaN, as in ``cvt.rn.bf16.f32``.
     """
     if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000, 0x7FC00000)
         x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
