@@ -120,6 +120,20 @@ def test_quantizing_kernels_keep_nan_compiled(build):
             assert INT_MAX.search(ptx), (r["kernel"], r["arch"], r["config"])
 
 
+def test_inputs_past_two_to_the_31_elements_are_compiled(build):
+    """Flat shards and stacks past 2**31 elements pass int64 sizes and strides: those
+    specializations are built and checked too."""
+    records = _records(build[1])
+    inputs = {i for r in records for i in r["inputs"]}
+    for block_size, n in aot.QUANT_LARGE:
+        for dtype in ("fp32", "bf16"):
+            assert f"{dtype} n={n} block_size={block_size}" in inputs
+    for shape in aot.NS_LARGE:
+        assert f"bf16 {shape}" in inputs
+    wide = [r for r in records if "i64" in r["config"]["signature"]]
+    assert {r["role"] for r in wide} == ROLES and not any(r["problems"] for r in wide)
+
+
 OVERSIZED = textwrap.dedent(
     """
     import dataclasses, sys

@@ -1,7 +1,10 @@
 """Triton kernels for Newton–Schulz: symmetric ``X Xᵀ`` and the fused polynomial step.
 
 One iteration ``X <- a X + (b A + c A²) X`` with ``A = X Xᵀ`` is three launches over
-a stack of equal-shape matrices (grid axis 1 is the matrix index):
+a stack of equal-shape matrices, each on a 1-D grid of ``matrices * tiles`` programs
+(program ``pid`` computes tile ``pid % tiles`` of matrix ``pid // tiles``): grid axis 0
+takes up to 2**31 - 1 programs where axes 1 and 2 stop at 65535, which a stack of small
+matrices (or a 32768-square one in 128-wide tiles) would pass:
 
 1. ``A = X Xᵀ`` — symmetric, so only tiles ``i <= j`` are computed and each off-diagonal
    tile is also stored transposed (about half the FLOPs of a plain matmul);
@@ -17,6 +20,10 @@ are upcast to fp32 right after loading (exact: bf16 values are fp32 values and
 products of two bf16 are exact in fp32) and results are rounded to nearest-even by
 hand before the cast; compiled kernels feed bf16 to the tensor cores and round in
 hardware.
+
+Element offsets are int64 (indices widened before they meet a stride): one matrix may
+hold more than 2**31 elements, and a stack certainly may. Masks compare the int32
+indices, so only the address arithmetic is wider.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ __all__ = [
 
 @triton.jit
 def _syrk_kernel(
-    l_ptr, c_ptr, out_ptr, tiles_ptr, P, K,
+    l_ptr, c_ptr, out_ptr, tiles_ptr, P, K, num_tiles,
     stride_lb, stride_lr, stride_lk,
     stride_cb, stride_cr, stride_cc,
     stride_ob, stride_or, stride_oc,
@@ -48,17 +55,21 @@ def _syrk_kernel(
     HAS_C: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """OUT = alpha * L Lᵀ (+ beta * C) for a symmetric C; tiles (i <= j) from ``tiles_ptr``."""
+    """OUT = alpha * L Lᵀ (+ beta * C) for a symmetric C; tiles (i <= j) from ``tiles_ptr``,
+    ``num_tiles`` of them per matrix."""
     pid = tl.program_id(0)
-    bid = tl.program_id(1).to(tl.int64)
+    bid = (pid // num_tiles).to(tl.int64)
+    pid = pid % num_tiles
     ti = tl.load(tiles_ptr + 2 * pid)
     tj = tl.load(tiles_ptr + 2 * pid + 1)
     ri = ti * BLOCK + tl.arange(0, BLOCK)
     rj = tj * BLOCK + tl.arange(0, BLOCK)
     rk = tl.arange(0, BLOCK_K)
+    ri64, rj64, rk64 = ri.to(tl.int64), rj.to(tl.int64), rk.to(tl.int64)
     l_ptr += bid * stride_lb
-    a_ptrs = l_ptr + ri[:, None] * stride_lr + rk[None, :] * stride_lk
-    b_ptrs = l_ptr + rj[None, :] * stride_lr + rk[:, None] * stride_lk
+    a_ptrs = l_ptr + ri64[:, None] * stride_lr + rk64[None, :] * stride_lk
+    b_ptrs = l_ptr + rj64[None, :] * stride_lr + rk64[:, None] * stride_lk
+    k_step = tl.cast(BLOCK_K, tl.int64) * stride_lk
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
@@ -68,18 +79,18 @@ def _syrk_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_lk
-        b_ptrs += BLOCK_K * stride_lk
+        a_ptrs += k_step
+        b_ptrs += k_step
     mask = (ri[:, None] < P) & (rj[None, :] < P)
     out = alpha * acc
     if HAS_C:
         c_ptr += bid * stride_cb
-        c = tl.load(c_ptr + ri[:, None] * stride_cr + rj[None, :] * stride_cc, mask=mask)
+        c = tl.load(c_ptr + ri64[:, None] * stride_cr + rj64[None, :] * stride_cc, mask=mask)
         out += beta * c.to(tl.float32)
     out = cast_rne(out, tl.bfloat16, INTERPRETED)
     out_ptr += bid * stride_ob
-    tl.store(out_ptr + ri[:, None] * stride_or + rj[None, :] * stride_oc, out, mask=mask)
-    mirror = out_ptr + ri[:, None] * stride_oc + rj[None, :] * stride_or
+    tl.store(out_ptr + ri64[:, None] * stride_or + rj64[None, :] * stride_oc, out, mask=mask)
+    mirror = out_ptr + ri64[:, None] * stride_oc + rj64[None, :] * stride_or
     tl.store(mirror, out, mask=mask & (ti != tj))
 
 
@@ -95,9 +106,10 @@ def _poly_kernel(
 ):
     """OUT = a * X + B X for B of shape (P, P) and X of shape (P, Q)."""
     pid = tl.program_id(0)
-    bid = tl.program_id(1).to(tl.int64)
     num_m = tl.cdiv(P, BLOCK_M)
     num_n = tl.cdiv(Q, BLOCK_N)
+    bid = (pid // (num_m * num_n)).to(tl.int64)
+    pid = pid % (num_m * num_n)
     group = pid // (GROUP_M * num_n)
     first_m = group * GROUP_M
     group_size = min(num_m - first_m, GROUP_M)
@@ -106,10 +118,13 @@ def _poly_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rm64, rn64, rk64 = rm.to(tl.int64), rn.to(tl.int64), rk.to(tl.int64)
     b_ptr += bid * stride_bb
     x_ptr += bid * stride_xb
-    b_ptrs = b_ptr + rm[:, None] * stride_br + rk[None, :] * stride_bc
-    x_ptrs = x_ptr + rk[:, None] * stride_xr + rn[None, :] * stride_xc
+    b_ptrs = b_ptr + rm64[:, None] * stride_br + rk64[None, :] * stride_bc
+    x_ptrs = x_ptr + rk64[:, None] * stride_xr + rn64[None, :] * stride_xc
+    b_step = tl.cast(BLOCK_K, tl.int64) * stride_bc
+    x_step = tl.cast(BLOCK_K, tl.int64) * stride_xr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(P, BLOCK_K)):
         k_left = P - k * BLOCK_K
@@ -119,13 +134,13 @@ def _poly_kernel(
             b = b.to(tl.float32)
             x = x.to(tl.float32)
         acc = tl.dot(b, x, acc)
-        b_ptrs += BLOCK_K * stride_bc
-        x_ptrs += BLOCK_K * stride_xr
+        b_ptrs += b_step
+        x_ptrs += x_step
     mask = (rm[:, None] < P) & (rn[None, :] < Q)
-    x = tl.load(x_ptr + rm[:, None] * stride_xr + rn[None, :] * stride_xc, mask=mask)
+    x = tl.load(x_ptr + rm64[:, None] * stride_xr + rn64[None, :] * stride_xc, mask=mask)
     out = a_coef * x.to(tl.float32) + acc
     out_ptr += bid * stride_ob
-    out_ptrs = out_ptr + rm[:, None] * stride_or + rn[None, :] * stride_oc
+    out_ptrs = out_ptr + rm64[:, None] * stride_or + rn64[None, :] * stride_oc
     tl.store(out_ptrs, cast_rne(out, tl.bfloat16, INTERPRETED), mask=mask)
 
 
@@ -166,8 +181,9 @@ def syrk_launch(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0
     config = syrk_config(P, K, block, block_k)
     tiles = _upper_tiles(triton.cdiv(P, config["BLOCK"]), L.device)
     c = out if C is None else C
-    args = (L, c, out, tiles, P, K, *L.stride(), *c.stride(), *out.stride(), alpha, beta)
-    return Launch(_syrk_kernel, (tiles.shape[0], nb), args,
+    num_tiles = tiles.shape[0]
+    args = (L, c, out, tiles, P, K, num_tiles, *L.stride(), *c.stride(), *out.stride(), alpha, beta)
+    return Launch(_syrk_kernel, (num_tiles * nb,), args,
                   dict(HAS_C=C is not None, INTERPRETED=INTERPRET, **config))
 
 
@@ -183,7 +199,7 @@ def poly_launch(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | N
     """The launch of ``poly`` (see there), planned but not run."""
     nb, P, Q = X.shape
     config = poly_config(P, Q, block_m, block_n, block_k)
-    grid = (triton.cdiv(P, config["BLOCK_M"]) * triton.cdiv(Q, config["BLOCK_N"]), nb)
+    grid = (triton.cdiv(P, config["BLOCK_M"]) * triton.cdiv(Q, config["BLOCK_N"]) * nb,)
     args = (B, X, out, P, Q, *B.stride(), *X.stride(), *out.stride(), a)
     return Launch(_poly_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config))
 

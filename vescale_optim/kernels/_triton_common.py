@@ -33,8 +33,24 @@ class Launch:
     args: tuple
     meta: dict
 
+    def __post_init__(self) -> None:
+        check_grid(self.grid)
+
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.meta)
+
+
+MAX_GRID = (2**31 - 1, 65535, 65535)
+"""Programs a CUDA launch may have along grid axes 0, 1 and 2 (CUDA C++ Programming
+Guide, "Technical Specifications per Compute Capability": maximum x-, y- and
+z-dimension of a grid of thread blocks)."""
+
+
+def check_grid(grid: tuple[int, ...]) -> None:
+    """Refuse a grid CUDA cannot launch, at planning time (a launch would fail with an
+    invalid-argument error, and the interpreter would run it regardless)."""
+    if not 1 <= len(grid) <= 3 or any(not 0 <= g <= limit for g, limit in zip(grid, MAX_GRID)):
+        raise ValueError(f"grid {grid} exceeds CUDA's limits {MAX_GRID[:len(grid)]} programs per axis")
 
 
 def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -71,7 +71,11 @@ the widths of real weights; every (m, n) pair is taken, so tall matrices too."""
 NS_RAGGED = ((24, 40), (100, 300), (1000, 3000), (3000, 1000))
 """Sides that are not multiples of 16: masked tiles, arguments without divisibility hints."""
 NS_BATCH = 4
+NS_LARGE = ((2, 32768, 65536),)
+"""A stack past 2**31 elements: its batch stride is passed as int64 (another specialization)."""
 QUANT_DTYPES = (torch.float32, torch.bfloat16)
+QUANT_LARGE = ((1, 2**31 + 1), (256, 2**32))
+"""Flat shards past 2**31 elements: ``n`` (and ``nblocks`` at block size 1) are int64 arguments."""
 _DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
 
 
@@ -98,17 +102,21 @@ def _ns_inputs() -> Iterator[torch.Tensor]:
     for m, n in NS_RAGGED:
         yield _meta(m, n)
         yield _meta(NS_BATCH, m, n)
+    for shape in NS_LARGE:
+        yield _meta(*shape)
 
 
 def _quant_inputs() -> Iterator[tuple[int, int]]:
     """(block_size, n) for every tile the choice can make, ``block_size <= MAX_TRITON_BLOCK``:
-    a power of two with whole blocks, and a smaller odd size with a partial last block."""
+    a power of two with whole blocks, and a smaller odd size with a partial last block; then
+    ``QUANT_LARGE``."""
     block = 1
     while block <= MAX_TRITON_BLOCK:
         yield block, 64 * block
         if block > 2:
             yield block // 2 + 1, 64 * (block // 2 + 1) - 1
         block *= 2
+    yield from QUANT_LARGE
 
 
 def cases() -> Iterator[Case]:
