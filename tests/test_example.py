@@ -1,11 +1,14 @@
 """examples/train_torchrun.py under torchrun on 2 gloo ranks: it trains fully sharded, saves
 checkpoints through CheckpointManager (synchronously and asynchronously), resumes from one
 exactly, and a 2-rank checkpoint resumes in one process.
+examples/hf_llama.py (a Hugging Face Llama under Muon) trains, resumes exactly and writes a
+folder that transformers loads with the same weights.
 The README's torchrun script runs on 2 ranks too, and its HSDP script on a 2x2 mesh."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import math
 import os
 import re
@@ -22,6 +25,9 @@ EXAMPLE = ROOT / "examples" / "train_torchrun.py"
 README = ROOT / "README.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
 SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]
+HF_EXAMPLE = ROOT / "examples" / "hf_llama.py"
+HF_SMALL = ["--vocab", "64", "--hidden", "32", "--intermediate", "48", "--layers", "2", "--batch-size", "4",
+            "--seq-len", "16"]  # fmt: skip
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
@@ -71,6 +77,35 @@ def test_example_trains_saves_and_resumes(tmp_path):
     alone = _run([sys.executable, *args, "--steps", "10"], tmp_path)
     assert f"on 1 rank(s), cpu; resumed from {ckpt / 'step-8'}" in alone
     assert 10 in _losses(alone)
+
+
+@pytest.mark.timeout(300)
+def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
+    pytest.importorskip("transformers")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    args = [str(HF_EXAMPLE), *HF_SMALL, "--steps", "4", "--log-every", "2", "--save-every", "2",
+            "--checkpoint-dir", str(ckpt), "--out", str(out)]  # fmt: skip
+    first = _run([*TORCHRUN, *args], tmp_path)
+    assert "in 3 units on 2 rank(s), cpu; from scratch" in first
+    assert f"saved {ckpt / 'step-2'}" in first and f"saved {ckpt / 'step-4'}" in first
+    losses = _losses(first)
+    assert list(losses) == [2, 4] and losses[4] < min(losses[2], math.log(64)), losses
+
+    # resume from step 2 (as if the run had stopped there): the same losses and weights
+    shutil.rmtree(ckpt / "step-4")
+    resumed = _run([*TORCHRUN, *args], tmp_path)
+    assert f"resumed from {ckpt / 'step-2'}" in resumed and f"wrote {out}" in resumed
+    assert _losses(resumed)[4] == losses[4]
+    assert _fingerprint(resumed) == _fingerprint(first)
+
+    # transformers loads the folder rank 0 wrote, with the weights the run ended with
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    data = b"".join(v.float().numpy().tobytes() for v in model.state_dict().values())
+    assert hashlib.sha256(data).hexdigest()[:16] == _fingerprint(first)
 
 
 def _readme_torchrun_script() -> str:
