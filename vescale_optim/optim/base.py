@@ -33,7 +33,8 @@ from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .state_dict import Gather, Owned, StateIO
 
-STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received")
+STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received", "gather_bytes",
+              "reduce_bytes")  # fmt: skip
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -69,6 +70,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         runtime = Runtime(self.param_groups, sharding, self._declare, self._labels, self._step_problem)
         check_same_on_every_rank(self.param_groups, runtime.world)
         self.runtime = runtime
+        self._sent_until = runtime.collective_bytes()  # at the end of the last step
         for seg in runtime.segments:
             names = [] if seg.tier == FROZEN else self._state_names(seg)
             params = seg.local_params
@@ -199,6 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"skipped step: non-finite gradients ({self.skipped_steps} so far)",
                 stacklevel=caller_stacklevel(),
             )
+            self._count_collectives()
             return loss
         for seg in self.runtime.segments:
             seg.advance()
@@ -215,7 +218,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._traffic(*run_moves(moves, self.runtime.world))
             self._after_update()
         self._traffic(self.runtime.publish(changed))
+        self._count_collectives()
         return loss
+
+    def _count_collectives(self) -> None:
+        """`gather_bytes` and `reduce_bytes`: what this rank sent in the units' all-gathers
+        and gradient reductions since the previous step (its forward and backward too)."""
+        now = self.runtime.collective_bytes()
+        self.step_stats["gather_bytes"] = now[0] - self._sent_until[0]
+        self.step_stats["reduce_bytes"] = now[1] - self._sent_until[1]
+        self._sent_until = now
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient, as torch: `set_to_none=True` sets every `.grad` to None (a

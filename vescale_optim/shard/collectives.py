@@ -224,6 +224,22 @@ def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = No
     return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
 
 
+def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False,
+                what: str | None = None) -> Handle:  # fmt: skip
+    """Rank r's r-th equal piece of every rank's flat `inp`, in rank order, into its `out`
+    (one `all_to_all_single` with equal splits; `out` may not alias `inp`)."""
+    if not comm.active:
+        out.copy_(inp)
+        return Handle()
+    desc = Op("all-to-all", what, inp, comm)
+    work = issue(desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group,
+                                                      async_op=True))  # fmt: skip
+    handle = Handle(work, op=desc)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def any_rank_flag(flag: torch.Tensor, comm: Comm, what: str | None = None) -> bool:
     """Whether some rank's boolean tensor `flag` (one element, on any device) is set: one
     all-reduce on the group's device and one host sync, to read the answer."""

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .qcomm import check_bits
+
 
 @dataclass(frozen=True)
 class ShardingConfig:
@@ -38,6 +40,11 @@ class ShardingConfig:
       `param_init_fn=model._init_weights`); default: the module's `reset_parameters()`.
     - `sync_params`: start every rank from rank 0's parameters (one broadcast per unit).
     - `skip_nonfinite`: skip a step (on every rank) whose gradients hold inf or NaN.
+    - `gather_bits` / `reduce_bits`: 8 sends the unit all-gathers / gradient reductions as
+      int8 codes with one fp32 scale per block of `comm_block` consecutive elements of a
+      tensor (no rank boundary cuts a block, so the numbers do not depend on the world
+      size); None (default) sends full precision. Shards, masters, state and checkpoints
+      stay full precision.
     - `align`: every tensor starts at a multiple of this many elements in its buffer.
     """
 
@@ -53,6 +60,9 @@ class ShardingConfig:
     bucket_cap_numel: int = 64 * 1024 * 1024
     sync_params: bool = True
     skip_nonfinite: bool = False
+    gather_bits: int | None = None
+    reduce_bits: int | None = None
+    comm_block: int = 256
     align: int = 16
 
     def __post_init__(self) -> None:
@@ -73,6 +83,14 @@ class ShardingConfig:
             dtype = getattr(self, name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype or None; got {dtype!r}")
+        for name in ("gather_bits", "reduce_bits"):
+            check_bits(name, getattr(self, name))
+        block = self.comm_block
+        if isinstance(block, bool) or not isinstance(block, int) or not 4 <= block <= 8192 or block % 4:
+            raise ValueError(
+                f"comm_block must be a multiple of 4 between 4 and 8192 (the scales follow the codes as "
+                f"fp32, and the kernels quantize blocks of up to 8192); got {block!r}"
+            )
         for name in ("bucket_cap_numel", "align"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -92,6 +110,11 @@ class ShardingConfig:
             if key not in known:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument '{key}'")
         return cls(**keywords)
+
+    @property
+    def quantized_block(self) -> int | None:
+        """The block every tensor keeps whole on the wire, when a collective is 8-bit."""
+        return self.comm_block if self.gather_bits or self.reduce_bits else None
 
     @property
     def sharded(self) -> bool:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..shard.buffer import FlatBuffer
-from ..shard.collectives import Handle, all_reduce_, reduce_scatter_into_
+from ..shard.collectives import Handle, all_reduce_, all_to_all_, reduce_scatter_into_
+from . import qcomm
 from .reduced_grad import ReducedGrad
 
 if TYPE_CHECKING:
@@ -153,25 +154,56 @@ class Gradients:
                 data = data.to(u.reduce_dtype)  # on the compute stream: see `streams`
                 buf.free()  # the cast is what is reduced
             self.scattering = data
-            self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
             what = f"unit {u.name}'s gradients"
             # across replicas the wire is in reduce_dtype too: half the inter-node bytes in bf16
             part = None if not u.replicate.active else torch.empty(self._shard.numel(), dtype=data.dtype,
                                                                    device=data.device)  # fmt: skip
-            with u.streams.reducing():
-                if part is None:
-                    add = self.has_values
-                    scatter = reduce_scatter_into_(data, self.shard, u.comm, "mean", add, True, what)
-                    self.has_values = True
-                    across = None
-                else:
-                    scatter = reduce_scatter_into_(data, part, u.comm, "mean", async_op=True, what=what)
-                    keep = self._keep_unsynced
-                    across = lambda: self._over_replicas(part, keep)  # noqa: E731
+            if u.reduce_bits:  # the 8-bit pieces are summed in fp32, then sent across in reduce_dtype
+                part = None if part is None else torch.empty_like(self._shard)
+                scatter = self._reduce_8bit(data, self.shard if part is None else part, part is None, what)
+            else:
+                self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
+                add = part is None and self.has_values
+                with u.streams.reducing():
+                    target = self.shard if part is None else part
+                    scatter = reduce_scatter_into_(data, target, u.comm, "mean", add, True, what)
+            if part is None:
+                self.has_values = True
+                across = None
+            else:
+                keep = self._keep_unsynced
+                across = lambda: self._over_replicas(part, keep)  # noqa: E731
         self._reduction = _Reduction(scatter.then(lambda: data.untyped_storage().resize_(0)), across)
         if not async_op:
             self.wait()
         return self._reduction
+
+    def _reduce_8bit(self, data: torch.Tensor, out: torch.Tensor, accumulate: bool, what: str) -> Handle:
+        """qgZ's reduction: the piece of `data` each rank owns, quantized blockwise, goes to
+        it in one all-to-all; this rank sums the pieces it receives in fp32 into `out`
+        (their mean; added to `out` when `accumulate` and `out` holds values). The
+        quantization runs on the compute stream, the all-to-all on the reduce stream."""
+        u = self.unit
+        world, block = u.comm.world_size, u.comm_block
+        send = qcomm.pack_rows(data, world, block)
+        data.untyped_storage().resize_(0)  # read on the compute stream already: free it now
+        self.scattering = send  # what is alive while the reduction runs
+        recv = torch.empty_like(send)
+        self.sent_bytes += ring(world, send.shape[1])
+        add = accumulate and self.has_values
+        with u.streams.reducing():
+            moved = all_to_all_(recv, send, u.comm, async_op=True, what=what)
+
+        def mean() -> None:
+            total = qcomm.unpack_rows(recv, world, block, torch.float32).sum(0).div_(world)
+            if add:
+                out.add_(total)
+            else:
+                out.copy_(total)
+            send.untyped_storage().resize_(0)
+            recv.untyped_storage().resize_(0)
+
+        return moved.then(mean)
 
     def _over_replicas(self, part: torch.Tensor, keep: bool) -> Handle:
         """Start averaging this shard group's reduction `part` (in `reduce_dtype`) over the
@@ -182,9 +214,9 @@ class Gradients:
             self.unsynced = kept if self.unsynced is None else self.unsynced.add_(kept)
             return Handle()
         if self.unsynced is not None:
-            part = self.unsynced.add_(part).to(part.dtype)
+            part = self.unsynced.add_(part)
             self.unsynced = None
-        return self._all_reduce_replicas(part)
+        return self._all_reduce_replicas(part.to(self.unit.reduce_dtype))
 
     def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
         u = self.unit

@@ -49,6 +49,13 @@ class Declaration:
     align: int = 1
 
 
+def _whole_blocks(granule: int, block: int, numel: int) -> int:
+    """A granule that also keeps quantization blocks whole: a multiple of both; a tensor
+    it does not divide stays whole on one rank (its partial last block uncut too)."""
+    both = math.lcm(granule, block)
+    return both if numel % both == 0 else max(numel, 1)
+
+
 def check_devices(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> None:
     """Refuse a parameter on another kind of device than the group moves (CPU parameters
     over NCCL), naming it, instead of a raw error from inside the first collective."""
@@ -92,14 +99,17 @@ class Runtime:
             ps = [params[i] for i in idx]
             declared = [declare(p, group_of[id(p)]) for p in ps]
             keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
-            aligns = [math.lcm(config.align, d.align) for d in declared]
-            layout = plan_layout([p.numel() for p in ps], [d.granule for d in declared], self.comm.world_size,
-                                 config.align, aligns=aligns, segments=keys)  # fmt: skip
+            block = config.quantized_block or 1  # 8-bit collectives: no cut inside a block either
+            aligns = [math.lcm(config.align, d.align, block) for d in declared]
+            granules = [_whole_blocks(d.granule, block, p.numel()) for p, d in zip(ps, declared)]
+            layout = plan_layout([p.numel() for p in ps], granules, self.comm.world_size,
+                                 math.lcm(config.align, block), aligns=aligns, segments=keys)  # fmt: skip
             unit = Unit(
                 ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
                 sharded=config.sharded, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
                 device=config.device, sync_params=config.sync_params, replicate=self.replicate,
                 world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
+                gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
             )  # fmt: skip
             self.units.append(unit)
             for key in dict.fromkeys(keys):
@@ -276,6 +286,11 @@ class Runtime:
                 h.wait()
                 sent += ring(u.comm.world_size, u.shard.numel() * u.full.data.element_size())
         return sent
+
+    def collective_bytes(self) -> tuple[int, int]:
+        """Bytes this rank sent so far in the units' parameter all-gathers and in their
+        gradient reductions (as many received)."""
+        return sum(u.gathered_bytes for u in self.units), sum(u.grads.sent_bytes for u in self.units)
 
     # --- memory -----------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ import torch
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
 from ..shard.layout import Layout
-from .grads import Gradients
+from . import qcomm
+from .grads import Gradients, ring
+from .qcomm import packed_numel
 from .streams import streams_for
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -78,6 +80,9 @@ class Unit:
         replicate: Comm | None = None,
         world: Comm | None = None,
         labels: Sequence[str] | None = None,
+        gather_bits: int | None = None,
+        reduce_bits: int | None = None,
+        comm_block: int = 256,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
@@ -87,6 +92,8 @@ class Unit:
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
         self.world = world or comm  # every rank: parameters start from world rank 0's
         self.index, self.name, self.sharded = index, name, sharded
+        self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
+        self.gathered_bytes = 0  # sent by this unit's parameter all-gathers so far (as many received)
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             detail = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params))
@@ -108,7 +115,7 @@ class Unit:
         self.shard = torch.zeros(layout.shard_size, dtype=self.shard_dtype, device=self.device)
         if not self._meta:
             self._take_initial_values(sync_params)
-        if not sharded and self.shard_dtype == self.compute_dtype:
+        if not sharded and self.shard_dtype == self.compute_dtype and not gather_bits:
             self.shard = self.full.local  # the update writes the kept parameters in place
         self.grads = Gradients(self)
         self.state = State.GATHERED
@@ -155,8 +162,8 @@ class Unit:
             for i, p in enumerate(self.params):
                 self.write_piece(i, p.detach())
         if not self.sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
-            if sync_params:
-                all_gather_into_(self.full.data, self.shard, self.comm, what=f"unit {self.name}'s parameters")
+            if sync_params or self.gather_bits:
+                self._gather_into_full(async_op=False)
             else:
                 for i, p in enumerate(self.params):
                     self.full.view(i).copy_(p.detach())
@@ -170,9 +177,7 @@ class Unit:
             return
         with torch.profiler.record_function(f"vescale::unshard[{self.name}]"):
             self.full.allocate()
-            with self.streams.gathering():
-                self._gather = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True,
-                                                what=f"unit {self.name}'s parameters")  # fmt: skip
+            self._gather = self._gather_into_full(async_op=True)
             self.state = State.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -211,7 +216,7 @@ class Unit:
         if self.state is State.RESHARDED:
             return
         self.wait_unshard()
-        all_gather_into_(self.full.data, self.shard, self.comm, what=f"unit {self.name}'s parameters")
+        self._gather_into_full(async_op=False)
 
     def adopt_full(self) -> None:
         """`full` holds the parameters' values (written by their modules' initialisation): keep
@@ -269,9 +274,33 @@ class Unit:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
         if self.sharded:
             return None
-        with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"), self.streams.gathering():
-            return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op,
-                                    what=f"unit {self.name}'s parameters")  # fmt: skip
+        with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
+            return self._gather_into_full(async_op)
+
+    def _gather_into_full(self, async_op: bool) -> Handle:
+        """Every rank's shard into `full`: in the compute dtype, or through 8-bit blocks
+        (`gather_bits`: packed on the compute stream, one all-gather of the bytes, then
+        dequantized into `full` when waited for; see `qcomm`)."""
+        world, s, what = self.comm.world_size, self.layout.shard_size, f"unit {self.name}'s parameters"
+        if not self.gather_bits:
+            self.gathered_bytes += ring(world, s * self.full.data.element_size())
+            with self.streams.gathering():
+                return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op, what=what)
+        block, rank = self.comm_block, self.comm.rank
+        wire = torch.empty(world, packed_numel(s, block), dtype=torch.uint8, device=self.device)
+        qcomm.pack_rows(self.shard, 1, block, wire[rank])
+        self.gathered_bytes += ring(world, wire.shape[1])
+        with self.streams.gathering():
+            gathered = all_gather_into_(wire.view(-1), wire[rank], self.comm, async_op=True, what=what)
+
+        def dequantize() -> None:
+            self.full.data.copy_(qcomm.unpack_rows(wire, world, block, self.compute_dtype).view(-1))
+            wire.untyped_storage().resize_(0)
+
+        handle = gathered.then(dequantize)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def write_piece(self, i: int, value: torch.Tensor) -> None:
         """Write this rank's piece of `value` (parameter `i`'s full tensor) into the shard."""
@@ -295,7 +324,12 @@ class Unit:
         if self.sharded or self.shard.data_ptr() == self.full.local.data_ptr():
             return
         local = self.full.local
-        stale = self.shard.to(local.dtype) != local
+        if self.gather_bits:  # the kept parameters are the shard through 8-bit blocks
+            kept = qcomm.unpack_rows(qcomm.pack_rows(self.shard, 1, self.comm_block), 1, self.comm_block,
+                                     local.dtype).view(-1)  # fmt: skip
+        else:
+            kept = self.shard.to(local.dtype)
+        stale = kept != local
         torch.where(stale, local.to(self.shard.dtype), self.shard, out=self.shard)
 
     # --- accounting ------------------------------------------------------------------
