@@ -54,10 +54,15 @@ COLLECTIVE = re.compile(
 
 
 def torchrun(n: int, *args: str) -> list[str]:
+    """torchrun on this machine with `n` ranks (options of torchrun may lead `args`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *args]
 
 
 def _run(cmd: list[str], cwd: Path, log_name: str, out: Path, limit: float) -> tuple[int | None, str, float]:
+    """Run `cmd` (a torchrun) into `out/log_name` for at most `limit` seconds (3x on CPU, where a
+    limit only guards against a hang on a loaded machine)."""
+    if "--mode" in sys.argv and sys.argv[sys.argv.index("--mode") + 1] == "cpu":
+        limit *= 3
     log = out / log_name
     log.write_text("$ " + " ".join(cmd) + "\n")
     print("$", " ".join(cmd), flush=True)
@@ -116,6 +121,13 @@ def stage_readme(r: Result, *, out: Path, mode: str) -> None:
         )
 
 
+def resume_cmd(mode: str, i: int, ckpt: Path | str) -> list[str]:
+    """The i-th run of the resume chain: train to step 20 * (i + 1), resuming from `ckpt`."""
+    n, stop = RANKS[mode]["resume"][i], 20 * (i + 1)
+    args = [str(EXAMPLE), *SMALL, "--steps", str(stop), "--save-every", "10", "--checkpoint-dir", str(ckpt)]
+    return torchrun(n, *args, "--timeout", "60")
+
+
 def stage_resume(r: Result, *, out: Path, mode: str) -> None:
     chain = RANKS[mode]["resume"]
     rows = []
@@ -123,19 +135,9 @@ def stage_resume(r: Result, *, out: Path, mode: str) -> None:
         ckpt = Path(tmp) / "ckpt"
         for i, n in enumerate(chain):
             stop = 20 * (i + 1)
-            args = [
-                str(EXAMPLE),
-                *SMALL,
-                "--steps",
-                str(stop),
-                "--save-every",
-                "10",
-                "--checkpoint-dir",
-                str(ckpt),
-                "--timeout",
-                "60",
-            ]
-            rc, text, seconds = _run(torchrun(n, *args), Path(tmp), f"resume_{i}_{n}ranks.log", out, 100)
+            rc, text, seconds = _run(
+                resume_cmd(mode, i, ckpt), Path(tmp), f"resume_{i}_{n}ranks.log", out, 100
+            )
             want = "from scratch" if i == 0 else f"resumed from {ckpt / f'step-{20 * i}'}"
             losses = {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.naif]+)", text)}
             done = f"done at step {stop}" in text
@@ -158,11 +160,13 @@ def stage_resume(r: Result, *, out: Path, mode: str) -> None:
     r.measure(chain=rows)
 
 
-def stage_hsdp(r: Result, *, out: Path, mode: str) -> None:
+def hsdp_cmd(mode: str) -> list[str]:
     world, shards = RANKS[mode]["hsdp"]
-    rc, text, seconds = _run(
-        torchrun(world, str(WORKER), "hsdp", "--shards", str(shards)), ROOT, "hsdp_run.log", out, 140
-    )
+    return torchrun(world, str(WORKER), "hsdp", "--shards", str(shards))
+
+
+def stage_hsdp(r: Result, *, out: Path, mode: str) -> None:
+    rc, text, seconds = _run(hsdp_cmd(mode), ROOT, "hsdp_run.log", out, 140)
     m = re.search(r"GPU_MULTI_HSDP (\{.*\})", text)
     if rc != 0 or not m:
         r.fail("run", f"exit {rc} after {seconds:.0f} s, no result line; see {out / 'hsdp_run.log'}")
@@ -197,25 +201,12 @@ def stage_hsdp(r: Result, *, out: Path, mode: str) -> None:
         )
 
 
-def stage_kill(r: Result, *, out: Path, mode: str) -> None:
-    world = RANKS[mode]["kill"]
-    victim = 1
-    logs = out / "kill_ranks"
-    logs.mkdir(exist_ok=True)
-    for f in logs.glob("rank*.log"):
-        f.unlink()
-    # torchrun's agent looks at its workers only every 90 s (it would otherwise stop the survivors
-    # as soon as the victim died): the survivors must notice on their own, within the timeout
-    # (gloo's notice at once: 15 s on CPU)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world),
-        "--monitor-interval",
-        "90" if mode == "gpu" else "15",
+def kill_cmd(mode: str, logs: Path | str, victim: int) -> list[str]:
+    """torchrun's agent looks at its workers only every 90 s here (it would otherwise stop the
+    survivors as soon as the victim died): they must notice on their own, within the timeout
+    (gloo notices at once: 15 s on CPU)."""
+    monitor = "90" if mode == "gpu" else "15"
+    worker = [
         str(WORKER),
         "kill",
         "--log-dir",
@@ -225,6 +216,17 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
         "--timeout",
         str(KILL_TIMEOUT),
     ]
+    return torchrun(RANKS[mode]["kill"], "--monitor-interval", monitor, *worker)
+
+
+def stage_kill(r: Result, *, out: Path, mode: str) -> None:
+    world = RANKS[mode]["kill"]
+    victim = 1
+    logs = out / "kill_ranks"
+    logs.mkdir(exist_ok=True)
+    for f in logs.glob("rank*.log"):
+        f.unlink()
+    cmd = kill_cmd(mode, logs, victim)
     rc, text, seconds = _run(cmd, ROOT, "kill_run.log", out, 140)
     lines = {}
     for rank in range(world):
@@ -268,29 +270,59 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
 
 
 def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
-    reason = (
-        "benchmarks/fsdp.py and benchmarks/hsdp.py cannot target CUDA yet: both run their ranks on a "
-        "local gloo world of CPU processes (benchmarks._gpt.launch -> vescale_optim.local_world.run_local) "
-        "and have no --device / NCCL mode; the NCCL comparison against FSDP2 needs that first"
-    )
-    print(reason)
-    r.skip("fsdp.py vs FSDP2 on NCCL", reason)
-    r.skip("hsdp.py vs FSDP2 on NCCL", reason)
+    print(_FSDP_REASON)
+    r.skip("fsdp.py vs FSDP2 on NCCL", _FSDP_REASON)
+    r.skip("hsdp.py vs FSDP2 on NCCL", _FSDP_REASON)
 
 
+_FSDP_REASON = (
+    "benchmarks/fsdp.py and benchmarks/hsdp.py cannot target CUDA yet: both run their ranks on a "
+    "local gloo world of CPU processes (benchmarks._gpt.launch -> vescale_optim.local_world.run_local) "
+    "and have no --device / NCCL mode; the NCCL comparison against FSDP2 needs that first"
+)
+_sh = lambda cmd: " ".join(cmd)  # noqa: E731
 STAGES = [
-    Stage("env", stage_env, {"gpu": 30, "cpu": 30}, "GPUs, NCCL, torchrun"),
-    Stage("readme", stage_readme, {"gpu": 120, "cpu": 150}, "the README's torchrun script at 2 and 8 ranks"),
-    Stage("resume", stage_resume, {"gpu": 150, "cpu": 200}, "examples/train_torchrun.py resumed 8 -> 4 -> 2"),
-    Stage("hsdp", stage_hsdp, {"gpu": 90, "cpu": 150}, "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)"),
+    Stage(
+        "env",
+        stage_env,
+        {"gpu": 30, "cpu": 150},
+        "GPUs, NCCL, torchrun",
+        plan=lambda m: ["torch.cuda.device_count(), torch.cuda.nccl.version(), torchrun --help"],
+    ),
+    Stage(
+        "readme",
+        stage_readme,
+        {"gpu": 120, "cpu": 420},
+        "the README's torchrun script at 2 and 8 ranks",
+        plan=lambda m: [_sh(torchrun(n, "OUT/readme_train.py")) for n in RANKS[m]["readme"]],
+    ),
+    Stage(
+        "resume",
+        stage_resume,
+        {"gpu": 150, "cpu": 510},
+        "examples/train_torchrun.py resumed 8 -> 4 -> 2",
+        plan=lambda m: [_sh(resume_cmd(m, i, "CKPT")) for i in range(len(RANKS[m]["resume"]))],
+    ),
+    Stage(
+        "hsdp",
+        stage_hsdp,
+        {"gpu": 90, "cpu": 330},
+        "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)",
+        plan=lambda m: [_sh(hsdp_cmd(m))],
+    ),
     Stage(
         "kill",
         stage_kill,
-        {"gpu": 150, "cpu": 150},
+        {"gpu": 150, "cpu": 510},
         "kill -9 of one rank in backward: the others exit, naming the collective",
+        plan=lambda m: [_sh(kill_cmd(m, "OUT/kill_ranks", 1))],
     ),
     Stage(
-        "fsdp_bench", stage_fsdp_bench, {"gpu": 10, "cpu": 10}, "benchmarks/fsdp.py, hsdp.py vs FSDP2 on NCCL"
+        "fsdp_bench",
+        stage_fsdp_bench,
+        {"gpu": 10, "cpu": 10},
+        "benchmarks/fsdp.py, hsdp.py vs FSDP2 on NCCL",
+        plan=lambda m: [f"skipped: {_FSDP_REASON}"],
     ),
 ]
 
@@ -302,15 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         epilog=__doc__,
     )
     ap.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    how = ap.add_mutually_exclusive_group()
-    how.add_argument("--cpu", action="store_true", help="rehearse with gloo CPU ranks (2 at most)")
-    how.add_argument("--dry-run", action="store_true", help="print the stages, run nothing")
+    ap.add_argument("--cpu", action="store_true", help="rehearse with gloo CPU ranks (2 at most)")
+    ap.add_argument("--dry-run", action="store_true", help="print the stages, run nothing")
     ap.add_argument("--stages", nargs="+", choices=[s.name for s in STAGES], help="run these only")
-    ap.add_argument("--budget", type=float, default=570, help="seconds for the whole run (default 570)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default 570; 1800 with --cpu)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
+    args.budget = args.budget or (570 if mode == "gpu" else 1800)
     out = args.out.resolve()
     if args.stage:
         return run_stage_here(STAGES, args.stage, out, mode=mode)
@@ -325,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         str(out),
     ]
     if args.dry_run:
-        dry_run(stages, mode, out, command)
-        for n in RANKS[mode]["readme"]:
-            print(f"    readme: {' '.join(torchrun(n, str(out / 'readme_train.py')))}")
+        dry_run(stages, mode, out, command, args.budget)
         return 0
     notes = [f"python {sys.executable}", f"rank counts: {RANKS[mode]}"]
     return run_all(

@@ -93,6 +93,8 @@ class Result:
         return PASSED
 
     def reason(self) -> str | None:
+        if not self.checks and not self.error:
+            return "the stage recorded no checks"
         if self.error:
             return self.error.strip().splitlines()[-1]
         failed = [c for c in self.checks if c["status"] == FAILED]
@@ -123,6 +125,7 @@ class Stage:
     limits: dict[str, int]
     what: str
     env: dict[str, str] = field(default_factory=dict)
+    plan: Callable[[str], list[str]] | None = None  # what it runs, by mode, for --dry-run
 
 
 def child_env(mode: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -205,17 +208,23 @@ def run_stage_here(stages: Sequence[Stage], name: str, out: Path, **kw: Any) -> 
     return rc
 
 
-def dry_run(stages: Sequence[Stage], mode: str, out: Path, command: Callable[[Stage], list[str]]) -> None:
+def dry_run(
+    stages: Sequence[Stage], mode: str, out: Path, command: Callable[[Stage], list[str]], budget: float
+) -> None:
+    """Print each stage: its limit, what it checks, its process's command line and what it runs."""
     total = 0
     for s in stages:
         limit = s.limits[mode]
         total += limit
         env = " ".join(f"{k}={v}" for k, v in s.env.items())
-        print(
-            f"[{s.name}] (limit {limit} s) {s.what}\n    {env + ' ' if env else ''}{' '.join(command(s))}"
-            f" > {out / (s.name + '.log')}"
-        )
-    print(f"[report] {out / 'report.md'} {out / 'report.json'} (stage limits add up to {total} s)")
+        print(f"[{s.name}] (limit {limit} s) {s.what}")
+        print(f"    $ {env + ' ' if env else ''}{' '.join(command(s))} > {out / (s.name + '.log')}")
+        for line in s.plan(mode) if s.plan else []:
+            print(f"      runs: {line}")
+    print(
+        f"[report] {out / 'report.md'} {out / 'report.json'} (stage limits add up to {total} s; "
+        f"the run stops at {budget:.0f} s)"
+    )
 
 
 def run_all(
@@ -244,13 +253,13 @@ def run_all(
         log.write_text("")
         (out / f"{s.name}.json").unlink(missing_ok=True)
         print(f"== [{i:2d}/{len(stages)}] {s.name} (limit {limit:.0f} s): {s.what}", flush=True)
-        if limit < 5:
+        if left < 5:
             entry = Result(s.name)
             entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
-            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0}
+            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0, "budget_spent": True}
         else:
             rc, seconds = run_process(command(s), limit=limit, log=log, env=child_env(mode, s.env))
-            entry = _collect(s, out, rc, seconds, limit, log)
+            entry = _collect(s, out, rc, seconds, limit, log, cut=limit < s.limits[mode])
         entry["log"] = log.name
         results.append(entry)
         _print_stage(entry)
@@ -261,7 +270,7 @@ def run_all(
         "host": host_info(),
         "seconds": round(total, 1),
         "budget_s": budget,
-        "passed": all(r["status"] != FAILED for r in results),
+        "passed": all(r["status"] != FAILED and not r.get("budget_spent") for r in results),
         "notes": list(notes),
         "stages": results,
         "skipped_checks": [
@@ -282,7 +291,7 @@ def run_all(
     return 0 if report["passed"] else 1
 
 
-def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, log: Path) -> dict:
+def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, log: Path, cut: bool) -> dict:
     path = out / f"{s.name}.json"
     entry = None
     if path.exists():
@@ -293,6 +302,8 @@ def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, 
     if entry is None or rc is None:
         result = Result(s.name)
         why = f"ran out of its {limit:.0f} s" if rc is None else f"its process exited with {rc} and no result"
+        if rc is None and cut:
+            why += " (its limit was cut to what was left of the run's budget)"
         result.error = f"{why}; the log ends:\n{_tail(log)}\n{s.name}: {why}"
         if entry is not None:  # it wrote a result, then hung (e.g. in teardown): keep what it found
             result.checks, result.measurements = entry["checks"], entry["measurements"]

@@ -1,0 +1,281 @@
+"""The prepared GPU checks, exercised as far as a CPU allows.
+
+`benchmarks/gpu_check.sh --cpu` rehearses every stage of the one-GPU validation (world-1 gloo
+groups with the collectives forced, the Triton interpreter, tiny sizes; ~45 s on 2 idle
+cores): the report lists every stage with a status, nothing that can run on CPU is skipped or
+failed, and exactly the CUDA-only checks are skipped, by name, with the reason. The stage
+runner kills a stage that outlives its limit and goes on; the overlap analysis reads a CUDA
+trace (synthetic here); the dry runs of both scripts name every stage; the one-GPU script
+refuses to run without a GPU; the multi-GPU script's HSDP and kill stages run on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import _gpu_stages as stages  # noqa: E402
+from benchmarks import gpu_check  # noqa: E402
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+MULTI = ROOT / "benchmarks" / "gpu_multi.sh"
+STAGES = [
+    "env",
+    "tests",
+    "zero3",
+    "syncs",
+    "overlap",
+    "memory",
+    "meta",
+    "checkpoint",
+    "batch_invariance",
+    "nan",
+    "large_shapes",
+    "steps",
+    "kernels",
+]
+# the checks that need CUDA: skipped on CPU, each with its reason
+CUDA_ONLY = {
+    "env.cuda",
+    "env.nccl",
+    "kernels.triton rows",
+    "overlap.kernels",
+    "memory.between_steps",
+    "memory.peak_low",
+    "memory.peak_high",
+    "large_shapes.quantize.2^31",
+    *(f"syncs.{kind}.{phase}" for kind in ("adamw32", "muon") for phase in ("backward", "step")),
+}
+
+
+def _bash(script: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(script), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_scripts_parse():
+    for script in (SCRIPT, MULTI):
+        subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_dry_run_names_every_stage(tmp_path, mode):
+    proc = _bash(SCRIPT, "--dry-run", *(["--cpu"] if mode == "cpu" else []), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    heads = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert heads == [f"[{s}]" for s in STAGES] + ["[report]"]
+    text = proc.stdout
+    interpret = "TRITON_INTERPRET=0" if mode == "gpu" else "TRITON_INTERPRET=1"
+    assert (
+        f"{interpret} HYPOTHESIS_PROFILE=ci python -m pytest" in text
+        and "tests/test_kernels_quant.py" in text
+    )
+    assert ("--no-compile" in text) == (mode == "cpu")
+    assert "VESCALE_OPTIM_FORCE_COLLECTIVES=1" in text
+    limits = [int(line.split("(limit ")[1].split()[0]) for line in text.splitlines() if "(limit " in line]
+    assert len(limits) == len(STAGES) and all(lim > 0 for lim in limits)
+    assert gpu_check.BUDGET_S["gpu"] <= 10 * 60 - 30  # the run stops inside ten minutes
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_refuses_to_run_without_a_gpu(tmp_path):
+    proc = _bash(SCRIPT, str(tmp_path / "out"))
+    assert proc.returncode == 2 and "--cpu" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(900)
+def test_cpu_rehearsal_runs_every_stage(tmp_path):
+    out = tmp_path / "gpu_check"
+    proc = _bash(SCRIPT, "--cpu", str(out), timeout=880)
+    report = json.loads((out / "report.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    by_stage = {r["stage"]: r for r in report["stages"]}
+    assert list(by_stage) == STAGES and report["mode"] == "cpu" and report["passed"]
+    for name, r in by_stage.items():
+        assert r["status"] in ("passed", "failed", "skipped") and r["seconds"] >= 0, r
+        assert "== [" in proc.stdout and f"] {name} (limit" in proc.stdout  # printed as it ran
+    skipped = {s["check"]: s["reason"] for s in report["skipped_checks"]}
+    assert set(skipped) == CUDA_ONLY, set(skipped) ^ CUDA_ONLY
+    assert all(reason.startswith("needs CUDA") for reason in skipped.values()), skipped
+    for r in report["stages"]:  # everything else ran and passed
+        for c in r["checks"]:
+            assert c["status"] == ("skipped" if f"{r['stage']}.{c['name']}" in CUDA_ONLY else "passed"), (
+                r,
+                c,
+            )
+    # only the syncs stage has nothing but CUDA checks
+    assert {n for n, r in by_stage.items() if r["status"] != "passed"} == {"syncs"}
+    assert by_stage["syncs"]["status"] == "skipped" and "set_sync_debug_mode" in by_stage["syncs"]["reason"]
+
+    zero3 = by_stage["zero3"]["measurements"]["rows"]
+    assert {(r["optimizer"], r["sharding"]) for r in zero3} == {
+        (k, s) for k in ("adamw32", "adamw8", "muon", "shampoo") for s in ("zero3", "zero2")
+    }
+    assert all(r["collectives"] > 0 for r in zero3)  # the force switch made a world of one talk
+    overlap = by_stage["overlap"]["measurements"]
+    assert (out / overlap["trace"]).exists() and len(overlap["blocks"]) == 3
+    assert {r["block"] for r in overlap["blocks"]} == {"blocks.1", "blocks.2", "blocks.3"}
+    assert by_stage["meta"]["measurements"]["buffers"] == ["rotary.inv_freq"]
+    staging = by_stage["checkpoint"]["measurements"]
+    assert staging["sync"]["save_s"] > 0 and staging["async"]["staging"] is not None
+
+    kernels = json.loads((out / "kernels.json").read_text())
+    assert {(r["kernel"], r["backend"]) for r in kernels["rows"]} == {
+        (k, "torch") for k in ("newton_schulz", "quantize", "dequantize", "adamw8bit")
+    }
+    steps = {r["optimizer"]: r for r in json.loads((out / "steps.json").read_text())["steps"]}
+    assert steps["vo.AdamW"]["max |diff|"] < 1e-6 and steps["vo.Muon"]["max |diff|"] < 1e-6
+    md = (out / "report.md").read_text()
+    assert all(f"## {name}: " in md for name in STAGES)
+
+
+def test_a_stage_that_hangs_or_crashes_is_failed_and_the_next_runs(tmp_path, capsys):
+    def fake(name, code, limit=30):
+        return stages.Stage(
+            name,
+            lambda r, **kw: None,
+            {"cpu": limit, "gpu": limit},
+            f"fake {name}",
+            plan=lambda m, c=code: [c],
+        )
+
+    result = {
+        "stage": "good",
+        "status": "passed",
+        "reason": None,
+        "measurements": {},
+        "error": None,
+        "checks": [{"name": "x", "status": "passed", "measured": 1, "bound": 2, "detail": None}],
+    }
+    codes = {
+        "hangs": "import time; time.sleep(60)",
+        "crashes": "import os; print('about to die', flush=True); os._exit(3)",
+        "good": f"import sys; open(sys.argv[1] + '/good.json', 'w').write({json.dumps(json.dumps(result))})",
+    }
+    fakes = [
+        fake("hangs", codes["hangs"], limit=6),
+        fake("crashes", codes["crashes"]),
+        fake("good", codes["good"]),
+    ]
+    rc = stages.run_all(
+        fakes,
+        mode="cpu",
+        out=tmp_path,
+        title="t",
+        budget=120,
+        command=lambda s: [sys.executable, "-c", s.plan("cpu")[0], str(tmp_path)],
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    got = {r["stage"]: r for r in report["stages"]}
+    assert rc == 1 and not report["passed"]
+    assert got["hangs"]["status"] == "failed" and "ran out of its 6 s" in got["hangs"]["reason"]
+    assert got["hangs"]["seconds"] < 20
+    assert got["crashes"]["status"] == "failed" and "exited with 3" in got["crashes"]["reason"]
+    assert "about to die" in got["crashes"]["error"]
+    assert got["good"]["status"] == "passed"
+    printed = capsys.readouterr().out
+    assert printed.index("hangs") < printed.index("crashes") < printed.index("good")
+
+
+def _x(name, ts, dur, cat, tid=1, **args):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid, "args": args}
+
+
+def _cuda_trace(gather_lead: float, copies: bool = False) -> list[dict]:
+    """A backward over blocks.2 -> blocks.1 -> blocks.0 (autograd thread 2), each block's
+    compute kernels launched inside its pre/post_backward window; during each block's
+    backward the gather of the block before it is issued (a NCCL AllGather kernel, or at
+    world size 1 a device-to-device copy), starting `gather_lead` us before the block's last
+    compute kernel."""
+    ev = [_x("gpu_check::backward", 0, 1000, "user_annotation")]
+    corr = iter(range(1, 1000))
+    for k, t0 in ((2, 100), (1, 400), (0, 700)):
+        ev.append(_x(f"vescale::pre_backward[blocks.{k}]", t0, 5, "user_annotation", tid=2))
+        last = None
+        for j in range(3):  # three compute kernels, launched in the window, run later on the GPU
+            c = next(corr)
+            ev.append(_x("cudaLaunchKernel", t0 + 10 + 10 * j, 2, "cuda_runtime", tid=2, correlation=c))
+            last = t0 + 50 + 60 * j
+            ev.append(_x(f"sm90_gemm_{k}_{j}", last, 50, "kernel", correlation=c, stream=7))
+        ev.append(_x(f"vescale::post_backward[blocks.{k}]", t0 + 200, 5, "user_annotation", tid=2))
+        if k > 0:  # the prefetch of the block before, issued from its unshard range
+            c = next(corr)
+            ev.append(_x(f"vescale::unshard[blocks.{k - 1}]", t0 + 20, 5, "user_annotation", tid=2))
+            ev.append(
+                _x(
+                    "cudaMemcpyAsync" if copies else "cudaLaunchKernelExC",
+                    t0 + 21,
+                    1,
+                    "cuda_runtime",
+                    tid=2,
+                    correlation=c,
+                )
+            )
+            name = "Memcpy DtoD (Device -> Device)" if copies else "ncclDevKernel_AllGather_RING_LL(...)"
+            ev.append(
+                _x(
+                    name,
+                    last - gather_lead,
+                    20,
+                    "gpu_memcpy" if copies else "kernel",
+                    correlation=c,
+                    stream=21,
+                )
+            )
+    return ev
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_overlap_analysis_of_a_cuda_trace(copies):
+    blocks = ["blocks.0", "blocks.1", "blocks.2"]
+    good = gpu_check.analyse_overlap(_cuda_trace(30.0, copies), blocks, cuda=True)
+    assert good["method"].startswith("one-rank copies" if copies else "all-gather kernels")
+    assert [(r["block"], r["gather_of"], r["ok"], r["lead_us"]) for r in good["blocks"]] == [
+        ("blocks.1", "blocks.0", True, 30.0),
+        ("blocks.2", "blocks.1", True, 30.0),
+    ]
+    assert good["blocks"][0]["gather_stream"] == 21 and good["blocks"][0]["compute_stream"] == 7
+    late = gpu_check.analyse_overlap(_cuda_trace(-10.0, copies), blocks, cuda=True)
+    assert [r["ok"] for r in late["blocks"]] == [False, False]
+
+
+def test_multi_dry_run_names_every_stage(tmp_path):
+    for args in ([], ["--cpu"]):
+        proc = _bash(MULTI, "--dry-run", *args, str(tmp_path / "out"))
+        assert proc.returncode == 0, proc.stderr
+        heads = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("[")]
+        assert heads == ["[env]", "[readme]", "[resume]", "[hsdp]", "[kill]", "[fsdp_bench]", "[report]"]
+        runs = [line for line in proc.stdout.splitlines() if "runs: " in line]
+        n = "8" if not args else "2"
+        assert any(f"--nproc-per-node {n} " in line and "_gpu_worker.py kill" in line for line in runs)
+        assert any("train_torchrun.py" in line and "--checkpoint-dir" in line for line in runs)
+        assert any(
+            "skipped: benchmarks/fsdp.py and benchmarks/hsdp.py cannot target CUDA" in line for line in runs
+        )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(600)
+def test_multi_cpu_rehearsal_of_hsdp_and_kill(tmp_path):
+    out = tmp_path / "gpu_multi"
+    proc = _bash(MULTI, "--cpu", str(out), "--stages", "hsdp", "kill", "fsdp_bench", timeout=500)
+    report = json.loads((out / "report.json").read_text())
+    got = {r["stage"]: r for r in report["stages"]}
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert got["hsdp"]["status"] == "passed" and got["kill"]["status"] == "passed", proc.stdout[-4000:]
+    assert (
+        got["fsdp_bench"]["status"] == "skipped" and "cannot target CUDA yet" in got["fsdp_bench"]["reason"]
+    )
+    survivors = got["kill"]["measurements"]["survivors"]
+    assert len(survivors) == 1 and "did not complete" in survivors[0]["message"]
