@@ -17,7 +17,7 @@ from vescale_optim.shard.mesh import Topology
 from vescale_optim.shard.redistribution import Piece
 from vescale_optim.units.moves import run_moves
 from vescale_optim.units.owner_plan import WorkItem, mostly_on, plan_owners, whole_on
-from vescale_optim.units.owners import assign_owners, rank_loads, spread_homes
+from vescale_optim.units.owners import assign_owners, keep_homes, rank_loads, spread_homes
 
 
 def segment_items(sizes, gaps, costs, shards, homes="whole"):
@@ -192,6 +192,30 @@ def test_homes_are_dealt_evenly_over_replicas(replicas, shards, costs):
         mine = [k for k in range(len(costs)) if homes[k] == s]
         load = [sum(costs[k] for k in mine if spread[k] // shards == r) for r in range(replicas)]
         assert max(load) - min(load) <= max([costs[k] for k in mine], default=0)
+
+
+@given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)),
+                                   max_size=30))  # fmt: skip
+def test_owners_given_or_placed_after_loads(world, items):
+    costs, homes = [c + 1 for c, _, _ in items], [h % world for _, h, _ in items]
+    before = [float(r) for r in range(world)]  # work placed earlier: rank r carries r
+    owners = assign_owners(costs, world, loads=before)
+    load = [b + x for b, x in zip(before, rank_loads(costs, owners, world))]
+    if costs:  # LPT after the loads: the busiest ends within an item of the mean, or is where it began
+        assert max(load) <= max(max(before), sum(load) / world + max(costs)) + 1e-9
+    # equal keys trade owners toward their homes without changing any rank's load
+    keys = [c for c, _, _ in items]
+    traded = keep_homes(owners, keys, [(h,) for h in homes])
+    for k in set(keys):
+        mine = [i for i in range(len(keys)) if keys[i] == k]
+        assert sorted(traded[i] for i in mine) == sorted(owners[i] for i in mine)
+        for i in mine:  # an item away from home: no slot of its key was left at its home
+            assert traded[i] == homes[i] or sum(traded[j] == homes[i] for j in mine) == \
+                sum(owners[j] == homes[i] for j in mine)  # fmt: skip
+    topo = Topology((tuple(range(world)),), 0, 0)
+    work, _ = segment_items([3] * len(costs), [0] * len(costs), costs, world, "whole")
+    plan = plan_owners([work], topo, 0, owners=traded)
+    assert plan.owners == traded and plan.loads == rank_loads(costs, traded, world)
 
 
 def _round_trip(mesh, channels):

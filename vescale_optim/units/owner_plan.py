@@ -154,20 +154,26 @@ def plan_owners(
     topology: Topology,
     rank: int,
     *,
-    slack: float,
+    slack: float = 0.05,
     tolerate: float | None = None,
     channels: int = 1,
     sources: Sequence[Sequence[int]] | None = None,
+    owners: Sequence[int] | None = None,
 ) -> OwnerPlan:
     """Owners for every item of every segment (`work[i]`: segment i's items), balanced over
-    the world of `topology` by one `assign_owners(slack=, tolerate=)`, and each segment's moves as
+    the world of `topology` by one `assign_owners(slack=, tolerate=)` unless `owners` (world
+    ranks, every item of every segment in order) are given, and each segment's moves as
     world rank `rank` sees them. `sources[i][s]`: with in-place sources, the length of
     segment i's source buffer on shard rank s; without, sources are staged."""
     if sources is not None and channels != 1:
         raise ValueError(f"in-place sources carry one channel; got channels={channels}")
     costs = [item.cost for items in work for item in items]
     homes = spread_homes(costs, [item.home for items in work for item in items], topology.ranks)
-    owners = assign_owners(costs, topology.world_size, homes, slack, tolerate)
+    if owners is None:
+        owners = assign_owners(costs, topology.world_size, homes, slack, tolerate)
+    elif len(owners) != len(costs):
+        raise ValueError(f"{len(owners)} owners for {len(costs)} items")
+    owners = list(owners)
     segments, pos = [], 0
     for i, items in enumerate(work):
         numel = None if sources is None else sources[i]

@@ -20,6 +20,7 @@ def assign_owners(
     homes: Sequence[int | None] | None = None,
     slack: float = 0.05,
     tolerate: float | None = None,
+    loads: Sequence[float] | None = None,
 ) -> list[int]:
     """Greedy longest-processing-time assignment with home affinity, O(n log W).
 
@@ -30,17 +31,18 @@ def assign_owners(
     and nothing leaves its home while every home's load is within `1 + slack` of the mean.
     With `tolerate`, the same assignment with `slack=tolerate` is taken when it keeps every
     item at its home (moving costs traffic every step: tolerate more imbalance before moving
-    anything than after). Call it once over every item of a step: LPT balances only what it
-    sees largest first.
+    anything than after). `loads`: what each rank carries already (work placed before these
+    items). Call it once over every item of a step: LPT balances only what it sees largest first.
     """
     homes = list(homes) if homes is not None else [None] * len(costs)
     if tolerate is not None:
-        loose = assign_owners(costs, world_size, homes, tolerate)
+        loose = assign_owners(costs, world_size, homes, tolerate, loads=loads)
         if all(h is None or o == h for o, h in zip(loose, homes)):
             return loose
-    target = (1 + slack) * sum(costs) / max(world_size, 1)
-    load = [0.0] * world_size
-    heap = [(0.0, r) for r in range(world_size)]  # (load, rank), with stale entries skipped
+    load = [float(x) for x in loads] if loads is not None else [0.0] * world_size
+    target = (1 + slack) * (sum(costs) + sum(load)) / max(world_size, 1)
+    heap = [(x, r) for r, x in enumerate(load)]
+    heapq.heapify(heap)  # (load, rank), with stale entries skipped
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         home = homes[i]
@@ -77,6 +79,38 @@ def spread_homes(
         r = min(range(replicas), key=lambda r: (load[r], r))
         load[r] += costs[i]
         out[i] = ranks[r][shard]
+    return out
+
+
+def keep_homes(owners: Sequence[int | None], keys: Sequence[object],
+               homes: Sequence[Sequence[int] | None]) -> list[int | None]:
+    """`owners` traded between items of equal `keys` (equal cost) so that as many items as
+    possible are owned by one of their `homes` (ranks holding them whole; None or empty: none):
+    every rank keeps the same number of items of each key, so its load does not change. First
+    every item whose home has a slot of its key takes it (in item order, homes in order), then
+    the others take the slots left, lowest rank first. Items whose owner is None stay None."""
+    slots: dict[object, dict[int, int]] = {}
+    for o, k in zip(owners, keys):
+        if o is not None:
+            slots.setdefault(k, {}).setdefault(o, 0)
+            slots[k][o] += 1
+    out: list[int | None] = list(owners)
+    waiting = []
+    for i, (o, k) in enumerate(zip(owners, keys)):
+        if o is None:
+            continue
+        free = slots[k]
+        home = next((h for h in homes[i] or () if free.get(h, 0) > 0), None)
+        if home is None:
+            waiting.append(i)
+            continue
+        out[i] = home
+        free[home] -= 1
+    for i in waiting:
+        free = slots[keys[i]]
+        rank = min(r for r, n in free.items() if n > 0)
+        out[i] = rank
+        free[rank] -= 1
     return out
 
 
