@@ -1,5 +1,6 @@
 """What `vo.Muon` plans for a step, rebuilt from the library's public pure functions: each bucket's
-layout, every matrix's home and Newton-Schulz cost, and one owner assignment over all of them.
+layout, every matrix's home and Newton-Schulz cost, and one plan over all of them (`vo.muon_plan`:
+owners of whole matrices, groups of split ones), owners traded toward homes as `vo.Muon` does.
 `benchmarks/muon.py` runs it on real model shapes (part b) and checks it against `vo.Muon`'s own
 `opt.units` and `opt.ns_load` (part a).
 
@@ -18,9 +19,10 @@ from benchmarks.model_shapes import MODELS, matrices
 
 # The library's pure planning functions, called as vo.Muon calls them: imported here only, so that
 # a module that moves is a one-line fix.
-from vescale_optim.optim.muon import ns_flops  # noqa: I001
+from vescale_optim.optim._muon_plan import member_flops  # noqa: I001
+from vescale_optim.optim.muon import ns_flops
 from vescale_optim.shard.layout import bucket_indices, plan_layout
-from vescale_optim.units.owners import assign_owners, imbalance
+from vescale_optim.units.owners import assign_owners, imbalance, keep_homes
 
 __all__ = ["ALIGN", "BUCKET_CAP", "assign_owners", "assignment", "default_buckets", "imbalance",
            "matrix_view", "model_buckets", "ns_flops"]  # fmt: skip
@@ -53,9 +55,11 @@ def model_buckets(model: str, bucketing: str) -> list[list[tuple[int, ...]]]:
 def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
     """What `vo.Muon` computes for these buckets of one Muon group: each laid out with a granule of
     one row; a matrix's home is the rank whose shard holds all of it (None when it spans ranks), its
-    cost its Newton-Schulz FLOPs; then ONE `assign_owners` over every matrix, in bucket order, and
-    the per-rank load (`opt.ns_load`)."""
-    costs, homes, layouts = [], [], []
+    cost its Newton-Schulz FLOPs; then ONE `vo.muon_plan` over every matrix, in bucket order, owners
+    of whole matrices traded toward their homes (`keep_homes`, between equal costs), and the per-rank load
+    (`opt.ns_load`). `costs`/`homes`/`owners` list one entry per piece of work: a whole matrix, or
+    each member's share of a split one (home None), so `imbalance(costs, owners, world)` is the plan's."""
+    dims, homes, layouts = [], [], []
     for shapes in buckets:
         layout = plan_layout([math.prod(s) for s in shapes], [s[-1] for s in shapes], world, ALIGN)
         layouts.append((layout.shard_size, tuple(layout.offsets)))
@@ -65,11 +69,22 @@ def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
                 lo = start + k * rows * cols
                 first, last = lo // layout.shard_size, (lo + rows * cols - 1) // layout.shard_size
                 homes.append(first if first == last else None)
-                costs.append(ns_flops(rows, cols, MUON["ns_steps"]))
+                dims.append((rows, cols))
     t0 = time.perf_counter()
-    owners = assign_owners(costs, world, homes)
-    load = [0.0] * world
-    for c, o in zip(costs, owners):
-        load[o] += c
-    return dict(costs=costs, homes=homes, owners=owners, seconds=time.perf_counter() - t0, layouts=layouts,
-                load=load)  # fmt: skip
+    plan = vo.muon_plan(dims, world, ns_steps=MUON["ns_steps"])
+    seconds = time.perf_counter() - t0
+    keys = [ns_flops(rows, cols, MUON["ns_steps"]) for rows, cols in dims]
+    whole = keep_homes(plan.owners, keys, [() if h is None else (h,) for h in homes])
+    costs, work_homes, owners = [], [], []
+    for i, (rows, cols) in enumerate(dims):
+        if whole[i] is not None:
+            costs.append(ns_flops(rows, cols, MUON["ns_steps"]))
+            work_homes.append(homes[i])
+            owners.append(whole[i])
+            continue
+        for j, rank in enumerate(plan.groups[i]):
+            costs.append(member_flops(plan.splits[i], j, MUON["ns_steps"]))
+            work_homes.append(None)
+            owners.append(rank)
+    return dict(costs=costs, homes=work_homes, owners=owners, seconds=seconds, layouts=layouts,
+                load=list(plan.loads), plan=plan)  # fmt: skip

@@ -3,6 +3,7 @@
 from .checkpoint import CheckpointError, CheckpointManager
 from .distributed import init_distributed
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
+from .optim._muon_plan import MuonPlan, muon_plan
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
 from .units import ShardingConfig
 from .version import __version__
@@ -14,6 +15,7 @@ __all__ = [
     "CollectiveError",
     "Layout",
     "Muon",
+    "MuonPlan",
     "RaggedShard",
     "ShardedOptimizer",
     "Shampoo",
@@ -21,6 +23,7 @@ __all__ = [
     "__version__",
     "init_distributed",
     "muon_param_groups",
+    "muon_plan",
     "plan_layout",
     "set_collective_timeout",
 ]

@@ -1,8 +1,11 @@
-"""Distributed Muon: momentum on local pieces, each matrix orthogonalized once by its owner.
+"""Distributed Muon: momentum on local pieces, each matrix orthogonalized once, by its owner
+or, when it is large, split over a group of ranks.
 
-The math is `_muon_math`'s; where each matrix is orthogonalized, and how it gets there and
-back, is the owner layer's (`units.owner_plan`): Muon declares each matrix as a work item
-(its pieces, its Newton–Schulz FLOPs, the rank holding it whole if one does).
+The math is `_muon_math`'s (and `_split_ns`'s for a split matrix); who orthogonalizes what is
+`_muon_plan.muon_plan`'s (`vo.muon_plan`); how a whole matrix gets to its owner and back is the
+owner layer's (`units.owner_plan`): Muon declares each matrix as a work item (its pieces, its
+Newton–Schulz FLOPs, the rank holding it whole if one does); a split matrix's row blocks travel
+to its group's members the same way (`_muon_split`).
 """
 
 from __future__ import annotations
@@ -12,23 +15,26 @@ from numbers import Real
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from ..shard.redistribution import Piece
 from ..units.moves import Move
 from ..units.owner_plan import SegmentMoves, WorkItem, plan_owners
+from ..units.owners import keep_homes
 from ..units.segment import FROZEN, Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from ._muon_math import ADJUST_LR_FNS as _ADJUST
 from ._muon_math import adjusted_lr, apply_, matrix_view, momentum_, ns_flops, orthogonalize_
+from ._muon_plan import H200, CostModel, MuonPlan, member_flops, plan_matrices
+from ._muon_split import SplitStep
 
-__all__ = ["Muon", "adjusted_lr", "matrix_view", "ns_flops"]  # the cost model is public: benchmarks read it
+__all__ = ["CostModel", "Muon", "MuonPlan", "adjusted_lr", "matrix_view", "ns_flops"]  # benchmarks read them
 from .adamw import adamw_segment_step
 from .base import ShardedOptimizer
 
 _ADAMW_EPS = 1e-8
 _CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
-_SLACK = 0.05  # a matrix stays with the rank holding it while that rank's work is within 1.05x the mean
 
 
 def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
@@ -110,8 +116,11 @@ class Muon(ShardedOptimizer):
 
     Each step, momentum runs on the local slice; every matrix is sent (in bf16,
     as torch's iteration starts by casting to bf16) to one owner chosen by balancing
-    Newton–Schulz FLOPs, orthogonalized there once — batched over equal shapes — and
-    sent back; matrices that already lie whole on their owner are not moved. A matrix
+    Newton–Schulz FLOPs (`vo.muon_plan`, weighed against the bytes of a split by
+    `cost_model`, H200 constants by default), orthogonalized there once — batched over
+    equal shapes — and sent back; matrices that already lie whole on their owner are not
+    moved. A matrix too large for one rank's share is split by rows over a group of ranks
+    of one node, which run Newton–Schulz together (`opt.plan` says which). A matrix
     whose parameter takes no step (no gradient on any rank) keeps its momentum and
     value; it still travels to its owner with the static plan, as zeros. Groups with
     `use_muon=False` take AdamW steps with their `lr`, `betas` (the constructor's
@@ -138,6 +147,7 @@ class Muon(ShardedOptimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         ns_backend: str = "auto",
         state_bits: int = 32,
+        cost_model: CostModel = H200,
         **sharding: Any,
     ):
         defaults = dict(
@@ -161,14 +171,32 @@ class Muon(ShardedOptimizer):
         super().__init__(params, defaults, sharding)
         # One plan over every matrix of the step and every rank of the world (replicas too),
         # so the step's total is balanced and each matrix is orthogonalized once.
-        runtime = self.runtime
+        runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
         work = [matrix_work(seg, seg.group["ns_steps"]) for seg in segs]
-        plan = plan_owners([items for items, _ in work], runtime.topology, runtime.world.rank, slack=_SLACK,
-                           sources=[seg.counts for seg in segs])  # fmt: skip
-        self.ns_load = [float(x) for x in plan.loads]  # Newton–Schulz FLOPs per world rank per step
-        self._work = {id(seg): _SegmentWork.of(moves, items, shapes)
-                      for seg, moves, (items, shapes) in zip(segs, plan.segments, work)}  # fmt: skip
+        dims = [(r, c, seg.group["ns_steps"]) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
+        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model)
+        self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
+        items = [item for seg_items, _ in work for item in seg_items]
+        holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
+        costs = [ns_flops(*d) for d in dims]
+        owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
+        whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners
+        for seg_items, shapes in work:
+            keep = [k for k in range(len(seg_items)) if owners[pos + k] is not None]
+            whole.append(([seg_items[k] for k in keep], [shapes[k] for k in keep],
+                          [owners[pos + k] for k in keep]))  # fmt: skip
+            pos += len(seg_items)
+        fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
+        plan = plan_owners([w[0] for w in whole], topo, runtime.world.rank, sources=sources, owners=fixed)
+        self._work = {id(seg): _SegmentWork.of(moves, w_items, w_shapes)
+                      for seg, moves, (w_items, w_shapes, _) in zip(segs, plan.segments, whole)}  # fmt: skip
+        self._segs, self._position = segs, {id(seg): s for s, seg in enumerate(segs)}
+        self._split = SplitStep(self.plan, segs, [w for w, _ in work], [s for _, s in work], topo,
+                                runtime.world) if self.plan.groups else None  # fmt: skip
+        self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
+        self._waiting: list = []  # segments' updates to apply once the split matrices are done
+        self._split_at: int | None = None  # the segment whose update runs the split matrices
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -208,6 +236,9 @@ class Muon(ShardedOptimizer):
 
     def _before_update(self) -> None:
         self.orthogonalized = 0
+        self._updates, self._waiting = {}, []
+        active = [s for s, seg in enumerate(self._segs) if seg.any_active]  # agreed: the same everywhere
+        self._split_at = active[-1] if self._split is not None and active else None
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         work = self._work.get(id(seg))
@@ -219,12 +250,40 @@ class Muon(ShardedOptimizer):
         runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
         update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
         lowbit.encode_(seg.state, "momentum_buffer", kind, buf)
+        if self._split_at is not None:
+            position = self._position[id(seg)]
+            self._updates[position] = update
+            if position == self._split_at:  # every segment has its momentum: the split matrices now
+                self._run_split()
         return work.moves.move(
             update, label="newton_schulz",
             local=lambda: self._orthogonalize(work.held, g, update),
             compute=lambda received: self._orthogonalize(work.arriving, g, received),
-            finish=lambda back: self._apply(seg, update, back, work.returned),
+            finish=lambda back: self._finish(seg, update, back, work.returned),
         )  # fmt: skip
+
+    def _finish(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
+                returned: list[tuple[int, int, int]]) -> None:  # fmt: skip
+        """`_apply` now, or once the split matrices are done (their results land in `update`)."""
+        if self._waiting is None or self._split_at is None:
+            self._apply(seg, update, back, returned)
+        else:
+            self._waiting.append(lambda: self._apply(seg, update, back, returned))
+
+    def _run_split(self) -> None:
+        """Every split matrix of the step, then the updates that waited for them."""
+        with record_function("vescale_optim.newton_schulz_split"):
+            sent, received, done = self._split.run(self._updates)
+        self._traffic(sent, received)
+        for i, j in done:
+            split, steps = self.plan.splits[i], self._segs[self._split.seg_of_matrix[i]].group["ns_steps"]
+            self.step_stats["ns_flops"] += member_flops(split, j, steps)
+            if j == 0:  # a split matrix counts once, at its first member
+                self.orthogonalized += 1
+                self.step_stats["ns_matrices"] += 1
+        waiting, self._waiting, self._updates = self._waiting, None, {}
+        for apply in waiting:
+            apply()
 
     def _apply(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
                returned: list[tuple[int, int, int]]) -> None:  # fmt: skip

@@ -1,0 +1,208 @@
+"""Muon past one matrix per rank: split Newton–Schulz equals the one-rank iteration (hypothesis,
+in one process), `vo.muon_plan`'s properties and goals on real shapes, and a world of 4 (and a
+2x2 HSDP mesh) whose plan splits its large matrices training as torch.optim.Muon + AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vescale_optim as vo
+from vescale_optim.kernels import newton_schulz
+from vescale_optim.optim._muon_math import ns_flops
+from vescale_optim.optim._muon_plan import FREE_COMM, H200, gathers, member_flops, split_rows
+from vescale_optim.optim._split_ns import simulate
+
+COEFFICIENTS = (3.4445, -4.775, 2.0315)
+
+
+# --- the split iteration, in one process ---------------------------------------------------------
+
+
+@st.composite
+def splits(draw):
+    m, n = draw(st.integers(2, 24)), draw(st.integers(2, 24))
+    g = draw(st.integers(2, min(m, n, 6)))
+    shares = draw(st.lists(st.floats(0.05, 1.0), min_size=g, max_size=g))
+    return split_rows((m, n), shares)[0], draw(st.integers(1, 5)), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=40)
+@given(splits())
+def test_split_newton_schulz_equals_one_rank(case):
+    split, steps, seed = case
+    x = torch.randn(split.shape, generator=torch.Generator().manual_seed(seed)) * 3
+    want = newton_schulz(x, steps, COEFFICIENTS, 1e-7, "torch")
+    got = simulate(split, x, steps, COEFFICIENTS, 1e-7)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # bf16 products: a different matmul blocking may flip a last bit, and a step carries it on
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+    assert sum(split.rows) == split.shape[0] and sum(split.x_rows) == min(split.shape)
+    assert sum(member_flops(split, i, steps) for i in range(split.size)) == ns_flops(*split.shape, steps)
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+def _hidden(model):
+    from benchmarks.model_shapes import matrices
+
+    return [s for _, s in matrices(model, hidden_only=True)]
+
+
+@st.composite
+def worlds(draw):
+    shapes = draw(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=12))
+    return shapes, draw(st.integers(1, 20)), draw(st.sampled_from([H200, FREE_COMM]))
+
+
+@given(worlds())
+def test_every_matrix_is_whole_on_one_rank_or_split_over_one_node(case):
+    shapes, world, cost = case
+    plan = vo.muon_plan(shapes, world, cost=cost)
+    assert len(plan.loads) == world and sum(plan.loads) == sum(ns_flops(m, n) for m, n in shapes)
+    for i, (owner, shape) in enumerate(zip(plan.owners, shapes)):
+        assert (owner is None) == (i in plan.groups) == (i in plan.splits)
+        if owner is not None:
+            assert 0 <= owner < world
+            continue
+        members, split = plan.groups[i], plan.splits[i]
+        assert list(members) == sorted(set(members)) and len(members) == split.size >= 2
+        assert split.shape == shape and min(split.rows) >= 1 and min(split.x_rows) >= 1
+        if cost is H200:
+            assert members[0] // H200.node == members[-1] // H200.node  # a node's bandwidth
+    assert plan.imbalance >= 1 - 1e-9
+    grouped = {r for m in plan.groups.values() for r in m}
+    assert all((plan.bytes_per_rank[r] > 0) == (r in grouped) for r in range(world))
+
+
+def test_a_small_matrix_is_never_split_and_a_wide_one_is():
+    assert not vo.muon_plan([(512, 512)] + [(8, 8)] * 3, 4).groups  # the bytes outweigh the FLOPs
+    plan = vo.muon_plan([(4096, 4096)] + [(64, 64)] * 30, 4)
+    assert plan.groups == {0: (0, 1, 2, 3)} and plan.imbalance < 1.01
+    # its exchange: M's blocks, then each step X's (from the second) and A's
+    assert len(gathers(plan.splits[0], 5)) == 1 + 4 + 5
+
+
+def test_goals_on_llama3_70b():
+    shapes = _hidden("llama3-70b")
+    assert vo.muon_plan(shapes, 1024).imbalance <= 1.10
+    # At W = 8192 a node's share of the mean is below the largest matrix: max/mean is that
+    # matrix over a node (groups across nodes would reach the mean, at the network's bandwidth:
+    # slower in the cost model than one node), unless communication costs nothing.
+    plan = vo.muon_plan(shapes, 8192)
+    biggest = ns_flops(8192, 28672)
+    assert plan.imbalance == pytest.approx(biggest / 8 / (sum(plan.loads) / 8192), rel=0.01)
+    assert vo.muon_plan(shapes, 8192, cost=FREE_COMM).imbalance <= 1.25
+
+
+def test_mesh_shape_checks_the_world_and_changes_nothing_else():
+    shapes = [(256, 512)] * 9 + [(4096, 4096)]
+    flat, mesh = vo.muon_plan(shapes, 16), vo.muon_plan(shapes, 16, mesh_shape=(2, 8))
+    assert (flat.owners, flat.groups, flat.loads) == (mesh.owners, mesh.groups, mesh.loads)
+    with pytest.raises(ValueError, match="does not span"):
+        vo.muon_plan(shapes, 16, mesh_shape=(3, 4))
+
+
+# --- training: a world of 4 and a 2x2 mesh ---------------------------------------------------------
+
+# two matrices far larger than the rest (one tall, one wide): with communication free in the
+# cost model the plan splits them over the 4 ranks
+SHAPES = [(48, 20), (6, 5), (20, 36), (4, 4), (3, 5, 6)]
+ADAM = [(7,), (5, 3)]
+STEPS = 3
+HYPER = dict(lr=0.02, weight_decay=0.1)
+
+
+def _grad(shape, step, rank, i):
+    g = torch.Generator().manual_seed(7919 * step + 101 * rank + i)
+    return torch.randn(shape, generator=g) * (1 + rank)
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES + ADAM]
+
+
+def _train(cap):
+    rank, params = dist.get_rank(), _params()
+    muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
+    opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
+                  bucket_cap_numel=cap, cost_model=FREE_COMM)  # fmt: skip
+    stats = []
+    for t in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = _grad(p.shape, t, rank, i)
+        opt.step()
+        stats.append((opt.step_stats["ns_matrices"], opt.step_stats["ns_flops"]))
+    return [p.detach().clone() for p in params], stats, opt.ns_load, dict(opt.plan.groups)
+
+
+def _reference(world):
+    params = _params()
+    muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
+    mats = [(i, s) for i, p in enumerate(muon) for s in (range(p.shape[0]) if p.ndim == 3 else [None])]
+    views = [torch.nn.Parameter((muon[i].detach()[s] if s is not None else muon[i].detach()).clone())
+             for i, s in mats]  # fmt: skip
+    mopt, aopt = torch.optim.Muon(views, **HYPER), torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95),
+                                                                    weight_decay=0.1)  # fmt: skip
+    for t in range(STEPS):
+        mean = [torch.stack([_grad(p.shape, t, r, i) for r in range(world)]).mean(0)
+                for i, p in enumerate(params)]  # fmt: skip
+        for v, (i, s) in zip(views, mats):
+            v.grad = (mean[i][s] if s is not None else mean[i]).clone()
+        for j, p in enumerate(adam):
+            p.grad = mean[len(muon) + j]
+        mopt.step()
+        aopt.step()
+    out = [torch.stack([v.detach() for v, (k, _) in zip(views, mats) if k == i]) if p.ndim == 3
+           else views[[k for k, _ in mats].index(i)].detach() for i, p in enumerate(muon)]  # fmt: skip
+    return out + [p.detach() for p in adam]
+
+
+@pytest.mark.parametrize("cap", [64 * 1024 * 1024, 1], ids=["one bucket", "a bucket each"])
+def test_a_world_of_4_with_split_matrices_equals_torch_muon(world, cap):
+    results = world(4).run(_train, cap, timeout=120)
+    want = _reference(4)
+    plan = vo.muon_plan(SHAPES, 4, cost=FREE_COMM)
+    assert set(plan.groups) == {0, 2}  # the tall and the wide matrix are split
+    n = sum(s[0] if len(s) == 3 else 1 for s in SHAPES)
+    for rank, (params, stats, load, groups) in enumerate(results):
+        assert groups == plan.groups and load == plan.loads
+        for got, ref in zip(params, want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
+        assert all(flops == load[rank] for _, flops in stats)  # what it ran is what the plan says
+    assert [sum(r[1][t][0] for r in results) for t in range(STEPS)] == [n] * STEPS  # each once
+
+
+def _hsdp(shape):
+    from _tiny_gpt import batch, build, loss_fn
+    from test_fsdp import make_ours
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, model = dist.get_rank(), build(layers=1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    opt = make_ours("muon", model, mesh=mesh, shard_modules=[*model.layers, model], cost_model=FREE_COMM)
+    for t in range(STEPS):
+        loss_fn(model, *batch(t, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, len(opt.plan.groups)
+
+
+def test_hsdp_2x2_with_split_matrices_equals_one_process(world):
+    from _tiny_gpt import build, world_grads
+    from test_fsdp import TOL, _assert_equal, _Reference
+
+    model = build(layers=1)
+    ref = _Reference("muon", model)
+    for t in range(STEPS):
+        world_grads(model, t, 4)
+        ref.step()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for got, split in world(4).run(_hsdp, (2, 2), timeout=120):
+        assert split >= 1
+        _assert_equal(got, want, TOL["muon"])

@@ -1,0 +1,131 @@
+"""Muon's split matrices in a step: their row blocks brought to their groups' members, split
+Newton–Schulz (`_split_ns`), the results back into the segments' update buffers.
+
+Each member's block (its rows of M) is a work item of the owner layer with its member as
+owner, so one staged gather plan over the world brings every block to its member (a block a
+member holds whole stays in place) and one scatter plan brings the results back to every holder
+of every replica. The process groups, one per distinct set of members, are created once, at
+construction, by every rank in the same order. All of it runs once a step, when the last
+active Muon segment has its momentum (`vo.Muon` defers the segments' updates until then), so
+every rank issues the same world collectives at the same point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..shard.collectives import Comm, run_plan
+from ..shard.mesh import Topology
+from ..shard.redistribution import Piece
+from ..units.owner_plan import WorkItem, plan_owners
+from ..units.segment import Segment
+from ._muon_plan import MuonPlan
+from ._split_ns import Job, run_split
+
+
+def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
+    """A process group per distinct set of members (world ranks), created by every rank of
+    the world in one order; the `Comm`s of those this rank is in."""
+    if not world.active:
+        return {}
+    everyone = world.world_size == dist.get_world_size()  # else only members may create a group
+    mine = {}
+    for members in sorted(set(plan.groups.values())):
+        ranks = [world.global_rank(r) for r in members]
+        if ranks != sorted(ranks):
+            raise RuntimeError(f"world ranks {members} are not in the order of their global ranks {ranks}")
+        if not everyone and world.rank not in members:
+            continue
+        group = dist.new_group(ranks, use_local_synchronization=not everyone)
+        if world.rank in members:
+            mine[members] = Comm(group)
+    return mine
+
+
+class SplitStep:
+    """The split matrices of Muon's segments `segs` (their `items`, one per matrix, and
+    `shapes`, per segment; the plan's matrices are theirs in order), run from world rank `rank`."""
+
+    def __init__(self, plan: MuonPlan, segs: Sequence[Segment], items: Sequence[Sequence[WorkItem]],
+                 shapes: Sequence[Sequence[tuple[int, int]]], topology: Topology, world: Comm):  # fmt: skip
+        rank = world.rank
+        self.plan, self.world = plan, world
+        where = [(s, k) for s, seg_items in enumerate(items) for k in range(len(seg_items))]
+        blocks, owners = [], []
+        self.seg_of: list[int] = []  # the segment (position) of each block
+        self.seg_of_matrix = {i: where[i][0] for i in plan.groups}
+        self.mine: list[tuple[int, int, int]] = []  # (matrix, member index, block) this rank computes
+        for i in sorted(plan.groups):
+            s, k = where[i]
+            split, cols = plan.splits[i], shapes[s][k][1]
+            for j, member in enumerate(plan.groups[i]):
+                lo, hi = split.start(j) * cols, (split.start(j) + split.rows[j]) * cols
+                pieces = tuple(Piece(p.rank, len(blocks), p.offset + max(lo, p.start) - p.start,
+                                     max(lo, p.start) - lo, min(hi, p.stop) - lo)
+                               for p in items[s][k].pieces if p.start < hi and p.stop > lo)  # fmt: skip
+                if member == rank:
+                    self.mine.append((i, j, len(blocks)))
+                blocks.append(WorkItem(pieces, 0.0))  # owners are given: no cost to balance
+                owners.append(member)
+                self.seg_of.append(s)
+        self.blocks = blocks
+        self.moves = plan_owners([blocks], topology, rank, owners=owners).segments[0]
+        self.comms = _groups(plan, world)
+        self.segs = list(segs)
+
+    def run(self, updates: dict[int, torch.Tensor]) -> tuple[int, int, list[tuple[int, int]]]:
+        """Split Newton–Schulz on every split matrix, in place in `updates` (segment position ->
+        its bf16 update; a segment missing takes no step this time: its matrices run as zeros,
+        their results are dropped). Returns the bytes sent and received, and `(matrix, member
+        index)` of what this rank computed."""
+        moves, like = self.moves, next(iter(updates.values()))
+        send = like.new_zeros(moves.send_numel)
+        for b, piece, off in moves.pack:
+            _copy(send, off, updates.get(self.seg_of[b]), piece.offset, piece.stop - piece.start)
+        got, traffic = like.new_empty(0), [0, 0]
+        if moves.gather is not None:
+            got = like.new_empty(moves.gather.dst_numel[self.world.rank])
+            self._run(moves.gather, send, got, 0, traffic, "split Newton–Schulz: blocks to members")
+        jobs, in_place = [], []
+        for i, j, b in self.mine:
+            split, group = self.plan.splits[i], self.segs[self.seg_of[b]].group
+            numel, src = self.blocks[b].numel, updates.get(self.seg_of[b])
+            if b in moves.received_at:
+                block, at = got[moves.received_at[b] : moves.received_at[b] + numel], None
+            else:  # held whole here: read and written in place
+                at = next(p.offset for p in self.blocks[b].pieces if p.stop > p.start)
+                block = src[at : at + numel] if src is not None else like.new_zeros(numel)
+            in_place.append(at)
+            jobs.append(Job(split, j, block.view(-1, split.shape[1]), self.comms[self.plan.groups[i]],
+                            group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"]))  # fmt: skip
+        outs, gathered = run_split(jobs)
+        traffic = [traffic[0] + gathered, traffic[1] + gathered]  # a ring sends what it receives
+        out = like.new_empty(moves.result_numel)
+        for (_, _, b), o, at in zip(self.mine, outs, in_place):
+            if at is None:
+                out[moves.result_at[b] : moves.result_at[b] + o.numel()].copy_(o.reshape(-1))
+            else:
+                _copy(updates.get(self.seg_of[b]), at, o.reshape(-1), 0, o.numel())
+        if moves.scatter is not None:
+            back = like.new_empty(moves.back_numel)
+            self._run(moves.scatter, out, back, 1, traffic, "split Newton–Schulz: results back")
+            for b, piece, off in moves.returned:
+                _copy(updates.get(self.seg_of[b]), piece.offset, back, off, piece.stop - piece.start)
+        return traffic[0], traffic[1], [(i, j) for i, j, _ in self.mine]
+
+    def _run(self, plan, src: torch.Tensor, dst: torch.Tensor, which: int, traffic: list[int],
+             what: str) -> None:  # fmt: skip
+        """`plan` (the gather or the scatter) from `src` into `dst`, its bytes added to `traffic`."""
+        program, rank, size = self.moves.programs[which], self.world.rank, src.element_size()
+        run_plan(plan, src, dst, self.world, program, what=what)
+        traffic[0] += size * (sum(program.send_splits) - program.send_splits[rank])
+        traffic[1] += size * (sum(program.recv_splits) - program.recv_splits[rank])
+
+
+def _copy(dst: torch.Tensor | None, at: int, src: torch.Tensor | None, start: int, n: int) -> None:
+    """`dst[at : at + n] = src[start : start + n]`, unless either is missing (a segment not stepping)."""
+    if dst is not None and src is not None:
+        dst[at : at + n].copy_(src[start : start + n])
