@@ -100,12 +100,13 @@ def test_newton_schulz_inputs_of_the_issue_are_covered(build):
 FLOAT_MAX_MIN_DROPPING_NAN = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:max|min)(?:\.ftz)?\.f(?:16|32|64)\b", re.M)
 """``max.f32`` / ``min.f32`` (no ``.NaN``): they return the other operand of a NaN."""
 NAN_TEST = re.compile(r"^\s*(?:@!?%p\d+\s+)?setp\.(?:nan|num)\.f32\b", re.M)
-INT_MAX = re.compile(r"^\s*(?:@!?%p\d+\s+)?max\.[su]32\b", re.M)
+INT_MAX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:redux\.sync\.)?max\.[su]32\b", re.M)
 
 
 def test_quantizing_kernels_keep_nan_compiled(build):
     """In the PTX of every quantize and 8-bit update kernel: no float max or min that drops
-    NaN (the absmax is an integer max, ``max.s32``/``max.u32``, the clamp NaN-propagating),
+    NaN (the absmax is an integer max, ``max.s32``/``max.u32`` or a warp's
+    ``redux.sync.max.s32``, the clamp NaN-propagating),
     and the explicit NaN test that gives a NaN code 0 survived the optimizer (``setp.num``
     or ``setp.nan``). The interpreter cannot show this: it computes with numpy."""
     proc, out = build
