@@ -1,0 +1,383 @@
+"""Compiled blocks: ZeRO-3 training with every block compiled (`block.compile()`), ours against
+FSDP2, on gloo: train-step time, peak live tensor bytes and first-step compile time.
+
+Configurations, each training its own copy of the same seeded model (`benchmarks._gpt.build_gpt`,
+the benchmark GPT of `benchmarks/fsdp.py`) on the same per-rank batches with AdamW:
+
+* `ours eager`     - `vo.AdamW(model.parameters(), **ADAMW, shard_modules=[*model.blocks, model])`
+* `ours compiled`  - the same, then `block.compile()` for every block (the library runs its unit
+                     hooks eagerly, outside the graphs, so each block's forward is one graph)
+* `FSDP2 eager`    - `fully_shard` on every block (resharded after forward) and on the model,
+                     `torch.optim.AdamW(foreach=True)`
+* `FSDP2 compiled` - the same, then `block.compile()` for every block (FSDP2's hooks are
+                     dynamo-disabled: they too run eagerly between the graphs)
+
+Each compiled configuration is compared with FSDP2 in the same mode (`x FSDP2`; if FSDP2 +
+compile does not run here, the output says so and why, and `ours compiled` is compared with
+FSDP2 eager) and with its own eager run (`x eager`).
+
+Time (one world, all configurations in it, one step each in turn with the order rotating, so
+load on the machine hits them alike): `--warmup` rounds (the first compiles), then `--steps`
+measured rounds under `torch.compiler.set_stance("fail_on_recompile")`, so a measured step
+that would recompile fails the run. Every step starts after a barrier and is timed per rank
+(`fwd`, `bwd`, `step`, `zero_grad`; `train` is their sum); a number is the median over steps
+of the slowest rank's, a ratio the median of the per-step ratios.
+
+First step and memory (each configuration alone in a fresh world, with an empty inductor
+cache per rank, `TORCHINDUCTOR_CACHE_DIR`, compiling in the rank's own process, after a world
+that compiled a small function once, so that reading the compiler and its headers from disk
+lands on none of them; `--quick` runs all but FSDP2 compiled in one world): `first step s`
+is the slowest rank's first train step, `compile s` that less its median later step (for the
+compiled configurations: dynamo's capture, AOT autograd and inductor's code generation and C++
+build of the block's forward and backward). Then a second copy of the model, built under the
+profiler (`benchmarks._live`, the other training benchmarks' measurement of ATen's allocator),
+trains `--memory-steps` steps (+1 after them): `peak live` is the most tensor bytes alive on
+a rank during a step after the first, `peak at` the phase and library region open then.
+
+Sanity: every configuration lowers the loss, and ends within `LOSS_TOL` (relative) of
+`ours eager`'s loss on each rank's first batch after training.
+
+    python benchmarks/compile.py            # 4 ranks, the benchmark GPT (~8 min on 2 busy cores)
+    python benchmarks/compile.py --quick    # tiny GPT, 2 ranks, aot_eager backend (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
+
+from benchmarks import _train  # noqa: E402
+from benchmarks._gpt import Ranks, launch  # noqa: E402
+from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._measure import load_average, slowest  # noqa: E402
+from benchmarks._optim import fsdp2, ours  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, environment, host_line, require_finite, save_json, table  # noqa: E402
+from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
+from benchmarks.fsdp import MODELS, QUICK  # noqa: E402
+from vescale_optim.local_world import RankError  # noqa: E402
+
+CONFIGS = ["ours eager", "ours compiled", "FSDP2 eager", "FSDP2 compiled"]
+MODEL, QUICK_MODEL = MODELS["gpt"], QUICK["gpt"]
+PRELOAD = ["benchmarks.compile", "benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
+REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
+LOSS_TOL = 1e-3  # relative, against ours eager: inductor fuses and reorders fp32 arithmetic
+TABLE = ["config", "train ms", "x FSDP2", "x eager", "fwd ms", "bwd ms", "step ms", "peak live MB",
+         "peak live x", "first step s", "compile s", "compile x", "loss after", "|Δ loss|"]  # fmt: skip
+RATIOS = ["x FSDP2", "x eager", "peak live x", "compile x"]
+
+
+def peer(config: str, fsdp2_compiles: bool = True) -> str:
+    """FSDP2 in the same mode (FSDP2 eager where FSDP2 + compile did not run)."""
+    mode = config.split()[-1]
+    return "FSDP2 eager" if mode == "compiled" and not fsdp2_compiles else f"FSDP2 {mode}"
+
+
+# ---------------------------------------------------------------- one configuration
+
+
+class Trainer(_train.Trainer):
+    """One configuration (see the module's docstring); `backend` is `torch.compile`'s."""
+
+    def __init__(self, config: str, shape: dict, backend: str):
+        self.backend = backend
+        super().__init__(config, shape)
+
+    def optimizer(self, model: torch.nn.Module):
+        if self.config.startswith("ours"):
+            opt = ours(model, "AdamW", shard_modules=[*model.blocks, model])
+        else:
+            opt = fsdp2(model, "AdamW")
+        if self.config.endswith("compiled"):
+            for block in model.blocks:
+                block.compile(backend=self.backend)
+        return opt
+
+
+def _fresh_compiler(folder: str | None) -> None:
+    """Nothing compiled in this process, inductor's caches in `folder` (None: left as they are),
+    and inductor compiling in this process (no worker pool: the ranks share the CPUs already)."""
+    torch.compiler.reset()
+    if folder is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
+def _train_seconds(tr: Trainer) -> list[float]:
+    return [sum(t) for t in zip(*(tr.times[k] for k in PHASES))]
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def _time_all(rank: int, world: int, shape: dict, configs: list[str], backend: str, warmup: int,
+              steps: int, cache: str | None) -> dict:  # fmt: skip
+    """Every configuration in this world, interleaved step by step; no recompilation once warm.
+    `cache` None (--quick): what this process compiled before is kept."""
+    if cache is not None:
+        _fresh_compiler(cache)
+    pool = batches(shape, rank, world)
+    trainers = [Trainer(c, shape, backend) for c in configs]
+    interleave(trainers, pool, warmup, 0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        interleave(trainers, pool, 0, steps)
+    return {tr.config: {"params": tr.params, "times_s": tr.times, "losses": tr.losses,
+                        "loss_after": tr.eval_loss(*pool[0])} for tr in trainers}  # fmt: skip
+
+
+def _warm(rank: int, world: int, backend: str) -> None:
+    """Compile and run a small function once, in an empty cache that is then dropped: the first
+    compilation on a machine also reads the compiler, its headers and inductor's modules from
+    disk, which would otherwise land on whichever configuration compiles first."""
+    folder = tempfile.mkdtemp(prefix=f"compile_bench_warm_r{rank}_")
+    try:
+        _fresh_compiler(folder)
+        fn = torch.compile(lambda a, b: torch.nn.functional.gelu(a @ b).sum(), backend=backend)
+        a = torch.randn(16, 16, requires_grad=True)
+        fn(a, torch.randn(16, 16)).backward()
+    finally:
+        torch.compiler.reset()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alone(rank: int, world: int, shape: dict, config: str, backend: str, steps: int,
+           memory_steps: int) -> dict:  # fmt: skip
+    """One configuration in a fresh process: its first steps from an empty compiler cache, then
+    the live bytes of another copy's steps (see the module's docstring)."""
+    folder = tempfile.mkdtemp(prefix=f"compile_bench_r{rank}_")
+    try:
+        _fresh_compiler(folder)
+        pool = batches(shape, rank, world)
+        tr = Trainer(config, shape, backend)
+        for s in range(1 + steps):
+            tr.step(*pool[s % 2])
+        per_step = _train_seconds(tr)
+        del tr
+        gc.collect()
+        out = {"first_s": per_step[0], "later_s": per_step[1:]}
+        if memory_steps:
+            recorder = LiveBytes().start()
+            tr = Trainer(config, shape, backend)
+            windows = ["bench::first"] + ["bench::steady"] * (memory_steps - 1) + ["bench::tail"]
+            for s, window in enumerate(windows):
+                with record_function(window):
+                    tr.step(*pool[s % 2], record=False)
+            trace = recorder.stop()
+            peak = trace.peak("bench::steady", REGIONS)
+            out.update(live_peak=peak["bytes"], live_where=peak["where"], live_by=peak["by"],
+                       live_start=trace.at_start("bench::steady"),
+                       live_unseen_frees=trace.unseen_frees)  # fmt: skip
+            del tr, trace, recorder
+            gc.collect()
+        return out
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _calls(rank: int, world: int, calls: list[tuple]) -> list:
+    return [fn(rank, world, *args) for fn, args in calls]
+
+
+def _worlds(world: int, calls: list[tuple], one: bool = False, log=None, t0: float = 0.0) -> list[Ranks]:
+    """`[fn(rank, world, *args) for each rank] for (fn, args) in calls`: each call in a fresh world,
+    or all in one (`one`)."""
+    if one:
+        per_rank = launch(_calls, world, calls, preload=PRELOAD)
+        out = [Ranks(r[i] for r in per_rank) for i in range(len(calls))]
+        for r in out:
+            r.threads = per_rank.threads
+        return out
+    out = []
+    for fn, args in calls:
+        out.append(launch(fn, world, *args, preload=PRELOAD))
+        if log is not None:
+            log(f"{fn.__name__} {args[1] if fn is _alone else ''}: {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b) if y > 0)
+
+
+def summarize(timed: dict[str, list[dict]], alone: dict[str, list[dict]], fsdp2_compiles: bool) -> list[dict]:
+    """One row per configuration from every rank's results, with its ratios."""
+    rows, train = {}, {}
+    for config, res in timed.items():
+        phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
+        train[config] = [sum(t) for t in zip(*phases.values())]
+        row = {"config": config, "params": res[0]["params"], "train ms": ms(train[config]),
+               **{f"{k} ms": ms(v) for k, v in phases.items()},
+               "loss first": statistics.mean(r["losses"][0] for r in res),
+               "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
+        mine = alone.get(config)
+        if mine:
+            first = max(m["first_s"] for m in mine)
+            later = statistics.median(slowest([m["later_s"] for m in mine]))
+            row.update({"first step s": first, "_compile": first - later})
+            if config.endswith("compiled"):
+                row["compile s"] = first - later
+            if "live_peak" in mine[0]:
+                top = max(mine, key=lambda m: m["live_peak"])
+                row.update({"peak live MB": top["live_peak"] / 2**20,
+                            "at step start MB": max(m["live_start"] for m in mine) / 2**20,
+                            "peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"],
+                            "memory": mine})  # fmt: skip
+        rows[config] = row
+    for config, row in rows.items():
+        base = peer(config, fsdp2_compiles)
+        if config.startswith("ours") and base in rows:
+            row["x FSDP2"] = _ratio(train[config], train[base])
+            if row.get("peak live MB") and rows[base].get("peak live MB"):
+                row["peak live x"] = row["peak live MB"] / rows[base]["peak live MB"]
+            if "compile s" in row and "compile s" in rows[base] and rows[base]["compile s"] > 0:
+                row["compile x"] = row["compile s"] / rows[base]["compile s"]
+        eager = config.replace("compiled", "eager")
+        if config.endswith("compiled") and eager in rows:
+            row["x eager"] = _ratio(train[config], train[eager])
+        if "ours eager" in rows:
+            row["|Δ loss|"] = abs(row["loss after"] - rows["ours eager"]["loss after"])
+    for row in rows.values():
+        row.pop("_compile", None)
+    return list(rows.values())
+
+
+def _goals(rows: dict[str, dict], fsdp2_compiles: bool) -> dict[str, bool]:
+    goals, mine = {}, rows.get("ours compiled", {})
+    base = "FSDP2 compiled" if fsdp2_compiles else "FSDP2 eager (FSDP2 + compile did not run here)"
+    if "x FSDP2" in mine:
+        goals[f"ours compiled: train step <= 0.8x {base} ({mine['x FSDP2']:.3f}x)"] = mine["x FSDP2"] <= 0.8
+    if "x eager" in mine:
+        faster = mine["x eager"] < 1
+        goals[f"ours compiled: train step faster than ours eager ({mine['x eager']:.3f}x)"] = faster
+    return goals
+
+
+def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
+    ok, notes = True, []
+    for r in rows:
+        lowered = r["loss after"] < r["loss first"]
+        close = r.get("|Δ loss|", 0.0) <= LOSS_TOL * max(1.0, abs(r["loss after"]))
+        ok &= lowered and close
+        if not (lowered and close):
+            notes.append(f"{r['config']}: lowered {lowered}, |Δ loss| {r.get('|Δ loss|', 0.0):.2e}")
+    return ok, notes
+
+
+def _fsdp2_status(fsdp2_compiles: bool, reason: str | None, backend: str) -> str:
+    if fsdp2_compiles:
+        return (f"FSDP2 + compile: runs on CPU/gloo here (torch {torch.__version__}, backend {backend}): "
+                "`fully_shard` on every block and the model, then `block.compile()`; FSDP2's hooks are "
+                "dynamo-disabled, so they run eagerly between the blocks' graphs, as ours do.")  # fmt: skip
+    return (f"FSDP2 + compile: does NOT run on CPU/gloo here (torch {torch.__version__}, backend {backend}): "
+            f"{reason}. `ours compiled` is compared with FSDP2 eager instead.")  # fmt: skip
+
+
+def report(rows: list[dict], run: dict) -> dict:
+    shape, w = run["shape"], run["world"]
+    by = {r["config"]: r for r in rows}
+    if run["quick"]:
+        print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
+    print(f"\n## Compiled blocks: {rows[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, "
+          f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
+          f"tokens/rank/step, W={w} (gloo), AdamW, torch.compile backend {run['backend']}; "
+          f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; "
+          f"x FSDP2 = vs FSDP2 in the same mode, x eager = vs the same library eager; first step and "
+          f"peak live: each config alone in a fresh world, empty compiler caches\n")  # fmt: skip
+    print(f"{host_line(run['threads'])}\n")
+    print(table(rows, TABLE, floatfmt=".4g"))
+    print(f"\n{FSDP2_ON_CPU}")
+    print(f"\n{_fsdp2_status(run['fsdp2_compiles'], run['fsdp2_compile_error'], run['backend'])}")
+    print(f"\npeak at (rank with the highest peak); load average {load_average()}\n")
+    print(table(rows, ["config", "peak live MB", "at step start MB", "peak at"], floatfmt=".4g"))
+    goals = _goals(by, run["fsdp2_compiles"])
+    print(f"\nGoals (W={w}; load average {load_average()}):")
+    for k, ok in goals.items():
+        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    sane, notes = _loss_check(rows)
+    print(f"\nLoss check (every config lowered the loss and ends within {LOSS_TOL:g} relative of ours "
+          f"eager): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    name = "compile_quick" if run["quick"] else "compile"
+    payload = {"env": environment(run["threads"]), **run, "load_average": load_average(), "goals": goals,
+               "loss_check_ok": sane, "rows": rows}  # fmt: skip
+    path = save_json(name, payload)
+    print(f"\nwrote {path}; {run['wall_s']:.0f} s")
+    return payload
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
+    ap.add_argument("--steps", type=int, default=None, help="measured rounds (default 16, --quick 3)")
+    ap.add_argument("--warmup", type=int, default=2, help="rounds before them (the first compiles)")
+    ap.add_argument("--first-steps", type=int, default=3, help="steps after the first in the fresh worlds")
+    ap.add_argument("--memory-steps", type=int, default=3, help="profiled (+1 after); 0: none")
+    ap.add_argument("--backend", default=None, help="of torch.compile (default inductor, --quick aot_eager)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--quick", action="store_true", help="tiny GPT, 2 ranks, aot_eager (a smoke test)")
+    args = ap.parse_args(argv)
+    if args.memory_steps == 1:
+        ap.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
+    if args.warmup < 2:
+        ap.error("--warmup: at least 2 (the first step compiles, the second must not recompile)")
+    world = args.world_size or (2 if args.quick else 4)
+    steps = args.steps or (3 if args.quick else 16)
+    first_steps = min(args.first_steps, 2) if args.quick else args.first_steps
+    memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
+    backend = args.backend or ("aot_eager" if args.quick else "inductor")
+    shape = QUICK_MODEL if args.quick else MODEL
+    first = (backend, first_steps, memory_steps)
+    t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
+
+    if not args.quick:
+        _worlds(world, [(_warm, (backend,))])
+        log(f"compiler warmed: {time.perf_counter() - t0:.0f} s")
+    # FSDP2 compiled first, alone: if it cannot run here, it is left out of the other worlds
+    alone, fsdp2_compiles, reason = {}, "FSDP2 compiled" in args.configs, None
+    if fsdp2_compiles:
+        try:
+            alone["FSDP2 compiled"] = _worlds(world, [(_alone, (shape, "FSDP2 compiled", *first))])[0]
+        except RankError as e:
+            fsdp2_compiles = False
+            lines = [ln for ln in e.details.strip().splitlines() if ln.strip()]
+            reason = f"rank {e.rank} failed: {lines[-1] if lines else e}"
+        log(f"FSDP2 compiled alone: {time.perf_counter() - t0:.0f} s")
+    configs = [c for c in args.configs if c != "FSDP2 compiled" or fsdp2_compiles]
+    rest = [c for c in configs if c != "FSDP2 compiled"]
+    cache = None if args.quick else tempfile.mkdtemp(prefix="compile_bench_timing_")
+    calls = [(_alone, (shape, c, *first)) for c in rest]
+    calls.append((_time_all, (shape, configs, backend, args.warmup, steps, cache)))
+    try:  # each call in a fresh world (--quick: all in one)
+        out = _worlds(world, calls, one=args.quick, log=log, t0=t0)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+    alone.update(zip(rest, out[:-1]))
+    timed = out[-1]
+    rows = summarize({c: [rk[c] for rk in timed] for c in configs}, alone, fsdp2_compiles)
+    require_finite(rows, [c for c in TABLE if c != "config"])
+    run = dict(world=world, steps=steps, warmup=args.warmup, first_steps=first_steps,
+               memory_steps=memory_steps, backend=backend, shape=shape, quick=args.quick,
+               fsdp2_compiles=fsdp2_compiles, fsdp2_compile_error=reason, threads=timed.threads,
+               wall_s=time.perf_counter() - t0)  # fmt: skip
+    return report(rows, run)
+
+
+if __name__ == "__main__":
+    main()
