@@ -23,7 +23,8 @@ and then, with `mean` the world's FLOPs per rank:
    rank taking the node's line work / its ranks (McNaughton's wrap-around): a matrix that
    crosses ranks is split over them, rows in proportion to the work each takes; one that stays
    inside a rank is whole there. A rank is in at most two groups besides those it lies inside;
-4. whole matrices go, largest first, to the least-loaded rank (LPT), after the lines' loads.
+4. whole matrices go, largest first, to the least-loaded rank (LPT), after the lines' loads;
+5. if every matrix whole (LPT alone) finishes no later than that, the plan is that.
 
 Deterministic: every rank computes the same plan from the same shapes. `owners` does not know
 where the data lies; `vo.Muon` then trades owners between matrices of equal cost toward the
@@ -216,6 +217,12 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
         for r in members:
             received[r] += nbytes
             times[r] += seconds
+    whole = assign_owners(costs, world)  # every matrix whole (LPT): kept when no slower
+    flat = [0.0] * world
+    for c, o in zip(costs, whole):
+        flat[o] += c
+    if groups and max(flat) / cost.flops <= max(times):
+        return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
     return MuonPlan(owners, groups, splits, loads, received, times, cost)
 
 
