@@ -141,3 +141,22 @@ def test_muon(tmp_path):
     b = out["b"]
     assert {r["W"] for r in b} == {8, 64} and all(r["max/mean"] >= 1 for r in b)
     _host(out, threads=2)
+
+
+@pytest.mark.timeout(60)
+def test_scale(tmp_path, capsys):
+    from benchmarks import scale
+
+    with results_in(tmp_path):
+        out = scale.main(["--quick"])
+    rows = out["rows"]
+    assert {(r["model"], r["W"], r["config"]) for r in rows} == {
+        ("llama3-70b", w, c) for w in scale.QUICK_WORLDS for c in ("ours", "FSDP2 + torch Muon")}
+    assert all(set(scale.COLUMNS) <= set(r) for r in rows)
+    _finite(rows, scale.NUMBERS)
+    _finite(out["plans"], [k for k in out["plans"][0] if k not in ("model",)])
+    assert all(r["step s"] > 0 and 0 < r["Muon %"] < 100 for r in rows)
+    assert [k for k in out["goals"] if "W=1024" in k] and all(out["goals"].values())  # W=1024's, met
+    assert "| model" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "scale_quick.json").read_text())
+    assert saved["rows"] == rows and saved["cost"]["flops"] == 989e12
