@@ -34,7 +34,8 @@ def test_without_a_launch_it_starts_nothing(monkeypatch):
         assert get_collective_timeout() == timedelta(seconds=7)
     finally:
         vo.set_collective_timeout(None)
-    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    want = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     assert device == want and not dist.is_initialized()
     assert vo.init_distributed() == want  # nothing was started: nothing to refuse
 
