@@ -217,12 +217,13 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
         for r in members:
             received[r] += nbytes
             times[r] += seconds
-    whole = assign_owners(costs, world)  # every matrix whole (LPT): kept when no slower
-    flat = [0.0] * world
-    for c, o in zip(costs, whole):
-        flat[o] += c
-    if groups and max(flat) / cost.flops <= max(times):
-        return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
+    if groups:  # every matrix whole (LPT alone) is the plan when it finishes no later
+        whole = assign_owners(costs, world)
+        flat = [0.0] * world
+        for c, o in zip(costs, whole):
+            flat[o] += c
+        if max(flat) / cost.flops <= max(times):
+            return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
     return MuonPlan(owners, groups, splits, loads, received, times, cost)
 
 
