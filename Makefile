@@ -40,8 +40,10 @@ bench: setup
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m vescale_optim.kernels.aot --out build/aot
 
-gpu-check: setup
-	bash benchmarks/gpu_check.sh
+# The one-GPU validation; no set-up (a lent GPU machine is offline: $$PYTHON, .venv or python3
+# is used as it is). GPU_CHECK=--cpu rehearses it on CPU, GPU_CHECK=--dry-run lists the stages.
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -206,7 +206,7 @@ def stage_tests(r: Result, *, out: Path, mode: str) -> None:
 
 
 def _kernels_bench(r: Result, out: Path, mode: str, section: str) -> dict | None:
-    path = out / f"{section}.json"
+    path = out / f"kernels_{section}.json"
     path.unlink(missing_ok=True)
     cmd = [
         sys.executable,
@@ -1261,7 +1261,8 @@ def _group(mode: str) -> str:
 
 def _kernels_cmd(mode: str, section: str) -> str:
     flags = " --no-compile" if mode == "cpu" else ""
-    return f"python benchmarks/kernels.py --quick --sections {section}{flags} --out OUT/{section}.json"
+    out = f"OUT/kernels_{section}.json"
+    return f"python benchmarks/kernels.py --quick --sections {section}{flags} --out {out}"
 
 
 def _plans() -> dict:

@@ -130,11 +130,11 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
     staging = by_stage["checkpoint"]["measurements"]
     assert staging["sync"]["save_s"] > 0 and staging["async"]["staging"] is not None
 
-    kernels = json.loads((out / "kernels.json").read_text())
+    kernels = json.loads((out / "kernels_kernels.json").read_text())
     assert {(r["kernel"], r["backend"]) for r in kernels["rows"]} == {
         (k, "torch") for k in ("newton_schulz", "quantize", "dequantize", "adamw8bit")
     }
-    steps = {r["optimizer"]: r for r in json.loads((out / "steps.json").read_text())["steps"]}
+    steps = {r["optimizer"]: r for r in json.loads((out / "kernels_steps.json").read_text())["steps"]}
     assert steps["vo.AdamW"]["max |diff|"] < 1e-6 and steps["vo.Muon"]["max |diff|"] < 1e-6
     md = (out / "report.md").read_text()
     assert all(f"## {name}: " in md for name in STAGES)
