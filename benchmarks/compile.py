@@ -37,7 +37,7 @@ a rank during a step after the first, `peak at` the phase and library region ope
 Sanity: every configuration lowers the loss, and ends within `LOSS_TOL` (relative) of
 `ours eager`'s loss on each rank's first batch after training.
 
-    python benchmarks/compile.py            # 4 ranks, the benchmark GPT (~8 min on 2 busy cores)
+    python benchmarks/compile.py            # 4 ranks, the benchmark GPT (~11 min on 2 busy cores)
     python benchmarks/compile.py --quick    # tiny GPT, 2 ranks, aot_eager backend (a smoke test)
 """
 
