@@ -55,7 +55,8 @@ def model_buckets(model: str, bucketing: str) -> list[list[tuple[int, ...]]]:
 def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
     """What `vo.Muon` computes for these buckets of one Muon group: each laid out with a granule of
     one row; a matrix's home is the rank whose shard holds all of it (None when it spans ranks), its
-    cost its Newton-Schulz FLOPs; then ONE `vo.muon_plan` over every matrix, in bucket order, owners
+    cost its Newton-Schulz FLOPs; then ONE `vo.muon_plan` over every matrix with those homes, in bucket
+    order, owners
     of whole matrices traded toward their homes (`keep_homes`, between equal costs), and the per-rank load
     (`opt.ns_load`). `costs`/`homes`/`owners` list one entry per piece of work: a whole matrix, or
     each member's share of a split one (home None), so `imbalance(costs, owners, world)` is the plan's."""
@@ -71,7 +72,7 @@ def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
                 homes.append(first if first == last else None)
                 dims.append((rows, cols))
     t0 = time.perf_counter()
-    plan = vo.muon_plan(dims, world, ns_steps=MUON["ns_steps"])
+    plan = vo.muon_plan(dims, world, ns_steps=MUON["ns_steps"], homes=homes)
     seconds = time.perf_counter() - t0
     keys = [ns_flops(rows, cols, MUON["ns_steps"]) for rows, cols in dims]
     whole = keep_homes(plan.owners, keys, [() if h is None else (h,) for h in homes])

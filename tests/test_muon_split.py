@@ -138,7 +138,7 @@ def _train(cap):
             p.grad = _grad(p.shape, t, rank, i)
         opt.step()
         stats.append((opt.step_stats["ns_matrices"], opt.step_stats["ns_flops"]))
-    return [p.detach().clone() for p in params], stats, opt.ns_load, dict(opt.plan.groups)
+    return [p.detach().clone() for p in params], stats, opt.ns_load, dict(opt.plan.groups), opt.homes
 
 
 def _reference(world):
@@ -167,10 +167,10 @@ def _reference(world):
 def test_a_world_of_4_with_split_matrices_equals_torch_muon(world, cap):
     results = world(4).run(_train, cap, timeout=120)
     want = _reference(4)
-    plan = vo.muon_plan(SHAPES, 4, cost=FREE_COMM)
+    plan = vo.muon_plan(SHAPES, 4, cost=FREE_COMM, homes=results[0][4])  # vo.Muon's own plan
     assert set(plan.groups) == {0, 2}  # the tall and the wide matrix are split
     n = sum(s[0] if len(s) == 3 else 1 for s in SHAPES)
-    for rank, (params, stats, load, groups) in enumerate(results):
+    for rank, (params, stats, load, groups, _) in enumerate(results):
         assert groups == plan.groups and load == plan.loads
         for got, ref in zip(params, want):
             torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)

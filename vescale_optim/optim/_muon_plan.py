@@ -168,12 +168,16 @@ class MuonPlan:
 
 
 def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: int | Sequence[int] = 5,
-              mesh_shape: tuple[int, int] | None = None, cost: CostModel = H200) -> MuonPlan:  # fmt: skip
+              mesh_shape: tuple[int, int] | None = None, cost: CostModel = H200,
+              homes: Sequence[int | None] | None = None) -> MuonPlan:  # fmt: skip
     """The plan `vo.Muon` builds for parameters of `shapes` (2-D matrices, 3-D stacks, 4-D
     convolutions, in the optimizer's order) on `world_size` ranks; `ns_steps` for all or one per
     shape. `mesh_shape = (replicas, shards)` of a `replicate x shard` mesh (world ranks row-major,
     `torch.distributed.init_device_mesh`'s order) only checks the world: groups stay inside a
-    node, and a node inside a shard group when shards are a multiple of the node."""
+    node, and a node inside a shard group when shards are a multiple of the node. `homes`, one
+    per matrix (a 3-D stack counts its matrices), is the world rank already holding it whole, if
+    any: a whole matrix stays there while that rank's load stays within 5 % of the mean, so it
+    need not travel (`vo.Muon` passes its layout's homes; None plans as if nothing lay anywhere)."""
     steps = [ns_steps] * len(shapes) if isinstance(ns_steps, int) else list(ns_steps)
     if len(steps) != len(shapes):
         raise ValueError(f"{len(steps)} ns_steps for {len(shapes)} shapes")
@@ -183,11 +187,15 @@ def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: i
     for shape, s in zip(shapes, steps):
         count, rows, cols = matrix_view(tuple(shape))
         dims += [(rows, cols, s)] * count
-    return plan_matrices(dims, world_size, cost)
+    if homes is not None and len(homes) != len(dims):
+        raise ValueError(f"{len(homes)} homes for {len(dims)} matrices")
+    return plan_matrices(dims, world_size, cost, homes)
 
 
-def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostModel = H200) -> MuonPlan:
+def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostModel = H200,
+                  homes: Sequence[int | None] | None = None) -> MuonPlan:  # fmt: skip
     """`muon_plan` over matrices `(rows, cols, ns_steps)` (see the module's docstring)."""
+    homes = list(homes) if homes is not None else [None] * len(dims)
     costs = [ns_flops(r, c, s) for r, c, s in dims]
     mean = sum(costs) / world
     loads = [0.0] * world
@@ -208,7 +216,8 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
             for k, r in enumerate(groups[i]):
                 loads[r] += member_flops(split, k, dims[i][2])
     rest = [i for i in range(len(dims)) if owners[i] is None and i not in groups]
-    for i, o in zip(rest, assign_owners([costs[i] for i in rest], world, loads=loads)):
+    placed = assign_owners([costs[i] for i in rest], world, [homes[i] for i in rest], loads=loads)
+    for i, o in zip(rest, placed):
         owners[i] = o
         loads[o] += costs[i]
     received, times = [0.0] * world, [x / cost.flops for x in loads]
@@ -218,7 +227,7 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
             received[r] += nbytes
             times[r] += seconds
     if groups:  # every matrix whole (LPT alone) is the plan when it finishes no later
-        whole = assign_owners(costs, world)
+        whole = assign_owners(costs, world, homes)
         flat = [0.0] * world
         for c, o in zip(costs, whole):
             flat[o] += c

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from ..shard.redistribution import Piece
 from ..units.moves import Move
 from ..units.owner_plan import SegmentMoves, WorkItem, plan_owners
-from ..units.owners import keep_homes
+from ..units.owners import keep_homes, spread_homes
 from ..units.segment import FROZEN, Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
@@ -175,11 +175,15 @@ class Muon(ShardedOptimizer):
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
         work = [matrix_work(seg, seg.group["ns_steps"]) for seg in segs]
         dims = [(r, c, seg.group["ns_steps"]) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
-        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model)
-        self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
         items = [item for seg_items, _ in work for item in seg_items]
-        holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
         costs = [ns_flops(*d) for d in dims]
+        # a matrix lying whole on one shard rank stays there when the balance allows (with
+        # replicas, the matrices of a shard rank are dealt over its replicas)
+        homes = spread_homes(costs, [it.home for it in items], topo.ranks)
+        self.homes: list[int | None] = homes  # per matrix, the world rank holding it whole (or None)
+        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model, homes)
+        self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
+        holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
         owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
         whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners
         for seg_items, shapes in work:
