@@ -614,7 +614,7 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
     unit-sized buffers in backward (README: the computing unit's parameters and gradient
     buffer, and the one being reduced or the next unit's parameters) and the outermost unit's
     parameters and gradient buffer. Bounds: peak >= persistent + the largest unit (a gather
-    must allocate it); peak <= persistent + plain + 3 x largest block + 2 x outermost + 64 MiB
+    must allocate it); peak <= persistent + plain + 3 x largest block + 2 x outermost + 128 MiB
     (cuBLAS workspaces, the reduction's staging, allocator rounding).
     """
     torch = _torch()

@@ -134,8 +134,21 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
     assert {(r["kernel"], r["backend"]) for r in kernels["rows"]} == {
         (k, "torch") for k in ("newton_schulz", "quantize", "dequantize", "adamw8bit")
     }
+    assert all(r["ms"] > 0 and r["% of peak"] is None for r in kernels["rows"])
+    host = kernels["env"]["host"]
+    assert host["cpu"] and host["native_bf16"] and host["threads_per_rank"][0] >= 1
     steps = {r["optimizer"]: r for r in json.loads((out / "kernels_steps.json").read_text())["steps"]}
+    assert set(steps) == {
+        "torch.optim.AdamW",
+        "vo.AdamW",
+        "vo.AdamW 8-bit",
+        "vo.Shampoo",
+        "torch.optim.Muon",
+        "vo.Muon",
+    }
     assert steps["vo.AdamW"]["max |diff|"] < 1e-6 and steps["vo.Muon"]["max |diff|"] < 1e-6
+    logs = (out / "kernels.log").read_text() + (out / "steps.log").read_text()
+    assert "| kernel" in logs and "| optimizer" in logs and "host: " in logs
     md = (out / "report.md").read_text()
     assert all(f"## {name}: " in md for name in STAGES)
 
