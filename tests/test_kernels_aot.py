@@ -18,7 +18,7 @@ from vescale_optim.kernels import _ns_triton, _quant_triton, aot
 from vescale_optim.kernels.quant import MAX_TRITON_BLOCK
 
 FIELDS = {"kernel", "role", "arch", "config", "smem_bytes", "regs", "spills", "tensor_cores", "ptx"}
-ROLES = {"newton_schulz", "quantize", "dequantize", "adamw8bit"}
+ROLES = {"newton_schulz", "quantize", "dequantize", "adamw8bit", "pack", "unpack", "unpack_sum"}
 
 
 def _env(tmp_path):
@@ -35,7 +35,8 @@ def build(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot")
     proc = subprocess.run(
         [sys.executable, "-m", "vescale_optim.kernels.aot", "--out", str(out)],
-        # 404 kernels: 3 minutes on an idle 2-core machine, 10 on a busy one
+        # 636 kernels: 3 minutes on an idle 2-core machine, 10 on a busy one (the 232 of the
+        # packed wire format compile in under a minute)
         env=_env(out), capture_output=True, text=True, timeout=1200,
     )
     return proc, out
@@ -59,7 +60,8 @@ def test_every_kernel_compiles_for_both_architectures(build):
     assert len(table) == len(records)
 
 
-DTYPE_ARG = {"quantize": 0, "dequantize": 2, "adamw8bit": 1}  # the input (output) a user chooses
+DTYPE_ARG = {"quantize": 0, "dequantize": 2, "adamw8bit": 1, "pack": 0, "unpack": 1}
+"""The input (output) whose dtype a user chooses; ``unpack_sum`` is fp32 only."""
 
 
 def _quant_dtype(record):
@@ -86,10 +88,23 @@ def test_every_configuration_the_launchers_choose_is_compiled(build):
     for arch in (80, 90):
         for config in syrk | poly:
             assert _compiled(records, "newton_schulz", arch, config), (arch, config)
-        for role in DTYPE_ARG:
-            for config in quant:
+        for config in quant:
+            for role in DTYPE_ARG:
                 for dtype in ("fp32", "bf16"):
                     assert _compiled(records, role, arch, config, dtype), (role, arch, config, dtype)
+            assert _compiled(records, "unpack_sum", arch, config), (arch, config)
+
+
+def test_packed_kernels_are_compiled_for_several_rows(build):
+    """The packed sweep reaches each tile choice with several rows (the row of a program is
+    a division there; the row sum loops), and one row with a partial last block."""
+    records = _records(build[1])
+    for role in ("pack", "unpack", "unpack_sum"):
+        inputs = {i for r in records if r["role"] == role for i in r["inputs"]}
+        for block in (2**k for k in range(MAX_TRITON_BLOCK.bit_length())):
+            assert f"fp32 n={64 * block} rows={aot.PACK_ROWS} block_size={block}" in inputs, (role, block)
+        rows = aot.PACK_ROWS if role == "unpack_sum" else 1
+        assert f"fp32 n={64 * 65 - 1} rows={rows} block_size=65" in inputs, role
 
 
 def test_newton_schulz_inputs_of_the_issue_are_covered(build):
@@ -105,13 +120,13 @@ INT_MAX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:redux\.sync\.)?max\.[su]32\b", re.
 
 
 def test_quantizing_kernels_keep_nan_compiled(build):
-    """In the PTX of every quantize and 8-bit update kernel: no float max or min that drops
+    """In the PTX of every quantize, pack and 8-bit update kernel: no float max or min that drops
     NaN (the absmax is an integer max, ``max.s32``/``max.u32`` or a warp's
     ``redux.sync.max.s32``, the clamp NaN-propagating),
     and the explicit NaN test that gives a NaN code 0 survived the optimizer (``setp.num``
     or ``setp.nan``). The interpreter cannot show this: it computes with numpy."""
     proc, out = build
-    records = [r for r in _records(out) if r["role"] in ("quantize", "adamw8bit") and not r["error"]]
+    records = [r for r in _records(out) if r["role"] in ("quantize", "adamw8bit", "pack") and not r["error"]]
     assert {r["arch"] for r in records} == {80, 90}
     for r in records:
         ptx = (out / r["ptx"]).read_text()
@@ -130,6 +145,7 @@ def test_inputs_past_two_to_the_31_elements_are_compiled(build):
     for block_size, n in aot.QUANT_LARGE:
         for dtype in ("fp32", "bf16"):
             assert f"{dtype} n={n} block_size={block_size}" in inputs
+        assert f"fp32 n={n} rows={aot.PACK_ROWS} block_size={block_size}" in inputs  # the row sum
     for shape in aot.NS_LARGE:
         assert f"bf16 {shape}" in inputs
     wide = [r for r in records if "i64" in r["config"]["signature"]]

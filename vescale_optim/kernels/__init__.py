@@ -1,11 +1,23 @@
 """Kernels with torch reference implementations: Newton–Schulz and block-wise 8-bit
-quantization with a fused 8-bit AdamW update.
+quantization with a fused 8-bit AdamW update, and the packed 8-bit wire format of the
+unit collectives (``pack_blockwise``, ``unpack_blockwise``, ``unpack_sum_blockwise``).
 
 Every function takes ``backend="auto" | "torch" | "triton"``; ``"auto"`` runs Triton
 on CUDA tensors and the torch reference elsewhere. Triton is imported only when used.
 """
 
 from .newton_schulz import newton_schulz
-from .quant import adamw8bit_update_, dequantize_blockwise, quantize_blockwise
+from .quant import (
+    adamw8bit_update_,
+    dequantize_blockwise,
+    pack_blockwise,
+    packed_width,
+    quantize_blockwise,
+    unpack_blockwise,
+    unpack_sum_blockwise,
+)
 
-__all__ = ["adamw8bit_update_", "dequantize_blockwise", "newton_schulz", "quantize_blockwise"]
+__all__ = [
+    "adamw8bit_update_", "dequantize_blockwise", "newton_schulz", "pack_blockwise", "packed_width",
+    "quantize_blockwise", "unpack_blockwise", "unpack_sum_blockwise",
+]

@@ -12,6 +12,13 @@ and min instructions: ``tl.max`` / ``tl.maximum`` / ``tl.minimum`` compile to ``
 NaN gradient would quietly become a finite scale and finite codes. The absmax is an
 integer max over the magnitude bits, the clamp propagates NaN (``max.NaN.f32``), and a
 NaN's code is 0 by an explicit test (what the reference's cast gives; ``_quantize_rows``).
+
+The packed kernels (``pack``, ``unpack``, ``unpack_sum``) read and write the 8-bit wire
+format of the unit collectives, ``rows`` rows of ``[numel int8 codes | nblocks fp32
+scales as 4 little-endian bytes]`` (``quant.pack_blockwise``), with the same tiles: a
+program's tile lies in one row (program ``pid`` is tile ``pid % tiles`` of row
+``pid // tiles``), so the row's bases are int64 scalars and the tile's offsets int32.
+Scales go through bytes, since a row's scales start at any byte (no 4-byte alignment).
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._triton_common import INTERPRET, Launch, cast_rne, device_of
+from ._triton_common import INTERPRET, Launch, cast_rne, device_of, upcast
 
 __all__ = [
     "INTERPRET", "adamw8bit", "adamw8bit_launch", "block_config", "dequantize", "dequantize_launch",
-    "quantize", "quantize_launch",
+    "pack", "pack_launch", "quantize", "quantize_launch", "unpack", "unpack_launch", "unpack_sum",
+    "unpack_sum_launch",
 ]
 
 _TILE_ELEMENTS = 2048
@@ -97,7 +105,13 @@ def _tile(n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """This program's ``(ROWS, BLOCK)`` tile: its first element and first block (int64
     scalars, so any ``n`` works) and int32 offsets and masks relative to them (int64
     vectors cost registers, enough to spill)."""
-    first = tl.program_id(0).to(tl.int64) * ROWS
+    return _tile_at(tl.program_id(0), n, nblocks, block_size, ROWS, BLOCK)
+
+
+@triton.jit
+def _tile_at(tile, n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``_tile`` for tile number ``tile`` of ``n`` elements in ``nblocks`` blocks."""
+    first = tile.to(tl.int64) * ROWS
     start = first * block_size
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -110,12 +124,12 @@ def _tile(n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
     x_ptr += start
     q_ptr += start
     s_ptr += first
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), INTERPRETED)
     q, scale = _quantize_rows(x, 0.0, False)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_mask)
@@ -132,6 +146,83 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
     scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
     x = cast_rne(q * scale[:, None], out_ptr.dtype.element_ty, INTERPRETED)
     tl.store(out_ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _store_scales(ptr, rows, scale, row_mask):
+    """Scale ``rows[i]`` as 4 little-endian bytes at ``ptr + 4 * rows[i]`` (any alignment)."""
+    bits = scale.to(tl.uint32, bitcast=True)
+    byte = tl.arange(0, 4)
+    values = (bits[:, None] >> (8 * byte[None, :]).to(tl.uint32)) & 0xFF
+    tl.store(ptr + rows[:, None] * 4 + byte[None, :], values.to(tl.uint8), mask=row_mask[:, None])
+
+
+@triton.jit
+def _load_scales(ptr, rows, row_mask):
+    """The scales ``_store_scales`` wrote (0.0 where masked)."""
+    at = ptr + rows * 4
+    bits = tl.load(at, mask=row_mask, other=0).to(tl.uint32)
+    bits |= tl.load(at + 1, mask=row_mask, other=0).to(tl.uint32) << 8
+    bits |= tl.load(at + 2, mask=row_mask, other=0).to(tl.uint32) << 16
+    bits |= tl.load(at + 3, mask=row_mask, other=0).to(tl.uint32) << 24
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_tile(tiles, numel, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's packed row (int64) and its tile there (``_tile_at``)."""
+    pid = tl.program_id(0)
+    row = pid // tiles
+    start, first, rows, offs, mask, row_mask = _tile_at(pid - row * tiles, numel, nblocks, block_size,
+                                                        ROWS, BLOCK)
+    return row.to(tl.int64), start, first, rows, offs, mask, row_mask
+
+
+@triton.jit
+def _unpack_rows(p_ptr, numel, start, first, rows, offs, mask, row_mask):
+    """fp32 values of a tile of the packed row at ``p_ptr``: ``q * s``, exact (see ``quant``)."""
+    q = tl.load(p_ptr + start + offs, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    scale = _load_scales(p_ptr + numel + 4 * first, rows, row_mask)
+    return q * scale[:, None]
+
+
+@triton.jit
+def _pack_kernel(x_ptr, p_ptr, numel, nblocks, width, tiles, block_size,
+                 INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Quantize a tile of row ``row`` of ``x`` (``numel`` elements a row) straight into the
+    packed ``[rows, width]`` bytes: codes at the tile's elements, scales after the codes."""
+    row, start, first, rows, offs, mask, row_mask = _row_tile(tiles, numel, nblocks, block_size, ROWS, BLOCK)
+    x_ptr += row * numel + start
+    p_ptr += row * width
+    x = upcast(tl.load(x_ptr + offs, mask=mask, other=0.0), INTERPRETED)
+    q, scale = _quantize_rows(x, 0.0, False)
+    tl.store(p_ptr + start + offs, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=mask)
+    _store_scales(p_ptr + numel + 4 * first, rows, scale, row_mask)
+
+
+@triton.jit
+def _unpack_kernel(p_ptr, out_ptr, numel, nblocks, width, tiles, block_size,
+                   INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Dequantize a tile of packed row ``row`` into ``out[row * numel:]`` in ``out``'s dtype."""
+    row, start, first, rows, offs, mask, row_mask = _row_tile(tiles, numel, nblocks, block_size, ROWS, BLOCK)
+    p_ptr += row * width  # both bases before the loads: ptxas then spills nowhere (sm_90, BLOCK 8192)
+    out_ptr += row * numel + start
+    x = _unpack_rows(p_ptr, numel, start, first, rows, offs, mask, row_mask)
+    tl.store(out_ptr + offs, cast_rne(x, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def _unpack_sum_kernel(p_ptr, out_ptr, nrows, numel, nblocks, width, block_size,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 sum over the ``nrows`` packed rows of a tile's dequantized values, in row order
+    (row 0, then ``+=`` each next row: exactly the reference's sequence of fp32 adds; a
+    contracted ``q * s + acc`` changes nothing, since ``q * s`` is exact)."""
+    start, first, rows, offs, mask, row_mask = _tile(numel, nblocks, block_size, ROWS, BLOCK)
+    acc = _unpack_rows(p_ptr, numel, start, first, rows, offs, mask, row_mask)
+    for _ in range(1, nrows):
+        p_ptr += width  # 64-bit pointer arithmetic: any rows * width
+        acc += _unpack_rows(p_ptr, numel, start, first, rows, offs, mask, row_mask)
+    tl.store(out_ptr + start + offs, acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["salt"])
@@ -190,7 +281,8 @@ def quantize_launch(flat: Tensor, block_size: int) -> tuple[Launch, Tensor, Tens
     grid, nblocks = _grid(n, block_size, config)
     q = torch.empty(n, dtype=torch.int8, device=flat.device)
     scales = torch.empty(nblocks, dtype=torch.float32, device=flat.device)
-    return Launch(_quantize_kernel, grid, (flat, q, scales, n, nblocks, block_size), config), q, scales
+    args = (flat, q, scales, n, nblocks, block_size)
+    return Launch(_quantize_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config)), q, scales
 
 
 def quantize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -219,6 +311,61 @@ def dequantize(q: Tensor, scales: Tensor, block_size: int, dtype: torch.dtype) -
     with device_of(q):
         launch()
     return out
+
+
+def _row_grid(rows: int, numel: int, block_size: int, config: dict) -> tuple[tuple[int], int, int]:
+    """Grid of the packed kernels (``tiles`` tiles in each of ``rows`` rows), blocks a row, tiles a row."""
+    nblocks = triton.cdiv(numel, block_size)
+    tiles = triton.cdiv(nblocks, config["ROWS"])
+    return (rows * tiles,), nblocks, tiles
+
+
+def pack_launch(flat: Tensor, out: Tensor, rows: int, block_size: int) -> Launch:
+    """The launch of ``pack``: ``flat`` (``rows`` equal rows) into ``out`` (``[rows, width]`` bytes)."""
+    numel = flat.numel() // rows
+    config = block_config(block_size)
+    grid, nblocks, tiles = _row_grid(rows, numel, block_size, config)
+    args = (flat, out, numel, nblocks, out.numel() // rows, tiles, block_size)
+    return Launch(_pack_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config))
+
+
+def pack(flat: Tensor, out: Tensor, rows: int, block_size: int) -> None:
+    """Triton ``pack_blockwise`` of a contiguous flat tensor into contiguous ``out``: one kernel."""
+    launch = pack_launch(flat, out, rows, block_size)
+    with device_of(flat):
+        launch()
+
+
+def unpack_launch(packed: Tensor, out: Tensor, rows: int, block_size: int) -> Launch:
+    """The launch of ``unpack``: packed ``[rows, width]`` bytes into flat ``out``."""
+    numel = out.numel() // rows
+    config = block_config(block_size)
+    grid, nblocks, tiles = _row_grid(rows, numel, block_size, config)
+    args = (packed, out, numel, nblocks, packed.numel() // rows, tiles, block_size)
+    return Launch(_unpack_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config))
+
+
+def unpack(packed: Tensor, out: Tensor, rows: int, block_size: int) -> None:
+    """Triton ``unpack_blockwise`` into contiguous ``out`` (any float dtype): one kernel."""
+    launch = unpack_launch(packed, out, rows, block_size)
+    with device_of(packed):
+        launch()
+
+
+def unpack_sum_launch(packed: Tensor, out: Tensor, rows: int, block_size: int) -> Launch:
+    """The launch of ``unpack_sum``: the fp32 row sum of packed ``[rows, width]`` bytes into ``out``."""
+    numel = out.numel()
+    config = block_config(block_size)
+    grid, nblocks = _grid(numel, block_size, config)
+    args = (packed, out, rows, numel, nblocks, packed.numel() // rows, block_size)
+    return Launch(_unpack_sum_kernel, grid, args, config)
+
+
+def unpack_sum(packed: Tensor, out: Tensor, rows: int, block_size: int) -> None:
+    """Triton ``unpack_sum_blockwise`` into contiguous fp32 ``out``: one kernel."""
+    launch = unpack_sum_launch(packed, out, rows, block_size)
+    with device_of(packed):
+        launch()
 
 
 def adamw8bit_launch(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,

@@ -62,13 +62,23 @@ def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
 def cast_rne(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """Cast fp32 ``x`` to ``dtype`` rounding to nearest-even, as compiled kernels do.
 
-    The interpreter truncates fp32 -> bf16; rounding the fp32 bits first makes the
-    truncation exact, so interpreted results match the hardware bit for bit. A NaN
-    becomes the quiet NaN ``0x7FC0`` (rounding its bits could carry into the exponent or
-    the sign and make it an Inf or -0), so it stays a NaN, as in ``cvt.rn.bf16.f32``.
+    The interpreter truncates fp32 -> bf16, and mangles subnormals doing so; here the
+    fp32 bits are rounded and their top half is the bf16 (a bitcast), so interpreted
+    results match the hardware bit for bit. A NaN becomes the quiet NaN ``0x7FC0``
+    (rounding its bits could carry into the exponent or the sign and make it an Inf or
+    -0), so it stays a NaN, as in ``cvt.rn.bf16.f32``.
     """
     if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = tl.where(x == x, (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000, 0x7FC00000)
-        x = bits.to(tl.float32, bitcast=True)
+        bits = tl.where(x == x, bits + 0x7FFF + ((bits >> 16) & 1), 0x7FC00000)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def upcast(x, INTERPRETED: tl.constexpr):
+    """``x`` as fp32 (exact for every float input). The interpreter's bf16 -> fp32
+    conversion mangles subnormals; there a bf16's bits become the fp32's top half."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)

@@ -3,11 +3,12 @@
     python -m vescale_optim.kernels.aot --out DIR [--arch 80 90] [--jobs N]
 
 The launchers plan each launch before running it (``*_launch`` in ``_ns_triton`` and
-``_quant_triton``); here the same planning runs on meta tensors over a sweep of inputs,
-so every tile size, ``num_warps``, ``num_stages`` and dtype the dispatcher can choose
-appears, with the argument specializations (divisibility by 16, unit strides) a real
-launch would get: they come from Triton's own launch binder (an internal API, written
-against the pinned Triton 3.7). Each distinct kernel is compiled with ``triton.compile``
+``_quant_triton``, the packed wire format's kernels included); here the same planning
+runs on meta tensors over a sweep of inputs, so every tile size, ``num_warps``,
+``num_stages`` and dtype the dispatcher can choose appears, with the argument
+specializations (divisibility by 16, unit strides) a real launch would get: they come
+from Triton's own launch binder (an internal API, written against the pinned Triton 3.7).
+Each distinct kernel is compiled with ``triton.compile``
 for each architecture; its PTX goes to ``DIR``, and its registers and spills come from the
 ``ptxas -v`` report of the bundled ``ptxas`` that Triton runs to build the cubin.
 
@@ -56,7 +57,7 @@ except ImportError as e:
 from . import _ns_triton, _quant_triton
 from ._triton_common import INTERPRET, Launch
 from .newton_schulz import DEFAULT_COEFFICIENTS
-from .quant import MAX_TRITON_BLOCK
+from .quant import MAX_TRITON_BLOCK, packed_width
 
 __all__ = [
     "SMEM_LIMIT", "Case", "build", "cases", "check", "main", "markdown", "ptxas_usage", "tensor_core_ops",
@@ -76,6 +77,8 @@ NS_LARGE = ((2, 32768, 65536),)
 QUANT_DTYPES = (torch.float32, torch.bfloat16)
 QUANT_LARGE = ((1, 2**31 + 1), (256, 2**32))
 """Flat shards past 2**31 elements: ``n`` (and ``nblocks`` at block size 1) are int64 arguments."""
+PACK_ROWS = 4
+"""Rows (ranks) of the packed sweep."""
 _DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
 
 
@@ -140,6 +143,25 @@ def cases() -> Iterator[Case]:
             p = _meta(n, dtype=torch.float32)
             launch = _quant_triton.adamw8bit_launch(p, x, q, scales, q, scales, block_size, **hyper)
             yield Case("adamw8bit", name, launch)
+    yield from _packed_cases()
+
+
+def _packed_cases() -> Iterator[Case]:
+    """The packed wire format's kernels over the same sweep: ``PACK_ROWS`` rows of whole
+    blocks where ``n`` divides into them, else one row with a partial last block (in fp32
+    only: the dtypes are swept on whole blocks, the masks and unaligned sizes here); the row
+    sum of ``PACK_ROWS`` rows of ``n`` elements (a loop over rows: one row is a constant there)."""
+    for block_size, n in _quant_inputs():
+        rows = PACK_ROWS if n % (PACK_ROWS * block_size) == 0 else 1
+        packed = _meta(rows, packed_width(n // rows, block_size), dtype=torch.uint8)
+        for dtype in QUANT_DTYPES if rows > 1 or n > 2**31 else QUANT_DTYPES[:1]:
+            name = f"{_DTYPE[dtype]} n={n} rows={rows} block_size={block_size}"
+            x = _meta(n, dtype=dtype)
+            yield Case("pack", name, _quant_triton.pack_launch(x, packed, rows, block_size))
+            yield Case("unpack", name, _quant_triton.unpack_launch(packed, x, rows, block_size))
+        summed = _meta(PACK_ROWS, packed_width(n, block_size), dtype=torch.uint8)
+        launch = _quant_triton.unpack_sum_launch(summed, _meta(n, dtype=torch.float32), PACK_ROWS, block_size)
+        yield Case("unpack_sum", f"fp32 n={n} rows={PACK_ROWS} block_size={block_size}", launch)
 
 
 @dataclass

@@ -19,42 +19,49 @@ latencies and two chances for the ranks' orders to diverge.
 - Reduce (qgZ's scheme): each rank quantizes the gradient buffer blockwise, the piece
   every other rank owns going to that rank in one `all_to_all_single`; the owner
   dequantizes the W pieces it receives and sums them in fp32 into its shard (the mean).
+
+Packing, unpacking and the owner's sum are one kernel each on CUDA (`kernels.pack_blockwise`,
+`unpack_blockwise`, `unpack_sum_blockwise`: no intermediate codes, scales or dequantized
+pieces), the torch reference elsewhere, the same bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels import dequantize_blockwise, quantize_blockwise
+from ..kernels import pack_blockwise, packed_width, unpack_blockwise, unpack_sum_blockwise
 
 BITS = (None, 8)
 
 
 def packed_numel(numel: int, block: int) -> int:
     """Bytes of `numel` elements packed: codes and one fp32 scale per block."""
-    return numel + 4 * -(-numel // block)
+    return packed_width(numel, block)
 
 
 def pack_rows(x: torch.Tensor, rows: int, block: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Flat `x` cut into `rows` equal pieces (each a whole number of blocks), quantized
-    blockwise and packed as `[rows, codes | scales]` bytes (into `out` if given)."""
-    numel = x.numel() // rows
-    q, scales = quantize_blockwise(x.reshape(-1), block)
-    if out is None:
-        out = torch.empty(rows, packed_numel(numel, block), dtype=torch.uint8, device=x.device)
-    out = out.view(rows, -1)
-    out[:, :numel].copy_(q.view(torch.uint8).view(rows, numel))
-    out[:, numel:].copy_(scales.view(rows, -1).view(torch.uint8))
-    return out
+    blockwise and packed as `[rows, codes | scales]` bytes (into `out` if given: the
+    collective's send buffer). On CUDA one kernel writes codes and scales in place."""
+    return pack_blockwise(x, rows, block, out)
 
 
-def unpack_rows(packed: torch.Tensor, rows: int, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """The `[rows, numel]` values `pack_rows` packed into `packed`, as `dtype`."""
-    packed = packed.view(rows, -1)
-    numel = (packed.shape[1] * block) // (block + 4)
-    q = packed[:, :numel].contiguous().view(torch.int8).reshape(-1)
-    scales = packed[:, numel:].contiguous().view(torch.float32).reshape(-1)
-    return dequantize_blockwise(q, scales, block, dtype=dtype).view(rows, numel)
+def unpack_rows(
+    packed: torch.Tensor, rows: int, block: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The `[rows, numel]` values `pack_rows` packed into `packed`, as `dtype`; dequantized
+    straight into `out` (flat, `dtype`: e.g. the unit's full buffer) if given."""
+    flat = unpack_blockwise(packed, rows, block, dtype, out)
+    return flat.view(rows, flat.numel() // rows)
+
+
+def unpack_sum_rows(
+    packed: torch.Tensor, rows: int, block: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 sum over the `rows` pieces `pack_rows` packed into `packed`, dequantized, in
+    row order (into flat fp32 `out` if given): the owner's qgZ sum, the same bits on every
+    backend. On CUDA one kernel, no dequantized pieces in memory."""
+    return unpack_sum_blockwise(packed, rows, block, out)
 
 
 def check_bits(name: str, bits) -> None:
