@@ -195,7 +195,7 @@ class Gradients:
             moved = all_to_all_(recv, send, u.comm, async_op=True, what=what)
 
         def mean() -> None:
-            total = qcomm.unpack_rows(recv, world, block, torch.float32).sum(0).div_(world)
+            total = qcomm.unpack_sum_rows(recv, world, block).div_(world)  # the rows summed in order
             if add:
                 out.add_(total)
             else:

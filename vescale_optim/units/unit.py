@@ -294,7 +294,7 @@ class Unit:
             gathered = all_gather_into_(wire.view(-1), wire[rank], self.comm, async_op=True, what=what)
 
         def dequantize() -> None:
-            self.full.data.copy_(qcomm.unpack_rows(wire, world, block, self.compute_dtype).view(-1))
+            qcomm.unpack_rows(wire, world, block, self.compute_dtype, out=self.full.data)  # straight in
             wire.untyped_storage().resize_(0)
 
         handle = gathered.then(dequantize)
