@@ -7,7 +7,7 @@ does not stop the next), is printed as it ends, and is reported in
 
   env              GPU, driver, torch, CUDA, NCCL, Triton; the library imported from this tree
   tests            the kernel tests compiled (TRITON_INTERPRET=0 pytest tests/test_kernels_ns.py
-                   tests/test_kernels_quant.py tests/test_kernels_no_triton.py)
+                   tests/test_kernels_quant.py tests/test_kernels_qcomm.py tests/test_kernels_no_triton.py)
   kernels          benchmarks/kernels.py --quick --sections kernels (Triton vs torch vs compile)
   steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
   zero3            ZeRO-3 and ZeRO-2 on a world-1 group with VESCALE_OPTIM_FORCE_COLLECTIVES=1:
@@ -58,7 +58,10 @@ from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_st
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check"
 BUDGET_S = {"gpu": 570, "cpu": 840}  # the whole run; each stage's limit is cut to what is left
-KERNEL_TESTS = ["tests/test_kernels_ns.py", "tests/test_kernels_quant.py", "tests/test_kernels_no_triton.py"]
+KERNEL_TESTS = [
+    "tests/test_kernels_ns.py", "tests/test_kernels_quant.py", "tests/test_kernels_qcomm.py",
+    "tests/test_kernels_no_triton.py",
+]
 FORCE = {"VESCALE_OPTIM_FORCE_COLLECTIVES": "1"}
 NEEDS_CUDA = "needs CUDA"
 EPS32 = 2.0**-24  # fp32 unit roundoff

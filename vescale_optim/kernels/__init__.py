@@ -7,15 +7,8 @@ on CUDA tensors and the torch reference elsewhere. Triton is imported only when 
 """
 
 from .newton_schulz import newton_schulz
-from .quant import (
-    adamw8bit_update_,
-    dequantize_blockwise,
-    pack_blockwise,
-    packed_width,
-    quantize_blockwise,
-    unpack_blockwise,
-    unpack_sum_blockwise,
-)
+from .packed import pack_blockwise, packed_width, unpack_blockwise, unpack_sum_blockwise
+from .quant import adamw8bit_update_, dequantize_blockwise, quantize_blockwise
 
 __all__ = [
     "adamw8bit_update_", "dequantize_blockwise", "newton_schulz", "pack_blockwise", "packed_width",

@@ -15,7 +15,7 @@ NaN's code is 0 by an explicit test (what the reference's cast gives; ``_quantiz
 
 The packed kernels (``pack``, ``unpack``, ``unpack_sum``) read and write the 8-bit wire
 format of the unit collectives, ``rows`` rows of ``[numel int8 codes | nblocks fp32
-scales as 4 little-endian bytes]`` (``quant.pack_blockwise``), with the same tiles: a
+scales as 4 little-endian bytes]`` (``packed.pack_blockwise``), with the same tiles: a
 program's tile lies in one row (program ``pid`` is tile ``pid % tiles`` of row
 ``pid // tiles``), so the row's bases are int64 scalars and the tile's offsets int32.
 Scales go through bytes, since a row's scales start at any byte (no 4-byte alignment).

@@ -57,7 +57,8 @@ except ImportError as e:
 from . import _ns_triton, _quant_triton
 from ._triton_common import INTERPRET, Launch
 from .newton_schulz import DEFAULT_COEFFICIENTS
-from .quant import MAX_TRITON_BLOCK, packed_width
+from .packed import packed_width
+from .quant import MAX_TRITON_BLOCK
 
 __all__ = [
     "SMEM_LIMIT", "Case", "build", "cases", "check", "main", "markdown", "ptxas_usage", "tensor_core_ops",
