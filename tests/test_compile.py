@@ -21,6 +21,8 @@ MODES = {
     "no_sync": dict(micro=2, no_sync=True),
     "activation checkpointing": dict(checkpoint=True),
     "bf16 params": dict(param_dtype=torch.bfloat16),
+    "8-bit collectives, no_sync, checkpointing": dict(micro=2, no_sync=True, checkpoint=True, gather_bits=8,
+                                                      reduce_bits=8, comm_block=16),
 }
 
 
