@@ -3,13 +3,12 @@
 Every stage runs in a process of its own under its own time limit (a failed or hung stage
 does not stop the next), is printed as it ends, and is reported in
 `benchmarks/results/gpu_check/report.json` and `report.md` as `passed`, `failed` or
-`skipped` (with the reason), with its checks, their measurements and bounds:
+`skipped` (with the reason), with its checks, their measurements and bounds. In the order
+they run (`STAGES`: the library's checks first, the throughput benchmark last):
 
   env              GPU, driver, torch, CUDA, NCCL, Triton; the library imported from this tree
   tests            the kernel tests compiled (TRITON_INTERPRET=0 pytest tests/test_kernels_ns.py
                    tests/test_kernels_quant.py tests/test_kernels_qcomm.py tests/test_kernels_no_triton.py)
-  kernels          benchmarks/kernels.py --quick --sections kernels (Triton vs torch vs compile)
-  steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
   zero3            ZeRO-3 and ZeRO-2 on a world-1 group with VESCALE_OPTIM_FORCE_COLLECTIVES=1:
                    vo.AdamW (32/8-bit), vo.Muon, vo.Shampoo vs torch.optim / the plain Shampoo
   syncs            torch.cuda.set_sync_debug_mode("warn") around backward and step() (ZeRO-3
@@ -23,6 +22,8 @@ does not stop the next), is printed as it ends, and is reported in
   batch_invariance Shampoo's tile math and newton_schulz alone vs in a batch of 8
   nan              NaN/Inf through quantize, dequantize and the 8-bit update: Triton vs torch
   large_shapes     newton_schulz of 8192x28672 and 32x2880x5760, quantize of > 2^31 elements
+  steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
+  kernels          benchmarks/kernels.py --quick --sections kernels (Triton vs torch vs compile)
 
     python benchmarks/gpu_check.py [OUT]              # or: bash benchmarks/gpu_check.sh [OUT]
     python benchmarks/gpu_check.py --cpu [OUT]        # rehearse every stage on CPU (gloo, interpreter)
@@ -897,6 +898,8 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
     must meet.
     """
     torch = _torch()
+    # Shampoo's tile math has no public entry point (vo.Shampoo runs it inside step()): this stage
+    # validates the internal kernels themselves, the one private import of the benchmarks.
     from benchmarks import _gpu_models as gm
     from vescale_optim.kernels import newton_schulz
     from vescale_optim.optim._shampoo_math import inverse_roots_, precondition, update_factors_
