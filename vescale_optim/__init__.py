@@ -3,7 +3,7 @@
 from .checkpoint import CheckpointError, CheckpointManager
 from .distributed import init_distributed
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
-from .optim._muon_plan import MuonPlan, muon_plan
+from .optim._muon_plan import CostModel, MuonPlan, muon_plan
 from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
 from .units import ShardingConfig
 from .version import __version__
@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CollectiveError",
+    "CostModel",
     "Layout",
     "Muon",
     "MuonPlan",

@@ -26,9 +26,13 @@ and then, with `mean` the world's FLOPs per rank:
 4. whole matrices go, largest first, to the least-loaded rank (LPT), after the lines' loads;
 5. if every matrix whole (LPT alone) finishes no later than that, the plan is that.
 
-Deterministic: every rank computes the same plan from the same shapes. `owners` does not know
-where the data lies; `vo.Muon` then trades owners between matrices of equal cost toward the
-ranks holding them (`units.owners.keep_homes`), which leaves `loads` as they are.
+Deterministic: every rank computes the same plan from the same shapes and `homes`. `homes`,
+per matrix the world rank already holding it whole (None when it spans ranks; `vo.Muon` passes
+its layout's, `opt.homes`), makes step 4 keep a whole matrix at its home while that rank's load
+stays within 5 % of the mean, so it need not travel; without them whole matrices are placed as
+if nothing lay anywhere (the same balance, other owners). `vo.Muon` then trades owners between
+matrices of equal cost toward the ranks holding them (`units.owners.keep_homes`), which leaves
+`loads` as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..units.owners import assign_owners
 from ._muon_math import matrix_view, ns_flops
@@ -51,7 +56,8 @@ class CostModel:
     """Alpha-beta + roofline constants (H200 by default): `flops` bf16 dense matmul peak
     (FLOP/s), `hbm` memory bandwidth (bytes/s, for element-wise work: `benchmarks/scale.py`),
     `nvlink` per GPU inside a node of `node` GPUs and `network` per GPU across nodes (400 Gb/s),
-    in bytes/s, `latency` per ring step (s)."""
+    in bytes/s, `latency` per ring step (s). Presets: `CostModel.H200` (the defaults) and
+    `CostModel.FREE_COMM` (communication free: FLOPs alone decide)."""
 
     flops: float = 989e12
     hbm: float = 4.8e12
@@ -59,6 +65,8 @@ class CostModel:
     network: float = 400e9 / 8
     latency: float = 5e-6
     node: int = 8
+    H200: ClassVar[CostModel]
+    FREE_COMM: ClassVar[CostModel]
 
     def all_gather(self, g: int, block_bytes: float, across: bool) -> float:
         """Seconds of a ring all-gather of `g` blocks of `block_bytes` (inside a node or not)."""
@@ -67,6 +75,7 @@ class CostModel:
 
 H200 = CostModel()
 FREE_COMM = CostModel(nvlink=math.inf, network=math.inf, latency=0.0)  # FLOPs alone decide
+CostModel.H200, CostModel.FREE_COMM = H200, FREE_COMM  # public as vo.CostModel.H200 / .FREE_COMM
 
 
 def split_rows(shape: tuple[int, int], shares: Sequence[float]) -> tuple[Split, list[int]]:
