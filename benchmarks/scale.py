@@ -7,7 +7,7 @@ ranks (one unit per transformer block, the embedding and the head units too), `T
 rank per step (weak scaling), bf16 gathered parameters and fp32 gradient reduction and shards;
 the hidden matrices take Muon steps (5 Newton–Schulz steps), the rest AdamW.
 
-Cost model (`CostModel`, H200 constants: 989 TFLOP/s bf16, 4.8 TB/s HBM, 900 GB/s NVLink inside
+Cost model (`vo.CostModel.H200`: 989 TFLOP/s bf16, 4.8 TB/s HBM, 900 GB/s NVLink inside
 8-GPU nodes, 400 Gb/s per GPU across nodes, 5 us a ring step):
 - matmuls at `MFU` of peak for forward and backward (6 x active parameters FLOPs per token; a
   token uses `EXPERTS` of the routed experts; no attention-score FLOPs), Newton–Schulz at peak;
@@ -45,14 +45,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vescale_optim as vo  # noqa: E402
+from benchmarks._muon_plan import exchange_seconds  # noqa: E402
 from benchmarks._report import environment, pyplot, require_finite, save_json, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
-from vescale_optim.optim._muon_plan import FREE_COMM, H200, exchange  # noqa: E402
 from vescale_optim.optim.muon import ns_flops  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 from vescale_optim.units.owners import assign_owners, rank_loads  # noqa: E402
 
-COST = H200
+COST = vo.CostModel.H200
 TOKENS, MFU, NS_STEPS = 4096, 0.5, 5
 EXPERTS = {"gpt-oss-120b": 4 / 128, "deepseek-v3": 8 / 256}  # routed experts a token uses
 PARAM, GRAD, SHARD = 2, 4, 4  # bytes per element: gathered bf16, reduced fp32, fp32 shards
@@ -202,23 +202,25 @@ def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
     for row, t in ((ours, muon), (fsdp2, muon2)):
         row["Muon %"] = 100 * t / row["step s"]
     lpt = rank_loads(costs, assign_owners(costs, world), world)
-    free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=FREE_COMM)
+    free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=vo.CostModel.FREE_COMM)
+    if abs(_on_h200(plan) - max(plan.times)) > 1e-9 * max(plan.times):  # the re-timing is the library's
+        raise AssertionError("_on_h200 differs from vo.muon_plan's own times: exchange_seconds drifted")
     extra = {"model": model, "W": world, "NS max/mean": plan.imbalance,
              "whole only (LPT)": max(lpt) * world / sum(lpt), "comm free": free.imbalance,
              "NS ms": 1e3 * max(plan.times), "whole only ms": 1e3 * max(lpt) / COST.flops,
-             "comm free ms": 1e3 * _on_h200(free, dims), "Muon time max/mean": plan.time_imbalance,
+             "comm free ms": 1e3 * _on_h200(free), "Muon time max/mean": plan.time_imbalance,
              "split matrices": len(plan.groups),
              "largest group": max(map(len, plan.groups.values()), default=1),
              "split GB max/rank": max(plan.bytes_per_rank) / 1e9}  # fmt: skip
     return ours, fsdp2, extra
 
 
-def _on_h200(plan, dims: list[tuple[int, int]]) -> float:
-    """The busiest rank's Newton–Schulz seconds of `plan` (made with another cost model) on H200."""
+def _on_h200(plan) -> float:
+    """The busiest rank's Newton–Schulz seconds of `plan` (made with any cost model) on H200."""
     times = [x / COST.flops for x in plan.loads]
     for i, members in plan.groups.items():
         across = members[0] // COST.node != members[-1] // COST.node
-        seconds = exchange(plan.splits[i], NS_STEPS, across, COST)[1]
+        seconds = exchange_seconds(plan.splits[i], NS_STEPS, across, COST)
         for r in members:
             times[r] += seconds
     return max(times)
