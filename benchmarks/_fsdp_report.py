@@ -19,13 +19,24 @@ SCALING = ["config", "W", "peak live MB", "peak B/param", "at step start B/param
 PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
 
 
+def _on_cuda(run: dict) -> bool:
+    return run.get("device") == "cuda"
+
+
+def _shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
+    """The columns a table shows: on CUDA only those measured there (see fsdp.py's docstring)."""
+    return [c for c in columns if any(c in r for r in rows)] if _on_cuda(run) else columns
+
+
 def _comm_row(r: dict) -> dict:
     sent, calls = r["MB sent by kind"], r["calls"]
     kinds = [f"{k} {v:.3g} ({calls.get(k, 0)})" for k, v in sorted(sent.items())]
     kinds += [f"{k} ({n})" for k, n in sorted(calls.items()) if k not in sent and n]
-    e = r["exposed/phase ms"]
-    return {"config": r["config"], "exposed fwd": e["fwd"], "exposed bwd": e["bwd"],
-            "exposed step": e["step"], "MB sent by kind (calls)": ", ".join(kinds)}  # fmt: skip
+    row = {"config": r["config"], "MB sent by kind (calls)": ", ".join(kinds)}
+    if "exposed/phase ms" in r:  # not on CUDA
+        e = r["exposed/phase ms"]
+        row.update({"exposed fwd": e["fwd"], "exposed bwd": e["bwd"], "exposed step": e["step"]})
+    return row
 
 
 def _by_row(r: dict) -> dict:
@@ -47,10 +58,11 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
                 r["peak live x"] <= limit
             )
         if "train x" in r:
+            update = f"; its update alone {r['update x']:.3f}x" if "update x" in r else ""
             goals[f"{m} {fam}: train step <= 0.8x FSDP2 ({r['train x']:.3f}x)"] = r["train x"] <= 0.8
-            goals[f"{m} {fam}: opt.step() <= 0.5x FSDP2 ({r['step x']:.3f}x; its update alone "
-                  f"{r['update x']:.3f}x)"] = r["step x"] <= 0.5
-        goals[f"{m} {fam}: 0 copies on the collective path ({r['copies']})"] = r["copies"] == 0
+            goals[f"{m} {fam}: opt.step() <= 0.5x FSDP2 ({r['step x']:.3f}x{update})"] = r["step x"] <= 0.5
+        if "copies" in r:  # not counted on CUDA
+            goals[f"{m} {fam}: 0 copies on the collective path ({r['copies']})"] = r["copies"] == 0
     return goals
 
 
@@ -83,9 +95,9 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xticks(ws, [str(w) for w in ws])
+        ax.legend(fontsize=7)
     ax.set(xlabel="world size W", ylabel="bytes per parameter")
     ax.set_title("wide model: peak (o) and between steps (x)", fontsize=9)
-    ax.legend(fontsize=7)
     colors = {"fwd": "tab:blue", "bwd": "tab:orange", "step": "tab:green", "zero_grad": "tab:gray"}
     for ax, model in zip(axes[1:], models):
         mine = [r for r in rows if r["model"] == model]
@@ -94,8 +106,9 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
             vals = [r[f"{phase} ms"] for r in mine]
             ax.bar(x, vals, bottom=bottom, color=color, label=phase)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        exposed = [r["exposed comm ms"] for r in mine]
-        ax.scatter(x, exposed, marker="_", s=400, color="black", label="exposed comm", zorder=3)
+        if all("exposed comm ms" in r for r in mine):
+            exposed = [r["exposed comm ms"] for r in mine]
+            ax.scatter(x, exposed, marker="_", s=400, color="black", label="exposed comm", zorder=3)
         ax.set_xticks(x, [r["config"] for r in mine], rotation=30, ha="right", fontsize=8)
         ax.set(ylabel="ms per train step (median of each phase)")
         ax.set_title(f"{model}: time by phase", fontsize=9)
@@ -105,20 +118,31 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
 
 
 def _print_model(model: str, mine: list[dict], run: dict) -> None:
-    shape, w = run["shapes"][model], run["world"]
+    shape, w, cuda = run["shapes"][model], run["world"], _on_cuda(run)
+    backend = f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
     print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, "
           f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
-          f"tokens/rank/step, W={w} (gloo); {run['warmup']} warm-up + {run['steps']} interleaved "
+          f"tokens/rank/step, W={w} ({backend}); {run['warmup']} warm-up + {run['steps']} interleaved "
           f"steps, median of the slowest rank; x = vs FSDP2 with the same optimizer\n")  # fmt: skip
     print(f"{host_line(run['threads'])}\n")
-    print(table(mine, TIME, floatfmt=".4g"))
-    print(f"\n{FSDP2_ON_CPU}")
-    print(f"\nexposed comm ms by phase (median, slowest rank) and what moved per rank and step; "
-          f"load average {load_average()}\n")  # fmt: skip
-    print(table([_comm_row(r) for r in mine], COMM, floatfmt=".4g"))
+    print(table(mine, _shown(TIME, mine, run), floatfmt=".4g"))
+    print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
+          "exposed comm, update and copies are not measured here (fsdp.py's docstring says why)"
+          if cuda else f"\n{FSDP2_ON_CPU}")  # fmt: skip
+    what = "what moved" if cuda else "exposed comm ms by phase (median, slowest rank) and what moved"
+    print(f"\n{what} per rank and step; load average {load_average()}\n")
+    comm = [_comm_row(r) for r in mine]
+    print(table(comm, _shown(COMM, comm, run), floatfmt=".4g"))
     if "peak live MB" not in mine[0]:
         return
-    print(f"\nmemory: each config alone in a fresh world, {run['memory_steps']} profiled steps and "
+    if cuda:
+        print(f"\nmemory: torch.cuda.max_memory_allocated() over {run['memory_steps'] - 1} step(s) after the "
+              f"first, less what the rank held before the configuration; each config in turn in the same "
+              f"processes\n")  # fmt: skip
+        print(table(mine, _shown(MEMORY, mine, run), floatfmt=".4g"))
+        return
+    alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
+    print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and "
           f"one after them, then one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")

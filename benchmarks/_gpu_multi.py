@@ -11,15 +11,18 @@ is its wrapper. Stages, each in its own process under its own time limit, report
                same on 1x8, and every matrix is orthogonalized once in the world
   kill         one rank SIGKILLs itself during backward: every other rank exits within the
                timeout with a message naming the collective
-  fsdp_bench   benchmarks/fsdp.py and benchmarks/hsdp.py on NCCL against FSDP2: skipped, they
-               run only on a local gloo world of CPU ranks today
+  fsdp_bench   benchmarks/fsdp.py and benchmarks/hsdp.py under torchrun (--torchrun: a rank per
+               process, NCCL) against FSDP2, ours ZeRO-3 / HSDP AdamW and Muon and their FSDP2
+               peers at small sizes: each run ends, every configuration lowers its loss to its
+               peer's, and the ratios (train and opt.step() time, peak allocated memory) are
+               measured
 
     bash benchmarks/gpu_multi.sh [OUT]            # 8 GPUs
     bash benchmarks/gpu_multi.sh --cpu [OUT]      # rehearsal: gloo CPU ranks under torchrun, 2 ranks
     bash benchmarks/gpu_multi.sh --dry-run [OUT]  # print the stages
 
-With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 vs 1x2 (hsdp)
-and 2 (kill).
+With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 vs 1x2 (hsdp),
+2 (kill) and 2 with `--quick` sizes (fsdp_bench).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -41,9 +45,10 @@ from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_pr
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_multi"
 WORKER = ROOT / "benchmarks" / "_gpu_worker.py"
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
-RANKS = {  # by mode: the README script's rank counts, the resume chain, the HSDP mesh, the kill world
-    "gpu": dict(readme=[2, 8], resume=[8, 4, 2], hsdp=(8, 4), kill=8),
-    "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2),
+RANKS = {  # by mode: the README script's rank counts, the resume chain, the HSDP mesh, the kill world,
+    # the benchmarks' world
+    "gpu": dict(readme=[2, 8], resume=[8, 4, 2], hsdp=(8, 4), kill=8, bench=8),
+    "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2, bench=2),
 }
 KILL_TIMEOUT = 20  # seconds: the library's bound on a wait in the kill stage (the group's is 30 s more)
 SMALL = ["--dim", "64", "--layers", "4", "--batch-size", "8", "--seq-len", "32", "--log-every", "10"]
@@ -269,17 +274,64 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
     )
 
 
+# the benchmarks' configurations the stage runs (hsdp.py names them at 4 ranks: 2x2 is 2 x W/2) and
+# each run's limit on GPUs (3x on CPU, see _run)
+BENCH = {
+    "fsdp": (["ours Z3 AdamW", "FSDP2 AdamW", "ours Z3 Muon", "FSDP2 Muon"], 120),
+    "hsdp": (["ours 2x2 AdamW", "FSDP2 2x2 AdamW", "ours 2x2 Muon", "FSDP2 2x2 Muon"], 80),
+}
+RATIOS = ["train x", "step x", "peak live x", "train ms", "peak live MB"]  # those a row has
+
+
+def bench_cmd(mode: str, script: str, results: Path | str) -> list[str]:
+    """`benchmarks/<script>.py --torchrun` on the stage's ranks: `--quick` sizes on CPU; on GPUs
+    the benchmark's own models, 1 warm-up and 4 measured steps. Its JSON goes to `results`."""
+    size = ["--quick"] if mode == "cpu" else ["--steps", "4", "--warmup", "1"]
+    return torchrun(
+        RANKS[mode]["bench"],
+        str(ROOT / "benchmarks" / f"{script}.py"),
+        "--torchrun",
+        *size,
+        "--configs",
+        *BENCH[script][0],
+        "--results",
+        str(results),
+    )
+
+
 def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
-    print(_FSDP_REASON)
-    r.skip("fsdp.py vs FSDP2 on NCCL", _FSDP_REASON)
-    r.skip("hsdp.py vs FSDP2 on NCCL", _FSDP_REASON)
+    results = out / "fsdp_bench"
+    results.mkdir(exist_ok=True)
+    for script, (_, limit) in BENCH.items():
+        path = results / f"{script}_torchrun{'_quick' if mode == 'cpu' else ''}.json"
+        path.unlink(missing_ok=True)
+        log = f"{script}_bench.log"
+        rc, _, seconds = _run(bench_cmd(mode, script, results), ROOT, log, out, limit)
+        if rc != 0 or not path.exists():
+            r.fail(f"{script}.py", f"exit {rc} after {seconds:.0f} s, no {path.name}; see {out / log}")
+            continue
+        res = json.loads(path.read_text())
+        ours = {}
+        for row in res["rows"]:
+            if row["config"].startswith("ours"):
+                name = " ".join(filter(None, [row.get("model"), row["config"]]))
+                ours[name] = {k: row[k] for k in RATIOS if k in row}
+        run = dict(world=res["world"], backend=res.get("backend"), device=res.get("device"))
+        r.measure(**{script: dict(run, seconds=round(seconds, 1), ours_vs_fsdp2=ours)})
+        need = ["train x", "step x"] + (["peak live x"] if script == "fsdp" else [])
+        measured = all(math.isfinite(v.get(k, math.nan)) for v in ours.values() for k in need)
+        said = "; ".join(
+            f"{name}: " + ", ".join(f"{k} {v[k]:.3g}" for k in need if k in v) for name, v in ours.items()
+        )
+        r.check(
+            f"{script}.py",
+            bool(res["loss_check_ok"] and ours and measured),
+            measured=round(seconds, 1),
+            detail=f"seconds; {res['world']} ranks on {res.get('backend')}; loss check "
+            f"{'OK' if res['loss_check_ok'] else 'MISMATCH'}; ours vs FSDP2: {said or 'no ratios'}",
+        )
 
 
-_FSDP_REASON = (
-    "benchmarks/fsdp.py and benchmarks/hsdp.py cannot target CUDA yet: both run their ranks on a "
-    "local gloo world of CPU processes (benchmarks._gpt.launch -> vescale_optim.local_world.run_local) "
-    "and have no --device / NCCL mode; the NCCL comparison against FSDP2 needs that first"
-)
 _sh = lambda cmd: " ".join(cmd)  # noqa: E731
 STAGES = [
     Stage(
@@ -320,9 +372,9 @@ STAGES = [
     Stage(
         "fsdp_bench",
         stage_fsdp_bench,
-        {"gpu": 10, "cpu": 10},
-        "benchmarks/fsdp.py, hsdp.py vs FSDP2 on NCCL",
-        plan=lambda m: [f"skipped: {_FSDP_REASON}"],
+        {"gpu": 210, "cpu": 450},
+        "benchmarks/fsdp.py, hsdp.py --torchrun vs FSDP2 on NCCL",
+        plan=lambda m: [shlex.join(bench_cmd(m, s, "OUT/fsdp_bench")) for s in BENCH],
     ),
 ]
 
@@ -337,12 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="rehearse with gloo CPU ranks (2 at most)")
     ap.add_argument("--dry-run", action="store_true", help="print the stages, run nothing")
     ap.add_argument("--stages", nargs="+", choices=[s.name for s in STAGES], help="run these only")
-    ap.add_argument("--budget", type=float, help="seconds for the whole run (default 570; 1800 with --cpu)")
+    ap.add_argument("--budget", type=float, help="seconds for the whole run (default 770; 1800 with --cpu)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
-    args.budget = args.budget or (570 if mode == "gpu" else 1800)
+    args.budget = args.budget or (770 if mode == "gpu" else 1800)
     out = args.out.resolve()
     if args.stage:
         return run_stage_here(STAGES, args.stage, out, mode=mode)

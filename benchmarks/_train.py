@@ -2,10 +2,17 @@
 per-rank batches, one step timed phase by phase, a trainer per configuration, every configuration
 of a world stepped in turn, and the ratios of each configuration's steps to its peer's.
 
+    device()                                                    # this rank's: cuda on NCCL, else cpu
     loss, seconds, comm = train_step(model, opt, x, y, meter)   # per phase: seconds, meter.take()
     class Mine(Trainer): def optimizer(self, model): ...        # one configuration
     interleave(trainers, batches(shape, rank, world), warmup, steps)
     rows = against_peers(rows_by_config, peer, ["train", "step"])   # "train x", "step x", "|Δ loss|"
+
+Models and batches live on the rank's `device()`: the GPU a NCCL group is bound to (under
+torchrun, `benchmarks._torchrun`), else the CPU (a gloo world). On CUDA, where kernels and
+collectives run after the host has moved on, `train_step` waits for the device
+(`torch.cuda.synchronize()`) before it reads each phase's clock and before the first, so a
+phase's time is its work on the device; the library itself never synchronises for this.
 """
 
 from __future__ import annotations
@@ -22,15 +29,31 @@ from torch.profiler import record_function
 from benchmarks._comm import CommMeter
 from benchmarks._gpt import build_gpt, param_count, random_batch
 
-__all__ = ["PHASES", "Trainer", "against_peers", "batches", "interleave", "ms", "train_step"]
+__all__ = ["PHASES", "Trainer", "against_peers", "batches", "device", "interleave", "ms", "train_step"]
 
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
 
+def device() -> torch.device:
+    """This rank's device: the current GPU when the group is NCCL's (which talks only to CUDA
+    tensors; `vo.init_distributed` made `cuda:LOCAL_RANK` current), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A pool of two batches for this rank, cycled, so a working optimizer lowers the loss."""
-    return [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + i * world + rank)
+    """A pool of two batches for this rank on its `device()`, cycled, so a working optimizer lowers
+    the loss (drawn on the CPU: the same tokens on any device)."""
+    return [tuple(t.to(device()) for t in random_batch(shape["batch"], shape["seq"], shape["vocab"],
+                                                       seed=1000 + i * world + rank))
             for i in range(2)]  # fmt: skip
+
+
+def _wait_for_device(x: torch.Tensor) -> None:
+    """On CUDA: until the device has done all it was given (a benchmark's clock only)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
 
 
 def train_step(
@@ -42,12 +65,14 @@ def train_step(
     around: Mapping[str, AbstractContextManager] | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict]]:
     """One train step after a barrier, each phase of `PHASES` under `bench::PHASE` (and its context
-    in `around`, entered outside that): the loss, the seconds of each phase and, with a `meter`,
-    what it measured in each phase."""
+    in `around`, entered outside that): the loss, the seconds of each phase (on CUDA, until the
+    device finished it) and, with a `meter`, what it measured in each phase."""
     around = around or {}
     if meter is not None:
         meter.take()
+    _wait_for_device(x)
     (meter.barrier if meter is not None else dist.barrier)()
+    _wait_for_device(x)  # a NCCL barrier may return before the device has passed it
     times, comm, loss = {}, {}, None
     for name in PHASES:
         with around.get(name, nullcontext()), record_function(f"bench::{name}"):
@@ -58,6 +83,7 @@ def train_step(
                 loss.backward()
             else:
                 getattr(opt, name)()
+            _wait_for_device(x)
             times[name] = time.perf_counter() - t0
         if meter is not None:
             comm[name] = meter.take()
@@ -74,14 +100,15 @@ def interleave(trainers: list, pool: list, warmup: int, steps: int) -> None:
 
 
 class Trainer:
-    """One configuration: its own seeded model copy (`shape`), its optimizer (`optimizer`, which
-    subclasses define), and what its recorded steps measured: `times[phase]` (seconds per step),
-    `comm` (per step, each phase's `meter.take()`; empty without a meter) and every step's loss."""
+    """One configuration: its own seeded model copy (`shape`, on `device()`), its optimizer
+    (`optimizer`, which subclasses define), and what its recorded steps measured: `times[phase]`
+    (seconds per step), `comm` (per step, each phase's `meter.take()`; empty without a meter) and
+    every step's loss."""
 
     def __init__(self, config: str, shape: dict, meter: CommMeter | None = None):
         self.config, self.meter = config, meter
         self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0)  # fmt: skip
+                               shape["seq_len"], seed=0, device=device())  # fmt: skip
         self.params = param_count(self.model)
         self.opt = self.optimizer(self.model)
         self.times: dict[str, list[float]] = {k: [] for k in PHASES}

@@ -45,8 +45,8 @@ def verdict(
     **more,
 ) -> dict:
     """Print the goals (`goals_for` says against what) and the loss check against `peer`, plot to
-    and write NAME.json (NAME_quick with `run["quick"]`), and return what was written: the
-    environment, `run`, the goals, the check, `rows` and `more`."""
+    and write NAME.json (NAME_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`),
+    and return what was written: the environment, `run`, the goals, the check, `rows` and `more`."""
     print(f"\nGoals ({goals_for}):")
     for k, ok in goals.items():
         print(f"  {'met    ' if ok else 'NOT met'}  {k}")
@@ -54,6 +54,7 @@ def verdict(
     print(f"\nLoss check (loss after training vs {peer} with the same optimizer, relative tolerance "
           f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
           f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    name = f"{name}_torchrun" if run.get("torchrun") else name
     name = f"{name}_quick" if run["quick"] else name
     png = plot(name)
     payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals,

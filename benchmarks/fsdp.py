@@ -62,8 +62,22 @@ at W = 1, 2 and the main W.
 Sanity: every configuration's loss on each rank's first batch after training, against its
 FSDP2 peer; all must have lowered the loss.
 
+Under torchrun (`--torchrun`, `benchmarks._torchrun`): every torchrun process is one rank of
+torchrun's group (`vo.init_distributed`: NCCL on `cuda:LOCAL_RANK` where CUDA is available, else
+gloo on the CPU), models and batches on its device; rank 0 prints the tables and writes
+`fsdp_torchrun[_quick].json`. Every configuration then runs in the same processes (no fresh world
+per configuration, no W = 1, 2 scaling runs). On CUDA: phases are timed until the device has
+finished them (`torch.cuda.synchronize()`), and FSDP2 overlaps on its own streams; `peak live` is
+`torch.cuda.max_memory_allocated()` over the steps after the first (reset after it) and `at step
+start` the allocated bytes after the first step, both less what the rank held before building
+the configuration (no RSS, no `peak at`); `exposed comm` and `update` are left out (on NCCL the
+host only issues collectives and waits on streams, so its time in those calls is not the device's
+exposed communication), and so are the copies (backward runs on autograd's device thread, which
+the copy classifier would take for c10d's).
+
     python benchmarks/fsdp.py               # 4 ranks, both models (~7.5 min on 2 cores)
     python benchmarks/fsdp.py --quick       # tiny wide model, 2 ranks, a few steps (a smoke test)
+    torchrun --nproc-per-node 8 benchmarks/fsdp.py --torchrun --steps 4   # one rank per process
 """
 
 from __future__ import annotations
@@ -80,16 +94,17 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks import _train  # noqa: E402
+from benchmarks import _report, _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
-from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
+from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
            "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
@@ -104,6 +119,8 @@ QUICK = {
 }
 PRELOAD = ["benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
 REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
+NOT_ON_CUDA = ("_update", "update ms", "exposed comm ms", "exposed/phase ms", "copies", "own slice copies",
+               "c10d copies", "compute copies", "copy events")  # row keys with no meaning there  # fmt: skip
 COLLECTIVE_CODE = (
     "vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params",
     "vescale_optim/shard/collectives.py", "vescale_optim/units/", "FSDP::", "fsdp::",
@@ -145,7 +162,7 @@ class Trainer(_train.Trainer):
         exposed = {k: [c[k]["exposed_s"] for c in self.comm] for k in PHASES}
         return {"params": self.params, "times_s": self.times, "exposed_s": exposed,
                 "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}, "losses": self.losses,
-                "loss_after": loss_after, "copies": copies}  # fmt: skip
+                "loss_after": loss_after, "copies": copies, "device": device().type}  # fmt: skip
 
 
 def _classify(event, context: list[str]) -> str:
@@ -160,8 +177,8 @@ def _classify(event, context: list[str]) -> str:
 
 
 def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
-    """One step of `tr`, under the profiler on rank 0: its copies by path."""
-    if rank != 0:
+    """One step of `tr`, under the profiler on rank 0: its copies by path (CPU only: see the docstring)."""
+    if rank != 0 or device().type == "cuda":
         tr.step(x, y, record=False)
         return None
     prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True)
@@ -190,7 +207,10 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
 
 def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
     """Each (model, shape, config) in turn: live tensor bytes over `steps` profiled steps (+1),
-    then peak RSS over one more without the profiler (see the module's docstring)."""
+    then peak RSS over one more without the profiler (see the module's docstring); on CUDA the
+    allocator's peak (`_cuda_memory`)."""
+    if device().type == "cuda":
+        return [_cuda_memory(rank, world, job, steps) for job in jobs]
     tuned = live_malloc() if live else False
     results = []
     for model, shape, config in jobs:
@@ -223,6 +243,29 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
     return results
 
 
+def _cuda_memory(rank: int, world: int, job: tuple[str, dict, str], steps: int) -> dict:
+    """CUDA: the caching allocator's peak over `steps - 1` steps after the first (the peak reset
+    after it), and what is allocated after the first, less what the rank held before building it."""
+    model, shape, config = job
+    gc.collect()
+    torch.cuda.empty_cache()
+    pool = batches(shape, rank, world)
+    base = torch.cuda.memory_allocated()
+    tr = Trainer(config, shape)
+    tr.step(*pool[0])
+    start = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    for s in range(1, steps):
+        tr.step(*pool[s % 2])
+    result = {"model": model, "config": config, "params": tr.params,
+              "live_peak": torch.cuda.max_memory_allocated() - base, "live_start": start,
+              "memory_stats": tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None,
+              "source": "torch.cuda.max_memory_allocated"}  # fmt: skip
+    del tr
+    gc.collect()
+    return result
+
+
 # ---------------------------------------------------------------- summary
 
 
@@ -247,7 +290,13 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> di
            "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
     row["train ms"] = ms(row["_train"])
-    if mem:
+    if r0.get("device") == "cuda":  # see the docstring: no exposed comm, update nor copies there
+        for k in NOT_ON_CUDA:
+            del row[k]
+    if mem and "source" in mem[0]:  # CUDA: the allocator's peak; no place nor RSS
+        peak, start = (max(m[k] for m in mem) / 2**20 for k in ("live_peak", "live_start"))
+        row.update({"peak live MB": peak, "at step start MB": start, "memory": mem})
+    elif mem:
         top = max(mem, key=lambda m: m["live_peak"])
         row.update({"peak live MB": top["live_peak"] / 2**20,
                     "at step start MB": max(m["live_start"] for m in mem) / 2**20,
@@ -266,14 +315,15 @@ def summarize(model: str, timed: dict[str, list[dict]], memory: dict[str, list[d
         for k in ("peak live MB", "peak RSS MB"):
             if base is not None and row.get(k) and base.get(k):
                 row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
-    return against_peers(rows, peer, ["train", "step", "update"])
+    keys = ["train", "step", "update"] if all("_update" in r for r in rows.values()) else ["train", "step"]
+    return against_peers(rows, peer, keys)
 
 
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._fsdp_report import report
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
+    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2; torchrun's)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps (default 5, --quick 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--memory-steps", type=int, default=2, help="profiled (+1 after), 1 for RSS; 0: none")
@@ -282,8 +332,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--no-scaling", action="store_true", help="skip the W = 1, 2 memory runs")
     ap.add_argument("--quick", action="store_true", help="tiny wide model, 2 ranks, one world per run kind")
+    ap.add_argument("--torchrun", action="store_true", help="a rank per torchrun process (see the docstring)")
+    ap.add_argument("--results", type=Path, help="folder for the JSON and plot (default benchmarks/results)")
     args = ap.parse_args(argv)
-    world = args.world_size or (2 if args.quick else 4)
+    if args.results:
+        _report.RESULTS_DIR = args.results.resolve()
+    if args.torchrun:  # this process is one rank; the world is torchrun's, and cannot be rebuilt per run
+        dev, ranks, args.no_scaling = _torchrun.join(args.world_size), _torchrun.launch, True
+        world = dist.get_world_size()
+        where = {"torchrun": True, "device": dev.type, "backend": dist.get_backend()}
+    else:
+        dev, ranks, where = torch.device("cpu"), launch, {}
+        world = args.world_size or (2 if args.quick else 4)
     steps = args.steps or (2 if args.quick else 5)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
@@ -292,23 +352,28 @@ def main(argv: list[str] | None = None) -> dict:
     models = args.models or (["wide"] if args.quick else list(MODELS))
     shapes = {m: (QUICK if args.quick else MODELS)[m] for m in models}
     live = args.malloc == "live"
-    t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
+    t0, first = time.perf_counter(), _torchrun.is_first()
+    log = lambda msg: first and print(f"# {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
-    timed = launch(_time_all, world, shapes, args.configs, warmup, steps, preload=PRELOAD)
+    timed = ranks(_time_all, world, shapes, args.configs, warmup, steps, preload=PRELOAD)
     log(f"timing: {time.perf_counter() - t0:.0f} s")
 
     def measure(w: int, jobs: list[tuple[str, dict, str]]) -> list[dict]:
         # fresh world per configuration (RSS is per process); --quick runs them all in one
-        batches = [jobs] if args.quick else [[j] for j in jobs]
+        batches = [jobs] if args.quick or args.torchrun else [[j] for j in jobs]
         out = []
         for b in batches:
-            per_rank = launch(_memory, w, b, memory_steps, live, preload=PRELOAD)
+            per_rank = ranks(_memory, w, b, memory_steps, live, preload=PRELOAD)
             out += [[r[i] for r in per_rank] for i in range(len(b))]
             log(f"memory W={w} {[j[2] for j in b]}: {time.perf_counter() - t0:.0f} s")
         return out
 
     jobs = [(m, shapes[m], c) for m in shapes for c in args.configs] if memory_steps else []
     memory = dict(zip([(m, c) for m, _, c in jobs], measure(world, jobs)))
+    if args.torchrun:
+        _torchrun.leave()
+        if not first:
+            return {}
     rows = [r for m in shapes
             for r in summarize(m, {c: [rk[m][c] for rk in timed] for c in args.configs},
                                {c: memory[(m, c)] for c in args.configs if (m, c) in memory})]  # fmt: skip
@@ -319,8 +384,9 @@ def main(argv: list[str] | None = None) -> dict:
             scaling += [(w, res) for res in measure(w, [("wide", shapes["wide"], c) for c in configs])]
         scaling += [(world, memory[("wide", c)]) for c in configs]
     return report(rows, scaling, dict(world=world, steps=steps, warmup=warmup, memory_steps=memory_steps,
-                                      malloc=args.malloc, shapes=shapes, quick=args.quick,
-                                      threads=timed.threads, wall_s=time.perf_counter() - t0))  # fmt: skip
+                                      malloc=args.malloc if dev.type == "cpu" else None, shapes=shapes,
+                                      quick=args.quick, threads=timed.threads,
+                                      wall_s=time.perf_counter() - t0, **where))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The multi-GPU validation: 8 GPUs of one machine, under torchrun, in under 10 minutes
+# The multi-GPU validation: 8 GPUs of one machine, under torchrun, in under 13 minutes
 # (benchmarks/_gpu_multi.py says what each stage checks):
 #   env, readme (the README's torchrun script at 2 and 8 ranks), resume (8 -> 4 -> 2 ranks),
 #   hsdp (2x4 equals 1x8), kill (kill -9 of a rank in backward: the others exit naming the
-#   collective), fsdp_bench (benchmarks/fsdp.py / hsdp.py on NCCL: skipped, gloo-only today);
+#   collective), fsdp_bench (benchmarks/fsdp.py / hsdp.py --torchrun vs FSDP2 on NCCL);
 # writes OUT/report.md and OUT/report.json (each stage's log beside them).
 #
 #   bash benchmarks/gpu_multi.sh [OUT]            # default OUT: benchmarks/results/gpu_multi

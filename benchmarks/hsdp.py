@@ -45,13 +45,25 @@ rule asks (all-gathers and all-reduces inside the shard group, all-reduces acros
 replicas: the `step MB` columns). Measured, a rank does about total/2 on 2x2 and the ranks
 together about twice the total: the work is split within a shard group, not across replicas.
 
+Under torchrun (`--torchrun`, `benchmarks._torchrun`): every torchrun process is one rank of
+torchrun's group (`vo.init_distributed`: NCCL on `cuda:LOCAL_RANK` where CUDA is available, else
+gloo on the CPU), models, batches and meshes on its device; rank 0 prints the tables and writes
+`hsdp_torchrun[_quick].json`. With W ranks (even) the meshes are `2x(W/2)` and `1xW`, and the
+configurations are named so (`--configs` takes the 4-rank names). On CUDA phases are timed until
+the device has finished them (`torch.cuda.synchronize()`), FSDP2 overlaps on its own streams, and
+`exposed comm` and the measured FLOPs are left out: on NCCL the host only issues collectives and
+waits on streams, and ours orthogonalize in Triton kernels, which the profiler's FLOP count of
+ATen products does not see (ours' own count, `stats`, stays).
+
     python benchmarks/hsdp.py            # 4 ranks (~1 min on 2 cores)
     python benchmarks/hsdp.py --quick    # tiny model, 4 ranks, a few steps (a smoke test)
+    torchrun --nproc-per-node 8 benchmarks/hsdp.py --torchrun --steps 4   # 2x4 and 1x8 meshes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -66,13 +78,13 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks import _train  # noqa: E402
+from benchmarks import _report, _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
-from benchmarks._train import PHASES, against_peers, batches, interleave, ms  # noqa: E402
+from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
 
 WORLD = 4
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
@@ -82,8 +94,19 @@ QUICK = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, 
 PRELOAD = ["benchmarks.hsdp"]  # besides benchmarks._gpt.PEERS
 
 
-def peer(config: str) -> str:
-    return "FSDP2 2x2 " + config.split()[-1]
+def meshes(world: int) -> dict[str, tuple[int, int]]:
+    """The two meshes of a `world` (even): 2 replicas of world/2 ranks, and one of all."""
+    return {f"2x{world // 2}": (2, world // 2), f"1x{world}": (1, world)}
+
+
+def named(config: str, world: int) -> str:
+    """A configuration of `CONFIGS` (named at 4 ranks) as named on the meshes of `world`."""
+    who, mesh, family = config.split()
+    return f"{who} {list(meshes(world))[list(MESHES).index(mesh)]} {family}"
+
+
+def peer(config: str, world: int = WORLD) -> str:
+    return f"FSDP2 2x{world // 2} {config.split()[-1]}"
 
 
 def ns_total(model: torch.nn.Module) -> int:
@@ -108,14 +131,14 @@ class Trainer(_train.Trainer):
             return ours(model, family, mesh=self.mesh, shard_modules=[*model.blocks, model])
         return fsdp2(model, family, mesh=self.mesh)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, flops: bool = False) -> int:
-        """One train step; with `flops`, the FLOPs of the matrix products in `opt.step()`."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, flops: bool = False) -> int | None:
+        """One train step; with `flops`, the FLOPs of the matrix products in `opt.step()` (else None)."""
         self.meter.replica_of = self.replica_of
         prof = profile(activities=[ProfilerActivity.CPU], with_flops=True) if flops else None
         super().step(x, y, record, {"step": prof} if prof is not None else None)
         if record:
             self.stats.append(dict(getattr(self.opt, "step_stats", {})))
-        return matmul_flops(prof) if prof is not None else 0
+        return matmul_flops(prof) if prof is not None else None
 
     def result(self, ns_measured: int, loss_after: float) -> dict:
         """What this configuration's recorded steps measured, for the parent: per step, the seconds
@@ -130,17 +153,21 @@ class Trainer(_train.Trainer):
         return {"params": self.params, "ns_total": self.ns_total, "ns_count": self.ns_count,
                 "times_s": self.times, "exposed_s": exposed, "sent": sent,
                 "step_sent": [comm["step"]["sent_by"] for comm in self.comm], "stats": self.stats,
-                "ns_measured": ns_measured, "losses": self.losses, "loss_after": loss_after}  # fmt: skip
+                "ns_measured": ns_measured, "losses": self.losses, "loss_after": loss_after,
+                "device": device().type}  # fmt: skip
 
 
 def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, steps: int) -> dict:
-    """Every configuration in this world, interleaved step by step; then one profiled step each."""
+    """Every configuration in this world, interleaved step by step; then one more step each,
+    profiled for its FLOPs on the CPU (see the docstring)."""
     meter = CommMeter().install()
-    meshes = {k: init_device_mesh("cpu", s, mesh_dim_names=("replicate", "shard")) for k, s in MESHES.items()}
+    made = {k: init_device_mesh(device().type, s, mesh_dim_names=("replicate", "shard"))
+            for k, s in meshes(world).items()}  # fmt: skip
     pool = batches(shape, rank, world)
-    trainers = [Trainer(c, shape, meshes, meter) for c in configs]
+    trainers = [Trainer(c, shape, made, meter) for c in configs]
     interleave(trainers, pool, warmup, steps)
-    measured = {tr.config: tr.step(*pool[0], record=False, flops=True) for tr in trainers}
+    cpu = device().type == "cpu"
+    measured = {tr.config: tr.step(*pool[0], record=False, flops=cpu) for tr in trainers}
     return {tr.config: tr.result(measured[tr.config], tr.eval_loss(*pool[0])) for tr in trainers}
 
 
@@ -155,7 +182,8 @@ def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> flo
 
 
 def _row(config: str, res: list[dict]) -> dict:
-    """One configuration's row from every rank's results."""
+    """One configuration's row from every rank's results (on CUDA without exposed comm and measured
+    FLOPs: the busiest rank's share then comes from ours' stats, `NS from`)."""
     phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
     train = [sum(t) for t in zip(*phases.values())]
     sent, step_sent = [r["sent"] for r in res], [r["step_sent"] for r in res]
@@ -170,7 +198,7 @@ def _row(config: str, res: list[dict]) -> dict:
            "step MB all-to-all": _mean_mb(step_sent, kind="all-to-all"),
            "MB by kind (rank 0, last step)": kinds,
            "NS total GF": total / 1e9,
-           "NS GF per rank (measured)": [r["ns_measured"] / 1e9 for r in res],
+           "NS GF per rank (measured)": [(r["ns_measured"] or 0) / 1e9 for r in res],
            "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
     if config.startswith("ours"):
@@ -179,16 +207,22 @@ def _row(config: str, res: list[dict]) -> dict:
         row["NS matrices per rank"] = [s["ns_matrices"] for s in stats]
     if config.endswith("Muon"):
         row["NS matrices"] = res[0]["ns_count"]
-    if total:
-        measured = row["NS GF per rank (measured)"]
+    measured = row["NS GF per rank (measured)"]
+    if res[0]["device"] == "cuda":  # see the docstring
+        del row["exposed comm ms"], row["NS GF per rank (measured)"]
+        measured = row.get("NS GF per rank (stats)")
+        if total and measured:
+            row["NS from"] = "stats"
+    if total and measured:
         row["NS max rank / total"] = max(measured) * 1e9 / total
         row["NS sum / total"] = sum(measured) * 1e9 / total
     return row
 
 
-def summarize(timed: dict[str, list[dict]]) -> list[dict]:
+def summarize(timed: dict[str, list[dict]], world: int = WORLD) -> list[dict]:
     """Table rows, with ratios against the FSDP2 configuration of the same optimizer."""
-    return against_peers({c: _row(c, res) for c, res in timed.items()}, peer, ["train", "step"])
+    rows = {c: _row(c, res) for c, res in timed.items()}
+    return against_peers(rows, lambda c: peer(c, world), ["train", "step"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -199,15 +233,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
+    ap.add_argument("--torchrun", action="store_true", help="a rank per torchrun process (see the docstring)")
+    ap.add_argument("--results", type=Path, help="folder for the JSON and plot (default benchmarks/results)")
     args = ap.parse_args(argv)
+    if args.results:
+        _report.RESULTS_DIR = args.results.resolve()
     steps = args.steps or (2 if args.quick else 8)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     shape = QUICK if args.quick else MODEL
     t0 = time.perf_counter()
-    timed = launch(_run, WORLD, shape, args.configs, warmup, steps, preload=PRELOAD)
-    rows = summarize({c: [rk[c] for rk in timed] for c in args.configs})
-    run = dict(world=WORLD, meshes=MESHES, steps=steps, warmup=warmup, shape=shape, quick=args.quick,
-               threads=timed.threads, wall_s=time.perf_counter() - t0)  # fmt: skip
+    if args.torchrun:  # this process is one rank of torchrun's world
+        dev, world, ranks = _torchrun.join(), int(os.environ["WORLD_SIZE"]), _torchrun.launch
+        if world % 2:
+            sys.exit(f"hsdp.py --torchrun: 2 replicas need an even number of ranks, not {world}")
+        where = {"torchrun": True, "device": dev.type, "backend": dist.get_backend()}
+    else:
+        world, ranks, where = WORLD, launch, {}
+    configs = [named(c, world) for c in args.configs]
+    timed, first = ranks(_run, world, shape, configs, warmup, steps, preload=PRELOAD), _torchrun.is_first()
+    if args.torchrun:
+        _torchrun.leave()
+        if not first:
+            return {}
+    rows = summarize({c: [rk[c] for rk in timed] for c in configs}, world)
+    run = dict(world=world, meshes=meshes(world), steps=steps, warmup=warmup, shape=shape, quick=args.quick,
+               threads=timed.threads, wall_s=time.perf_counter() - t0, **where)  # fmt: skip
     return report(rows, run)
 
 

@@ -120,3 +120,36 @@ def test_a_call_of_a_later_step_shows_that_the_earlier_steps_block_was_freed_uns
     ends = {(t0, n): t1 for t0, t1, n, _ in blocks}
     assert ends[(11, 64)] == 15 and ends[(12, 8)] == float("inf")
     assert ends[(111, 64)] == ends[(121, 64)] == float("inf")
+
+
+def test_a_cuda_run_reports_only_what_cuda_measures(tmp_path, capsys):
+    """A torchrun run on CUDA (summarized from made-up per-rank results, no processes): time and
+    allocator-peak ratios; no exposed comm, update, copies, RSS nor place of the peak."""
+    from benchmarks import fsdp
+    from benchmarks._fsdp_report import report
+    from benchmarks._train import PHASES
+
+    def timed(seconds):
+        return [{"params": 100, "times_s": {k: [seconds] * 2 for k in PHASES},
+                 "exposed_s": {k: [0.0] * 2 for k in PHASES}, "losses": [2.0, 1.5], "loss_after": 1.0,
+                 "comm": {"calls": {"all-gather": 2}, "sent": {"all-gather": 2**20}}, "copies": None,
+                 "device": "cuda"}] * 2  # fmt: skip
+
+    def memory(config, peak):
+        return [{"model": "wide", "config": config, "params": 100, "live_peak": peak, "live_start": peak // 2,
+                 "memory_stats": None, "source": "torch.cuda.max_memory_allocated"}] * 2  # fmt: skip
+
+    configs = {"ours Z3 AdamW": (0.01, 2**20), "FSDP2 AdamW": (0.02, 2**21)}
+    rows = fsdp.summarize("wide", {c: timed(t) for c, (t, _) in configs.items()},
+                          {c: memory(c, m) for c, (_, m) in configs.items()})  # fmt: skip
+    run = dict(world=2, steps=2, warmup=1, memory_steps=2, malloc=None, shapes={"wide": fsdp.QUICK["wide"]},
+               quick=True, threads=[1, 1], wall_s=1.0, torchrun=True, device="cuda",
+               backend="nccl")  # fmt: skip
+    with results_in(tmp_path):
+        out = report(rows, [], run)
+    ours = config_row(out, "ours Z3 AdamW")
+    assert ours["train x"] == pytest.approx(0.5) and ours["peak live x"] == pytest.approx(0.5)
+    assert not {*fsdp.NOT_ON_CUDA, "peak RSS MB", "peak at", "update x"} & set(ours)
+    printed = capsys.readouterr().out
+    assert "nccl under torchrun" in printed and "exposed fwd" not in printed and "peak RSS" not in printed
+    assert (tmp_path / "fsdp_torchrun_quick.json").exists()

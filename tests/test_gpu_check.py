@@ -273,9 +273,8 @@ def test_multi_dry_run_names_every_stage(tmp_path):
         n = "8" if not args else "2"
         assert any(f"--nproc-per-node {n} " in line and "_gpu_worker.py kill" in line for line in runs)
         assert any("train_torchrun.py" in line and "--checkpoint-dir" in line for line in runs)
-        assert any(
-            "skipped: benchmarks/fsdp.py and benchmarks/hsdp.py cannot target CUDA" in line for line in runs
-        )
+        for script in ("fsdp.py", "hsdp.py"):
+            assert any(f"--nproc-per-node {n} " in line and f"{script} --torchrun" in line for line in runs)
     assert not (tmp_path / "out").exists()
 
 
@@ -287,8 +286,15 @@ def test_multi_cpu_rehearsal_of_hsdp_and_kill(tmp_path):
     got = {r["stage"]: r for r in report["stages"]}
     assert proc.returncode == 0, proc.stdout[-6000:]
     assert got["hsdp"]["status"] == "passed" and got["kill"]["status"] == "passed", proc.stdout[-4000:]
-    assert (
-        got["fsdp_bench"]["status"] == "skipped" and "cannot target CUDA yet" in got["fsdp_bench"]["reason"]
-    )
+    bench = got["fsdp_bench"]
+    assert bench["status"] == "passed", bench
+    assert [c["name"] for c in bench["checks"]] == ["fsdp.py", "hsdp.py"]
+    fsdp, hsdp = bench["measurements"]["fsdp"], bench["measurements"]["hsdp"]
+    assert fsdp["world"] == hsdp["world"] == 2 and fsdp["backend"] == "gloo"
+    assert set(fsdp["ours_vs_fsdp2"]) == {"wide ours Z3 AdamW", "wide ours Z3 Muon"}
+    assert set(hsdp["ours_vs_fsdp2"]) == {"ours 2x1 AdamW", "ours 2x1 Muon"}
+    for row in [*fsdp["ours_vs_fsdp2"].values(), *hsdp["ours_vs_fsdp2"].values()]:
+        assert row["train x"] > 0 and row["step x"] > 0
+    assert all(row["peak live x"] > 0 for row in fsdp["ours_vs_fsdp2"].values())
     survivors = got["kill"]["measurements"]["survivors"]
     assert len(survivors) == 1 and "did not complete" in survivors[0]["message"]

@@ -1,0 +1,72 @@
+"""A benchmark's ranks under torchrun instead of a local gloo world: every torchrun process is one rank.
+
+    device = join()                             # this process's group and device, once
+    results = launch(fn, world, arg1, arg2)     # fn(rank, world, arg1, arg2) here; every rank's result
+    if is_first(): print(table(...))            # rank 0 reports
+    leave()                                     # the group destroyed
+
+`join` meets the other ranks through `vescale_optim.init_distributed` (NCCL with
+`device_id=cuda:LOCAL_RANK` where CUDA is available, gloo otherwise); on the CPU each rank then
+gets its share of this machine's CPUs (`threads_per_rank(LOCAL_WORLD_SIZE)`, as in a local world,
+where torchrun would have set one thread each); on CUDA torchrun's thread count is left alone.
+`launch` takes the arguments of `benchmarks._gpt.launch` so a script swaps one for the other: it
+runs `fn` on this rank only and gathers every rank's result (`all_gather_object`), in rank order,
+with `.threads`, each rank's `torch.get_num_threads()`. A torchrun world cannot be rebuilt per call
+as a local one is, so every call shares the same processes (per-process peaks mix) and `world`
+must be the group's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import vescale_optim as vo
+from benchmarks._gpt import Ranks, threads_per_rank
+from benchmarks._train import device
+
+__all__ = ["is_first", "join", "launch", "leave"]
+
+TIMEOUT = 900.0  # seconds: the process group's, as the local world's collective timeout
+
+
+def join(world_size: int | None = None) -> torch.device:
+    """Join torchrun's process group (once per process) and return this rank's device; a
+    `world_size` other than torchrun's is refused."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit("--torchrun: RANK and WORLD_SIZE are not set; start it as "
+                         "`torchrun --nproc-per-node N <script> --torchrun ...`")  # fmt: skip
+    if world_size is not None and world_size != int(os.environ["WORLD_SIZE"]):
+        raise SystemExit(f"--world-size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    if not dist.is_initialized() and vo.init_distributed(timeout=TIMEOUT).type == "cpu":
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return device()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence[str] = (),
+           timeout: float | None = None) -> Ranks:  # fmt: skip
+    """`fn(rank, world_size, *args)` on this rank; every rank's result, in rank order, on every
+    rank. `preload` and `timeout` are the local launcher's and mean nothing here (the group's
+    timeout bounds every collective)."""
+    if world_size != dist.get_world_size():
+        raise ValueError(f"a torchrun world has {dist.get_world_size()} ranks, not {world_size}")
+    mine = (torch.get_num_threads(), fn(dist.get_rank(), world_size, *args))
+    every: list = [None] * world_size
+    dist.all_gather_object(every, mine)
+    results = Ranks(r for _, r in every)
+    results.threads = [t for t, _ in every]
+    return results
+
+
+def is_first() -> bool:
+    """Whether this process reports: rank 0, or the only process."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
