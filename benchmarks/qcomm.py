@@ -28,23 +28,26 @@ expected to be faster here: the bytes are the number that carries to a real netw
 
 B. The demo (`python -m vescale_optim.demo`, which has no flag for the bits): its own training
 loop (`vescale_optim.demo.train.train_one`: its model, data, batches, LR schedule, clipping and
-reported losses) for `adamw` and `muon`, with the demo's optimizer factories, whose
-`**sharding(model, cfg)` is extended, inside the ranks only, by the bits of the configuration
-(nothing of the demo is edited). `train loss` is the demo's: the mean over its last 10 steps,
-`val loss` after training; `Δ` is against `fp32`; goal: within 1 %.
+reported losses) for `adamw` and `muon`, with the demo's optimizer factories, the configuration's
+keywords passed as `TrainConfig(sharding=...)` (the demo's own way to add sharding keywords).
+`train loss` is the demo's: the mean over its last 10 steps, `val loss` after training; `Δ` is
+against `fp32`; goal: within 1 %.
 
 C. Model scale, no processes: Llama-3-70B (benchmarks/model_shapes.py) at W = 1024 as the
 runtime plans it (vescale_optim/units/runtime.py: every decoder layer a unit, the embedding,
-final norm and head the outermost one; AdamW's granule 1, joined with `comm_block` by
-`_whole_blocks` and the block alignment when a collective is 8-bit; `plan_layout`), and the
-shard size S of each unit. Ring collectives: a rank sends (W-1)·b bytes per all-gather or
-reduce-scatter (or qgZ all-to-all) of a unit whose per-rank piece is b bytes: b = S·size of
-the dtype, or `packed_numel(S, 256)` = S + 4·S/256 for 8-bit. Per step every decoder layer is
-gathered twice (forward, and again for backward: `reshard_after_forward=True`), the outermost
-unit once, and every unit's gradients reduced once. Time = bytes / bandwidth (bandwidth term
-only: no latency, no overlap with compute; links full duplex, so what a rank receives rides
-beside what it sends): 400 Gb/s (50 GB/s) per GPU, and 900 GB/s NVLink. 8-bit bytes do not
-depend on `param_dtype` (the shards are fp32 masters, the codes 8-bit either way).
+final norm and head the outermost one; AdamW's granule 1, joined with `comm_block` when a
+collective is 8-bit: a multiple of both, or the whole tensor on one rank when that does not divide
+it, and the block alignment; `plan_layout`), and the shard size S of each unit. A checks this
+formula against the ranks: every unit's shard size (`opt.units`, `unit.layout.shard_size`) must be
+the formula's, and the bytes counted in `step_stats` the formula's bytes. Ring collectives: a
+rank sends (W-1)·b bytes per all-gather or reduce-scatter (or qgZ all-to-all) of a unit whose
+per-rank piece is b bytes: b = S·size of the dtype, or `packed_numel(S, 256)` = S + 4·S/256 for
+8-bit. Per step every decoder layer is gathered twice (forward, and again for backward:
+`reshard_after_forward=True`), the outermost unit once, and every unit's gradients reduced once.
+Time = bytes / bandwidth (bandwidth term only: no latency, no overlap with compute; links full
+duplex, so what a rank receives rides beside what it sends): 400 Gb/s (50 GB/s) per GPU, and 900
+GB/s NVLink. 8-bit bytes do not depend on `param_dtype` (the shards are fp32 masters, the codes
+8-bit either way).
 
     python benchmarks/qcomm.py            # 4 ranks, both models, 200-step demo runs (~16 min, 2 shared cores)
     python benchmarks/qcomm.py --quick    # tiny models, 2 ranks, a few steps (a smoke test)
@@ -53,7 +56,6 @@ depend on `param_dtype` (the shards are fp32 masters, the codes 8-bit either way
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import statistics
@@ -74,7 +76,6 @@ from benchmarks._report import environment, host_line, require_finite, save_json
 from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 from vescale_optim.units.qcomm import packed_numel  # noqa: E402
-from vescale_optim.units.runtime import _whole_blocks  # noqa: E402
 
 BLOCK = 256
 ALIGN = 16  # ShardingConfig.align's default
@@ -109,25 +110,36 @@ GOALS = [f"<= {GOAL_FP32}x fp32", f"<= {GOAL_BF16}x bf16"]
 # ---------------------------------------------------------------- the formula (C), no processes
 
 
+def whole_blocks(granule: int, block: int, numel: int) -> int:
+    """The granule of a tensor of `numel` elements when a collective is 8-bit: a multiple of its
+    `granule` and of `block` (no rank boundary cuts a block), or the whole tensor on one rank when
+    that does not divide it (the runtime's rule; A checks the shard sizes it gives)."""
+    both = math.lcm(granule, block)
+    return both if numel % both == 0 else max(numel, 1)
+
+
 def layout_bytes(units: list[list[int]], world: int, config: dict, root_gathers: int = 1) -> dict:
     """Bytes a rank sends per step for `units` (each a list of parameter sizes; the last one the
-    outermost unit) under `config`, from the runtime's own layout (see the module's docstring)."""
+    outermost unit) under `config`, from the runtime's layout rules (see the module's docstring);
+    `shards`: each unit's shard size."""
     q = bool(config.get("gather_bits") or config.get("reduce_bits"))
     block = config.get("comm_block", BLOCK) if q else 1
     elem = 2 if config.get("param_dtype") == torch.bfloat16 else 4
     reduce_elem = {None: elem, torch.bfloat16: 2, torch.float32: 4}[config.get("reduce_dtype")]
     gather = reduce = padding = 0
+    shards = []
     for k, sizes in enumerate(units):
-        granules = [_whole_blocks(1, block, n) for n in sizes]  # AdamW declares granule 1
+        granules = [whole_blocks(1, block, n) for n in sizes]  # AdamW declares granule 1
         aligns = [math.lcm(ALIGN, block)] * len(sizes)
         layout = plan_layout(sizes, granules, world, math.lcm(ALIGN, block), aligns=aligns,
                              segments=[(0, "fp32")] * len(sizes))  # fmt: skip
         s = layout.shard_size
+        shards.append(s)
         passes = root_gathers if k == len(units) - 1 else 2
         gather += passes * (world - 1) * (packed_numel(s, block) if config.get("gather_bits") else s * elem)
         reduce += (world - 1) * (packed_numel(s, block) if config.get("reduce_bits") else s * reduce_elem)
         padding += layout.padding
-    return {"gather": gather, "reduce": reduce, "total": gather + reduce,
+    return {"gather": gather, "reduce": reduce, "total": gather + reduce, "shards": shards,
             "padding %": 100 * padding / sum(map(sum, units))}  # fmt: skip
 
 
@@ -187,37 +199,32 @@ class Trainer(_train.Trainer):
     def optimizer(self, model: torch.nn.Module):
         return ours(model, "AdamW", shard_modules=[*model.blocks, model], **CONFIGS[self.config])
 
+    @property
+    def shards(self) -> list[int]:
+        """Each unit's shard size (`opt.units`), in `gpt_units`'s order: the blocks, then the model."""
+        size = {id(p): unit.layout.shard_size for unit in self.opt.units for p in unit.params}
+        inner = {id(p) for b in self.model.blocks for p in b.parameters()}
+        outer = next(p for p in self.model.parameters() if id(p) not in inner)
+        return [size[id(next(b.parameters()))] for b in self.model.blocks] + [size[id(outer)]]
+
     def step(self, x, y, record: bool = True, around=None) -> None:
         super().step(x, y, record, around)
         if record:
             self.sent.append((self.opt.step_stats["gather_bytes"], self.opt.step_stats["reduce_bytes"]))
 
 
-@contextlib.contextmanager
-def _bits(extra: dict):
-    """The demo's optimizer factories pass `**sharding(model, cfg)`: add `extra` to it here."""
-    from vescale_optim.demo import optimizers
-
-    plain = optimizers.sharding
-    optimizers.sharding = lambda model, cfg: {**plain(model, cfg), **extra}
-    try:
-        yield
-    finally:
-        optimizers.sharding = plain
-
-
 def _demo(demo: dict, runs: list[tuple[str, str]]) -> dict:
     """B: the demo's `train_one` for each (optimizer, configuration), in this world."""
     from vescale_optim.demo.config import TrainConfig
     from vescale_optim.demo.data import load_corpus
-    from vescale_optim.demo.train import _World, train_one
+    from vescale_optim.demo.train import World, train_one
 
-    cfg, world = TrainConfig(**demo, progress=False, out="unused"), _World()
+    world = World()
     train_data, val_data = load_corpus()
     out = {}
     for name, config in runs:
-        with _bits(CONFIGS[config]):
-            r = train_one(name, cfg, train_data, val_data, world)
+        cfg = TrainConfig(**demo, progress=False, out="unused", sharding=dict(CONFIGS[config]))
+        r = train_one(name, cfg, train_data, val_data, world)
         out[(name, config)] = {k: r[k] for k in ("final_loss", "val_loss", "train_time_s", "tokens_per_s",
                                                  "init_params_sha256")}  # fmt: skip
     return out
@@ -231,6 +238,7 @@ def _ranks(rank: int, world: int, models: dict, configs: list[str], warmup: int,
         trainers = [Trainer(c, shape) for c in configs]
         interleave(trainers, pool, warmup, steps)
         out["timed"][name] = {tr.config: {"params": tr.params, "times_s": tr.times, "sent": tr.sent,
+                                          "shards": tr.shards,
                                           "loss_first": tr.losses[0], "loss_after": tr.eval_loss(*pool[0])}
                               for tr in trainers}  # fmt: skip
         del trainers
@@ -252,6 +260,9 @@ def measured_rows(name: str, shape: dict, world: int, timed: list[dict]) -> list
         reduce = statistics.median(r for _, r in r0["sent"])
         phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
         formula = layout_bytes(units, world, CONFIGS[c])
+        if r0["shards"] != formula["shards"]:
+            raise RuntimeError(f"{name}, {c}: the units' shard sizes {r0['shards']} (opt.units) are not the "
+                               f"layout formula's {formula['shards']}")  # fmt: skip
         rows[c] = {"model": name, "config": c, "params": r0["params"],
                    "gather MiB": gather / 2**20, "reduce MiB": reduce / 2**20,
                    "total MiB": (gather + reduce) / 2**20,

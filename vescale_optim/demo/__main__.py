@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int]:
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error("--world-size must be at least 1")
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
     try:
         optimizer_names(cfg)
     except ValueError as e:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .model import GPTConfig
 
@@ -16,7 +17,10 @@ class TrainConfig:
     With `checkpoint_dir` the run saves every `checkpoint_every` steps and at the end, and with
     `resume` continues from the newest complete checkpoint there; `timeout` (seconds) bounds
     every collective wait. `param_dtype` ("fp32" or "bf16"; None: bf16 on CUDA, fp32 on the
-    CPU) is the dtype of the gathered parameters and the compute, over fp32 shards."""
+    CPU) is the dtype of the gathered parameters and the compute, over fp32 shards. `sharding`:
+    more sharding keywords (`vo.ShardingConfig`'s fields, e.g. `{"gather_bits": 8, "reduce_bits":
+    8}`) for every optimizer of the run, over those `zero` and `param_dtype` give (no flag: set it
+    from Python; keep its values JSON-friendly, the summary records them)."""
 
     optimizer: str | None = None
     zero: int = 3
@@ -38,6 +42,7 @@ class TrainConfig:
     resume: bool = False
     timeout: float = 60.0
     param_dtype: str | None = None
+    sharding: dict[str, Any] = field(default_factory=dict)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(

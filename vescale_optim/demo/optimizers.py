@@ -3,7 +3,7 @@
 Register a new one by adding a factory to `OPTIMIZERS`: it gets the model (already
 on its device) and the run's `TrainConfig` and returns the optimizer. `cfg.lr` is
 None unless the user passed `--lr`; use the optimizer's own tuned default then, and
-pass `**sharding(model, cfg)` so that `--zero` and `--param-dtype` apply. Every
+pass `**sharding(model, cfg)` so that `--zero`, `--param-dtype` and `cfg.sharding` apply. Every
 optimizer gets the same warmup + cosine multiplier (`make_scheduler`).
 """
 
@@ -61,12 +61,12 @@ def sharding(model: nn.Module, cfg: TrainConfig) -> dict:
     """`--zero 3`: every block is a unit, and the model (embeddings, final norm, head) the
     outermost one: parameters, gradients and state sharded. `--zero 2`: no units listed,
     parameters whole on every rank. Either with `mixed_precision` for the model's device
-    (`--param-dtype`)."""
+    (`--param-dtype`), then `cfg.sharding`'s keywords over them."""
     precision = mixed_precision(cfg, next(model.parameters()).device)
     if cfg.zero == 3:
-        return {"shard_modules": [*model.blocks, model], **precision}
+        return {"shard_modules": [*model.blocks, model], **precision, **cfg.sharding}
     if cfg.zero == 2:
-        return precision
+        return {**precision, **cfg.sharding}
     raise ValueError(f"zero must be 2 or 3, not {cfg.zero!r}")
 
 

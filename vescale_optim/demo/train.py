@@ -29,7 +29,7 @@ from .model import GPT
 from .optimizers import OPTIMIZERS, make_scheduler, optimizer_names, param_dtype_name
 
 
-class _World:
+class World:
     """Rank, size and device of this process; collectives are no-ops for one process."""
 
     def __init__(self) -> None:
@@ -89,7 +89,7 @@ def peak_memory(device: torch.device) -> dict[str, float | None]:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> tuple[float, int]:
+def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: World) -> tuple[float, int]:
     """Mean loss over fixed validation windows, split across ranks, and how many tokens it scored."""
     model.eval()
     x, y = val_windows(val, cfg.seq_len, cfg.val_tokens)
@@ -105,7 +105,7 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: _World) -> 
 
 
 def train_one(
-    name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: _World
+    name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: World
 ) -> dict:
     """Train a fresh model (same seed, so the same initial weights) with optimizer `name`, or
     continue the newest checkpoint's run with `cfg.resume`."""
@@ -187,7 +187,7 @@ def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
     """
     launch_time = time.time() if launch_time is None else launch_time
     names = optimizer_names(cfg)
-    world = _World()
+    world = World()
     train_data, val_data = load_corpus()
     n_params = sum(p.numel() for p in GPT(cfg.model_config()).parameters())
     if world.rank == 0:
