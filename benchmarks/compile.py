@@ -56,6 +56,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# Inductor compiles in the rank's own process (no worker pool: the ranks share the CPUs already). Its
+# config reads this when imported, which the ranks' forkserver does (`torch._dynamo`, preloaded) as
+# the process's first world starts: after this line.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
 import torch  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
@@ -107,14 +112,11 @@ class Trainer(_train.Trainer):
 
 
 def _fresh_compiler(folder: str | None) -> None:
-    """Nothing compiled in this process, inductor's caches in `folder` (None: left as they are),
-    and inductor compiling in this process (no worker pool: the ranks share the CPUs already)."""
+    """Nothing compiled in this process, inductor's caches in `folder` (None: left as they are);
+    inductor compiles in this process (`TORCHINDUCTOR_COMPILE_THREADS=1`, set above)."""
     torch.compiler.reset()
     if folder is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    import torch._inductor.config as inductor_config
-
-    inductor_config.compile_threads = 1
 
 
 def _train_seconds(tr: Trainer) -> list[float]:
