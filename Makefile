@@ -36,6 +36,9 @@ bench: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/compile.py
+	$(PY) benchmarks/qcomm.py
+	$(PY) benchmarks/scale.py
 
 aot: setup
 	env -u TRITON_INTERPRET $(PY) -m vescale_optim.kernels.aot --out build/aot
