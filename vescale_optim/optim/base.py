@@ -189,6 +189,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step; every rank calls it (it runs collectives).
+
+        `closure`, as in torch, re-evaluates the model (with grad enabled) and returns the
+        loss. The gradients backward has not reduced yet are reduced first; then every
+        parameter that some rank has a gradient for is updated from its shard, and the new
+        values reach the parameters. With `skip_nonfinite`, a step whose gradients hold inf
+        or NaN changes nothing on any rank (counted in `skipped_steps`, with a warning).
+        Refreshes `step_stats`. Returns the closure's loss, or None."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
