@@ -60,6 +60,26 @@ def test_local_pieces_are_views_of_the_local_slice():
             assert pbuf.placement(i).local_range(SHAPES[i], rank) == (start, stop)
 
 
+def test_an_unallocated_buffer_takes_no_memory_until_allocated():
+    """`allocate=False` (a gradient buffer made in backward, at the peak) allocates nothing,
+    not even for a moment; `allocate`, `free` and `allocate` again behave as for any buffer."""
+    layout = layout_for(2)
+    nbytes = layout.numel * 4
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        buf = FlatBuffer(layout, SHAPES, 0, torch.float32, allocate=False)
+    assert not [e for e in prof.events() if e.cpu_memory_usage >= nbytes]
+    assert not buf.allocated and buf.nbytes == 0
+    buf.allocate(zero=True)
+    assert buf.allocated and buf.nbytes == nbytes and not buf.data.any()
+    view = buf.view(3)
+    view.fill_(2.0)
+    buf.free()
+    assert not buf.allocated and buf.nbytes == 0 and view.shape == SHAPES[3]
+    buf.allocate(zero=True)
+    assert buf.nbytes == nbytes and view.untyped_storage().nbytes() == nbytes and not view.any()
+
+
 def test_bad_buffers():
     with pytest.raises(ValueError, match="rank 3 outside"):
         FlatBuffer(layout_for(2), SHAPES, 3, torch.float32)

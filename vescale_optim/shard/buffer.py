@@ -17,7 +17,9 @@ class FlatBuffer:
     `view(i)` is tensor `i` shaped like itself, `local` is the rank's slice
     `[rank*S, (rank+1)*S)` and `local_piece(i)` the flat part of tensor `i` inside it;
     all are views of `data`, so collectives on `data`/`local` move the tensors
-    themselves.
+    themselves. With `allocate=False` nothing is allocated until `allocate()`: `data` is
+    an empty placeholder until then (a buffer made in backward, at the peak, costs
+    nothing), so views are made only after the first `allocate()`.
     """
 
     def __init__(
@@ -35,11 +37,8 @@ class FlatBuffer:
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
         self.layout, self.shapes, self.rank = layout, shapes, rank
-        if allocate:
-            self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
-        else:
-            self.data = torch.empty(layout.numel, dtype=dtype, device=device)
-            self.free()
+        numel = layout.numel if allocate else 0
+        self.data = torch.zeros(numel, dtype=dtype, device=device)
 
     @property
     def shard_size(self) -> int:
@@ -47,6 +46,8 @@ class FlatBuffer:
 
     @property
     def allocated(self) -> bool:
+        if self.data.numel() != self.layout.numel:
+            return False  # the placeholder of `allocate=False`
         return self.data.untyped_storage().nbytes() > 0 or self.data.numel() == 0
 
     def free(self) -> None:
@@ -58,7 +59,11 @@ class FlatBuffer:
     def allocate(self, zero: bool = False) -> None:
         """Give the buffer memory again (contents undefined unless `zero`); views made
         before `free()` see it, since they share the storage object."""
-        if not self.allocated:
+        if self.data.numel() != self.layout.numel:  # first allocation of `allocate=False`
+            self.data = torch.empty(self.layout.numel, dtype=self.data.dtype, device=self.data.device)
+            if zero:
+                self.data.zero_()
+        elif not self.allocated:
             self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
             if zero:
                 self.data.zero_()
