@@ -164,8 +164,8 @@ class Gradients:
             else:
                 self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
                 add = part is None and self.has_values
+                target = self.shard if part is None else part  # allocated on the compute stream
                 with u.streams.reducing():
-                    target = self.shard if part is None else part
                     scatter = reduce_scatter_into_(data, target, u.comm, "mean", add, True, what)
             if part is None:
                 self.has_values = True

@@ -284,8 +284,11 @@ class Unit:
         world, s, what = self.comm.world_size, self.layout.shard_size, f"unit {self.name}'s parameters"
         if not self.gather_bits:
             self.gathered_bytes += ring(world, s * self.full.data.element_size())
-            with self.streams.gathering():
-                return all_gather_into_(self.full.data, self.shard, self.comm, async_op=async_op, what=what)
+            with self.streams.gathering():  # issued there; a blocking wait belongs to the compute stream
+                handle = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True, what=what)
+            if not async_op:
+                handle.wait()
+            return handle
         block, rank = self.comm_block, self.comm.rank
         wire = torch.empty(world, packed_numel(s, block), dtype=torch.uint8, device=self.device)
         qcomm.pack_rows(self.shard, 1, block, wire[rank])
