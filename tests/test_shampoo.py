@@ -362,6 +362,28 @@ def test_bad_input(kwargs, match):
             vo.Shampoo(*args, **kw)
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [(dict(start_preconditioning_step=None), "start_preconditioning_step"), (dict(lr=-1.0), "learning rate"),
+     (dict(precondition_frequency=0), "precondition_frequency")],
+)  # fmt: skip
+def test_a_bad_hyperparameter_set_after_construction_is_refused_before_anything_changes(change, match):
+    params = make_params()
+    opt = vo.Shampoo(groups(params, MIXED))
+    set_grads(params, 0, 0, 1)
+    opt.step()
+    before = ([p.detach().clone() for p in params], opt.state_dict())
+    opt.param_groups[1].update(change)
+    set_grads(params, 1, 0, 1)
+    with pytest.raises(RuntimeError, match=match):  # as AdamW and Muon refuse such a step
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    after = opt.state_dict()["state"]
+    for i, state in before[1]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(after[i][k], v), (i, k)
+
+
 def test_bare_tensor_is_not_a_parameter_list():
     with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
         vo.Shampoo(torch.zeros(3, 3))

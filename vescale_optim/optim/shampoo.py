@@ -117,6 +117,15 @@ class Shampoo(ShardedOptimizer):
 
     structural_keys = ("max_preconditioner_dim", "grafting")
 
+    def _check_group(self, gi: int, group: dict) -> str | None:
+        try:
+            if group["start_preconditioning_step"] is None:  # None is a default's, not a group's
+                raise ValueError("start_preconditioning_step is None (need an integer)")
+            check_hyperparameters(group)
+        except ValueError as e:
+            return f"param group {gi}: {e}"
+        return None
+
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
 
