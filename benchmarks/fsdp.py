@@ -44,7 +44,8 @@ path: `collective path` (inside FSDP2's or our communication code: `FSDP::` and
 (inside autograd's AccumulateGrad), `c10d` (gloo's own staging), `own slice` (ours only:
 on gloo our all-gather copies the rank's shard into its slice of the unsharded buffer,
 then broadcasts in place; NCCL gathers from the shard directly) and `compute` (the model
-and the optimizers' math; context only). `copies` = collective path + grad accum.
+and the optimizers' math, wherever the runtime calls it: a copy whose innermost frame of
+ours is in `optim/` or a math kernel; context only). `copies` = collective path + grad accum.
 
 Memory (each configuration alone in a fresh world): `peak live` is the most tensor bytes
 alive on a rank during a training step after the first, read from the profiler's record
@@ -121,6 +122,9 @@ PRELOAD = ["benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
 REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
 NOT_ON_CUDA = ("_update", "update ms", "exposed comm ms", "exposed/phase ms", "copies", "own slice copies",
                "c10d copies", "compute copies", "copy events")  # row keys with no meaning there  # fmt: skip
+# innermost frames of ours that are the optimizers' math, not communication (kernels/packed.py,
+# the 8-bit wire format, is communication)
+MATH_CODE = ("optim/", "kernels/newton_schulz.py", "kernels/quant.py")
 COLLECTIVE_CODE = (
     "vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params",
     "vescale_optim/shard/collectives.py", "vescale_optim/units/", "FSDP::", "fsdp::",
@@ -169,6 +173,9 @@ def _classify(event, context: list[str]) -> str:
     text = " | ".join(context)
     if "vescale::unshard[" in text:
         return "own slice"
+    ours = [c.split("vescale_optim/", 1)[1] for c in context if "vescale_optim/" in c and ".py(" in c]
+    if ours and ours[0].startswith(MATH_CODE):  # the optimizers' math, even where the runtime calls it
+        return "compute"
     if any(m in text for m in COLLECTIVE_CODE):
         return "collective path"
     if "AccumulateGrad" in text:
