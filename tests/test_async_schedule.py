@@ -31,7 +31,8 @@ def _optimizer(kind, model, backward_prefetch):
 
 
 def _run(kind, backward_prefetch, emulate):
-    """The events of two training steps on this rank, and the trained parameters."""
+    """The events of two training steps on this rank, the trained parameters, and (emulated)
+    how many collectives were still held back when waited for."""
     model = build(layers=4)
     opt = _optimizer(kind, model, backward_prefetch)
     events = []
@@ -41,20 +42,21 @@ def _run(kind, backward_prefetch, emulate):
             module.register_full_backward_pre_hook(lambda m, g, n=name: events.append(f"backward {n}"))
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(f"accumulated {n}"))
-    with delayed() if emulate else contextlib.nullcontext(), traced(into=events):
+    with delayed() if emulate else contextlib.nullcontext() as delays, traced(into=events):
         for t in range(STEPS):
             loss_fn(model, *batch(t, dist.get_rank())).backward()
             opt.step()
             opt.zero_grad()
-    return events, {k: v.clone() for k, v in model.state_dict().items()}
+    held = delays.held_at_wait if emulate else None
+    return events, {k: v.clone() for k, v in model.state_dict().items()}, held
 
 
 def _compare(kind, backward_prefetch):
-    first, params = _run(kind, backward_prefetch, emulate=False)
-    emulated, emulated_params = _run(kind, backward_prefetch, emulate=True)
-    again, _ = _run(kind, backward_prefetch, emulate=False)
+    first, params, _ = _run(kind, backward_prefetch, emulate=False)
+    emulated, emulated_params, held = _run(kind, backward_prefetch, emulate=True)
+    again, _, _ = _run(kind, backward_prefetch, emulate=False)
     same_bits = all(torch.equal(params[k], emulated_params[k]) for k in params)
-    return first, emulated, again, same_bits
+    return first, emulated, again, same_bits, held
 
 
 CASES = [(2, "adamw", True), (3, "muon", True), (4, "shampoo", True), (3, "adamw", False), (2, "muon", False)]
@@ -62,8 +64,11 @@ CASES = [(2, "adamw", True), (3, "muon", True), (4, "shampoo", True), (3, "adamw
 
 @pytest.mark.parametrize("world_size, kind, backward_prefetch", CASES)
 def test_the_same_schedule_on_an_asynchronous_device(world, world_size, kind, backward_prefetch):
-    for first, emulated, again, same_bits in world(world_size).run(_compare, kind, backward_prefetch):
+    for first, emulated, again, same_bits, held in world(world_size).run(_compare, kind, backward_prefetch):
         assert any(e.startswith("all-gather") for e in first)
+        # the emulation held collectives back: some were still queued when waited for (had
+        # `delayed()` run them at issue, the schedule would be the same and this 0)
+        assert held > 0, held
         assert any(e.startswith("accumulated") for e in first)
         assert emulated == first, next((i, a, b) for i, (a, b) in enumerate(zip(first, emulated)) if a != b)
         assert again == first
@@ -73,7 +78,8 @@ def test_the_same_schedule_on_an_asynchronous_device(world, world_size, kind, ba
 def _prefetch_points():
     """Per block k of backward (but the last): (where its backward starts, where the gather
     of block k-1 is issued, where block k's first and last gradients accumulate)."""
-    events, _ = _run("adamw", True, emulate=True)
+    events, _, held = _run("adamw", True, emulate=True)
+    assert held > 0  # the gathers issued ahead were really held back until waited for
     steps = [i for i, e in enumerate(events) if e == "forward layers.0"]
     backward = events[steps[1] :]  # the second step: the backward order is known from the first
     out = []

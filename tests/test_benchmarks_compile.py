@@ -4,6 +4,7 @@ measured, the goals and the FSDP2 + compile status are stated, and its JSON name
 
 import json
 import math
+import re
 
 import pytest
 from _bench import config_row, results_in
@@ -23,16 +24,23 @@ def test_compile_quick(tmp_path, capsys):
     assert out["loss_check_ok"]
 
     # the table, the host, FSDP2's synchronous collectives on CPU, whether FSDP2 + compile runs here
-    assert "| config" in printed and "| ours compiled" in printed and "| FSDP2 eager" in printed
+    lines = printed.splitlines()
+    assert any(re.match(r"\| config\s+\|", line) for line in lines)
+    for config in configs:  # a row for every configuration, in both tables
+        assert sum(bool(re.match(rf"\| {re.escape(config)}\s+\|", line)) for line in lines) == 2, config
     assert "host: " in printed and "FSDP2 issues its collectives synchronously" in printed
     assert ("FSDP2 + compile: runs on CPU/gloo" if compiled else "FSDP2 + compile: does NOT run") in printed
-    assert "met" in printed and "ours compiled: train step faster than ours eager" in printed
+    # each goal stated on its own line, met or NOT met as the JSON says, and no other goal line
+    goal_lines = [line for line in lines if re.match(r"  (met    |NOT met)  ", line)]
+    assert goal_lines == [f"  {'met    ' if ok else 'NOT met'}  {k}" for k, ok in out["goals"].items()]
+    peer = "FSDP2 compiled" if compiled else "FSDP2 eager"
+    want = [f"ours compiled: train step <= 0.8x {peer}", "ours compiled: train step faster than ours eager"]
+    assert [k.split(" (")[0] for k in out["goals"]] == want
 
     for r in out["rows"]:  # every configuration measured: time, memory, first step, loss
         for c in ("train ms", "fwd ms", "bwd ms", "step ms", "peak live MB", "first step s", "loss after"):
             assert isinstance(r[c], float) and math.isfinite(r[c]) and r[c] > 0, (r["config"], c, r[c])
         assert r["loss after"] < r["loss first"]
-    peer = "FSDP2 compiled" if compiled else "FSDP2 eager"
     ours, fsdp2 = config_row(out, "ours compiled"), config_row(out, peer)
     ratios = ["x FSDP2", "x eager", "peak live x"] + (["compile x"] if compiled else [])
     for c in ratios:
@@ -47,3 +55,4 @@ def test_compile_quick(tmp_path, capsys):
     host = saved["env"]["host"]
     assert host["cpu"] and host["load_average"] and len(host["threads_per_rank"]) == 2
     assert saved["rows"] == json.loads(json.dumps(out["rows"], default=str))
+    assert saved["goals"] == out["goals"]

@@ -68,6 +68,9 @@ def _attempt(port: int, world: int, timeout: float, order: list[int], delay: flo
     for t in threads:
         t.join(timeout + 10)
         assert not t.is_alive()
+    # every rank that came answered or raised a RuntimeError (a thread dying of anything else
+    # leaves no entry)
+    assert sorted(got) == sorted(order), (got, order)
     return got
 
 

@@ -1,4 +1,4 @@
-"""Newton–Schulz: torch reference vs torch.optim.Muon, Triton kernels vs torch reference.
+"""Newton–Schulz: torch reference vs a torch.optim.Muon step, Triton kernels vs torch reference.
 
 Triton runs in the interpreter here (conftest sets TRITON_INTERPRET=1), so the Triton
 cases are small; ``block=16`` forces several tiles on them to exercise the masks, the
@@ -13,6 +13,7 @@ it amplifies any one rounding that falls the other way (see
 ``test_triton_matches_torch``).
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -35,18 +36,27 @@ needs_triton_device = pytest.mark.skipif(
     DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="TRITON_INTERPRET=0 needs a GPU"
 )
 
-try:
-    from torch.optim._muon import _zeropower_via_newtonschulz
-except ImportError:  # private: may move between torch releases
-    _zeropower_via_newtonschulz = None
-
-needs_torch_ns = pytest.mark.skipif(
-    _zeropower_via_newtonschulz is None, reason="torch.optim._muon is not importable"
-)
+LR = 0.5
 
 
-def _muon_ns(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    return _zeropower_via_newtonschulz(x, COEFFS, steps, 1e-7)
+def _muon_step(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The parameter after one public ``torch.optim.Muon`` step from zero with gradient ``x``
+    (momentum 0, no Nesterov, no weight decay): ``-lr' * NS(x)`` in fp32, NS(x) in bf16."""
+    param = torch.nn.Parameter(torch.zeros(x.shape))
+    param.grad = x.float().clone()  # Muon's iteration starts from the gradient in bf16
+    opt = torch.optim.Muon([param], lr=LR, weight_decay=0.0, momentum=0.0, nesterov=False,
+                           ns_coefficients=COEFFS, eps=1e-7, ns_steps=steps)  # fmt: skip
+    opt.step()
+    return param.detach()
+
+
+def _as_muon_step(update: torch.Tensor) -> torch.Tensor:
+    """What that step leaves for an orthogonalized ``update`` (m x n): torch's default
+    adjust_lr_fn ("original", torch.optim.Muon's docs) makes ``lr' = lr * sqrt(max(1, m/n))``,
+    added once in fp32 to the zero parameter. Distinct bf16 updates give distinct fp32
+    products, so comparing these bit for bit compares the updates bit for bit."""
+    m, n = update.shape
+    return torch.zeros(m, n).add_(update, alpha=-LR * math.sqrt(max(1, m / n)))
 
 
 U = 2.0**-24
@@ -91,22 +101,21 @@ def _check_poly(B, X, out, a):
     assert_one_rounding(out.cpu(), exact, terms, B.shape[-1])
 
 
-@needs_torch_ns
 @pytest.mark.parametrize("shape", [(16, 24), (40, 8), (33, 17), (64, 64), (7, 300), (1, 5)])
 def test_torch_reference_equals_muon_iteration(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
-    torch.testing.assert_close(newton_schulz(x, backend="torch"), _muon_ns(x), rtol=0, atol=0)
+    out = newton_schulz(x, backend="torch")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(_as_muon_step(out), _muon_step(x), rtol=0, atol=0)
 
 
-@needs_torch_ns
 @given(m=st.integers(1, 16), n=st.integers(1, 16), steps=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_torch_reference_equals_muon_iteration_any_shape(m, n, steps, seed):
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))
     out = newton_schulz(x, steps=steps, backend="torch")
-    torch.testing.assert_close(out, _muon_ns(x, steps), rtol=0, atol=0)
+    torch.testing.assert_close(_as_muon_step(out), _muon_step(x, steps), rtol=0, atol=0)
 
 
-@needs_torch_ns
 @given(
     batch=st.lists(st.integers(1, 3), min_size=1, max_size=2),
     m=st.integers(1, 16),
@@ -119,9 +128,10 @@ def test_torch_reference_batched_equals_muon_per_matrix(batch, m, n, steps, seed
     batch (Muon's owners batch different matrices at different world sizes)."""
     x = torch.randn(*batch, m, n, generator=torch.Generator().manual_seed(seed))
     out = newton_schulz(x, steps=steps, backend="torch")
-    expected = torch.stack([_muon_ns(xi, steps) for xi in x.reshape(-1, m, n)])
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    torch.testing.assert_close(out.reshape(-1, m, n), expected, rtol=0, atol=0)
+    got = torch.stack([_as_muon_step(oi) for oi in out.reshape(-1, m, n)])
+    expected = torch.stack([_muon_step(xi, steps) for xi in x.reshape(-1, m, n)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape", [(12, 20), (40, 10)])

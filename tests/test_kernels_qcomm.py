@@ -195,15 +195,21 @@ def test_pack_and_unpack_write_in_place_at_any_byte(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_the_sum_is_in_row_order(backend):
-    """Row 0, then each next row added: big + small - big loses the small value in that
-    order (a pairwise or cascaded sum need not)."""
+    """Column 0 holds 2**24, 3 and -1 (exact: each row's scale is a power of two, set by its
+    127 * 2**k in column 1). In fp32 (ulp 2 from 2**24 on, ties to even) row order gives
+    (2**24 + 3 -> 2**24 + 4) - 1 = 2**24 + 3 -> 2**24 + 4, while (r0 + r2) + r1 =
+    (2**24 - 1) + 3 and r0 + (r1 + r2) = 2**24 + 2 both give 2**24 + 2: only row order
+    (or r1 + r0 first, the same addition) reaches 2**24 + 4."""
     block_size = 2
-    rows = [torch.tensor([2.0**30, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([-(2.0**30), 1.0])]
+    rows = [torch.tensor([2.0**24, 127 * 2.0**18]), torch.tensor([3.0, 127.0]), torch.tensor([-1.0, 127.0])]
     packed = pack_blockwise(torch.cat(rows).to(DEVICE), 3, block_size, backend=backend)
     total = unpack_sum_blockwise(packed, 3, block_size, backend=backend).cpu()
     values = unpack_blockwise(packed, 3, block_size, backend=backend).cpu().view(3, -1)
+    assert values[:, 0].tolist() == [2.0**24, 3.0, -1.0]  # dequantized exactly
     _assert_bits_equal(total, (values[0] + values[1]) + values[2])
-    assert values[1, 0] > 0.99 and values[0, 0] == -values[2, 0] and total[0] == 0.0
+    assert total[0].item() == 2.0**24 + 4
+    for other in ((values[0] + values[2]) + values[1], values[0] + (values[1] + values[2])):
+        assert other[0].item() == 2.0**24 + 2  # any other order would give this
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -9,6 +9,8 @@ Two debugging aids work at that door, for tests above all:
   rank. Until then its outputs hold their old values and its inputs are read only later,
   as a collective still in flight on a GPU: code that reads a result before waiting, or
   writes or frees an input before the collective is waited for, computes something else.
+  It yields a `Delays`, whose `held_at_wait` counts the waits that found their collective
+  still queued: evidence, for a test, that something was actually held back.
 - `traced()`: the list of the collectives issued inside, in issue order (kind and
   purpose): the sequence every rank must issue the same.
 """
@@ -134,13 +136,25 @@ class _Delayed:
         return self.work
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.work is None:
+            for delays in _delays:
+                delays.held_at_wait += 1
         run_delayed(until=self)
         work = self.work
         return work.wait() if timeout is None else work.wait(timeout)
 
 
+class Delays:
+    """What a `delayed()` block held back: `held_at_wait`, the collectives that had not run
+    yet when they were waited for (a wait had to release them)."""
+
+    def __init__(self) -> None:
+        self.held_at_wait = 0
+
+
 _queue: list[_Delayed] = []
 _delaying = 0
+_delays: list[Delays] = []
 _trace: list[list[str]] = []
 
 
@@ -177,15 +191,18 @@ def run_delayed(until: _Delayed | None = None) -> None:
 
 
 @contextlib.contextmanager
-def delayed() -> Iterator[None]:
+def delayed() -> Iterator[Delays]:
     """Collectives issued inside run only when waited for: an asynchronous device,
     emulated (every rank must use it for the same calls). Whatever is still queued
-    runs on the way out."""
+    runs on the way out. Yields a `Delays` counting what was held back."""
     global _delaying
+    delays = Delays()
     _delaying += 1
+    _delays.append(delays)
     try:
-        yield
+        yield delays
     finally:
+        _delays.remove(delays)
         _delaying -= 1
         if not _delaying:
             run_delayed()
