@@ -200,6 +200,38 @@ def test_mismatched_params_across_ranks_error_instead_of_hanging(world):
         world(3).run(_mismatch, timeout=60)
 
 
+def _tensor_lr_mismatch():
+    lr = torch.tensor(1e-3 + (1e-7 if dist.get_rank() == 1 else 0.0), dtype=torch.float64)
+    vo.AdamW(make_params(), lr=lr)
+
+
+def test_a_tensor_lr_that_differs_across_ranks_is_refused(world):
+    """Tensors are compared by value, not by their printed digits (both print as 0.0010) nor
+    their device (cuda:0 on one rank is cuda:1 on the next)."""
+    f64 = torch.float64
+    assert repr(torch.tensor(1e-3, dtype=f64)) == repr(torch.tensor(1e-3 + 1e-7, dtype=f64))
+    with pytest.raises(Exception, match=r"rank 1 passed different parameters.*lr"):
+        world(2).run(_tensor_lr_mismatch, timeout=60)
+
+
+def _one_rank_refuses():
+    params = make_params()
+    if dist.get_rank() == 1:
+        params.append(params[0])
+    try:
+        vo.AdamW(params, shard_modules=None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_problem_one_rank_finds_is_raised_on_every_rank(world):
+    """Before any collective whose sizes depend on the parameters: nobody is left waiting."""
+    got = world(3).run(_one_rank_refuses, timeout=60)
+    assert "appears more than once" in got[1] and not got[1].startswith("rank ")
+    assert got[0] == got[2] == f"rank 1: {got[1]}"
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -95,10 +95,18 @@ def check_params(params: list[torch.Tensor]) -> None:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; need floating")
 
 
+def _value(v) -> str:
+    """A hyperparameter as ranks compare it: a tensor by its values and dtype, not its
+    device (cuda:0 on one rank is cuda:1 on the next) nor its printed digits."""
+    if isinstance(v, torch.Tensor):
+        return f"tensor({v.detach().cpu().tolist()!r}, {v.dtype})"
+    return repr(v)
+
+
 def _signature(param_groups: list[dict]) -> list[tuple]:
     sig = []
     for gi, g in enumerate(param_groups):
-        hyper = tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+        hyper = tuple(sorted((k, _value(v)) for k, v in g.items() if k != "params"))
         sig.append(("group", gi, len(g["params"]), hyper))
         sig.extend(
             ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(g["params"])
@@ -106,9 +114,15 @@ def _signature(param_groups: list[dict]) -> list[tuple]:
     return sig
 
 
-def check_same_on_every_rank(param_groups: list[dict], comm: Comm) -> None:
-    """Raise (on every rank, so nobody hangs later) if ranks passed different params."""
-    sigs = all_gather_object(_signature(param_groups), comm)
+def check_same_on_every_rank(param_groups: list[dict], comm: Comm, problem: str | None = None) -> None:
+    """Raise on every rank, before any collective whose sizes depend on the parameters (so
+    nobody hangs or reads past a buffer), if ranks passed different params, or if one rank
+    found a `problem` with its own (a parameter on the wrong device, say)."""
+    answers = all_gather_object((_signature(param_groups), problem), comm)
+    for rank, (_, theirs) in enumerate(answers):
+        if theirs is not None:
+            raise ValueError(problem if problem is not None else f"rank {rank}: {theirs}")
+    sigs = [sig for sig, _ in answers]
     for rank, sig in enumerate(sigs):
         if sig == sigs[0]:
             continue

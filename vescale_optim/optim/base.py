@@ -59,16 +59,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.step_stats = dict.fromkeys(STEP_STATS, 0)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self._check_params(all_params)
+        try:  # a problem only this rank has is raised on every rank, once they have agreed
+            self._check_params(all_params)
+            local = None
+        except ValueError as e:
+            local = str(e)
         self._labels = label_params(self.param_groups)
         for p in all_params:
             if p.requires_grad and p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
-                raise ValueError(
-                    f"parameter {self._labels[id(p)]} is float64, but state_bits={self.state_bits} would "
-                    "keep its state below fp32; use state_bits=32"
-                )
-        runtime = Runtime(self.param_groups, sharding, self._declare, self._labels, self._step_problem)
-        check_same_on_every_rank(self.param_groups, runtime.world)
+                bits = self.state_bits
+                local = local or (f"parameter {self._labels[id(p)]} is float64, but state_bits={bits} "
+                                  "would keep its state below fp32; use state_bits=32")  # fmt: skip
+
+        def agree(world, problem: str | None) -> None:
+            check_same_on_every_rank(self.param_groups, world, local or problem)
+
+        runtime = Runtime(self.param_groups, sharding, self._declare, self._labels, self._step_problem, agree)
         self.runtime = runtime
         self._sent_until = runtime.collective_bytes()  # at the end of the last step
         for seg in runtime.segments:
@@ -121,7 +127,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return None
 
     def _check_params(self, params: list[torch.Tensor]) -> None:
-        """Refuse what cannot be sharded (subclasses add their own conditions)."""
+        """Refuse what cannot be sharded (subclasses add their own conditions); a ValueError
+        is raised on every rank, whichever rank found it."""
         check_params(params)
 
     def _before_update(self) -> None:

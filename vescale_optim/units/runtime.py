@@ -56,25 +56,36 @@ def _whole_blocks(granule: int, block: int, numel: int) -> int:
     return both if numel % both == 0 else max(numel, 1)
 
 
-def check_devices(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> None:
-    """Refuse a parameter on another kind of device than the group moves (CPU parameters
-    over NCCL), naming it, instead of a raw error from inside the first collective."""
+def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> str | None:
+    """A parameter on another kind of device than the group moves (CPU parameters over
+    NCCL), named, instead of a raw error from inside the first collective."""
     if not comm.active:
-        return
+        return None
     for p in params:
         if not p.is_meta and p.device.type != comm.device.type:
-            raise ValueError(
+            return (
                 f"parameter {labels[id(p)]} is on {p.device}, but the process group ({comm.backend}) moves "
                 f"{comm.device.type} tensors; move the model to {comm.device} before building the optimizer "
                 "(model.to(device)), or build it on the meta device and pass device="
             )
+    return None
+
+
+def check_devices(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> None:
+    """Raise `device_problem`'s ValueError, if any."""
+    problem = device_problem(params, comm, labels)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class Runtime:
     """The units of `param_groups` under `config`; `declare(p, group_index)` is the
     optimizer's `Declaration` of each parameter, `labels` names each parameter (by id) in
     errors, and `check()` returns the optimizer's reason not to step, if any (checked
-    before the gradients are reduced, on every rank together)."""
+    before the gradients are reduced, on every rank together). `agree(world, problem)`
+    runs once the groups are known and before any collective: the ranks agree that they
+    hold the same parameters and that none found a `problem` (this rank's, or None), and
+    raise together otherwise."""
 
     def __init__(
         self,
@@ -83,13 +94,18 @@ class Runtime:
         declare: Callable[[torch.Tensor, int], Declaration],
         labels: dict[int, str],
         check: Callable[[], str | None] = lambda: None,
+        agree: Callable[[object, str | None], None] | None = None,
     ):
         self.config, self.labels, self._check = config, labels, check
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology = groups.topology
         params = [p for g in param_groups for p in g["params"]]
-        check_devices(params, self.comm, labels)
+        problem = device_problem(params, self.comm, labels)
+        if agree is not None:
+            agree(self.world, problem)
+        elif problem is not None:
+            raise ValueError(problem)
         group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
         index = {id(p): i for i, p in enumerate(params)}
         members, modules, names = self._plan(params)
