@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..shard.comm import host_to_device
 from ..shard.redistribution import Piece
 from ..units.moves import Move
 from ..units.owner_plan import SegmentMoves, WorkItem
@@ -48,7 +49,7 @@ class TileGroup:
         and how many were computed."""
         s, beta2 = self.state, group["betas"][1]
         out, kept, roots = None, 0, 0
-        for step, idx in _by_step(steps):
+        for step, idx in _by_step(steps, grad.device):
             pick = (lambda x: x) if idx is None else (lambda x, idx=idx: x[idx])
             left, right = pick(s["L"]), pick(s["R"])
             update_factors_(left, right, pick(grad), beta2)
@@ -73,16 +74,17 @@ class TileGroup:
         return out, kept, roots
 
 
-def _by_step(steps: list[int]):
+def _by_step(steps: list[int], device: torch.device):
     """`(step, indices)` for each step count among the tiles that step (indices None when
-    every tile steps at one count: no indexing, the common case)."""
+    every tile steps at one count: no indexing, the common case); the indices on `device`,
+    copied there without stalling it."""
     if steps and steps[0] and all(st == steps[0] for st in steps):
         return [(steps[0], None)]
     found: dict[int, list[int]] = {}
     for j, st in enumerate(steps):
         if st:
             found.setdefault(st, []).append(j)
-    return [(st, torch.tensor(idx)) for st, idx in found.items()]
+    return [(st, host_to_device(idx, torch.int64, device)) for st, idx in found.items()]
 
 
 CHANNELS = 3  # what travels to a tile's owner: gradient, mhat, grafting update
