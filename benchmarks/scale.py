@@ -150,7 +150,7 @@ def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
     spent = _layouts(us, world)
     shapes, dims, homes = _matrices(us)
     t0 = time.perf_counter()
-    plan = vo.muon_plan(shapes, world, ns_steps=NS_STEPS)
+    plan = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, homes=homes)  # as vo.Muon plans
     spent += time.perf_counter() - t0
     total = sum(numel(s) for u in us for _, s, _ in u["params"])
     costs = [ns_flops(r, c, NS_STEPS) for r, c in dims]
@@ -202,7 +202,7 @@ def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
     for row, t in ((ours, muon), (fsdp2, muon2)):
         row["Muon %"] = 100 * t / row["step s"]
     lpt = rank_loads(costs, assign_owners(costs, world), world)
-    free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=vo.CostModel.FREE_COMM)
+    free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=vo.CostModel.FREE_COMM, homes=homes)
     if abs(_on_h200(plan) - max(plan.times)) > 1e-9 * max(plan.times):  # the re-timing is the library's
         raise AssertionError("_on_h200 differs from vo.muon_plan's own times: exchange_seconds drifted")
     extra = {"model": model, "W": world, "NS max/mean": plan.imbalance,
