@@ -11,6 +11,8 @@ import os
 import random
 import shutil
 import signal
+import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -265,3 +267,85 @@ def test_every_rank_refuses_together(world, saved, tmp_path):
 
 def _refused_per_rank(good, damaged):
     return _refused(Path(damaged if dist.get_rank() == 1 else good))
+
+
+# --- a save that fails on one rank ------------------------------------------------------------
+
+
+def _no_space(*args):
+    raise OSError(28, "No space left on device")
+
+
+def _fails_on_rank_0(directory: str, where: str, async_save: bool):
+    """Rank 0 alone fails to prepare the save's folder (its `directory` is a file) or to
+    commit it (the manifest write fails): (each rank's error, its cause, seconds to raise,
+    the steps after the world saved again)."""
+    model, opt, sched = make("adamw")
+    target = Path(directory) / ("a-file" if where == "prepare" else "run")
+    if where == "prepare" and dist.get_rank() == 0:
+        target.parent.mkdir(exist_ok=True)
+        target.write_text("not a folder")
+    manager = vo.CheckpointManager(target, model, opt, sched, async_save=async_save,
+                                   timeout=timedelta(seconds=60))  # fmt: skip
+    if where == "commit" and dist.get_rank() == 0:
+        manager._commit = _no_space  # this manager's, on rank 0 only
+    start, error = time.monotonic(), None
+    try:
+        manager.save(2)
+        manager.wait()
+    except vo.CheckpointError as e:
+        error = e
+    assert error is not None, "the save did not fail here"
+    took = time.monotonic() - start
+    manager.__dict__.pop("_commit", None)
+    manager.directory = Path(directory) / "run"
+    manager.save(3)  # the world goes on
+    manager.close()
+    return str(error), type(error.__cause__).__name__, took, manager.steps()
+
+
+@pytest.mark.parametrize(("where", "async_save"), [("prepare", False), ("commit", False), ("commit", True)])
+def test_a_save_failing_on_rank_0_raises_on_every_rank(world, tmp_path, where, async_save):
+    results = world(2).run(_fails_on_rank_0, str(tmp_path), where, async_save, timeout=60)
+    cause = "FileExistsError" if where == "prepare" else "OSError"
+    for rank, (message, chained, took, steps) in enumerate(results):
+        assert "step-2 failed: rank 0: " + cause in message, message
+        assert where == "prepare" or "No space left on device" in message, message
+        assert chained == (cause if rank == 0 else "NoneType")  # the failed rank's own error is chained
+        assert took < 15, took  # not the process group's timeout
+        assert steps == [3]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-3"]
+
+
+# --- a save behind a newer checkpoint, a load that fails halfway --------------------------------
+
+
+def test_a_save_behind_a_newer_checkpoint_warns_once(tmp_path):
+    model, opt, sched = make("adamw")
+    manager = vo.CheckpointManager(tmp_path, model, opt, sched, keep=None)
+    manager.save(10)
+    manager.save(20)
+    manager.load(10)
+    rewind = r"newer checkpoints \['step-20'\]: latest\(\) and load\(\) still choose step-20"
+    with pytest.warns(UserWarning, match=rewind):
+        manager.save(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager.save(12)  # said once
+        manager.save(20)  # the same step again: no rewind
+    assert manager.steps() == [10, 11, 12, 20]
+
+
+def test_a_stateful_failing_to_load_says_what_was_loaded(saved):
+    manager, (model, opt, sched, counter) = _loader()
+    manager.directory = saved / "adamw"
+
+    def refuse(state):
+        raise ValueError("no such position")
+
+    counter.load_state_dict = refuse
+    with pytest.raises(vo.CheckpointError, match="incomplete") as info:
+        manager.load(2)
+    assert ("stateful['counter']'s load_state_dict failed (ValueError: no such position); the model, the "
+            "optimizer, the LR scheduler were loaded already") in str(info.value)  # fmt: skip
+    assert isinstance(info.value.__cause__, ValueError)

@@ -39,16 +39,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from . import manifest as _manifest
+from . import outcome
 from .dcp_tree import blank, check_files, map_leaves, take
 from .manifest import MANIFEST
+from .outcome import CheckpointError
 from .rng import rng_state, set_rng_state
 from .staging import HostStager, StagingStats
 
 _NAME = re.compile(r"step-(\d+)")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into these objects; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -76,13 +74,6 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if b is not None and name not in skip:
                 out[f"{prefix}.{name}" if prefix else name] = b
     return out
-
-
-def _reason(e: BaseException) -> str:
-    """One line per failing rank for DCP's error (which carries every rank's traceback)."""
-    if not isinstance(e, dcp.CheckpointException):
-        return f"{type(e).__name__}: {e}"
-    return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
 
 
 @contextlib.contextmanager
@@ -172,7 +163,8 @@ class CheckpointManager:
         self._group = None
         if async_save and self._distributed:  # DCP's collectives from the background thread
             self._group = dist.new_group(backend="gloo", timeout=timeout)
-        self._pending: Future | None = None
+        self._pending: tuple[Future, Path] | None = None  # an asynchronous save and its folder
+        self._rewinds: set[int] = set()  # newer checkpoints a save was already warned about
         self._thread: ThreadPoolExecutor | None = None  # the asynchronous saves' writer
         self._stager = HostStager()
         self._params = list(optimizer.sharded_model_state_dict(model))
@@ -225,9 +217,22 @@ class CheckpointManager:
         opt, sched = self.optimizer, self.scheduler
         return _manifest.describe(step, self.world_size, opt, sched, model, list(self.stateful))
 
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier(group=self._group)
+    def _settle(self, error: BaseException | None, final: Path) -> None:
+        """Where the ranks wait for each other: each one's outcome, so that a failure on
+        any rank raises on every rank (the failed one's chained to its own error)."""
+        failed = outcome.failures(error, self.rank, self.world_size, self._group, self._distributed)
+        if failed:
+            raise CheckpointError(f"saving {final} failed: {'; '.join(failed)}") from error
+
+    def _warn_rewind(self, step: int) -> None:
+        """Rank 0: complete checkpoints newer than `step` mean the run went back (a load
+        of an older step); `latest()` would resume from them. Said once for each."""
+        newer = [s for s in self.steps() if s > step]
+        if set(newer) - self._rewinds:
+            self._rewinds.update(newer)
+            warnings.warn(f"saving step {step} while {self.directory} holds newer checkpoints "
+                          f"{[f'step-{s}' for s in newer]}: latest() and load() still choose "
+                          f"step-{newer[-1]}; remove them to resume from this run", stacklevel=3)  # fmt: skip
 
     def save(self, step: int, *, extra: dict | None = None) -> Path:
         """Save everything as `step` (collective); returns the folder it becomes.
@@ -241,20 +246,28 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self.wait()
         final, tmp = self.path(step), self.directory / f".step-{step}.tmp"
+        error = None
         if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(".step-*"):  # left by a save that never finished
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        self._barrier()
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._warn_rewind(step)
+                for stale in self.directory.glob(".step-*"):  # left by a save that never finished
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+            except Exception as e:  # noqa: BLE001 - every rank raises it, in _settle
+                error = e
+        self._settle(error, final)
         sd = self._state(dict(extra or {}), [self.rank])
         manifest = self._describe(step, sd) if self.rank == 0 else None
         staged = self._stager.stage(sd, asynchronous=self.async_save)
         if not self.async_save:
-            self._write(staged, tmp)
-            if self.rank == 0:
-                self._commit(tmp, final, manifest)
-            self._barrier()
+            try:
+                self._write(staged, tmp)
+                if self.rank == 0:
+                    self._commit(tmp, final, manifest)
+            except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+                error = e
+            self._settle(error, final)
             return final
         device = self._stager.last.device
         if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -269,7 +282,7 @@ class CheckpointManager:
 
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vescale-checkpoint")
-        self._pending = self._thread.submit(write)
+        self._pending = (self._thread.submit(write), final)
         return final
 
     def _write(self, staged: dict, tmp: Path) -> None:
@@ -288,7 +301,12 @@ class CheckpointManager:
         if final.exists():  # the same step saved again: the new one replaces it
             old = final.with_name(f".{final.name}.old")
             final.rename(old)
-        tmp.rename(final)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if old is not None:  # the one it was to replace stays
+                old.rename(final)
+            raise
         _fsync_dir(self.directory)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -299,21 +317,28 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Finish an asynchronous save (collective when one was in flight): when it
-        returns, the checkpoint is complete and named on every rank. Raises its error."""
+        returns, the checkpoint is complete and named on every rank. A failure on any rank
+        (rank 0's commit included) raises `CheckpointError` on every rank."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending.result()
-        self._barrier()
+        error = None
+        try:
+            pending[0].result()
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+            error = e
+        self._settle(error, pending[1])
 
     def close(self) -> None:
         """Finish any asynchronous save; free the staging buffers and the writer thread
-        (a later save makes them again)."""
-        self.wait()
-        self._stager.release()
-        if self._thread is not None:
-            self._thread.shutdown()
-            self._thread = None
+        (a later save makes them again), even when the save failed."""
+        try:
+            self.wait()
+        finally:
+            self._stager.release()
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -362,15 +387,15 @@ class CheckpointManager:
                 dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
             self.optimizer.validate_param_groups(loaded["optim"]["param_groups"])
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-            raise CheckpointError(f"cannot load {path}: {_reason(e)}. Nothing was changed.") from e
+            raise CheckpointError(f"cannot load {path}: {outcome.reason(e)}. Nothing was changed.") from e
         with torch.no_grad():
             take(live, loaded)
         self.optimizer.load_sharded_model_state_dict({k: live["model"][k] for k in self._params})
         self.optimizer.load_sharded_state_dict(live["optim"])
+        rest = [(f"stateful[{n!r}]", obj, loaded["stateful"][n].value) for n, obj in self.stateful.items()]
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(loaded["scheduler"].value)
-        for name, obj in self.stateful.items():
-            obj.load_state_dict(loaded["stateful"][name].value)
+            rest.insert(0, ("the LR scheduler", self.scheduler, loaded["scheduler"].value))
+        outcome.load_rest(path, rest)
         if same_world:
             set_rng_state(loaded["rng"][str(self.rank)].value)
         elif self.rank == 0:
