@@ -19,56 +19,15 @@ from benchmarks.model_shapes import MODELS, matrices
 
 # The library's pure planning functions, called as vo.Muon calls them: imported here only, so that
 # a module that moves is a one-line fix.
-from vescale_optim.optim.muon import ns_flops  # noqa: I001
+from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: I001
 from vescale_optim.shard.layout import bucket_indices, plan_layout
 from vescale_optim.units.owners import assign_owners, imbalance, keep_homes, rank_loads
 
-__all__ = ["ALIGN", "BUCKET_CAP", "assign_owners", "assignment", "default_buckets", "exchange_seconds",
-           "imbalance", "matrix_view", "member_flops", "model_buckets", "ns_flops"]  # fmt: skip
+__all__ = ["ALIGN", "BUCKET_CAP", "assign_owners", "assignment", "default_buckets", "imbalance",
+           "matrix_view", "model_buckets", "ns_flops"]  # fmt: skip
 
 BUCKET_CAP = vo.ShardingConfig().bucket_cap_numel  # the optimizers' defaults
 ALIGN = vo.ShardingConfig().align
-BYTES = 2  # bf16: what a split matrix's all-gathers carry
-
-
-# A split matrix's share of the work and its exchanges, from the plan's public fields (`plan.splits[i]`:
-# `shape`, `rows` of M per member, `x_rows` of X per member): the library's count, written out here;
-# `assignment` checks the shares against `plan.loads`, `benchmarks/scale.py` the seconds against
-# `plan.times`, so a count that drifts from the library's fails the benchmark.
-
-
-def member_flops(split, index: int, steps: int) -> int:
-    """Newton–Schulz FLOPs member `index` of a split runs: its rows of `X Xᵀ`, `A A` and `B X` each
-    step (a tall matrix's last `B X` by its columns instead); the members' sum is `ns_flops`."""
-    m, n = split.shape
-    a, b, x = min(m, n), max(m, n), split.x_rows[index]
-    if m <= n:
-        return steps * (4 * x * a * b + 2 * x * a * a)
-    last = 2 * a * a * split.rows[index]  # B X[:, its columns]
-    return steps * (2 * x * a * b + 2 * x * a * a) + (steps - 1) * 2 * x * a * b + last
-
-
-def exchange_seconds(split, steps: int, across: bool, cost: vo.CostModel) -> float:
-    """Seconds a split's all-gathers take in `cost` (ring, blocks padded to the widest): M's row
-    blocks, then each step X's (but the first) and A's, and B's in a tall matrix's last step."""
-    m, n = split.shape
-    a, b = min(m, n), max(m, n)
-    gathers = [(split.rows, n)]
-    for k in range(steps):
-        if k:
-            gathers.append((split.x_rows, b))
-        gathers.append((split.x_rows, a))
-        if m > n and k == steps - 1:
-            gathers.append((split.x_rows, a))
-    return sum(cost.all_gather(len(split.rows), max(rows) * cols * BYTES, across) for rows, cols in gathers)
-
-
-def matrix_view(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(count, rows, cols) as Muon sees a parameter: a 2-D weight is one matrix, a 3-D one a stack
-    of `count`, a 4-D convolution weight one `[out, in*kh*kw]` matrix."""
-    if len(shape) == 3:
-        return shape[0], shape[1], shape[2]
-    return 1, shape[0], math.prod(shape[1:])
 
 
 def default_buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
@@ -116,11 +75,11 @@ def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
             owners.append(whole[i])
             continue
         for j, rank in enumerate(plan.groups[i]):
-            costs.append(member_flops(plan.splits[i], j, MUON["ns_steps"]))
+            costs.append(plan.splits[i].member_flops(j, MUON["ns_steps"]))  # its share
             work_homes.append(None)
             owners.append(rank)
     shares = rank_loads(costs, owners, world)  # equal-cost trades leave every rank's load as planned
     if any(abs(x - y) > 1e-9 * max(y, 1.0) for x, y in zip(shares, plan.loads)):
-        raise AssertionError("split shares counted here differ from plan.loads: member_flops drifted")
+        raise AssertionError("the pieces of work assembled here differ from plan.loads")
     return dict(costs=costs, homes=work_homes, owners=owners, seconds=seconds, layouts=layouts,
                 load=list(plan.loads), plan=plan)  # fmt: skip

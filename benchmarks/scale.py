@@ -36,7 +36,6 @@ measured (layouts of the distinct blocks and `vo.muon_plan`).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -45,10 +44,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._muon_plan import exchange_seconds  # noqa: E402
 from benchmarks._report import environment, pyplot, require_finite, save_json, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
-from vescale_optim.optim.muon import ns_flops  # noqa: E402
+from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 from vescale_optim.units.owners import assign_owners, rank_loads  # noqa: E402
 
@@ -124,7 +122,7 @@ def _matrices(us: list[dict]) -> tuple[list[tuple[int, ...]], list[tuple[int, in
         for (_, s, h), start in zip(u["params"], lay.offsets):
             if h:
                 shapes.append(s)
-                count, rows, cols = (s[0], s[1], s[2]) if len(s) == 3 else (1, s[0], math.prod(s[1:]))
+                count, rows, cols = matrix_view(s)
                 for k in range(count):
                     lo = start + k * rows * cols
                     first, last = lo // lay.shard_size, (lo + rows * cols - 1) // lay.shard_size
@@ -204,7 +202,7 @@ def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
     lpt = rank_loads(costs, assign_owners(costs, world), world)
     free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=vo.CostModel.FREE_COMM, homes=homes)
     if abs(_on_h200(plan) - max(plan.times)) > 1e-9 * max(plan.times):  # the re-timing is the library's
-        raise AssertionError("_on_h200 differs from vo.muon_plan's own times: exchange_seconds drifted")
+        raise AssertionError("_on_h200 differs from vo.muon_plan's own times")
     extra = {"model": model, "W": world, "NS max/mean": plan.imbalance,
              "whole only (LPT)": max(lpt) * world / sum(lpt), "comm free": free.imbalance,
              "NS ms": 1e3 * max(plan.times), "whole only ms": 1e3 * max(lpt) / COST.flops,
@@ -220,7 +218,7 @@ def _on_h200(plan) -> float:
     times = [x / COST.flops for x in plan.loads]
     for i, members in plan.groups.items():
         across = members[0] // COST.node != members[-1] // COST.node
-        seconds = exchange_seconds(plan.splits[i], NS_STEPS, across, COST)
+        seconds = COST.exchange(plan.splits[i], NS_STEPS, across)[1]
         for r in members:
             times[r] += seconds
     return max(times)

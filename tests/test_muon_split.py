@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import vescale_optim as vo
 from vescale_optim.kernels import newton_schulz
 from vescale_optim.optim._muon_math import ns_flops
-from vescale_optim.optim._muon_plan import FREE_COMM, H200, gathers, member_flops, split_rows
+from vescale_optim.optim._muon_plan import FREE_COMM, H200, split_rows
 from vescale_optim.optim._split_ns import simulate
 
 COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -41,7 +41,7 @@ def _expected_loads(plan, mats, world, steps=5):
             loads[owner] += _ns_cost(m, n, steps)
         else:
             for k, r in enumerate(plan.groups[i]):
-                loads[r] += member_flops(plan.splits[i], k, steps)
+                loads[r] += plan.splits[i].member_flops(k, steps)
     return loads
 
 
@@ -67,7 +67,7 @@ def test_split_newton_schulz_equals_one_rank(case):
     # bf16 products: a different matmul blocking may flip a last bit, and a step carries it on
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
     assert sum(split.rows) == split.shape[0] and sum(split.x_rows) == min(split.shape)
-    assert sum(member_flops(split, i, steps) for i in range(split.size)) == _ns_cost(*split.shape, steps)
+    assert sum(split.member_flops(i, steps) for i in range(split.size)) == _ns_cost(*split.shape, steps)
     assert ns_flops(*split.shape, steps) == _ns_cost(*split.shape, steps)
 
 
@@ -112,7 +112,7 @@ def test_a_small_matrix_is_never_split_and_a_wide_one_is():
     plan = vo.muon_plan([(4096, 4096)] + [(64, 64)] * 30, 4)
     assert plan.groups == {0: (0, 1, 2, 3)} and plan.imbalance < 1.01
     # its exchange: M's blocks, then each step X's (from the second) and A's
-    assert len(gathers(plan.splits[0], 5)) == 1 + 4 + 5
+    assert len(plan.splits[0].gathers(5)) == 1 + 4 + 5
 
 
 def test_goals_on_llama3_70b():

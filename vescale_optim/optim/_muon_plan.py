@@ -72,6 +72,16 @@ class CostModel:
         """Seconds of a ring all-gather of `g` blocks of `block_bytes` (inside a node or not)."""
         return (g - 1) * (self.latency + block_bytes / (self.network if across else self.nvlink))
 
+    def exchange(self, split: Split, steps: int, across: bool) -> tuple[int, float]:
+        """Bytes a member of `split` receives and seconds its all-gathers take over `steps`
+        Newton–Schulz steps (bf16 blocks, padded to the widest member's; `Split.gathers`)."""
+        g, received, seconds = split.size, 0, 0.0
+        for counts, cols in split.gathers(steps):
+            block = max(counts) * cols * BYTES
+            received += (g - 1) * block
+            seconds += self.all_gather(g, block, across)
+        return received, seconds
+
 
 H200 = CostModel()
 FREE_COMM = CostModel(nvlink=math.inf, network=math.inf, latency=0.0)  # FLOPs alone decide
@@ -98,46 +108,10 @@ def split_rows(shape: tuple[int, int], shares: Sequence[float]) -> tuple[Split, 
     return Split(shape, tuple(hi - lo for lo, hi in zip(mb, mb[1:])), x_rows), keep
 
 
-def member_flops(split: Split, index: int, steps: int) -> int:
-    """FLOPs member `index` runs: its rows of `X Xᵀ`, `A A` and `B X` each step (a tall
-    matrix's last `B X` by its columns instead); the members' sum is `ns_flops`."""
-    m, n = split.shape
-    a, b, x = min(m, n), max(m, n), split.x_rows[index]
-    if not split.tall:
-        return steps * (4 * x * a * b + 2 * x * a * a)
-    last = 2 * a * a * split.rows[index]  # B X[:, its columns]
-    return steps * (2 * x * a * b + 2 * x * a * a) + (steps - 1) * 2 * x * a * b + last
-
-
-def gathers(split: Split, steps: int) -> list[tuple[tuple[int, ...], int]]:
-    """The all-gathers of a split run, as `(rows per member, columns)`: M's blocks, then each
-    step X's (but the first) and A's, and B's in a tall matrix's last step."""
-    m, n = split.shape
-    a, b = min(m, n), max(m, n)
-    out = [(split.rows, n)]
-    for k in range(steps):
-        if k:
-            out.append((split.x_rows, b))
-        out.append((split.x_rows, a))
-        if split.tall and k == steps - 1:
-            out.append((split.x_rows, a))
-    return out
-
-
-def exchange(split: Split, steps: int, across: bool, cost: CostModel) -> tuple[int, float]:
-    """Bytes a member receives and seconds its all-gathers take (blocks padded to the widest)."""
-    g, received, seconds = split.size, 0, 0.0
-    for counts, cols in gathers(split, steps):
-        block = max(counts) * cols * BYTES
-        received += (g - 1) * block
-        seconds += cost.all_gather(g, block, across)
-    return received, seconds
-
-
 def _split_seconds(split: Split, steps: int, across: bool, cost: CostModel) -> float:
     """Seconds the slowest member of `split` takes: its FLOPs and its exchanges."""
-    comm = exchange(split, steps, across, cost)[1]
-    return max(member_flops(split, i, steps) for i in range(split.size)) / cost.flops + comm
+    comm = cost.exchange(split, steps, across)[1]
+    return max(split.member_flops(i, steps) for i in range(split.size)) / cost.flops + comm
 
 
 def splittable(rows: int, cols: int, steps: int, cost: CostModel) -> bool:
@@ -223,7 +197,7 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
                 continue
             groups[i], splits[i] = tuple(members[k] for k in keep), split
             for k, r in enumerate(groups[i]):
-                loads[r] += member_flops(split, k, dims[i][2])
+                loads[r] += split.member_flops(k, dims[i][2])
     rest = [i for i in range(len(dims)) if owners[i] is None and i not in groups]
     placed = assign_owners([costs[i] for i in rest], world, [homes[i] for i in rest], loads=loads)
     for i, o in zip(rest, placed):
@@ -231,7 +205,7 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
         loads[o] += costs[i]
     received, times = [0.0] * world, [x / cost.flops for x in loads]
     for i, members in groups.items():
-        nbytes, seconds = exchange(splits[i], dims[i][2], _across(members, cost), cost)
+        nbytes, seconds = cost.exchange(splits[i], dims[i][2], _across(members, cost))
         for r in members:
             received[r] += nbytes
             times[r] += seconds

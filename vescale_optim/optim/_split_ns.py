@@ -56,6 +56,30 @@ class Split:
     def tall(self) -> bool:
         return self.shape[0] > self.shape[1]
 
+    def member_flops(self, index: int, steps: int) -> int:
+        """FLOPs member `index` runs: its rows of `X Xᵀ`, `A A` and `B X` each step (a tall
+        matrix's last `B X` by its columns instead); the members' sum is `ns_flops`."""
+        m, n = self.shape
+        a, b, x = min(m, n), max(m, n), self.x_rows[index]
+        if not self.tall:
+            return steps * (4 * x * a * b + 2 * x * a * a)
+        last = 2 * a * a * self.rows[index]  # B X[:, its columns]
+        return steps * (2 * x * a * b + 2 * x * a * a) + (steps - 1) * 2 * x * a * b + last
+
+    def gathers(self, steps: int) -> list[tuple[tuple[int, ...], int]]:
+        """The all-gathers of a split run, as `(rows per member, columns)`: M's blocks, then
+        each step X's (but the first) and A's, and B's in a tall matrix's last step."""
+        m, n = self.shape
+        a, b = min(m, n), max(m, n)
+        out = [(self.rows, n)]
+        for k in range(steps):
+            if k:
+                out.append((self.x_rows, b))
+            out.append((self.x_rows, a))
+            if self.tall and k == steps - 1:
+                out.append((self.x_rows, a))
+        return out
+
     def start(self, index: int) -> int:
         """The first row of M member `index` holds."""
         return sum(self.rows[:index])

@@ -26,7 +26,7 @@ from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from ._muon_math import ADJUST_LR_FNS as _ADJUST
 from ._muon_math import adjusted_lr, apply_, matrix_view, momentum_, ns_flops, orthogonalize_
-from ._muon_plan import H200, CostModel, MuonPlan, member_flops, plan_matrices
+from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
 from ._muon_split import SplitStep
 
 __all__ = ["CostModel", "Muon", "MuonPlan", "adjusted_lr", "matrix_view", "ns_flops"]  # benchmarks read them
@@ -281,7 +281,7 @@ class Muon(ShardedOptimizer):
         self._traffic(sent, received)
         for i, j in done:
             split, steps = self.plan.splits[i], self._segs[self._split.seg_of_matrix[i]].group["ns_steps"]
-            self.step_stats["ns_flops"] += member_flops(split, j, steps)
+            self.step_stats["ns_flops"] += split.member_flops(j, steps)
             if j == 0:  # a split matrix counts once, at its first member
                 self.orthogonalized += 1
                 self.step_stats["ns_matrices"] += 1
