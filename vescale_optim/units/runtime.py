@@ -71,13 +71,6 @@ def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str])
     return None
 
 
-def check_devices(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> None:
-    """Raise `device_problem`'s ValueError, if any."""
-    problem = device_problem(params, comm, labels)
-    if problem is not None:
-        raise ValueError(problem)
-
-
 class Runtime:
     """The units of `param_groups` under `config`; `declare(p, group_index)` is the
     optimizer's `Declaration` of each parameter, `labels` names each parameter (by id) in
