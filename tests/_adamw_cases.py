@@ -1,6 +1,7 @@
 """Deterministic parameters and per-rank gradients shared by the AdamW tests and their reference."""
 
 import torch
+from _reference import mean_of
 
 # the last has 4160 elements, so state_bits=16/8 keep its moments in low precision
 SHAPES = [(5, 7), (13,), (3, 4, 5), (1,), (17, 3), (2, 9), (64, 65)]
@@ -36,11 +37,13 @@ def full_precision(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def mean_grads(step, world, dtype=torch.float32, skip=()):
-    """The mean over ranks; None for parameters no rank has a gradient for (no step)."""
+def mean_grads(step, world, dtype=torch.float32, skip=(), reversed_order=False):
+    """The mean over ranks, summed in rank order then divided, as the library reduces
+    (`_reference.mean_of`); None for parameters no rank has a gradient for (no step)."""
     full = full_precision(dtype)
+    ranks = range(world - 1, -1, -1) if reversed_order else range(world)
     return [
-        None if i in skip else torch.stack([grad(step, r, i, dtype).to(full) for r in range(world)]).mean(0)
+        None if i in skip else mean_of(grad(step, r, i, dtype).to(full) for r in ranks)
         for i in range(len(SHAPES))
     ]
 

@@ -4,6 +4,7 @@ and the single-process torch reference the sharded runs are compared against."""
 from __future__ import annotations
 
 import torch
+from _reference import mean_grad_reference
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 from transformers.initialization import no_init_weights
 
@@ -98,13 +99,13 @@ class Reference:
                 p.copy_(torch.stack(stand_ins))
 
 
-def reference(kind: str, optimizer: str, world: int, steps: int) -> dict:
-    """One process, fed at every step the mean gradient of the `world` ranks' batches."""
+def reference(kind: str, optimizer: str, world: int, steps: int, reversed_order: bool = False) -> dict:
+    """One process, fed at every step the mean gradient of the `world` ranks' batches, reduced
+    as the library reduces it (`_reference.mean_grad_reference`)."""
     model = build(kind)
     opt = Reference(optimizer, model)
     for t in range(steps):
-        model.zero_grad(set_to_none=True)
-        for r in range(world):
-            (loss_fn(model, batch(t, r)) / world).backward()
+        mean_grad_reference(model.parameters(), world, lambda r, t=t: loss_fn(model, batch(t, r)).backward(),
+                            reversed_order)  # fmt: skip
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,6 +1,7 @@
 """A small GPT-like model with tied embeddings, and deterministic per-rank batches."""
 
 import torch
+from _reference import mean_grad_reference
 from torch import nn
 from torch.nn import functional as F
 
@@ -70,11 +71,13 @@ def train(model, opt, steps, rank: int) -> None:
         opt.zero_grad()
 
 
-def world_grads(model, step: int, world: int, micro: int = 1) -> None:
-    """Set `model`'s gradients to those of the mean loss over every rank's micro-batches of
-    `step`: what a world of `world` ranks reduces, in one process."""
-    for p in model.parameters():
-        p.grad = None
-    for r in range(world):
+def world_grads(model, step: int, world: int, micro: int = 1, reversed_order: bool = False) -> None:
+    """Set `model`'s gradients to the mean over `world` ranks of each rank's gradient of
+    `step` (its `micro` micro-batches accumulated, each loss divided by `micro` as a rank
+    does), reduced as the library reduces it (`_reference.mean_grad_reference`)."""
+
+    def rank_backward(r: int) -> None:
         for m in range(micro):
-            (loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()
+            (loss_fn(model, *batch(step, r, m)) / micro).backward()
+
+    mean_grad_reference(model.parameters(), world, rank_backward, reversed_order)

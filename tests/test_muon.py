@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _reference import mean_of
 
 import vescale_optim as vo
 from vescale_optim.optim._muon_math import ns_flops
@@ -32,7 +33,7 @@ def grad(shape, step, rank, i):
 
 
 def mean_grad(shape, step, world, i):
-    return torch.stack([grad(shape, step, r, i) for r in range(world)]).mean(0)
+    return mean_of(grad(shape, step, r, i) for r in range(world))
 
 
 def hyper(adjust, nesterov):
@@ -356,7 +357,7 @@ def test_float64_parameters_equal_torch(world, world_size):
     ref = torch.optim.Muon(ps, lr=0.05)
     for t in range(3):
         for i, p in enumerate(ps):
-            p.grad = torch.stack([grad(p.shape, t, r, i).double() for r in range(world_size)]).mean(0)
+            p.grad = mean_of(grad(p.shape, t, r, i).double() for r in range(world_size))
         ref.step()
     for params, sd in results:
         for i, (got, want) in enumerate(zip(params, ps)):
