@@ -27,6 +27,7 @@ from .handle import (
     get_collective_timeout,
     issue,
     set_collective_timeout,
+    stand_in,
 )
 from .redistribution import Plan, RankProgram, plan_redistribute
 from .spec import RaggedShard, Shape
@@ -55,6 +56,17 @@ def _op(op: str):
     if op not in _OPS:
         raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(_OPS)}")
     return _OPS[op]
+
+
+def _local(run, out: torch.Tensor, async_op: bool, garble: bool = True) -> Handle:
+    """What stands in for a collective on a group of one: `run()` writes `out` on the current
+    stream (a side stream, perhaps), and the handle orders whoever waits for it after that
+    (`handle.stand_in`); `garble`: whether `out` may be garbled until then under `delayed()`
+    (not when `run` reads it)."""
+    handle = Handle(stand_in(run, out.device, (out,), garble))
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 def _gather_in_place(
@@ -108,6 +120,8 @@ def all_gather_into_(
         if not async_op:
             handle.wait()
         return handle
+    if not comm.active:
+        return _local(lambda: local.copy_(shard), local, async_op)
     local.copy_(shard)
     return _gather_in_place(data, s, comm, async_op, what)
 
@@ -229,8 +243,7 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool
     """Rank r's r-th equal piece of every rank's flat `inp`, in rank order, into its `out`
     (one `all_to_all_single` with equal splits; `out` may not alias `inp`)."""
     if not comm.active:
-        out.copy_(inp)
-        return Handle()
+        return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
     work = issue(desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group,
                                                       async_op=True))  # fmt: skip
@@ -267,10 +280,13 @@ def run_plan(
         raise ValueError(f"plan for {plan.world_size} ranks run on a world of {comm.world_size}")
     prog = program or plan.program(comm.rank)
     if not comm.active:
-        for (so, n), (do, _) in zip(prog.sends, prog.recvs):
-            if src.data_ptr() != dst.data_ptr() or so != do:
-                dst[do : do + n].copy_(src[so : so + n])
-        return Handle()
+
+        def copy() -> None:
+            for (so, n), (do, _) in zip(prog.sends, prog.recvs):
+                if src.data_ptr() != dst.data_ptr() or so != do:
+                    dst[do : do + n].copy_(src[so : so + n])
+
+        return _local(copy, dst, async_op, garble=False)  # `dst` may be `src`
     if prog.send_range is not None:
         send = src[prog.send_range[0] : prog.send_range[1]]
     else:
@@ -316,8 +332,7 @@ def full_tensor(
         )
     out = torch.empty(shape, dtype=local.dtype, device=local.device)
     if not comm.active:
-        out.view(-1).copy_(local)
-        return out, Handle()
+        return out, _local(lambda: out.view(-1).copy_(local), out, async_op)
     lengths = [b - a for a, b in ranges]
     width = max(lengths)
     if width == 0:

@@ -11,8 +11,14 @@ Two debugging aids work at that door, for tests above all:
   writes or frees an input before the collective is waited for, computes something else.
   It yields a `Delays`, whose `held_at_wait` counts the waits that found their collective
   still queued: evidence, for a test, that something was actually held back.
+  A collective's stand-in (`stand_in`: the local copy a group of one makes instead) is
+  held back the same way, its outputs garbled until it runs: a result read before its
+  handle is waited for is wrong, as on a GPU where the stand-in ran on a side stream.
 - `traced()`: the list of the collectives issued inside, in issue order (kind and
   purpose): the sequence every rank must issue the same.
+- `before_issue(callback)`: `callback(kind)` runs on the host just before each collective
+  or stand-in is issued, with the stream it is issued from current (the GPU check queues a
+  device sleep there to delay every collective).
 """
 
 from __future__ import annotations
@@ -156,6 +162,66 @@ _queue: list[_Delayed] = []
 _delaying = 0
 _delays: list[Delays] = []
 _trace: list[list[str]] = []
+_hooks: list[Callable[[str], None]] = []
+
+
+class _StandIn:
+    """The work of a collective's stand-in, already issued on the stream that was current:
+    waiting orders the waiting stream after it (a CUDA event; nothing to order elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+        self.device = device
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.event is not None:
+            self.event.wait(torch.cuda.current_stream(self.device))
+        return True
+
+
+def _garble(t: torch.Tensor) -> None:
+    """Make `t` hold what unwritten memory might: NaN, or its bits flipped."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.logical_not_()
+    else:
+        t.bitwise_not_()
+
+
+def _freed(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def stand_in(run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (),
+             garble: bool = True) -> object:  # fmt: skip
+    """Issue what stands in for a collective on a group of one (`run()`: a local copy into
+    `outputs`) on the current stream, which may be a side stream, and return its work: like
+    a collective's, its results may be read only once it is waited for (`Handle(work)`),
+    which orders the waiting stream after it. Inside `delayed()` it is queued like a
+    collective, `outputs` are garbled until it runs (with `garble`: not when `run` reads
+    them too), and one freed before it ran is an error. Not traced: nothing is sent."""
+    for hook in _hooks:
+        hook("stand-in")
+
+    def call() -> _StandIn:
+        if any(_freed(out) for out in outputs):
+            raise RuntimeError("the output of a collective's stand-in was freed before the stand-in was "
+                               "waited for (it would write freed memory on a GPU)")  # fmt: skip
+        run()
+        return _StandIn(device)
+
+    if not _delaying:
+        run_delayed()
+        return call()
+    for out in outputs if garble else ():
+        _garble(out)
+    pending = _Delayed(call)
+    _queue.append(pending)
+    return pending
 
 
 def issue(op: Op, call: Callable[[], object]) -> object:
@@ -164,6 +230,8 @@ def issue(op: Op, call: Callable[[], object]) -> object:
     comes through here, so the order of issue is the order recorded by `traced()`."""
     for trace in _trace:
         trace.append(f"{op.kind}: {op.what or 'a tensor'}")
+    for hook in _hooks:
+        hook(op.kind)
     if not _delaying:
         run_delayed()
         return call()
@@ -218,3 +286,16 @@ def traced(into: list | None = None) -> Iterator[list]:
         yield trace
     finally:
         _trace.remove(trace)
+
+
+@contextlib.contextmanager
+def before_issue(callback: Callable[[str], None]) -> Iterator[None]:
+    """Inside, `callback(kind)` runs just before each collective (its kind, e.g.
+    `"all-gather"`) or stand-in (`"stand-in"`) is issued, on the host, with the stream it
+    is issued from current: a debugging aid (the GPU check delays every collective by
+    queueing a device sleep there)."""
+    _hooks.append(callback)
+    try:
+        yield
+    finally:
+        _hooks.remove(callback)
