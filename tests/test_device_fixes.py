@@ -137,6 +137,25 @@ def test_the_group_device_follows_the_backend():
         assert _group_device(None, "cpu:gloo,cuda:nccl") == torch.device("cpu")
 
 
+class _BoundGroup:
+    """Stands in for a process group bound to a CUDA device (`init_process_group(device_id=...)`)."""
+
+    def __init__(self, device):
+        self.bound_device_id = device
+
+
+def test_a_group_bound_to_another_device_than_the_current_one_is_refused(monkeypatch):
+    """`all_gather_object` stages on the current CUDA device: a group bound elsewhere is an error
+    naming both (faked: this host may have no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(vo.DeviceMismatchError, match=r"bound to cuda:1.*current CUDA device is cuda:0"):
+        _group_device(_BoundGroup(torch.device("cuda", 1)), "nccl")
+    assert _group_device(_BoundGroup(torch.device("cuda", 0)), "nccl") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _group_device(_BoundGroup(torch.device("cuda", 1)), "nccl") == torch.device("cuda", 1)
+
+
 def _hsdp_bytes(reduce_dtype):
     from torch.distributed.device_mesh import init_device_mesh
 

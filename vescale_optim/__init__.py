@@ -4,7 +4,14 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .distributed import init_distributed
 from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .optim._muon_plan import CostModel, MuonPlan, muon_plan
-from .shard import CollectiveError, Layout, RaggedShard, plan_layout, set_collective_timeout
+from .shard import (
+    CollectiveError,
+    DeviceMismatchError,
+    Layout,
+    RaggedShard,
+    plan_layout,
+    set_collective_timeout,
+)
 from .units import ShardingConfig
 from .version import __version__
 
@@ -14,6 +21,7 @@ __all__ = [
     "CheckpointManager",
     "CollectiveError",
     "CostModel",
+    "DeviceMismatchError",
     "Layout",
     "Muon",
     "MuonPlan",

@@ -10,6 +10,7 @@ from .collectives import (
     run_plan,
     set_collective_timeout,
 )
+from .comm import DeviceMismatchError
 from .layout import Layout, plan_layout
 from .redistribution import (
     Piece,
@@ -25,6 +26,7 @@ from .spec import RaggedShard, flat_range_boxes
 
 __all__ = [
     "CollectiveError",
+    "DeviceMismatchError",
     "FlatBuffer",
     "Layout",
     "Piece",

@@ -53,15 +53,31 @@ class Comm:
         return self.distributed and (self.world_size > 1 or forced())
 
 
+class DeviceMismatchError(RuntimeError):
+    """The process group is bound to one CUDA device (`init_process_group(device_id=...)`)
+    while another is current: torch.distributed stages Python objects (`all_gather_object`,
+    used at construction, at the first step and in checkpoints) on the current device, so
+    every rank's bytes would land on that one, not on the group's."""
+
+
 def _group_device(group: dist.ProcessGroup | None, backend: str) -> torch.device:
-    """The device a group's tensors live on (see `Comm`)."""
+    """The device a group's tensors live on (see `Comm`); `DeviceMismatchError` when the
+    group is bound to a CUDA device that is not the current one."""
     if "nccl" not in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     pg = group if group is not None else dist.group.WORLD
     bound = getattr(pg, "bound_device_id", None)
-    if bound is not None:
-        return torch.device(bound)
     current = torch.cuda.current_device()
+    if bound is not None:
+        bound = torch.device(bound)
+        if bound.type == "cuda" and (bound.index if bound.index is not None else current) != current:
+            raise DeviceMismatchError(
+                f"the process group is bound to {bound} (init_process_group(device_id=...)) but the current "
+                f"CUDA device is cuda:{current}: torch.distributed stages objects (all_gather_object) on the "
+                f"current device, so every rank's would land on cuda:{current}; call "
+                f"torch.cuda.set_device({bound.index}) before init_process_group"
+            )
+        return bound
     local = os.environ.get("LOCAL_RANK")
     if local is not None and int(local) != current and int(local) < torch.cuda.device_count():
         raise RuntimeError(
