@@ -50,6 +50,41 @@ def _reset(module: nn.Module) -> None:
     module.reset_parameters()
 
 
+def _take_replaced_parameters(module: nn.Module, held: dict[str, nn.Parameter], prefix: str,
+                              how: str) -> None:  # fmt: skip
+    """Parameters the initialisation replaced (`self.weight = nn.Parameter(...)`) instead of
+    writing into: the new values go into the parameter the optimizer holds (a view of its
+    unit), which takes its place in the module again. One of another shape, or left on the
+    meta device, is a `ValueError` naming it."""
+    for name, new in list(module.named_parameters(recurse=False)):
+        old = held.get(name)
+        if old is None or new is old:
+            continue
+        if new.is_meta or tuple(new.shape) != tuple(old.shape):
+            where = "the meta device" if new.is_meta else f"shape {tuple(new.shape)}"
+            raise ValueError(
+                f"{prefix}{name} was replaced by {how} with a new parameter on {where}, but the optimizer "
+                f"holds it as shape {tuple(old.shape)}: write into the parameter instead (nn.init.*_, "
+                "copy_) or give the new one the same shape"
+            )
+        old.copy_(new.detach())
+        setattr(module, name, old)
+
+
+def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.device) -> list:
+    """The module's buffers `buffers` after its initialisation, as (name, tensor): one it
+    replaced (`self.inv_freq = ...`, torchtitan's `freqs_cis`) is kept, moved to `device`."""
+    found = []
+    for name in buffers:
+        t = getattr(module, name)
+        if t is not None and not t.is_meta and t.device != device:
+            t = t.to(device)
+            setattr(module, name, t)
+        if t is not None:
+            found.append((name, t))
+    return found
+
+
 def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
                 init: Callable[[nn.Module], None] | None = None) -> None:  # fmt: skip
     """Initialise every parameter of `units` (the units of `modules`) and every buffer of
@@ -101,12 +136,15 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
             for _, t in blank:
                 if t.is_floating_point():
                     t.fill_(float("nan"))
+            held = dict(module.named_parameters(recurse=False))
             init(module)
+            how = "param_init_fn" if custom else "reset_parameters()"
+            _take_replaced_parameters(module, held, f"{names[id(module)]}.", how)
+            blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
             for p, value in kept:
                 p.copy_(value)
             skipped = [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]
             if skipped:
-                how = "param_init_fn" if custom else "reset_parameters()"
                 raise ValueError(
                     f"{names[id(module)]}.{skipped[0]} was not initialised by {how}: it still holds NaN "
                     "where its meta tensor got memory"
