@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..shard.comm import host_to_device
 from ._checks import check_at_least, check_betas, check_lr
 
 GRAFTINGS = ("adam", "adagrad", "sgd", None)
@@ -164,40 +165,41 @@ def _inverse_fourth_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtyp
 
 def _try_root(factor: torch.Tensor, epsilon: float, dtype: torch.dtype) -> torch.Tensor | None:
     """The root in `dtype`, else in float64 (eigh can fail to converge in fp32 on factors
-    with many equal eigenvalues, e.g. embedding tiles with unused rows), else None."""
+    with many equal eigenvalues, e.g. embedding tiles with unused rows), else None. Whether
+    eigh converged is known on the host without a read of ours (eigh raises)."""
     for dt in dict.fromkeys((dtype, torch.float64)):
         try:
-            root = _inverse_fourth_root(factor, epsilon, dt)
+            return _inverse_fourth_root(factor, epsilon, dt)
         except torch.linalg.LinAlgError:
             continue
-        if bool(torch.isfinite(root).all()):
-            return root
     return None
 
 
 def inverse_roots_(
     roots: torch.Tensor, factors: torch.Tensor, *, step: int, beta2: float, epsilon: float, dtype: torch.dtype
-) -> int:
+) -> torch.Tensor:
     """roots <- (F/(1-b2^t))^(-1/4) for a stack `[K, d, d]`, by `torch.linalg.eigh` in `dtype`:
     F = Q diag(lam) Q.T,  root = Q diag((max(lam, 0) + epsilon)^(-1/4)) Q.T
     (computed as the eigendecomposition of F + epsilon*I).
 
-    A tile whose factor is not finite, or whose eigendecomposition fails in `dtype` and in
-    float64, keeps its root; returns how many did."""
+    A tile whose factor is not finite (it is replaced by the identity before eigh, so that
+    one tile cannot fail the stack), whose root is not finite, or whose eigendecomposition
+    fails in `dtype` and in float64, keeps its root. Returns how many did, as a 0-dim tensor
+    on the factors' device: nothing is read back here (the caller reads one count per
+    refresh); only eigh's own error check synchronises on CUDA, and the fallback tile by tile
+    runs only after the stack failed to converge in both dtypes."""
     scaled = factors / bias_correction(beta2, step)
-    if bool(torch.isfinite(scaled).all()):
-        batch = _try_root(scaled, epsilon, dtype)
-        if batch is not None:
-            roots.copy_(batch)
-            return 0
-    kept = 0
-    for k in range(len(scaled)):
-        root = _try_root(scaled[k], epsilon, dtype) if bool(torch.isfinite(scaled[k]).all()) else None
-        if root is None:
-            kept += 1
-        else:
-            roots[k].copy_(root)
-    return kept
+    finite = torch.isfinite(scaled).flatten(1).all(1)
+    eye = torch.eye(scaled.shape[-1], dtype=scaled.dtype, device=scaled.device)
+    safe = torch.where(finite[:, None, None], scaled, eye)
+    root = _try_root(safe, epsilon, dtype)
+    if root is None:  # rare: the stack did not converge in either dtype; tile by tile
+        tiles = [_try_root(safe[k], epsilon, dtype) for k in range(len(safe))]
+        finite = finite & host_to_device([t is not None for t in tiles], torch.bool, finite.device)
+        root = torch.stack([roots[k] if t is None else t for k, t in enumerate(tiles)])
+    ok = finite & torch.isfinite(root).flatten(1).all(1)
+    roots.copy_(torch.where(ok[:, None, None], root.to(roots.dtype), roots))
+    return (~ok).sum()
 
 
 def precondition(

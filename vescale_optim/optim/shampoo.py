@@ -102,7 +102,7 @@ class Shampoo(ShardedOptimizer):
         check_hyperparameters(defaults)
         check_params_arg(params)
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
-        self._kept, self._refreshed = 0, False
+        self._refreshed = False
         super().__init__(params, defaults, sharding)
         self._plan_tiles()
 
@@ -166,21 +166,27 @@ class Shampoo(ShardedOptimizer):
             seg_tiles.kept = seg_tiles.roots = 0
 
     def _after_update(self) -> None:
-        self._kept = sum(seg_tiles.kept for seg_tiles in self._tiles.values())
+        kept = sum(seg_tiles.kept for seg_tiles in self._tiles.values())
         self.step_stats["roots"] += sum(seg_tiles.roots for seg_tiles in self._tiles.values())
+        for seg_tiles in self._tiles.values():
+            seg_tiles.kept = 0  # a device count until read: not kept between steps
         if self._refreshed:
-            self._count_kept_roots()
+            self._count_kept_roots(kept)
 
-    def _count_kept_roots(self) -> None:
-        """Sum over ranks the roots kept this step (one small all-reduce on steps that
-        refresh roots); count them in `kept_roots` and warn."""
-        kept = torch.tensor([float(self._kept)], device=self.runtime.device)
-        all_reduce_(kept, self.runtime.world, "sum")
-        n = int(kept.item())
+    def _count_kept_roots(self, local: torch.Tensor | int) -> None:
+        """Sum over ranks the roots kept this step (`local`: this rank's, a device count from
+        `inverse_roots_`, or 0); one small all-reduce and one read on steps that refresh
+        roots; count them in `kept_roots` and warn."""
+        world = self.runtime.world
+        kept = torch.zeros(1, device=world.device)
+        if isinstance(local, torch.Tensor):
+            kept += local.to(world.device)
+        all_reduce_(kept, world, "sum")
+        n = int(kept.item())  # the one read of a refresh: every rank agrees on the count
         if n:
             self.kept_roots += n
             warnings.warn(
-                f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor was not "
+                f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor or its root was not "
                 f"finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
                 f"({self.kept_roots} kept so far, see kept_roots)",
                 stacklevel=caller_stacklevel(),
