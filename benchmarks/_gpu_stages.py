@@ -209,10 +209,16 @@ def run_stage_here(stages: Sequence[Stage], name: str, out: Path, **kw: Any) -> 
 
 
 def dry_run(
-    stages: Sequence[Stage], mode: str, out: Path, command: Callable[[Stage], list[str]], budget: float
+    stages: Sequence[Stage],
+    mode: str,
+    out: Path,
+    command: Callable[[Stage], list[str]],
+    budget: float,
+    setup: float = 0,
 ) -> None:
-    """Print each stage: its limit, what it checks, its process's command line and what it runs."""
-    total = 0
+    """Print each stage: its limit, what it checks, its process's command line and what it
+    runs; then the total of the limits (plus `setup`, the runner's own seconds) and the budget."""
+    total = setup
     for s in stages:
         limit = s.limits[mode]
         total += limit
@@ -221,9 +227,10 @@ def dry_run(
         print(f"    $ {env + ' ' if env else ''}{' '.join(command(s))} > {out / (s.name + '.log')}")
         for line in s.plan(mode) if s.plan else []:
             print(f"      runs: {line}")
+    with_setup = f" with {setup:.0f} s of set-up" if setup else ""
     print(
-        f"[report] {out / 'report.md'} {out / 'report.json'} (stage limits add up to {total} s; "
-        f"the run stops at {budget:.0f} s)"
+        f"[report] {out / 'report.md'} {out / 'report.json'} (stage limits add up to {total:.0f} s"
+        f"{with_setup}; the run stops at {budget:.0f} s)"
     )
 
 
@@ -236,10 +243,12 @@ def run_all(
     budget: float,
     command: Callable[[Stage], list[str]],
     notes: Sequence[str] = (),
+    setup: float = 0,
 ) -> int:
     """Run every stage in its own process (`command(stage)`), print each as it ends, write the
-    report. Every stage gets its own limit, cut to what is left of `budget` seconds; a stage
-    with under 5 s left is skipped. Returns 0 when no stage failed."""
+    report. Every stage gets its own limit, cut to what is left of `budget` seconds less
+    `setup` (kept for the caller's own work); a stage with under 5 s left is skipped.
+    Returns 0 when no stage failed."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     results = []
@@ -247,7 +256,7 @@ def run_all(
         f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}", flush=True
     )
     for i, s in enumerate(stages, 1):
-        left = budget - (time.monotonic() - start)
+        left = budget - setup - (time.monotonic() - start)
         limit = min(s.limits[mode], left)
         log = out / f"{s.name}.log"
         log.write_text("")
@@ -258,7 +267,8 @@ def run_all(
             entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
             entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0, "budget_spent": True}
         else:
-            rc, seconds = run_process(command(s), limit=limit, log=log, env=child_env(mode, s.env))
+            env = child_env(mode, {**s.env, "GPU_CHECK_STAGE_LIMIT_S": f"{limit:.0f}"})
+            rc, seconds = run_process(command(s), limit=limit, log=log, env=env)
             entry = _collect(s, out, rc, seconds, limit, log, cut=limit < s.limits[mode])
         entry["log"] = log.name
         results.append(entry)

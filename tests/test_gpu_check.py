@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -29,30 +30,39 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 MULTI = ROOT / "benchmarks" / "gpu_multi.sh"
 STAGES = [
     "env",
-    "tests",
+    "single_gpu",
     "zero3",
+    "delay",
     "syncs",
+    "overlap_selftest",
     "overlap",
-    "memory",
     "meta",
+    "memory",
     "checkpoint",
-    "batch_invariance",
     "nan",
+    "batch_invariance",
     "large_shapes",
+    "tests",
     "steps",
-    "kernels",
 ]
+OPTIONAL = ["kernels"]  # with --kernels (or --stages kernels), last
 # the checks that need CUDA: skipped on CPU, each with its reason
 CUDA_ONLY = {
     "env.cuda",
     "env.nccl",
     "kernels.triton rows",
     "overlap.kernels",
+    "overlap.injection",
+    "single_gpu.sleep",
+    "delay.sleep",
     "memory.between_steps",
     "memory.peak_low",
     "memory.peak_high",
     "large_shapes.quantize.2^31",
     *(f"syncs.{kind}.{phase}" for kind in ("adamw32", "muon") for phase in ("backward", "step")),
+    "syncs.shampoo.backward",
+    "syncs.shampoo.step_refresh",
+    "syncs.shampoo.step_plain",
 }
 
 
@@ -69,7 +79,8 @@ def test_scripts_parse():
 
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 def test_dry_run_names_every_stage(tmp_path, mode):
-    proc = _bash(SCRIPT, "--dry-run", *(["--cpu"] if mode == "cpu" else []), str(tmp_path / "out"))
+    cpu = ["--cpu"] if mode == "cpu" else []
+    proc = _bash(SCRIPT, "--dry-run", *cpu, str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     heads = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("[")]
     assert heads == [f"[{s}]" for s in STAGES] + ["[report]"]
@@ -78,13 +89,32 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     assert (
         f"{interpret} HYPOTHESIS_PROFILE=ci python -m pytest" in text
         and "tests/test_kernels_quant.py" in text
+        and "-p benchmarks._pytest_live" in text
     )
-    assert ("--no-compile" in text) == (mode == "cpu")
+    assert ("-n 8 -p benchmarks._pytest_live" in text) == (mode == "gpu")
     assert "VESCALE_OPTIM_FORCE_COLLECTIVES=1" in text
     limits = [int(line.split("(limit ")[1].split()[0]) for line in text.splitlines() if "(limit " in line]
     assert len(limits) == len(STAGES) and all(lim > 0 for lim in limits)
-    assert gpu_check.BUDGET_S["gpu"] <= 10 * 60 - 30  # the run stops inside ten minutes
+    total = int(text.split("stage limits add up to ")[1].split()[0])
+    assert total == sum(limits) + gpu_check.SETUP_S
+    if mode == "gpu":  # the slot: 7 minutes at most, the set-up included
+        assert total <= gpu_check.BUDGET_S["gpu"] <= 420
+    kernels = _bash(SCRIPT, "--dry-run", "--kernels", *cpu, str(tmp_path / "out")).stdout
+    heads = [line.split()[0] for line in kernels.splitlines() if line.startswith("[")]
+    assert heads == [f"[{s}]" for s in STAGES + OPTIONAL] + ["[report]"]
+    assert "--no-compile" in kernels if mode == "cpu" else "--no-compile" not in kernels
     assert not (tmp_path / "out").exists()
+
+
+def test_the_budget_holds_whatever_the_stages(tmp_path):
+    """A budget spent before a stage skips it, even when the stages were named."""
+    out = tmp_path / "out"
+    proc = _bash(SCRIPT, "--cpu", str(out), "--stages", "overlap_selftest", "--budget", "12", timeout=120)
+    report = json.loads((out / "report.json").read_text())
+    stage = report["stages"][0]
+    assert stage["stage"] == "overlap_selftest" and stage.get("budget_spent"), stage
+    assert proc.returncode == 1 and report["budget_s"] == 12
+    assert (out / "summary.md").exists() and (out / "gpu_check.tar.gz").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
@@ -97,11 +127,22 @@ def test_refuses_to_run_without_a_gpu(tmp_path):
 @pytest.mark.timeout(900)
 def test_cpu_rehearsal_runs_every_stage(tmp_path):
     out = tmp_path / "gpu_check"
-    proc = _bash(SCRIPT, "--cpu", str(out), timeout=880)
+    proc = _bash(SCRIPT, "--cpu", "--kernels", str(out), timeout=880)
     report = json.loads((out / "report.json").read_text())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     by_stage = {r["stage"]: r for r in report["stages"]}
-    assert list(by_stage) == STAGES and report["mode"] == "cpu" and report["passed"]
+    assert list(by_stage) == STAGES + OPTIONAL and report["mode"] == "cpu" and report["passed"]
+    # the two files that come back: the summary (printed too) and everything else packed
+    summary = (out / "summary.md").read_text()
+    assert len(summary.encode()) < 8000 and summary.startswith("# GPU check (cpu): PASSED")
+    assert all(f"| {name} | " in summary for name in STAGES) and summary.strip() in proc.stdout
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        packed = set(tar.getnames())
+    assert {"gpu_check/report.json", "gpu_check/report.md", "gpu_check/overlap_trace.json"} <= packed
+    assert all(f"gpu_check/{name}.log" in packed for name in STAGES)
+    assert by_stage["overlap_selftest"]["status"] == "passed"
+    assert by_stage["single_gpu"]["status"] == by_stage["delay"]["status"] == "passed"
+    assert by_stage["tests"]["measurements"]["passed"] > 0 and (out / "tests.jsonl").exists()
     for name, r in by_stage.items():
         assert r["status"] in ("passed", "failed", "skipped") and r["seconds"] >= 0, r
         assert "== [" in proc.stdout and f"] {name} (limit" in proc.stdout  # printed as it ran
@@ -150,7 +191,7 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
     logs = (out / "kernels.log").read_text() + (out / "steps.log").read_text()
     assert "| kernel" in logs and "| optimizer" in logs and "host: " in logs
     md = (out / "report.md").read_text()
-    assert all(f"## {name}: " in md for name in STAGES)
+    assert all(f"## {name}: " in md for name in STAGES + OPTIONAL)
 
 
 def test_a_stage_that_hangs_or_crashes_is_failed_and_the_next_runs(tmp_path, capsys):

@@ -1,0 +1,613 @@
+"""The library's own stages of `benchmarks/gpu_check.py`: one process without a process
+group (`single_gpu`), a world-1 group with the collectives forced (`zero3`, `delay`, `syncs`,
+`memory`, `meta`, `checkpoint`). Each fills a `Result` (see `_gpu_stages`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
+from benchmarks._gpu_stages import Result
+
+# --- zero3 ----------------------------------------------------------------------------------------
+
+
+def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
+    """ZeRO-3 and ZeRO-2 on a world-1 group with the collectives forced, against torch.optim.
+
+    Bounds (fp32 parameters, 3 steps; 4 for Shampoo, whose roots start at step 2):
+    - AdamW 32-bit, Shampoo (fp64 roots): 1e-5. The gathered parameters are views of a flat
+      buffer and the gradients are averaged by a collective, so cuBLAS and the reduction may
+      round a gradient an ulp or two differently (relative 1e-7..1e-6); Adam's update
+      lr * m/(sqrt(v)+eps) moves by about that relative amount of lr per step.
+    - AdamW 8-bit vs fp32 torch.optim.AdamW: 2 * steps * lr. 8-bit moments are a different
+      algorithm; each of the two moves an element by at most about lr per step (|m/sqrt(v)|
+      <= 1 at the first step, about 1 after), so this bounds a broken update, not rounding.
+      8-bit state does not depend on the layout, so ZeRO-3 8-bit is also held to ZeRO-2
+      8-bit at 1e-5.
+    - Muon: steps * max adjusted lr * 2^-6. torch.optim.Muon runs Newton-Schulz in bf16 with
+      torch, ours with the Triton kernel on CUDA: outputs (|entries| < 1) may differ by a few
+      bf16 ulps (4 ulps = 2^-6), each moving a parameter by that times the adjusted lr.
+    """
+    torch = _torch()
+    from benchmarks import _gpu_models as gm
+    from vescale_optim.shard.handle import traced
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    steps = {k: 4 if k == "shampoo" else 3 for k in gm.KINDS}
+    lr_adj = None
+    with gm.world_of_one(dev):
+        base = gm.build(sz["dim"], sz["blocks"], dev)
+        lr_adj = gm.muon_max_adjusted_lr(base)
+        tol = {
+            "adamw32": 1e-5,
+            "shampoo": 1e-5,
+            "adamw8": 2 * steps["adamw8"] * gm.ADAMW["lr"],
+            "muon": steps["muon"] * lr_adj * 2.0**-6,
+        }
+        finals, rows = {}, []
+        for kind in gm.KINDS:
+            ref = gm.fresh_copy(base)
+            gm.train(ref, gm.make_reference(kind, ref), range(steps[kind]), sz["batch"], dev)
+            want = gm.full_state(ref)
+            for sharding in ("zero3", "zero2"):
+                model = gm.fresh_copy(base)
+                opt = gm.make_ours(kind, model, sharding)
+                start = time.perf_counter()
+                with traced() as trace:
+                    gm.train(model, [opt], range(steps[kind]), sz["batch"], dev)
+                gm.synchronize(dev)
+                seconds = time.perf_counter() - start
+                got = gm.full_state(model)
+                finals[kind, sharding] = got
+                diff, where = gm.max_diff(got, want)
+                rows.append(
+                    dict(
+                        optimizer=kind,
+                        sharding=sharding,
+                        max_abs_diff=diff,
+                        where=where,
+                        collectives=len(trace),
+                        units=len(opt.units),
+                        seconds=round(seconds, 3),
+                    )
+                )
+                vs = "torch.optim.AdamW (fp32)" if kind == "adamw8" else "the reference"
+                r.check(
+                    f"{kind}.{sharding}",
+                    diff <= tol[kind],
+                    measured=diff,
+                    bound=tol[kind],
+                    detail=f"max |param - {vs}| after {steps[kind]} steps (at {where}); "
+                    f"{len(trace)} collectives issued",
+                )
+                if not trace:
+                    r.fail(
+                        f"{kind}.{sharding}.forced",
+                        "no collective was issued: the force switch "
+                        "VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect",
+                    )
+        diff, where = gm.max_diff(finals["adamw8", "zero3"], finals["adamw8", "zero2"])
+        r.check(
+            "adamw8.zero3_vs_zero2",
+            diff <= 1e-5,
+            measured=diff,
+            bound=1e-5,
+            detail=f"8-bit state does not depend on the layout (at {where})",
+        )
+    r.measure(
+        rows=rows,
+        tolerances=tol,
+        muon_max_adjusted_lr=lr_adj,
+        device=str(dev),
+        backend="nccl" if dev.type == "cuda" else "gloo",
+    )
+    print(json.dumps(rows, indent=1))
+    del torch
+
+
+# --- syncs ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sync_warnings(cuda: bool):
+    """Warnings raised inside (all recorded), with CUDA's sync debug mode at "warn" on CUDA."""
+    torch = _torch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def _sync_texts(caught) -> tuple[list[str], list[str]]:
+    """(the sync warnings, the other warnings) as 'message (file:line)' strings."""
+    syncs, other = [], []
+    for w in caught:
+        text = f"{str(w.message).strip().splitlines()[0][:200]} ({w.filename}:{w.lineno})"
+        (syncs if "synchroniz" in str(w.message) else other).append(text)
+    return syncs, other
+
+
+def _is_eigh(text: str) -> bool:
+    """Whether a sync warning's location ('... (file:line)') is a call of torch.linalg.eigh
+    (its error check reads the device: one host sync a call, by torch's design)."""
+    import linecache
+
+    m = re.search(r"\((.+):(\d+)\)$", text)
+    return bool(m) and "eigh" in linecache.getline(m[1], int(m[2]))
+
+
+def stage_syncs(r: Result, *, out: Path, mode: str) -> None:
+    """Host synchronisations in warm ZeRO-3 steps (the first builds state): goal 0 in
+    backward, at most 1 in step() (the agreement of which parameters step). Shampoo: on a
+    step that refreshes roots, at most 2 besides torch.linalg.eigh's own (the agreement and
+    the one agreed read of the kept roots; eigh's error check syncs once a call, counted
+    apart); on a step that does not, at most 1."""
+    from benchmarks import _gpu_models as gm
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    cuda = dev.type == "cuda"
+    found = {}
+    with gm.world_of_one(dev):
+        for kind in ("adamw32", "muon", "shampoo"):
+            model = gm.build(sz["dim"], sz["blocks"], dev)
+            opt = gm.make_ours(kind, model, "zero3")
+            gm.train(model, [opt], range(1), sz["batch"], dev)  # first step: state, orders, NCCL set-up
+            for t in (1, 2) if kind == "shampoo" else (1,):
+                x, y = gm.batch(t, sz["batch"], dev)
+                roots = opt.step_stats["roots"] if kind == "shampoo" else 0
+                with _sync_warnings(cuda) as fwd:
+                    loss = gm.loss_of(model, x, y)
+                with _sync_warnings(cuda) as bwd:
+                    loss.backward()
+                with _sync_warnings(cuda) as step:
+                    opt.step()
+                opt.zero_grad()
+                gm.synchronize(dev)
+                refresh = kind == "shampoo" and opt.step_stats["roots"] > roots
+                label = "step" if kind != "shampoo" else "step_refresh" if refresh else "step_plain"
+                phases = (("forward", fwd, None), ("backward", bwd, 0), (label, step, 2 if refresh else 1))
+                if kind == "shampoo" and t == 2:
+                    phases = phases[2:]  # the backward was checked at the first
+                for phase, caught, goal in phases:
+                    syncs, other = _sync_texts(caught)
+                    eigh = [t for t in syncs if _is_eigh(t)]
+                    counted = [t for t in syncs if not _is_eigh(t)]
+                    found[f"{kind}.{phase}"] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs,
+                                                    other_warnings=other)  # fmt: skip
+                    if goal is None:
+                        continue
+                    name = f"{kind}.{phase}"
+                    if cuda:
+                        r.check(
+                            name,
+                            len(counted) <= goal,
+                            measured=len(counted),
+                            bound=goal,
+                            detail=("; ".join(counted) or "no synchronizing CUDA call")
+                            + (f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else ""),
+                        )
+                    else:
+                        r.skip(
+                            name,
+                            f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo "
+                            f"with the warnings recorded: {len(other)} other warnings)",
+                        )
+    r.measure(**found)
+    print(json.dumps(found, indent=1))
+
+
+# --- single_gpu, delay ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sleepy_side_streams(torch, cycles: int):
+    """A device sleep of `cycles` queued on a side stream each time work is issued there
+    (the library's `Streams` contexts, patched here only): whatever is issued next on it (an
+    all-gather, a reduction or their stand-ins) lands late, and any reader not ordered after
+    it reads too early."""
+    from vescale_optim.units import streams
+
+    original = streams.Streams._on
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        with original(self, stream):
+            if self.cuda:
+                torch.cuda._sleep(cycles)
+            yield
+
+    streams.Streams._on = on
+    try:
+        yield
+    finally:
+        streams.Streams._on = original
+
+
+def _sleep_cycles(torch, ms: float) -> int:
+    """`torch.cuda._sleep` cycles of about `ms` milliseconds on this device (measured)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(ms * 10_000_000 / max(start.elapsed_time(end), 1e-3))
+
+
+def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
+    """ZeRO-3 AdamW and Muon (and AdamW with reduce_bits=8) in one process with no process
+    group: what stands in for each collective is a copy on a side stream, which the compute
+    stream must wait for. Against torch.optim (bounds of `zero3`; 8-bit reduction: 2 x steps
+    x lr), plainly and with a device sleep of ~2 ms on the side streams before every
+    stand-in (CPU: under the emulated asynchronous device, `delayed()`); the delayed run must
+    be the same bits as the plain one."""
+    torch = _torch()
+    import torch.distributed as dist
+
+    from benchmarks import _gpu_models as gm
+    from vescale_optim.shard.handle import delayed
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    cuda = dev.type == "cuda"
+    if dist.is_initialized():
+        raise AssertionError("single_gpu runs without a process group")
+    steps = 3
+    base = gm.build(sz["dim"], sz["blocks"], dev)
+    tol = {"adamw32": 1e-5, "muon": steps * gm.muon_max_adjusted_lr(base) * 2.0**-6,
+           "adamw_reduce8": 2 * steps * gm.ADAMW["lr"]}  # fmt: skip
+    cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+    slow = "sleep" if cuda else "emulated"
+    rows = []
+    for kind in tol:
+        ref = gm.fresh_copy(base)
+        ref_kind = "adamw32" if kind == "adamw_reduce8" else kind
+        gm.train(ref, gm.make_reference(ref_kind, ref), range(steps), sz["batch"], dev)
+        want = gm.full_state(ref)
+        got = {}
+        for variant in ("plain", slow):
+            model = gm.fresh_copy(base)
+            extra = {"reduce_bits": 8} if kind == "adamw_reduce8" else {}
+            opt = gm.make_ours(ref_kind, model, "zero3", **extra)
+            ctx = (_sleepy_side_streams(torch, cycles) if cuda else delayed()) if variant != "plain" else (
+                contextlib.nullcontext())  # fmt: skip
+            with ctx:
+                gm.train(model, [opt], range(steps), sz["batch"], dev)
+                gm.synchronize(dev)
+            got[variant] = gm.full_state(model)
+            diff, where = gm.max_diff(got[variant], want)
+            rows.append(dict(optimizer=kind, variant=variant, max_abs_diff=diff, where=where))
+            what = f"max |param - torch.optim| after {steps} steps, no process group (at {where})"
+            r.check(f"{kind}.{variant}", diff <= tol[kind], measured=diff, bound=tol[kind], detail=what)
+        diff, where = gm.max_diff(got[slow], got["plain"])
+        r.check(f"{kind}.{slow}_bitwise", diff == 0, measured=diff, bound=0,
+                detail=f"the {slow} run against the plain one (at {where})")  # fmt: skip
+    if not cuda:
+        r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep on the side streams (rehearsed under delayed())")
+    r.measure(rows=rows, tolerances=tol, sleep_cycles=cycles, device=str(dev))
+    print(json.dumps(rows, indent=1))
+
+
+def stage_delay(r: Result, *, out: Path, mode: str) -> None:
+    """Every collective of a ZeRO-3 AdamW and Muon run on a world-1 group with the collectives
+    forced is preceded by ~2 ms of device sleep on the stream it is issued from
+    (`before_issue`; CPU: the emulated asynchronous device, `delayed()`): the trained
+    parameters must be the same bits as an undelayed run."""
+    torch = _torch()
+    from benchmarks import _gpu_models as gm
+    from vescale_optim.shard.handle import before_issue, delayed
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    cuda = dev.type == "cuda"
+    found = {}
+    with gm.world_of_one(dev):
+        cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+        base = gm.build(sz["dim"], sz["blocks"], dev)
+        for kind in ("adamw32", "muon"):
+            got, counts = {}, {}
+            for variant in ("plain", "delayed"):
+                model = gm.fresh_copy(base)
+                opt = gm.make_ours(kind, model, "zero3")
+                count = [0]
+
+                def sleep(what: str, count=count) -> None:
+                    count[0] += 1
+                    torch.cuda._sleep(cycles)
+
+                if variant == "plain":
+                    ctx = contextlib.nullcontext()
+                else:
+                    ctx = before_issue(sleep) if cuda else delayed()
+                with ctx as held:
+                    gm.train(model, [opt], range(3), sz["batch"], dev)
+                    gm.synchronize(dev)
+                counts[variant] = count[0] if cuda else getattr(held, "held_at_wait", 0)
+                got[variant] = gm.full_state(model)
+            diff, where = gm.max_diff(got["delayed"], got["plain"])
+            found[kind] = dict(max_abs_diff=diff, where=where, delayed=counts["delayed"])
+            r.check(
+                f"{kind}.bitwise",
+                diff == 0 and counts["delayed"] > 0,
+                measured=diff,
+                bound=0,
+                detail=(f"{counts['delayed']} collectives each after ~2 ms of _sleep" if cuda else
+                        f"{counts['delayed']} collectives held back until waited for (delayed())")
+                + f"; at {where}",
+            )  # fmt: skip
+    if not cuda:
+        r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep before every collective (rehearsed: delayed())")
+    r.measure(**found, sleep_cycles=cycles, device=str(dev))
+    print(json.dumps(found, indent=1))
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def stage_memory(r: Result, *, out: Path, mode: str) -> None:
+    """Peak allocated bytes of a warm ZeRO-3 AdamW step against the prediction.
+
+    World 1: the shards are whole. Between steps a rank holds what `memory_stats()` says
+    (parameters, gradients, state; `unsharded` 0). During the step: plus the activations and
+    the gradients a plain torch model would hold (measured: `plain`, the same forward and
+    backward without the library), plus the library's transient buffers: at most three
+    unit-sized buffers in backward (README: the computing unit's parameters and gradient
+    buffer, and the one being reduced or the next unit's parameters) and the outermost unit's
+    parameters and gradient buffer. Bounds: peak >= persistent + the largest unit (a gather
+    must allocate it); peak <= persistent + plain + 3 x largest block + 2 x outermost + 128 MiB
+    (cuBLAS workspaces, the reduction's staging, allocator rounding).
+    """
+    torch = _torch()
+    from benchmarks import _gpu_models as gm
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    cuda = dev.type == "cuda"
+    mib = 2**20
+    SLACK = 128 * mib  # noqa: N806 (cuBLAS and cuBLASLt workspaces, NCCL staging, allocator rounding)
+    with gm.world_of_one(dev):
+        plain = gm.build(sz["mem_dim"], 4, dev, rotary=False)
+        x, y = gm.batch(0, sz["mem_batch"], dev)
+        n_params = sum(p.numel() for p in plain.parameters())
+        plain_transient = None
+        if cuda:
+            gm.synchronize(dev)
+            before = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            gm.loss_of(plain, x, y).backward()
+            gm.synchronize(dev)
+            plain_transient = torch.cuda.max_memory_allocated(dev) - before
+        plain.zero_grad(set_to_none=True)  # the copy must not carry gradients into the optimizer
+        model = gm.fresh_copy(plain)
+        del plain
+        opt = gm.make_ours("adamw32", model, "zero3")
+        unit_bytes = {u.name: sum(p.numel() * p.element_size() for p in u.params) for u in opt.units}
+        outer_name = next(u.name for u in opt.units if any(p is model.embed.weight for p in u.params))
+        block_names = set(unit_bytes) - {outer_name}
+        largest_block = max(unit_bytes[n] for n in block_names)
+        outermost = unit_bytes[outer_name]
+        gm.train(model, [opt], range(1), sz["mem_batch"], dev)
+        between = opt.memory_stats()
+        persistent = between["parameters"] + between["gradients"] + between["state"] + between["unsharded"]
+        measured = {}
+        if cuda:
+            gm.synchronize(dev)
+            measured["allocated_between_steps"] = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        loss = gm.loss_of(model, x, y)
+        loss.backward()
+        after_backward = opt.memory_stats()
+        opt.step()
+        opt.zero_grad()
+        if cuda:
+            gm.synchronize(dev)
+            measured["peak"] = torch.cuda.max_memory_allocated(dev)
+    r.measure(
+        parameters=n_params,
+        parameter_bytes=4 * n_params,
+        unit_bytes=unit_bytes,
+        memory_stats_between_steps=between,
+        memory_stats_after_backward=after_backward,
+        predicted_persistent=persistent,
+        plain_transient=plain_transient,
+        **measured,
+    )
+    r.check(
+        "memory_stats.state",
+        between["state"] >= 8 * n_params,
+        measured=between["state"],
+        bound=f">= {8 * n_params} (AdamW: two fp32 moments)",
+    )
+    if not cuda:
+        for name in ("between_steps", "peak_low", "peak_high"):
+            r.skip(
+                name,
+                f"{NEEDS_CUDA}: torch.cuda.memory_allocated / max_memory_allocated (the step ran "
+                f"on CPU; predicted persistent {persistent / mib:.2f} MiB)",
+            )
+        return
+    alloc = measured["allocated_between_steps"]
+    data = x.numel() * x.element_size() * 2
+    r.check(
+        "between_steps",
+        persistent <= alloc <= persistent + data + SLACK,
+        measured=f"{alloc / mib:.1f} MiB allocated",
+        bound=f"[{persistent / mib:.1f}, "
+        f"{(persistent + data + SLACK) / mib:.1f}] MiB (memory_stats() .. + batch + 128 MiB)",
+    )
+    low = alloc + max(unit_bytes.values())
+    high = alloc + plain_transient + 3 * largest_block + 2 * outermost + SLACK
+    peak = measured["peak"]
+    r.check("peak_low", peak >= low, measured=f"{peak / mib:.1f} MiB", bound=f">= {low / mib:.1f} MiB")
+    r.check(
+        "peak_high",
+        peak <= high,
+        measured=f"{peak / mib:.1f} MiB",
+        bound=f"<= {high / mib:.1f} MiB",
+        detail=f"peak / parameter bytes = {peak / (4 * n_params):.2f}",
+    )
+
+
+# --- meta -----------------------------------------------------------------------------------------
+
+
+def stage_meta(r: Result, *, out: Path, mode: str) -> None:
+    """A Net (with the buffer-only Rotary) built on the meta device and materialised by the
+    optimizer (`shard_modules`, `device=`) equals the Net built normally on the device under
+    the same seed: every parameter and buffer, and the first loss."""
+    torch = _torch()
+    from benchmarks import _gpu_models as gm
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    torch.manual_seed(0)
+    with torch.device(dev):
+        want = gm.Net(sz["dim"], sz["blocks"])  # as built, no perturbation: what the meta path can know
+    want_buffers = {k: v.detach().cpu().clone() for k, v in want.named_buffers()}
+    want_state = gm.full_state(want)
+    x, y = gm.batch(0, sz["batch"], dev)
+    want_loss = gm.loss_of(want, x, y).item()
+    with gm.world_of_one(dev):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = gm.Net(sz["dim"], sz["blocks"])
+        opt = gm.make_ours("adamw32", model, "zero3", device=dev)
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        r.check("nothing on meta", not left, measured=len(left), bound=0, detail=", ".join(left[:8]) or None)
+        where = sorted(
+            {
+                f"{n}: {t.device}"
+                for n, t in [*model.named_parameters(), *model.named_buffers()]
+                if t.device != dev
+            }
+        )
+        r.check(
+            "on the device",
+            not where,
+            measured=len(where),
+            bound=0,
+            detail=", ".join(where[:8]) or f"every parameter and buffer on {dev}",
+        )
+        got = gm.full_state(model)
+        diff, at = gm.max_diff(got, want_state)
+        r.check("parameters equal", diff == 0, measured=diff, bound=0, detail=f"largest at {at}")
+        bufs = {k: v.detach().cpu() for k, v in model.named_buffers()}
+        bad = [
+            k
+            for k in want_buffers
+            if k not in bufs or not torch.equal(bufs[k].float(), want_buffers[k].float())
+        ]
+        r.check(
+            "buffers equal",
+            not bad and bufs.keys() == want_buffers.keys(),
+            measured=len(bad),
+            bound=0,
+            detail=", ".join(bad) or f"{', '.join(want_buffers)} equal",
+        )
+        loss = gm.loss_of(model, x, y).item()
+        r.check("first loss equal", loss == want_loss, measured=loss, bound=want_loss)
+        gm.train(model, [opt], range(1), sz["batch"], dev)
+    r.measure(buffers=list(want_buffers), units=[u.name for u in opt.units], device=str(dev))
+
+
+# --- checkpoint -----------------------------------------------------------------------------------
+
+
+def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
+    """CheckpointManager round trips (sync, async) of a ZeRO-3 AdamW run with dropout and a
+    schedule: save at step 3, run on to 6; a fresh run loads step 3 and must reach step 6
+    with the same losses and weights, bit for bit (same world size: random states restored)."""
+    torch = _torch()
+    import vescale_optim as vo
+    from benchmarks import _gpu_models as gm
+
+    dev, sz = gm.device_for(mode), SIZES[mode]
+    timeout = timedelta(seconds=gm.TIMEOUT_S)
+
+    def run():
+        model = gm.build(sz["dim"], sz["blocks"], dev, dropout=0.1)
+        opt = gm.make_ours("adamw32", model, "zero3")
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        return model, opt, sched
+
+    def steps(model, opt, sched, span):
+        losses = []
+        for t in span:
+            loss = gm.loss_of(model, *gm.batch(t, sz["batch"], dev))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.detach().float().cpu().item())
+        return losses
+
+    timings = {}
+    with gm.world_of_one(dev), tempfile.TemporaryDirectory(prefix="gpu_check_ckpt_") as tmp:
+        for style in ("sync", "async"):
+            folder = Path(tmp) / style
+            model, opt, sched = run()
+            manager = vo.CheckpointManager(
+                folder, model, opt, sched, async_save=style == "async", timeout=timeout
+            )
+            steps(model, opt, sched, range(3))
+            gm.synchronize(dev)
+            t0 = time.perf_counter()
+            manager.save(3)
+            save_s = time.perf_counter() - t0
+            staging = getattr(manager, "last_staging", None)
+            want = steps(model, opt, sched, range(3, 6))
+            t0 = time.perf_counter()
+            manager.wait()
+            wait_s = time.perf_counter() - t0
+            manager.close()
+            want_state = gm.full_state(model)
+            model, opt, sched = run()
+            resumed = vo.CheckpointManager(folder, model, opt, sched, timeout=timeout)
+            t0 = time.perf_counter()
+            loaded = resumed.load()
+            load_s = time.perf_counter() - t0
+            r.check(
+                f"{style}.loaded",
+                loaded is not None and loaded.step == 3,
+                measured=None if loaded is None else loaded.step,
+                bound=3,
+            )
+            got = steps(model, opt, sched, range(3, 6))
+            resumed.close()
+            diff, where = gm.max_diff(gm.full_state(model), want_state)
+            r.check(
+                f"{style}.losses", got == want, measured=got, bound=want, detail="steps 4-6 after loading"
+            )
+            r.check(f"{style}.weights", diff == 0, measured=diff, bound=0, detail=f"largest at {where}")
+            timings[style] = {
+                "save_s": save_s,
+                "wait_s": wait_s,
+                "load_s": load_s,
+                "staging": _staging(staging),
+            }
+            print(style, json.dumps(timings[style], default=str))
+    r.measure(**timings, device=str(dev))
+    r.check(
+        "staging time reported",
+        all(t["staging"] is not None for t in timings.values()),
+        measured={k: (t["staging"] or {}).get("seconds") for k, t in timings.items()},
+        detail="CheckpointManager.last_staging after each save",
+    )
+
+
+def _staging(stats) -> dict | None:
+    if stats is None:
+        return None
+    import dataclasses
+
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
