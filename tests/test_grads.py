@@ -128,9 +128,12 @@ def _zero_grad_keeps_zeros():
     opt.step()
     opt.zero_grad(set_to_none=False)
     grads = [p.grad for p in model.parameters()]
-    assert all(g is None for g in grads[-2:])  # never had one: stays None
-    # the others still have one, zeroed in the optimizer's shards
-    assert all(isinstance(g, ReducedGrad) for g in grads[:6] if g is not None)
+    if dist.is_initialized():  # over ranks every trainable parameter has its ReducedGrad (the same
+        # on every rank, so that its reductions pair up): zeroed, read over the ranks
+        assert all(type(g) is ReducedGrad and not g.any() for g in grads)
+    else:  # one process, as torch: ordinary tensors, zeroed; None where there never was one
+        assert all(g is None for g in grads[-2:])
+        assert all(type(g) is torch.Tensor and not g.any() for g in grads[:6] if g is not None)
     assert all(not u.grads.shard.any() for u in opt.units)
     opt.step()  # a zero gradient still steps (weight decay, moment decay), as in torch
     return [p.detach().clone() for p in model.parameters()]

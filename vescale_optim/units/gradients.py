@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 from ..shard.collectives import Comm, any_rank, any_rank_flag
-from .reduced_grad import ReducedGrad
 from .schedule import Schedule
 from .segment import FROZEN, Segment
 from .unit import Unit
@@ -110,7 +109,7 @@ class GradTracker:
                 if g is None:
                     seg, j = self.where[id(p)]
                     seg.mark(j, False)
-                elif not isinstance(g, ReducedGrad) and not u.grads.is_live(i) and g.device == u.device:
+                elif not u.grads.is_reduced(i) and not u.grads.is_live(i) and g.device == u.device:
                     u.grads.take(i, g)
                     self.mark(p)
 

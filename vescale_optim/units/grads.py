@@ -20,7 +20,7 @@ import torch
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Handle, all_reduce_, all_to_all_, reduce_scatter_into_
 from . import qcomm
-from .reduced_grad import ReducedGrad
+from .reduced_grad import ReducedGrad, Sharded
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -66,6 +66,7 @@ class Gradients:
         self.unsynced: torch.Tensor | None = None  # kept unsynced across replicas (`no_all_reduce`)
         self._keep_unsynced = False
         self.placeholders: list[ReducedGrad] = []  # each `.grad` once reduced (`make_placeholders`)
+        self.plain = False  # one process, shard in the parameters' dtype: `.grad` is a view of the shard
         self._reduction: _Reduction | None = None  # the reduction writing `shard`, until waited
         self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's reductions so far (as many received)
@@ -76,6 +77,27 @@ class Gradients:
         u = self.unit
         made = (ReducedGrad._of(u, i, p.shape, p.dtype, p.device) for i, p in enumerate(u.params))
         self.placeholders = list(made)
+        alone = not u.comm.active and not u.replicate.active
+        self.plain = alone and all(p.dtype == self._shard.dtype for p in u.params)
+
+    def placeholder(self, i: int) -> torch.Tensor:
+        """What parameter `i`'s `.grad` holds once reduced: in one process (nothing to reduce)
+        an ordinary view of the shard when it has the parameter's dtype, else a `ReducedGrad`."""
+        if not self.plain:
+            return self.placeholders[i]
+        start, stop = self.unit.full.local_range(i)
+        return self.shard[start:stop].view(self.unit.full.shapes[i])
+
+    def is_reduced(self, i: int) -> bool:
+        """Whether parameter `i`'s `.grad` is its reduced gradient (`placeholder(i)`)."""
+        g = self.unit.params[i].grad
+        if isinstance(g, ReducedGrad):
+            return True
+        if g is None or not self.plain or type(g) is not torch.Tensor or g.dtype != self._shard.dtype:
+            return False
+        start, _ = self.unit.full.local_range(i)
+        here = self._shard.data_ptr() + start * self._shard.element_size()
+        return g.data_ptr() == here and tuple(g.shape) == self.unit.full.shapes[i] and g.is_contiguous()
 
     def _new_buffer(self) -> FlatBuffer:
         u = self.unit
@@ -115,6 +137,18 @@ class Gradients:
     def take(self, i: int, grad: torch.Tensor) -> None:
         """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
         and what `shard` accumulated for it so far is dropped."""
+        if isinstance(grad, Sharded):  # an averaged gradient of this layout: straight into the shard
+            if grad._ranges != self.placeholders[i]._ranges or tuple(grad.shape) != self.unit.full.shapes[i]:
+                raise ValueError(
+                    f"the sharded gradient assigned to parameter {self.unit.labels[i]}'s .grad has another "
+                    "layout; assign the gradient of this parameter, or a full tensor"
+                )
+            self.drop(i)
+            start, stop = self.unit.full.local_range(i)
+            self.shard[start:stop].copy_(grad.local())
+            self.has_values = True
+            self.unit.params[i].grad = self.placeholder(i)
+            return
         self.drop(i)
         self.view(i).copy_(grad)
         self.unit.params[i].grad = self.full.view(i)
@@ -128,25 +162,32 @@ class Gradients:
         if p.grad is None:
             self.drop(i)
             p.grad = self.view(i)
-        elif isinstance(p.grad, ReducedGrad):
+        elif self.is_reduced(i):
             p.grad = self.view(i)
         else:
             self.take(i, p.grad)
+            if not self.is_live(i):
+                p.grad = self.view(i)
 
     # --- the reduction -----------------------------------------------------------------------
 
     def reduce(self, async_op: bool = True) -> Handle:
         """Average the unreduced gradients over ranks into `shard` (added to what it holds
-        since the last `clear()`). Each `.grad` that was a view of the buffer becomes a
-        `ReducedGrad` at once: a later backward accumulates into a new buffer while this
-        one is reduced and freed (once the reduce-scatter is waited for)."""
+        since the last `clear()`). Each `.grad` that was a view of the buffer becomes its
+        reduced gradient (`placeholder`) at once: a later backward accumulates into a new
+        buffer while this one is reduced and freed (once the reduce-scatter is waited for).
+        Over ranks, trainable parameters without a gradient on this rank get theirs too (what
+        other ranks accumulated, averaged), so `.grad` is the same on every rank."""
         u = self.unit
         self.wait()  # one reduction of a unit at a time (already done in a normal backward)
         if not self.has_full:
             self.full.allocate(zero=True)
-        for i, p in enumerate(u.params):
-            if self.is_live(i):
-                p.grad = self.placeholders[i]
+        # over ranks every trainable parameter of the unit gets its reduced gradient, so that
+        # every rank holds the same `.grad`s (utilities that reduce over them pair up)
+        together = u.comm.active or u.replicate.active
+        live = [i for i, p in enumerate(u.params)
+                if self.is_live(i) or (together and p.requires_grad and p.grad is None
+                                       and u.placement_problem(i) is None)]  # fmt: skip
         buf, self.full = self.full, self._new_buffer()
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{u.name}]"):
@@ -174,6 +215,8 @@ class Gradients:
                 keep = self._keep_unsynced
                 across = lambda: self._over_replicas(part, keep)  # noqa: E731
         self._reduction = _Reduction(scatter.then(lambda: data.untyped_storage().resize_(0)), across)
+        for i in live:
+            u.params[i].grad = self.placeholder(i)
         if not async_op:
             self.wait()
         return self._reduction
@@ -300,7 +343,7 @@ class Gradients:
             if set_to_none or p.grad is None:
                 p.grad = None
             elif p.requires_grad:
-                p.grad = self.placeholders[i]
+                p.grad = self.placeholder(i)
 
     def transient_bytes(self) -> int:
         """The unreduced buffer and the gradients being reduce-scattered, alive now."""

@@ -1,10 +1,45 @@
-"""What `.grad` holds once a unit's gradients were reduce-scattered into the optimizer's shards."""
+"""What `.grad` holds once a unit's gradients were reduce-scattered into the optimizer's shards,
+and what torch's gradient utilities compute on it.
+
+Over a process group a parameter's averaged gradient lives in the ranks' shards, each rank
+holding one contiguous flat piece of it (the unit's RaggedShard layout), so `.grad` is a
+`ReducedGrad`: a tensor with the parameter's shape, dtype and device whose values are the
+pieces. Through `__torch_function__` it supports what gradient utilities and training scripts
+do with gradients, computed on the pieces, the same way DTensor's `Partial` placement works
+for FSDP2:
+
+- element-wise ops (`mul_`, `div_`, `clamp_`, `add_`, `zero_`, `nan_to_num_`, `abs`,
+  `isfinite`, the `_foreach_` variants, ...) run on this rank's piece; their other operands
+  may be scalars, 0-dim or one-element tensors, tensors of the same layout (another
+  gradient of the same shape and placement, or a result derived from one), or full tensors
+  that broadcast to the gradient's shape (every rank must pass the same: this rank's part
+  is sliced out). Out-of-place results are `Sharded` tensors of the same layout;
+- reductions over the whole tensor (`norm` / `linalg.vector_norm` of any order,
+  `_foreach_norm`, `sum`, `mean`, `max`, `min`, `amax`, `amin`, `all`, `any`,
+  `count_nonzero`) return a `Partial`: this rank's contribution, reduced over the ranks only
+  when its value is used. `torch.stack` of partials stays partial, so the norm of stacked
+  per-parameter norms (what `torch.nn.utils.clip_grad_norm_` and `get_total_norm` compute)
+  costs one small all-reduce for all parameters together. Every rank must use a partial's
+  value in the same order (it is a collective), as with any DTensor reduction;
+- `full_tensor()` gathers the whole averaged gradient on every rank (collective);
+- anything else raises `ShardedGradError`, naming the op.
+
+In one process with nothing to reduce `.grad` is an ordinary tensor (a view of the shard),
+unless the shard keeps another dtype than the parameter (bf16 parameters keep fp32 gradient
+shards): then it is a `ReducedGrad` over one rank, which supports the same operations.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..shard.collectives import all_reduce_, full_tensor
+from ..shard.comm import Comm
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -16,66 +51,531 @@ _METADATA = {
     torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point, torch.Tensor.untyped_storage,
     torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.requires_grad_,
     torch.Tensor.is_leaf.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
-    torch.Tensor.is_complex,
+    torch.Tensor.is_complex, torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.is_contiguous,
+    torch.Tensor.storage_offset, torch.Tensor.get_device, torch.Tensor.is_quantized.__get__,
+    torch.Tensor.is_nested.__get__, torch.Tensor.is_mkldnn.__get__, torch.Tensor.itemsize.__get__,
+    torch.Tensor.nbytes.__get__,
 }  # fmt: skip
+_FACTORIES = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
+              torch.Tensor.new_tensor}  # fmt: skip
+_SELF = {torch.Tensor.detach, torch.Tensor.detach_}  # the same values: the tensor itself
 _CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
           torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda}  # fmt: skip
 
+_ELEMENTWISE_NAMES = (
+    "abs", "neg", "negative", "sign", "sgn", "square", "sqrt", "rsqrt", "exp", "log", "reciprocal",
+    "nan_to_num", "isfinite", "isnan", "isinf", "isposinf", "isneginf", "logical_not", "signbit",
+    "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "pow", "clamp", "clip",
+    "clamp_min", "clamp_max", "maximum", "minimum", "where", "lerp", "addcmul", "addcdiv", "eq", "ne",
+    "gt", "ge", "lt", "le", "logical_and", "logical_or", "masked_fill", "clone",
+)  # fmt: skip
+_INPLACE_NAMES = (
+    "abs_", "neg_", "sign_", "sgn_", "square_", "sqrt_", "nan_to_num_", "add_", "sub_", "mul_", "div_",
+    "true_divide_", "pow_", "clamp_", "clip_", "clamp_min_", "clamp_max_", "lerp_", "addcmul_",
+    "addcdiv_", "masked_fill_", "zero_", "fill_", "copy_",
+)  # fmt: skip
 
-class ReducedGrad(torch.Tensor):
-    """What a parameter's `.grad` holds once its unit's gradients were reduce-scattered: the
-    gradient exists (`p.grad is not None`, as in torch after backward) but lives in the
-    optimizer's shards, so it has the parameter's shape, dtype and device and no values.
 
-    Loss scalers work on it (`torch.amp.GradScaler.unscale_` unscales and checks this
-    rank's piece of the shard; `ShardedGradScaler` agrees on infs over ranks), `zero_()`
-    zeroes the piece, and casts give a placeholder of the new dtype or device (so
-    `model.to(...)` runs; the step then refuses the moved parameter). Anything else that
-    would read values raises and says why; assigning a tensor to `.grad` replaces the
-    gradient."""
+def _funcs(names: Sequence[str]) -> set:
+    found = set()
+    for name in names:
+        for owner in (torch.Tensor, torch):
+            f = getattr(owner, name, None)
+            if f is not None:
+                found.add(f)
+    return found
+
+
+_OPERATORS = ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "div", "rdiv", "pow",
+              "rpow", "neg", "abs", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "invert")  # fmt: skip
+_IOPERATORS = ("iadd", "isub", "imul", "itruediv", "idiv", "ipow")
+_ELEMENTWISE = _funcs(_ELEMENTWISE_NAMES) | _funcs([f"__{n}__" for n in _OPERATORS])
+_INPLACE = _funcs(_INPLACE_NAMES) | _funcs([f"__{n}__" for n in _IOPERATORS])
+_AMAX = {torch.amax, torch.amin, torch.Tensor.amax, torch.Tensor.amin}  # these take a dim; max(dim) does not
+_NORMS = {torch.Tensor.norm, torch.norm, torch.linalg.vector_norm, torch.linalg.norm}
+_REDUCTIONS = {
+    torch.Tensor.sum: "sum", torch.sum: "sum", torch.Tensor.mean: "mean", torch.mean: "mean",
+    torch.Tensor.max: "max", torch.max: "max", torch.Tensor.amax: "max", torch.amax: "max",
+    torch.Tensor.min: "min", torch.min: "min", torch.Tensor.amin: "min", torch.amin: "min",
+    torch.Tensor.all: "all", torch.all: "all", torch.Tensor.any: "any", torch.any: "any",
+    torch.Tensor.count_nonzero: "count_nonzero", torch.count_nonzero: "count_nonzero",
+}  # fmt: skip
+
+
+class ShardedGradError(RuntimeError):
+    """An operation that a sharded gradient (or a value derived from one) cannot run on its
+    shards: the message names the op and says what works instead."""
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__" and hasattr(func, "__self__"):  # a property: Tensor.T, Tensor.real, ...
+        return getattr(func.__self__, "__name__", name)
+    return name
+
+
+def _refuse(func: Any, why: str = "") -> ShardedGradError:
+    return ShardedGradError(
+        f"{_name(func)}() on a gradient that was reduce-scattered into the optimizer's shards{why}: "
+        "after backward, gradients are averaged over ranks and each rank holds one piece of them. "
+        "Supported: element-wise ops (in place or not) with scalars, tensors of the same layout or "
+        "full tensors, whole-tensor reductions (norm, sum, max, all, ...: their values are reduced "
+        "over the ranks when used) and torch.nn.utils.clip_grad_norm_ / clip_grad_value_; "
+        "p.grad.full_tensor() gathers the whole gradient; assign a tensor to .grad to replace it"
+    )
+
+
+def _shell(cls: type, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Any:
+    """A tensor of `cls` with this shape, dtype and device that holds no memory of its own."""
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape)).as_subclass(cls)
+
+
+# --- partial values ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Term:
+    """One value still to be reduced over `comm`: this rank's `local` (0-dim float64), the
+    reduction `op` ("sum", "max" or "min"), and `finish`, which makes the value from the
+    reduced one."""
+
+    local: torch.Tensor
+    op: str
+    comm: Comm
+    finish: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Partial(torch.Tensor):
+    """A value of the whole averaged gradient, of which this rank holds its contribution
+    (DTensor's `Partial`): a reduction of sharded gradients (`p.grad.norm()`,
+    `torch.isfinite(p.grad).all()`), or a `torch.stack` of such values and ordinary ones.
+
+    Using its value in any way (`.item()`, printing, arithmetic, a further norm) reduces it
+    over the ranks first, in one all-reduce per group and reduction kind for every partial
+    value the call takes, and the result is an ordinary tensor, the same on every rank. That
+    is a collective: every rank must use it at the same point. `.to(...)` and `torch.stack`
+    stay partial."""
+
+    _items: list[_Term | torch.Tensor]
+
+    @staticmethod
+    def _of(items: list[_Term | torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+            device: torch.device) -> Partial:  # fmt: skip
+        out = _shell(Partial, shape, dtype, device)
+        out._items = items
+        return out
+
+    def value(self) -> torch.Tensor:
+        """The reduced value (collective; see the class docstring)."""
+        return _resolve([self])[0]
+
+    def __repr__(self) -> str:  # a repr reduces, on every rank alike (as printing any value would)
+        return f"Partial({self.value()!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, types, args, kwargs or {})
+
+
+def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
+    """The values of `partials`: one all-reduce per (group, reduction) for all their terms."""
+    groups: dict[tuple[int, str], list[_Term]] = {}
+    comms: dict[int, Comm] = {}
+    for p in partials:
+        for item in p._items:
+            if isinstance(item, _Term):
+                groups.setdefault((id(item.comm), item.op), []).append(item)
+                comms[id(item.comm)] = item.comm
+    reduced: dict[int, torch.Tensor] = {}
+    for (key, op), terms in groups.items():
+        comm = comms[key]
+        wire = torch.stack([t.local.to(comm.device if comm.active else t.local.device) for t in terms])
+        if op == "min":  # there is no MIN in this library's collectives: the max of the negation
+            wire = wire.neg_()
+        all_reduce_(wire, comm, "sum" if op == "sum" else "max", what="a reduction of sharded gradients")
+        if op == "min":
+            wire = wire.neg_()
+        for k, t in enumerate(terms):
+            reduced[id(t)] = wire[k]
+    values = []
+    for p in partials:
+        items = [item.finish(reduced[id(item)]) if isinstance(item, _Term) else item for item in p._items]
+        items = [v.to(p.dtype).to(p.device) for v in items]
+        values.append(items[0].reshape(p.shape) if p.dim() == 0 else torch.stack(items).reshape(p.shape))
+    return values
+
+
+def _then(item: _Term | torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> _Term | torch.Tensor:
+    if isinstance(item, _Term):
+        return _Term(item.local, item.op, item.comm, lambda r, g=item.finish: f(g(r)))
+    return f(item)
+
+
+def _partial_cast(self: Partial, func, args, kwargs) -> Partial:
+    """`.to(...)`, `.float()`, ... of a partial value: still partial."""
+    probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+    if probe.dtype == self.dtype and probe.device == self.device:
+        return self
+    items = [_then(item, lambda v: v.to(probe.dtype).to(probe.device)) for item in self._items]
+    return Partial._of(items, self.shape, probe.dtype, probe.device)
+
+
+def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Partial | None:
+    """`torch.stack` of 0-dim values some of which are partial, kept partial (else None)."""
+    if dim != 0 or not tensors or any(t.dim() != 0 or type(t) not in (Partial, torch.Tensor)
+                                      for t in tensors):  # fmt: skip
+        return None
+    first = tensors[0]
+    items: list[_Term | torch.Tensor] = []
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device:
+            return None
+        items.extend(t._items if isinstance(t, Partial) else [t])
+    return Partial._of(items, (len(items),), first.dtype, first.device)
+
+
+# --- sharded values -----------------------------------------------------------------------------
+
+
+class Sharded(torch.Tensor):
+    """A tensor of the gradient's layout: this rank holds the flat piece `[lo, hi)` of its
+    row-major elements (`ranges[rank]`), each rank one piece in rank order. What element-wise
+    ops on a sharded gradient return (`p.grad.abs()`, `torch.isfinite(p.grad)`); supports the
+    same operations as `ReducedGrad` (see the module's docstring)."""
+
+    _ranges: tuple[tuple[int, int], ...]
+    _comm: Comm
+    _local_values: torch.Tensor
+
+    @staticmethod
+    def _of(local: torch.Tensor, like: Sharded) -> Sharded:
+        out = _shell(Sharded, like.shape, local.dtype, local.device)
+        out._ranges, out._comm, out._local_values = like._ranges, like._comm, local
+        return out
+
+    def local(self) -> torch.Tensor:
+        """This rank's piece, flat (a view of the shard for a gradient: writing it writes the
+        gradient)."""
+        return self._local_values
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor on every rank, as an ordinary tensor (collective: an all-gather)."""
+        local = self.local()
+        out = torch.empty(self.numel(), dtype=local.dtype, device=local.device)
+        comm = self._comm
+        if not comm.active:
+            out.copy_(local)
+            return out.view(self.shape)
+        from ..shard.spec import RaggedShard
+
+        # the pieces as a RaggedShard of single elements: any split of the flat tensor
+        units = tuple(hi - lo for lo, hi in self._ranges)
+        gathered, _ = full_tensor(local, (self.numel(),), RaggedShard((0,), units), comm)
+        return gathered.view(self.shape)
+
+    def __repr__(self) -> str:
+        what = f"shape={tuple(self.shape)}, dtype={self.dtype}"
+        return f"{type(self).__name__}({what}: in the optimizer's shards)"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, types, args, kwargs or {})
+
+
+class ReducedGrad(Sharded):
+    """What a parameter's `.grad` holds once its unit's gradients were reduce-scattered over a
+    process group: the parameter's shape, dtype and device, with the values in the optimizer's
+    shards (this rank's piece is a view of its gradient shard, so in-place ops change the
+    gradient the step uses). See the module's docstring for what it supports.
+
+    Loss scalers work on it (`torch.amp.GradScaler.unscale_` unscales and checks this rank's
+    piece; `ShardedGradScaler` agrees on infs over ranks), and casts to another dtype or
+    device give a placeholder of the new dtype or device over the same piece (so
+    `model.to(...)` runs; the step then refuses the moved parameter); assigning a tensor to
+    `.grad` replaces the gradient."""
 
     _unit: Unit
     _index: int
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA:
-            return super().__torch_function__(func, types, args, kwargs)
-        if func in _CASTS:
-            self = args[0]
-            probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
-            return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device)
-        if func is torch._has_compatible_shallow_copy_type:
-            return False  # so `model.to(...)` assigns the cast placeholder instead of mutating this one
-        if func is torch.Tensor.zero_:
-            args[0]._piece().zero_()
-            return args[0]
-        if func is torch._amp_foreach_non_finite_check_and_unscale_:
-            grads, found_inf, inv_scale = args
-            for g in grads:
-                piece = g._piece() if isinstance(g, ReducedGrad) else g
-                torch._amp_foreach_non_finite_check_and_unscale_([piece], found_inf, inv_scale)
-            return None
-        name = getattr(func, "__name__", repr(func))
-        raise RuntimeError(
-            f"{name}() on a gradient that was reduce-scattered into the optimizer's shards: after "
-            "backward, gradients are averaged over ranks and sharded, so .grad holds no values. Use "
-            "opt.clip_grad_norm_() to clip; assign a tensor to .grad to replace the gradient"
-        )
-
-    def _piece(self) -> torch.Tensor:
-        """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
+    def local(self) -> torch.Tensor:
         unit = self._unit
         unit.grads.wait()
         start, stop = unit.full.local_range(self._index)
         return unit.grads.shard[start:stop]
 
-    def __repr__(self) -> str:
-        return f"ReducedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: in the optimizer's shards)"
+    def _piece(self) -> torch.Tensor:
+        """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
+        return self.local()
 
     @staticmethod
-    def _of(unit: Unit, i: int, shape, dtype, device) -> ReducedGrad:
-        out = torch.empty((), dtype=dtype, device=device).expand(shape).as_subclass(ReducedGrad)
+    def _of(unit: Unit, i: int, shape, dtype, device) -> ReducedGrad:  # type: ignore[override]
+        out = _shell(ReducedGrad, shape, dtype, device)
         out._unit, out._index = unit, i
+        offset = unit.layout.offsets[i]
+        spans = (unit.layout.rank_range(i, r) for r in range(unit.comm.world_size))
+        out._ranges = tuple((a - offset, b - offset) for a, b in spans)
+        out._comm = unit.comm
         return out
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+
+def _flatten(args: Any) -> list:
+    found: list = []
+
+    def walk(a: Any) -> None:
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+        else:
+            found.append(a)
+
+    walk(args)
+    return found
+
+
+def _map(args: Any, f: Callable[[Any], Any]) -> Any:
+    if isinstance(args, list):
+        return [_map(a, f) for a in args]
+    if isinstance(args, tuple):
+        return tuple(_map(a, f) for a in args)
+    if isinstance(args, dict):
+        return {k: _map(v, f) for k, v in args.items()}
+    return f(args)
+
+
+def _localize(value: Any, like: Sharded, func: Any) -> Any:
+    """`value` as an operand of an element-wise op on `like`'s piece."""
+    if isinstance(value, Partial):
+        return value.value()
+    if isinstance(value, Sharded):
+        if tuple(value.shape) != tuple(like.shape) or value._ranges != like._ranges:
+            raise _refuse(func, f" with a sharded operand of another layout (shape {tuple(value.shape)})")
+        return value.local()
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.dim() <= like.dim():
+            return value.reshape(())
+        lo, hi = like._ranges[like._comm.rank]
+        try:
+            full = value.expand(like.shape)
+        except RuntimeError:
+            raise _refuse(func, f" with a tensor of shape {tuple(value.shape)}, which does not broadcast "
+                                f"to the gradient's {tuple(like.shape)}") from None  # fmt: skip
+        return full.reshape(-1)[lo:hi]
+    return value
+
+
+def _anchor(values: Sequence[Any]) -> Sharded | None:
+    return next((v for v in values if isinstance(v, Sharded)), None)
+
+
+def _elementwise(func, args, kwargs, inplace: bool):
+    like = _anchor(_flatten((args, kwargs)))
+    local_args = _map(args, lambda a: _localize(a, like, func))
+    local_kwargs = _map(kwargs, lambda a: _localize(a, like, func))
+    if inplace and not isinstance(args[0], Sharded):
+        raise _refuse(func, " into an ordinary tensor (read the gradient with full_tensor() first)")
+    out = func(*local_args, **local_kwargs)
+    if inplace:
+        return args[0]
+    if isinstance(out, torch.Tensor):
+        lo, hi = like._ranges[like._comm.rank]
+        if out.numel() != hi - lo:
+            raise _refuse(func)
+        return Sharded._of(out.reshape(-1), like)
+    return out
+
+
+def _foreach(func, args, kwargs):
+    """A `torch._foreach_*` call over lists that hold sharded tensors: on the pieces (the
+    ordinary tensors of a list as they are)."""
+    name = _name(func)
+    first = next(a for a in args if isinstance(a, (list, tuple)))
+    if name == "_foreach_norm":
+        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        dtype = kwargs.get("dtype")
+        plain = torch.linalg.vector_norm
+        return [_norm(t, ord_, dtype) if isinstance(t, Sharded) else plain(t, ord_, dtype=dtype)
+                for t in first]  # fmt: skip
+
+    def operand(x: Any, k: int) -> Any:
+        like = first[k]
+        if isinstance(like, Sharded):
+            return _localize(x, like, func)
+        return x.value() if isinstance(x, Partial) else x
+
+    def whole(a: Any) -> Any:
+        return a.value() if isinstance(a, Partial) else a
+
+    mapped = [[operand(x, k) for k, x in enumerate(a)] if isinstance(a, (list, tuple)) else whole(a)
+              for a in args]  # fmt: skip
+    if name.endswith("_"):
+        func(*mapped, **kwargs)
+        return None
+    outs = func(*mapped, **kwargs)
+    return [Sharded._of(o.reshape(-1), t) if isinstance(t, Sharded) else o for o, t in zip(outs, first)]
+
+
+def _float_dtype(x: torch.Tensor) -> torch.dtype | None:
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _norm(self: Sharded, ord_: Any = 2, dtype: torch.dtype | None = None) -> Partial:
+    """The vector norm of order `ord_` of the whole tensor, partial."""
+    if ord_ is None or ord_ == "fro":
+        ord_ = 2.0
+    if isinstance(ord_, str):
+        raise _refuse(torch.linalg.norm, f" of order {ord_!r}")
+    p = float(ord_)
+    x = self.local()
+    out_dtype = dtype or self.dtype
+    acc = dtype or _float_dtype(x)
+    if math.isinf(p):
+        op = "max" if p > 0 else "min"
+        if x.numel() == 0:  # this rank holds none of it: the reduction's identity
+            local = torch.full((), 0.0 if p > 0 else math.inf, dtype=torch.float64, device=x.device)
+        else:
+            local = x.abs().amax() if p > 0 else x.abs().amin()
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    elif p == 0:
+        op, local = "sum", torch.count_nonzero(x).to(torch.float64)
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    else:
+        op = "sum"
+        local = (torch.linalg.vector_norm(x, p, dtype=acc).to(torch.float64) ** p if x.numel()
+                 else torch.zeros((), dtype=torch.float64, device=x.device))  # fmt: skip
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.pow(1.0 / p).to(out_dtype)
+
+    return Partial._of([_Term(local.to(torch.float64).reshape(()), op, self._comm, finish)], (), out_dtype,
+                       self.device)  # fmt: skip
+
+
+def _reduction(self: Sharded, kind: str, func, args, kwargs) -> Partial:
+    """A whole-tensor reduction (`sum`, `max`, `all`, ...) of a sharded tensor, partial."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
+    keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        if sorted(d % max(self.dim(), 1) for d in dims) != list(range(self.dim())):
+            raise _refuse(func, f" over dim={dim} (only reductions over the whole tensor)")
+        if kind in ("max", "min") and func not in _AMAX:
+            raise _refuse(func, f" over dim={dim} (only reductions over the whole tensor)")
+    x = self.local()
+    shape = (1,) * self.dim() if keepdim else ()
+    empty = x.numel() == 0
+    f64 = torch.float64
+    if kind in ("sum", "mean"):
+        out_dtype = dtype or (self.dtype if self.dtype.is_floating_point else torch.int64)
+        local, op = (x.sum(dtype=f64) if not empty else torch.zeros((), dtype=f64, device=x.device)), "sum"
+        n = self.numel()
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return (r / n if kind == "mean" else r).to(out_dtype)
+    elif kind in ("max", "min"):
+        out_dtype = self.dtype
+        fill = -math.inf if kind == "max" else math.inf
+        local = (x.amax() if kind == "max" else x.amin()).to(f64) if not empty else torch.full(
+            (), fill, dtype=f64, device=x.device)  # fmt: skip
+        op = kind
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    elif kind in ("all", "any"):
+        out_dtype = torch.bool
+        local = (x.all() if kind == "all" else x.any()).to(f64) if not empty else torch.full(
+            (), 1.0 if kind == "all" else 0.0, dtype=f64, device=x.device)  # fmt: skip
+        op = "min" if kind == "all" else "max"
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r != 0
+    else:  # count_nonzero
+        out_dtype = torch.int64
+        local, op = torch.count_nonzero(x).to(f64), "sum"
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+
+    return Partial._of([_Term(local.reshape(()), op, self._comm, finish)], shape, out_dtype, self.device)
+
+
+def _norm_call(func, args, kwargs) -> Partial:
+    self = args[0]
+    rest = list(args[1:])
+    if func is torch.linalg.vector_norm:
+        ord_ = kwargs.get("ord", rest[0] if rest else 2)
+    elif func is torch.linalg.norm:
+        ord_ = kwargs.get("ord", rest[0] if rest else None)
+        matrix_dim = kwargs.get("dim", rest[1] if len(rest) > 1 else None)
+        if ord_ is not None and self.dim() == 2 and matrix_dim is None:
+            raise _refuse(func, f" of order {ord_!r} (a matrix norm; vector norms work)")
+    else:  # Tensor.norm / torch.norm: p
+        ord_ = kwargs.get("p", rest[0] if rest else "fro")
+    dim = kwargs.get("dim", rest[1] if len(rest) > 1 else None)
+    keepdim = kwargs.get("keepdim", rest[2] if len(rest) > 2 else False)
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        if sorted(d % max(self.dim(), 1) for d in dims) != list(range(self.dim())):
+            raise _refuse(func, f" over dim={dim} (only norms of the whole tensor)")
+    out = _norm(self, ord_, kwargs.get("dtype"))
+    if keepdim:
+        out = Partial._of(out._items, (1,) * self.dim(), out.dtype, out.device)
+    return out
+
+
+def _dispatch(func, types, args: tuple, kwargs: dict):
+    """`__torch_function__` of sharded and partial tensors (see the module's docstring)."""
+    if func in _METADATA:
+        return torch.Tensor.__torch_function__(func, (), args, kwargs)
+    if func in _SELF:
+        return args[0]
+    self = args[0] if args else None
+    if func in _CASTS and isinstance(self, ReducedGrad):
+        probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+        if probe.dtype == self.dtype and probe.device == self.device:
+            return self
+        return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device)
+    if func in _CASTS and isinstance(self, Sharded):
+        return Sharded._of(func(self.local(), *args[1:], **kwargs), self)
+    if func in _CASTS and isinstance(self, Partial):
+        return _partial_cast(self, func, args, kwargs)
+    if func in _FACTORIES and isinstance(self, (Sharded, Partial)):  # new tensors of this dtype and device
+        return func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+    if func is torch._has_compatible_shallow_copy_type:
+        return False  # so `model.to(...)` assigns the cast placeholder instead of mutating this one
+    flat = _flatten((args, kwargs))
+    sharded = [v for v in flat if isinstance(v, Sharded)]
+    if not sharded:  # partial values, perhaps with ordinary tensors
+        if func is torch.stack:
+            stacked = _stack(*args, **kwargs)
+            if stacked is not None:
+                return stacked
+        partials = [v for v in flat if isinstance(v, Partial)]
+        values = dict(zip(map(id, partials), _resolve(partials)))
+        plain = lambda a: values[id(a)] if isinstance(a, Partial) else a  # noqa: E731
+        return func(*_map(args, plain), **_map(kwargs, plain))
+    name = _name(func)
+    if name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_":
+        return _foreach(func, args, kwargs)
+    if func in _NORMS and isinstance(self, Sharded):
+        return _norm_call(func, args, kwargs)
+    if func in _REDUCTIONS and isinstance(self, Sharded):
+        return _reduction(self, _REDUCTIONS[func], func, args, kwargs)
+    if func is torch.Tensor.zero_ and isinstance(self, Sharded):
+        self.local().zero_()
+        return self
+    if func in _INPLACE:
+        return _elementwise(func, args, kwargs, inplace=True)
+    if func in _ELEMENTWISE:
+        return _elementwise(func, args, kwargs, inplace=False)
+    raise _refuse(func)

@@ -185,9 +185,14 @@ class Schedule:
         before it in the fixed order that is also complete (never out of order)."""
         rec = self._rec(unit)
         rec.complete, rec.in_backward = True, False
-        if not self._order_settled:  # learning the order: reduce at the end of backward
+        if not self._order_settled:  # learning the order: reduce once all are complete, in index order
             if unit not in self._completed:
                 self._completed.append(unit)
+            waiting = [u for u in self._static if u.index not in self._reduced
+                       and not (self._rec(u).module is not None and not self._rec(u).ran)]  # fmt: skip
+            if all(self._rec(u).complete or not self._rec(u).trainable for u in waiting):
+                for u in waiting:  # so the first backward leaves averaged gradients, as every later one
+                    self._reduce(u)
             return
         for u in self._static:
             r = self._rec(u)
