@@ -16,7 +16,7 @@ import pytest
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """One line per test: its outcome once known (a failed set-up or teardown counts as failed)."""
     path = os.environ.get("GPU_CHECK_TESTS_LOG")
-    if not path:
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller writes the workers' results
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = "skipped" if report.skipped else "passed" if report.passed else "failed"

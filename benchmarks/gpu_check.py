@@ -186,7 +186,7 @@ def stage_tests(r: Result, *, out: Path, mode: str) -> None:
     results = [json.loads(line) for line in live.read_text().splitlines()] if live.exists() else []
     counts = {k: sum(x["outcome"] == k for x in results) for k in ("passed", "failed", "skipped")}
     failed = [x["nodeid"] for x in results if x["outcome"] == "failed"]
-    r.measure(**counts, failed=failed[:50], exit_code=rc, timed_out=timed_out, compiled=mode == "gpu",
+    r.measure(**counts, failed_tests=failed[:50], exit_code=rc, timed_out=timed_out, compiled=mode == "gpu",
               workers=workers[1] if workers else 1)  # fmt: skip
     r.check(
         "tests",
