@@ -114,15 +114,36 @@ def _signature(param_groups: list[dict]) -> list[tuple]:
     return sig
 
 
-def check_same_on_every_rank(param_groups: list[dict], comm: Comm, problem: str | None = None) -> None:
+def _structure_mismatch(rank: int, theirs: list | None, first: list | None) -> str:
+    """How rank `rank`'s units differ from rank 0's, in words."""
+    theirs, first = theirs or [], first or []
+    if len(theirs) != len(first):
+        return (f"rank {rank} split the parameters into {len(theirs)} units, rank 0 into {len(first)}: "
+                "shard_modules must list the same modules, in the same order, on every rank")  # fmt: skip
+    for k, (a, b) in enumerate(zip(first, theirs)):
+        if a != b:
+            return (f"unit {k} differs between rank 0 ({a[0]}, parameters {a[1]}) and rank {rank} ({b[0]}, "
+                    f"parameters {b[1]}): shard_modules must list the same modules, in the same order, "
+                    "on every rank")  # fmt: skip
+    return f"rank {rank}'s units differ from rank 0's"
+
+
+def check_same_on_every_rank(
+    param_groups: list[dict], comm: Comm, problem: str | None = None, structure: list | None = None
+) -> None:
     """Raise on every rank, before any collective whose sizes depend on the parameters (so
-    nobody hangs or reads past a buffer), if ranks passed different params, or if one rank
-    found a `problem` with its own (a parameter on the wrong device, say)."""
-    answers = all_gather_object((_signature(param_groups), problem), comm)
-    for rank, (_, theirs) in enumerate(answers):
+    nobody hangs or reads past a buffer), if ranks passed different params or split them into
+    different units (`structure`: per unit, its module's class and parameter indices; from
+    different `shard_modules`), or if one rank found a `problem` with its own (a parameter on
+    the wrong device, say)."""
+    answers = all_gather_object((_signature(param_groups), problem, structure), comm)
+    for rank, (_, theirs, _) in enumerate(answers):
         if theirs is not None:
             raise ValueError(problem if problem is not None else f"rank {rank}: {theirs}")
-    sigs = [sig for sig, _ in answers]
+    for rank, (_, _, units) in enumerate(answers):
+        if units != answers[0][2]:
+            raise ValueError(_structure_mismatch(rank, units, answers[0][2]))
+    sigs = [sig for sig, _, _ in answers]
     for rank, sig in enumerate(sigs):
         if sig == sigs[0]:
             continue

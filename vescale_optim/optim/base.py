@@ -71,8 +71,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 local = local or (f"parameter {self._labels[id(p)]} is float64, but state_bits={bits} "
                                   "would keep its state below fp32; use state_bits=32")  # fmt: skip
 
-        def agree(world, problem: str | None) -> None:
-            check_same_on_every_rank(self.param_groups, world, local or problem)
+        def agree(world, problem: str | None, structure: list) -> None:
+            check_same_on_every_rank(self.param_groups, world, local or problem, structure)
 
         runtime = Runtime(self.param_groups, sharding, self._declare, self._labels, self._step_problem, agree)
         self.runtime = runtime

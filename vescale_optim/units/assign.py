@@ -39,8 +39,9 @@ def assign_units(
 
     A parameter belongs to the innermost listed module that holds it; one held by listed
     modules that do not nest (a tied embedding and head) belongs to their closest common
-    listed ancestor. A parameter outside every listed module, or a tie with no common
-    listed ancestor, is a `ValueError` naming it.
+    listed ancestor. A parameter outside every listed module, a tie with no common listed
+    ancestor, or a listed module that holds none of `params` (a module of another model, or
+    one whose parameters the optimizer was not given), is a `ValueError` naming it.
     """
     listed = list(dict.fromkeys(shard_modules))  # drop repeats, keep order
     if not listed:
@@ -80,4 +81,12 @@ def assign_units(
                 "list a module that contains all its uses (e.g. the model)"
             )
         unit_of.append(owner)
+    given = {id(p) for p in params}
+    for top in listed:
+        if not any(id(p) in given for p in top.parameters()):
+            k = list(shard_modules).index(top)
+            raise ValueError(
+                f"shard_modules[{k}] ({type(top).__name__}) holds none of the optimizer's parameters; "
+                "list only modules of the model whose parameters the optimizer is given"
+            )
     return unit_of, listed, {i: names[id(p)] for i, p in enumerate(params)}

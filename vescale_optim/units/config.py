@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from .qcomm import check_bits
 
@@ -76,6 +78,16 @@ class ShardingConfig:
             if bad:
                 raise TypeError(f"shard_modules must hold nn.Module objects; got {bad[0]}")
             object.__setattr__(self, "shard_modules", modules)
+        if self.mesh is not None and not isinstance(self.mesh, DeviceMesh):
+            raise TypeError(
+                f"mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. init_device_mesh('cuda', "
+                f"(8,)), or world['dp'] of a larger mesh); got {type(self.mesh).__name__} {self.mesh!r}"
+            )
+        if self.process_group is not None and not isinstance(self.process_group, ProcessGroup):
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup (e.g. dist.new_group(ranks)); "
+                f"got {type(self.process_group).__name__} {self.process_group!r}"
+            )
         for name in ("reshard_after_forward", "backward_prefetch", "sync_params", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False; got {getattr(self, name)!r}")

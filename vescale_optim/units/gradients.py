@@ -13,7 +13,7 @@ instead of hanging.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,6 +21,8 @@ from ..shard.collectives import Comm, any_rank, any_rank_flag
 from .schedule import Schedule
 from .segment import FROZEN, Segment
 from .unit import Unit
+
+DIGEST_BITS = 32  # of the hyperparameters' hash, checked at every step
 
 
 class GradTracker:
@@ -71,15 +73,22 @@ class GradTracker:
         return None
 
     @torch.no_grad()
-    def agree(self, problem: str | None) -> list[Unit]:
-        """One all-reduce over every rank's marks, unreduced units and a problem flag (this
-        rank's, or `problem`, the optimizer's): a parameter steps iff some rank has a
-        gradient for it. Sets each segment's active parameters and returns the units that
-        some rank still has unreduced gradients for (every rank reduces those, in order)."""
+    def agree(self, problem: str | None, digest: int = 0,
+              explain: Callable[[], str] | None = None) -> list[Unit]:  # fmt: skip
+        """One all-reduce over every rank's marks, unreduced units, a problem flag (this
+        rank's, or `problem`, the optimizer's) and the bits of `digest` (a 32-bit hash of what
+        must be equal on every rank: the hyperparameters): a parameter steps iff some rank has
+        a gradient for it. Sets each segment's active parameters and returns the units that
+        some rank still has unreduced gradients for (every rank reduces those, in order).
+
+        The digest travels as its bits and their complements under a bitwise or: the ranks
+        agree iff no bit comes back set in both, which every rank sees alike, so all raise
+        together (with `explain()`'s words, a collective on that error path only)."""
         problem = self.problem() or problem
         marks = [m for seg in self.segments for m in seg.marked]
         unreduced = [u.grads.has_full for u in self.units]
-        flags = [*marks, *unreduced, problem is not None]
+        bits = [bool(digest >> i & 1) for i in range(DIGEST_BITS)]
+        flags = [*marks, *unreduced, *bits, *(not b for b in bits), problem is not None]
         what = "the step's agreement on which parameters step"
         agreed = any_rank(flags, self.world, self.device, what=what)
         if problem is not None:
@@ -88,6 +97,9 @@ class GradTracker:
             raise RuntimeError(
                 "step refused: another rank found a problem with its parameters (see that rank's error)"
             )
+        ones, zeros = agreed[-1 - 2 * DIGEST_BITS : -1 - DIGEST_BITS], agreed[-1 - DIGEST_BITS : -1]
+        if any(a and b for a, b in zip(ones, zeros)):
+            raise RuntimeError(explain() if explain is not None else "ranks disagree on the hyperparameters")
         pos = 0
         for seg in self.segments:
             seg.set_active(agreed[pos : pos + len(seg.params)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from .assign import assign_units, outermost
 from .config import ShardingConfig
 from .gradients import GradTracker
 from .grads import ring
+from .hyper import hyper_digest, hyper_mismatch
 from .materialize import materialize, needs_materializing
 from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
@@ -71,14 +73,45 @@ def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str])
     return None
 
 
+# id(parameter) -> (the parameter, the runtime whose sharded unit holds it), both weakly
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _owned_elsewhere(params: Sequence[torch.Tensor], labels: dict[int, str]) -> str | None:
+    """A parameter that a live runtime (another optimizer) keeps in a sharded unit, named."""
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        if entry is not None and entry[0]() is p and entry[1]() is not None:
+            return (
+                f"parameter {labels[id(p)]} is already sharded by another vescale_optim optimizer "
+                "(shard_modules): its unit holds the parameter's values and its hooks stay on the model, "
+                "so a second one would shard a stand-in; give each parameter to one optimizer (param "
+                "groups may differ in lr, weight_decay, use_muon, ...; edit opt.param_groups to change "
+                "them), and to start over build the model anew and load a checkpoint into it"
+            )
+    return None
+
+
+def _claim(params: Sequence[torch.Tensor], runtime: Runtime) -> None:
+    owner = weakref.ref(runtime)
+    for p in params:
+        key = id(p)
+        _OWNERS[key] = (weakref.ref(p, lambda _, key=key: _OWNERS.pop(key, None)), owner)
+
+
 class Runtime:
     """The units of `param_groups` under `config`; `declare(p, group_index)` is the
     optimizer's `Declaration` of each parameter, `labels` names each parameter (by id) in
     errors, and `check()` returns the optimizer's reason not to step, if any (checked
-    before the gradients are reduced, on every rank together). `agree(world, problem)`
-    runs once the groups are known and before any collective: the ranks agree that they
-    hold the same parameters and that none found a `problem` (this rank's, or None), and
-    raise together otherwise."""
+    before the gradients are reduced, on every rank together). `agree(world, problem,
+    structure)` runs once the groups are known and before any collective: the ranks agree
+    that they hold the same parameters in the same units (`structure`: each unit's module
+    and parameter indices) and that none found a `problem` (this rank's, or None: a
+    parameter on the wrong device, one that another live optimizer already shards, a
+    `shard_modules` entry that holds none of them), and raise together otherwise.
+
+    A parameter of a sharded unit belongs to one runtime: between uses its `.data` is a
+    stand-in, so a second optimizer over it would shard that instead of its values."""
 
     def __init__(
         self,
@@ -87,21 +120,25 @@ class Runtime:
         declare: Callable[[torch.Tensor, int], Declaration],
         labels: dict[int, str],
         check: Callable[[], str | None] = lambda: None,
-        agree: Callable[[object, str | None], None] | None = None,
+        agree: Callable[[object, str | None, list], None] | None = None,
     ):
-        self.config, self.labels, self._check = config, labels, check
+        self.config, self.labels, self._check, self._groups = config, labels, check, param_groups
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology = groups.topology
         params = [p for g in param_groups for p in g["params"]]
-        problem = device_problem(params, self.comm, labels)
+        problem = device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
+        try:
+            members, modules, names = self._plan(params)
+        except ValueError as e:  # raised on every rank, once they have agreed
+            problem, members, modules, names = problem or str(e), [], [], {}
+        structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
         if agree is not None:
-            agree(self.world, problem)
+            agree(self.world, problem, structure)
         elif problem is not None:
             raise ValueError(problem)
         group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
         index = {id(p): i for i, p in enumerate(params)}
-        members, modules, names = self._plan(params)
         self.units: list[Unit] = []
         self.segments: list[Segment] = []
         for k, (idx, module) in enumerate(zip(members, modules)):
@@ -135,6 +172,7 @@ class Runtime:
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.world, labels)
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
+        _claim([p for u in self.units if u.sharded for p in u.params], self)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.tracker.mark(p)
@@ -195,7 +233,8 @@ class Runtime:
         with record_function("vescale_optim.sync_grads"):
             self.schedule.finish()
             self.tracker.reattach()
-            pending = self.tracker.agree(self._check())
+            pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
+                                         lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
             for u in pending:
                 u.grads.reduce(async_op=True)
             for u in pending:
