@@ -160,3 +160,21 @@ def test_scale(tmp_path, capsys):
     assert "| model" in capsys.readouterr().out
     saved = json.loads((tmp_path / "scale_quick.json").read_text())
     assert saved["rows"] == rows and saved["cost"]["flops"] == 989e12
+
+
+@pytest.mark.timeout(120)
+def test_grad_clip(tmp_path):
+    from benchmarks import grad_clip
+
+    with results_in(tmp_path):
+        out = grad_clip.main(["--quick", "--world-size", "2"])
+    counts = {(r["sharding"], r["method"]): r["collectives"] for r in out["rows"]}
+    for mode in ("ZeRO-2", "ZeRO-3"):
+        # torch's clip: one all-reduce for all parameters, not one per parameter
+        for method in ("foreach=None", "foreach=True", "norm_type=inf"):
+            assert counts[(mode, f"torch clip_grad_norm_ ({method})")] == 1
+        assert counts[(mode, "torch clip_grad_value_")] == 0
+        assert counts[(mode, "opt.clip_grad_norm_")] == 2  # the step's agreement, then the norm
+        assert counts[(mode, "float(p.grad.norm()) per parameter")] == out["rows"][0]["parameters"]
+    _finite(out["rows"], ["median ms"])
+    _host(out, threads=2)

@@ -18,7 +18,7 @@ from torch import nn
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import traced
-from vescale_optim.units.reduced_grad import Partial, ShardedGradError
+from vescale_optim.units import Partial, ShardedGradError
 
 INF = math.inf
 NORMS = (2.0, 1.0, 3.0, INF, 0.0)

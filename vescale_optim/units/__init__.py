@@ -2,9 +2,20 @@
 runtime object an optimizer holds."""
 
 from .config import ShardingConfig
-from .reduced_grad import ReducedGrad
+from .reduced_grad import Partial, ReducedGrad, Sharded, ShardedGradError
 from .runtime import Declaration, Runtime
 from .segment import Segment
 from .unit import State, Unit
 
-__all__ = ["Declaration", "ReducedGrad", "Runtime", "Segment", "ShardingConfig", "State", "Unit"]
+__all__ = [
+    "Declaration",
+    "Partial",
+    "ReducedGrad",
+    "Runtime",
+    "Segment",
+    "Sharded",
+    "ShardedGradError",
+    "ShardingConfig",
+    "State",
+    "Unit",
+]

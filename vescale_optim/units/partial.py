@@ -1,0 +1,267 @@
+"""Partial values of sharded gradients (DTensor's `Partial`): whole-tensor reductions of a
+rank's pieces, reduced over the ranks only when the value is used, all of a call's partial
+values together (one all-reduce per group and reduction kind). See `reduced_grad`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..shard.collectives import all_reduce_
+from ..shard.comm import Comm
+
+if TYPE_CHECKING:
+    from .reduced_grad import Sharded
+
+_AMAX = {torch.amax, torch.amin, torch.Tensor.amax, torch.Tensor.amin}  # these take a dim; max(dim) does not
+
+
+class ShardedGradError(RuntimeError):
+    """An operation that a sharded gradient (or a value derived from one) cannot run on its
+    shards: the message names the op and says what works instead."""
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__" and hasattr(func, "__self__"):  # a property: Tensor.T, Tensor.real, ...
+        return getattr(func.__self__, "__name__", name)
+    return name
+
+
+def _refuse(func: Any, why: str = "") -> ShardedGradError:
+    return ShardedGradError(
+        f"{_name(func)}() on a gradient that was reduce-scattered into the optimizer's shards{why}: "
+        "after backward, gradients are averaged over ranks and each rank holds one piece of them. "
+        "Supported: element-wise ops (in place or not) with scalars, tensors of the same layout or "
+        "full tensors, whole-tensor reductions (norm, sum, max, all, ...: their values are reduced "
+        "over the ranks when used) and torch.nn.utils.clip_grad_norm_ / clip_grad_value_; "
+        "p.grad.full_tensor() gathers the whole gradient; assign a tensor to .grad to replace it"
+    )
+
+
+def _shell(cls: type, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Any:
+    """A tensor of `cls` with this shape, dtype and device that holds no memory of its own."""
+    return torch.empty((), dtype=dtype, device=device).expand(tuple(shape)).as_subclass(cls)
+
+
+# --- partial values ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Term:
+    """One value still to be reduced over `comm`: this rank's `local` (0-dim float64), the
+    reduction `op` ("sum", "max" or "min"), and `finish`, which makes the value from the
+    reduced one."""
+
+    local: torch.Tensor
+    op: str
+    comm: Comm
+    finish: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Partial(torch.Tensor):
+    """A value of the whole averaged gradient, of which this rank holds its contribution
+    (DTensor's `Partial`): a reduction of sharded gradients (`p.grad.norm()`,
+    `torch.isfinite(p.grad).all()`), or a `torch.stack` of such values and ordinary ones.
+
+    Using its value in any way (`.item()`, printing, arithmetic, a further norm) reduces it
+    over the ranks first, in one all-reduce per group and reduction kind for every partial
+    value the call takes, and the result is an ordinary tensor, the same on every rank. That
+    is a collective: every rank must use it at the same point. `.to(...)` and `torch.stack`
+    stay partial."""
+
+    _items: list[_Term | torch.Tensor]
+
+    @staticmethod
+    def _of(items: list[_Term | torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+            device: torch.device) -> Partial:  # fmt: skip
+        out = _shell(Partial, shape, dtype, device)
+        out._items = items
+        return out
+
+    def value(self) -> torch.Tensor:
+        """The reduced value (collective; see the class docstring)."""
+        return _resolve([self])[0]
+
+    def __repr__(self) -> str:  # a repr reduces, on every rank alike (as printing any value would)
+        return f"Partial({self.value()!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .reduced_grad import _dispatch  # the one dispatch of sharded and partial tensors
+
+        return _dispatch(func, types, args, kwargs or {})
+
+
+def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
+    """The values of `partials`: one all-reduce per (group, reduction) for all their terms."""
+    groups: dict[tuple[int, str], list[_Term]] = {}
+    comms: dict[int, Comm] = {}
+    for p in partials:
+        for item in p._items:
+            if isinstance(item, _Term):
+                groups.setdefault((id(item.comm), item.op), []).append(item)
+                comms[id(item.comm)] = item.comm
+    reduced: dict[int, torch.Tensor] = {}
+    for (key, op), terms in groups.items():
+        comm = comms[key]
+        wire = torch.stack([t.local.to(comm.device if comm.active else t.local.device) for t in terms])
+        if op == "min":  # there is no MIN in this library's collectives: the max of the negation
+            wire = wire.neg_()
+        all_reduce_(wire, comm, "sum" if op == "sum" else "max", what="a reduction of sharded gradients")
+        if op == "min":
+            wire = wire.neg_()
+        for k, t in enumerate(terms):
+            reduced[id(t)] = wire[k]
+    values = []
+    for p in partials:
+        items = [item.finish(reduced[id(item)]) if isinstance(item, _Term) else item for item in p._items]
+        items = [v.to(p.dtype).to(p.device) for v in items]
+        values.append(items[0].reshape(p.shape) if p.dim() == 0 else torch.stack(items).reshape(p.shape))
+    return values
+
+
+def _then(item: _Term | torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> _Term | torch.Tensor:
+    if isinstance(item, _Term):
+        return _Term(item.local, item.op, item.comm, lambda r, g=item.finish: f(g(r)))
+    return f(item)
+
+
+def _partial_cast(self: Partial, func, args, kwargs) -> Partial:
+    """`.to(...)`, `.float()`, ... of a partial value: still partial."""
+    probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
+    if probe.dtype == self.dtype and probe.device == self.device:
+        return self
+    items = [_then(item, lambda v: v.to(probe.dtype).to(probe.device)) for item in self._items]
+    return Partial._of(items, self.shape, probe.dtype, probe.device)
+
+
+def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Partial | None:
+    """`torch.stack` of 0-dim values some of which are partial, kept partial (else None)."""
+    if dim != 0 or not tensors or any(t.dim() != 0 or type(t) not in (Partial, torch.Tensor)
+                                      for t in tensors):  # fmt: skip
+        return None
+    first = tensors[0]
+    items: list[_Term | torch.Tensor] = []
+    for t in tensors:
+        if t.dtype != first.dtype or t.device != first.device:
+            return None
+        items.extend(t._items if isinstance(t, Partial) else [t])
+    return Partial._of(items, (len(items),), first.dtype, first.device)
+
+
+def _float_dtype(x: torch.Tensor) -> torch.dtype | None:
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _norm(self: Sharded, ord_: Any = 2, dtype: torch.dtype | None = None) -> Partial:
+    """The vector norm of order `ord_` of the whole tensor, partial."""
+    if ord_ is None or ord_ == "fro":
+        ord_ = 2.0
+    if isinstance(ord_, str):
+        raise _refuse(torch.linalg.norm, f" of order {ord_!r}")
+    p = float(ord_)
+    x = self.local()
+    out_dtype = dtype or self.dtype
+    acc = dtype or _float_dtype(x)
+    if math.isinf(p):
+        op = "max" if p > 0 else "min"
+        if x.numel() == 0:  # this rank holds none of it: the reduction's identity
+            local = torch.full((), 0.0 if p > 0 else math.inf, dtype=torch.float64, device=x.device)
+        else:
+            local = x.abs().amax() if p > 0 else x.abs().amin()
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    elif p == 0:
+        op, local = "sum", torch.count_nonzero(x).to(torch.float64)
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    else:
+        op = "sum"
+        local = (torch.linalg.vector_norm(x, p, dtype=acc).to(torch.float64) ** p if x.numel()
+                 else torch.zeros((), dtype=torch.float64, device=x.device))  # fmt: skip
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.pow(1.0 / p).to(out_dtype)
+
+    return Partial._of([_Term(local.to(torch.float64).reshape(()), op, self._comm, finish)], (), out_dtype,
+                       self.device)  # fmt: skip
+
+
+def _reduction(self: Sharded, kind: str, func, args, kwargs) -> Partial:
+    """A whole-tensor reduction (`sum`, `max`, `all`, ...) of a sharded tensor, partial."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
+    keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
+    dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        if sorted(d % max(self.dim(), 1) for d in dims) != list(range(self.dim())):
+            raise _refuse(func, f" over dim={dim} (only reductions over the whole tensor)")
+        if kind in ("max", "min") and func not in _AMAX:
+            raise _refuse(func, f" over dim={dim} (only reductions over the whole tensor)")
+    x = self.local()
+    shape = (1,) * self.dim() if keepdim else ()
+    empty = x.numel() == 0
+    f64 = torch.float64
+    if kind in ("sum", "mean"):
+        out_dtype = dtype or (self.dtype if self.dtype.is_floating_point else torch.int64)
+        local, op = (x.sum(dtype=f64) if not empty else torch.zeros((), dtype=f64, device=x.device)), "sum"
+        n = self.numel()
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return (r / n if kind == "mean" else r).to(out_dtype)
+    elif kind in ("max", "min"):
+        out_dtype = self.dtype
+        fill = -math.inf if kind == "max" else math.inf
+        local = (x.amax() if kind == "max" else x.amin()).to(f64) if not empty else torch.full(
+            (), fill, dtype=f64, device=x.device)  # fmt: skip
+        op = kind
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+    elif kind in ("all", "any"):
+        out_dtype = torch.bool
+        local = (x.all() if kind == "all" else x.any()).to(f64) if not empty else torch.full(
+            (), 1.0 if kind == "all" else 0.0, dtype=f64, device=x.device)  # fmt: skip
+        op = "min" if kind == "all" else "max"
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r != 0
+    else:  # count_nonzero
+        out_dtype = torch.int64
+        local, op = torch.count_nonzero(x).to(f64), "sum"
+
+        def finish(r: torch.Tensor) -> torch.Tensor:
+            return r.to(out_dtype)
+
+    return Partial._of([_Term(local.reshape(()), op, self._comm, finish)], shape, out_dtype, self.device)
+
+
+def _norm_call(func, args, kwargs) -> Partial:
+    self = args[0]
+    rest = list(args[1:])
+    if func is torch.linalg.vector_norm:
+        ord_ = kwargs.get("ord", rest[0] if rest else 2)
+    elif func is torch.linalg.norm:
+        ord_ = kwargs.get("ord", rest[0] if rest else None)
+        matrix_dim = kwargs.get("dim", rest[1] if len(rest) > 1 else None)
+        if ord_ is not None and self.dim() == 2 and matrix_dim is None:
+            raise _refuse(func, f" of order {ord_!r} (a matrix norm; vector norms work)")
+    else:  # Tensor.norm / torch.norm: p
+        ord_ = kwargs.get("p", rest[0] if rest else "fro")
+    dim = kwargs.get("dim", rest[1] if len(rest) > 1 else None)
+    keepdim = kwargs.get("keepdim", rest[2] if len(rest) > 2 else False)
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        if sorted(d % max(self.dim(), 1) for d in dims) != list(range(self.dim())):
+            raise _refuse(func, f" over dim={dim} (only norms of the whole tensor)")
+    out = _norm(self, ord_, kwargs.get("dtype"))
+    if keepdim:
+        out = Partial._of(out._items, (1,) * self.dim(), out.dtype, out.device)
+    return out
