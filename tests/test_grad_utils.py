@@ -119,6 +119,14 @@ CASES = {
 def _make(mode: str, model: nn.Module):
     if mode == "zero3":
         return vo.AdamW(model.parameters(), lr=0.01, shard_modules=[*model.blocks, model])
+    if mode == "hsdp":  # 2 replicas x 2 shards: the gradients are all-reduced across replicas too
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        return vo.AdamW(model.parameters(), lr=0.01, mesh=mesh, shard_modules=[*model.blocks, model])
+    if mode == "muon":  # matrices gathered to owners at the step; the gradients are the same ragged shards
+        groups = vo.muon_param_groups(model, exclude=["head"])
+        return vo.Muon(groups, lr=0.02, shard_modules=[*model.blocks, model])
     return vo.AdamW(model.parameters(), lr=0.01, bucket_cap_numel=40)  # several buckets
 
 
@@ -182,6 +190,15 @@ def test_gradient_utilities_in_one_process_are_torch_on_plain_tensors(mode):
 def test_gradient_utilities_over_ranks_equal_torch_on_the_mean_gradient(world, mode, world_size):
     results = world(world_size).run(_ours, mode, NAMES, timeout=300)
     want = _reference(world_size, NAMES)
+    for got in results:
+        _compare(got, want)
+
+
+@pytest.mark.parametrize("mode,world_size", [("hsdp", 4), ("muon", 3)])
+def test_gradient_utilities_under_hsdp_and_muon_equal_torch_on_the_mean_gradient(world, mode, world_size):
+    names = ["clip-2.0-None", "clip-inf-True", "two-phase", "value-None", "logging", "inplace", "nonfinite"]
+    results = world(world_size).run(_ours, mode, names, timeout=300)
+    want = _reference(world_size, names)
     for got in results:
         _compare(got, want)
 
