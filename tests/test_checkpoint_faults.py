@@ -148,8 +148,8 @@ DAMAGE = {
     "truncated data file": (lambda p: _truncate(_biggest(p), _biggest(p).stat().st_size // 2),
                             "is truncated"),  # fmt: skip
     "missing data file": (lambda p: _biggest(p).unlink(), "is missing"),
-    "missing metadata": (lambda p: (p / ".metadata").unlink(), "its metadata cannot be read"),
-    "truncated metadata": (lambda p: _truncate(p / ".metadata", 20), "its metadata cannot be read"),
+    "missing metadata": (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
+    "truncated metadata": (lambda p: _truncate(p / ".metadata", 20), ".metadata is truncated (20 bytes; "),
     "missing manifest": (lambda p: (p / MANIFEST).unlink(), f"it has no {MANIFEST}: not complete"),
     "damaged manifest": (lambda p: (p / MANIFEST).write_text("{"), "is damaged"),
     "storage fails while reading": (None, "the storage went away"),

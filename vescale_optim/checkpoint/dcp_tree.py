@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from ..shard.dcp import DcpPiece
 
@@ -67,23 +68,43 @@ def take(live, loaded):
     return loaded
 
 
+def _metadata(path: Path):
+    """DCP's metadata of the checkpoint in `path`, or why it cannot be read (a str)."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read it means a damaged checkpoint
+        return f"its metadata cannot be read ({type(e).__name__}: {e})"
+
+
+def _storage(path: Path, md) -> list[str]:
+    """Every file DCP's metadata `md` points into must be there and long enough."""
+    problems, need = [], {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size < size:
+            have = f.stat().st_size
+            problems.append(f"{name} is truncated ({have:,} bytes; the metadata needs {size:,})")
+    return problems
+
+
+def check_storage(path: Path) -> list[str]:
+    """DCP's metadata must be readable and every file it points into whole (what can be
+    checked of a checkpoint whose manifest records no files: format 1)."""
+    md = _metadata(path)
+    return [md] if isinstance(md, str) else _storage(path, md)
+
+
 def check_files(path: Path, live: dict) -> list[str]:
         """DCP's metadata must be readable, list every key we load with its shape, and
         every file it points into must be whole."""
-        try:
-            md = dcp.FileSystemReader(path).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any failure to read it means a damaged checkpoint
-            return [f"its metadata cannot be read ({type(e).__name__}: {e})"]
-        problems, need = [], {}
-        for info in md.storage_data.values():
-            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-        for name, size in sorted(need.items()):
-            f = path / name
-            if not f.is_file():
-                problems.append(f"{name} is missing")
-            elif f.stat().st_size < size:
-                have = f.stat().st_size
-                problems.append(f"{name} is truncated ({have:,} bytes; the metadata needs {size:,})")
+        md = _metadata(path)
+        if isinstance(md, str):
+            return [md]
+        problems = _storage(path, md)
         saved = md.state_dict_metadata
         for key, value in leaves(live):
             entry = saved.get(key)
@@ -96,3 +117,14 @@ def check_files(path: Path, live: dict) -> list[str]:
                 elif tuple(shape) != tuple(value.shape):
                     problems.append(f"{key} has shape {tuple(shape)} there, {tuple(value.shape)} here")
         return problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model.state_dict()` holds, by name, without gathering any parameter."""
+    out = {}
+    for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set  # what state_dict() itself leaves out
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and name not in skip:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out

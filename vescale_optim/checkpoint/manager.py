@@ -13,6 +13,14 @@ before it changes anything (the manifest, DCP's metadata, every file's size, the
 optimizer's class and state-shaping hyperparameters, the model's names and shapes),
 reads into new CPU buffers, and only then writes them into the live objects.
 
+Every file's size and checksum (`checksum.ALGORITHM`) are computed from the bytes as they
+are written, on the thread that writes them (an asynchronous save's writer thread, off the
+training thread), and recorded in the manifest. A load verifies them before anything
+else, the files shared out over the ranks (each reads its share once) and the verdict
+agreed by every rank, so a damaged file is a `CheckpointError` on every rank naming the
+file and the step. `latest()` and `load()` without a step choose the newest checkpoint that
+is complete and verifies; `load()` warns about the newer ones it skipped.
+
 A save stages its state in host memory first (`staging.HostStager`): CUDA tensors by
 non-blocking copies into pinned buffers kept for the next save, with one device
 synchronisation a save; CPU tensors as before. DCP then writes plain CPU memory, so an
@@ -38,13 +46,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..shard.collectives import Comm, all_gather_object
+from . import checksum, outcome
 from . import manifest as _manifest
-from . import outcome
-from .dcp_tree import blank, check_files, map_leaves, take
-from .manifest import MANIFEST
+from .dcp_tree import blank, check_files, map_leaves, persistent_buffers, take
+from .manifest import MANIFEST, fsync_dir
 from .outcome import CheckpointError
 from .rng import rng_state, set_rng_state
-from .staging import HostStager, StagingStats
+from .staging import HostStager, StagingStats, on_device
+from .verdict import Verifier, refused
 
 _NAME = re.compile(r"step-(\d+)")
 
@@ -65,50 +75,12 @@ class _Blob:
         self.value = value
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers `model.state_dict()` holds, by name, without gathering any parameter."""
-    out = {}
-    for prefix, module in model.named_modules():
-        skip = module._non_persistent_buffers_set  # what state_dict() itself leaves out
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and name not in skip:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out
-
-
 @contextlib.contextmanager
 def _quiet():
     """Without a process group DCP says it works in one process, each time: we know."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _writer(path: Path) -> dcp.FileSystemWriter:
-    """DCP's file writer for a staged state (plain CPU memory). `per_thread_copy_ahead=0`
-    picks its serial loader: the overlapping one, which it takes whenever CUDA is
-    available, synchronises the current CUDA stream (on a thread of its own: device 0's,
-    creating a context there) although nothing is left to copy."""
-    return dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
-
-
-@contextlib.contextmanager
-def _on_device(index: int | None):
-    """CUDA work of the writer thread, if any (a CUDA tensor in `extra`), on this rank's
-    device, not on device 0 where a new thread starts."""
-    if index is None:
-        yield
-    else:
-        with torch.cuda.device(index):
-            yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointManager:
@@ -128,6 +100,13 @@ class CheckpointManager:
     reused by the next ones (`last_staging.pinned_bytes`; `close()` frees them), with
     one synchronisation a save; `last_staging` tells what the last save's staging did
     and how long it took.
+
+    With `verify=True` (the default) every save records each file's checksum, computed as
+    it is written, and every load checks them (each rank reads its share of the files once
+    more: about one extra read of the checkpoint over the world, see
+    `benchmarks/checkpoint.py`); a damaged checkpoint raises `CheckpointError` when its step
+    is asked for and is skipped, with a warning, by `load()` without a step. `verify=False`
+    records sizes only and checks sizes only.
     """
 
     def __init__(
@@ -141,6 +120,7 @@ class CheckpointManager:
         keep: int | None = 3,
         async_save: bool = False,
         timeout: timedelta | None = None,
+        verify: bool = True,
     ):
         if not hasattr(optimizer, "sharded_state_dict"):
             raise TypeError(f"{type(optimizer).__name__} is not a vescale_optim optimizer")
@@ -152,6 +132,7 @@ class CheckpointManager:
                 raise TypeError(f"stateful[{name!r}] has no state_dict() and load_state_dict()")
         self.directory, self.model, self.optimizer = Path(directory), model, optimizer
         self.scheduler, self.stateful, self.keep, self.async_save = scheduler, stateful, keep, async_save
+        self.verify = bool(verify)
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
@@ -161,6 +142,8 @@ class CheckpointManager:
                 "checkpoints are of the whole world: build it over every rank"
             )
         self._group = None
+        self._comm = Comm()  # the main thread's exchanges of verdicts (the default group)
+        self._verifier = Verifier(self._comm, self.verify)
         if async_save and self._distributed:  # DCP's collectives from the background thread
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: tuple[Future, Path] | None = None  # an asynchronous save and its folder
@@ -188,9 +171,13 @@ class CheckpointManager:
         return sorted(found)
 
     def latest(self) -> int | None:
-        """The step of the newest complete checkpoint, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The step of the newest checkpoint that is complete and verifies (every file of
+        its manifest there, of its size and checksum), or None (collective: rank 0's list of
+        steps, newest first, each verified by the ranks sharing its files out until one is
+        sound, the verdict agreed; verdicts are kept while the files are unchanged, so a
+        `load()` that follows does not read them again)."""
+        newest_first = self._agree(self.steps()[::-1] if self.rank == 0 else None)
+        return self._verifier.newest(newest_first, self.path)[0]
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step}"
@@ -201,7 +188,7 @@ class CheckpointManager:
         """What a checkpoint holds, as DCP sees it: live pieces and tensors, no copies."""
         params = self.optimizer.sharded_model_state_dict(self.model)
         sd = {
-            "model": {**params, **_persistent_buffers(self.model)},
+            "model": {**params, **persistent_buffers(self.model)},
             "optim": self.optimizer.sharded_state_dict(),
             "extra": _Blob(extra),
             "rng": {str(r): _Blob(rng_state() if r == self.rank else None) for r in rng_ranks},
@@ -262,9 +249,9 @@ class CheckpointManager:
         staged = self._stager.stage(sd, asynchronous=self.async_save)
         if not self.async_save:
             try:
-                self._write(staged, tmp)
+                files = self._write(staged, tmp)
                 if self.rank == 0:
-                    self._commit(tmp, final, manifest)
+                    self._commit(tmp, final, self._with_files(manifest, files))
             except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
                 error = e
             self._settle(error, final)
@@ -274,10 +261,10 @@ class CheckpointManager:
             device = torch.cuda.current_device()
 
         def write() -> Path:  # on the writer thread: the staged state is plain CPU memory
-            with _on_device(device):
-                self._write(staged, tmp)
+            with on_device(device):
+                files = self._write(staged, tmp)  # checksums computed here, on this thread
             if self.rank == 0:
-                self._commit(tmp, final, manifest)
+                self._commit(tmp, final, self._with_files(manifest, files))
             return final
 
         if self._thread is None:
@@ -285,11 +272,18 @@ class CheckpointManager:
         self._pending = (self._thread.submit(write), final)
         return final
 
-    def _write(self, staged: dict, tmp: Path) -> None:
-        """DCP writes this rank's part of the staged state into `tmp` (collective)."""
+    def _write(self, staged: dict, tmp: Path) -> dict[str, tuple[int, str | None]]:
+        """DCP writes this rank's part of the staged state into `tmp` (collective); on rank
+        0 (DCP's coordinator), every file of the checkpoint with its size and checksum."""
+        writer = checksum.SummingWriter(tmp, checksums=self.verify)
         with _quiet():
-            dcp.save(staged, storage_writer=_writer(tmp), process_group=self._group,
-                     no_dist=not self._distributed)  # fmt: skip
+            dcp.save(staged, storage_writer=writer, process_group=self._group, no_dist=not self._distributed)
+        return writer.files
+
+    def _with_files(self, manifest: dict, files: dict[str, tuple[int, str | None]]) -> dict:
+        """The manifest with the files the save wrote: name -> [bytes, checksum or None]."""
+        table = {name: [size, digest] for name, (size, digest) in sorted(files.items())}
+        return {**manifest, "checksum": checksum.ALGORITHM if self.verify else None, "files": table}
 
     def _commit(self, tmp: Path, final: Path, manifest: dict) -> None:
         """Rank 0, once every rank's part is written: the manifest, then the name."""
@@ -307,7 +301,7 @@ class CheckpointManager:
             if old is not None:  # the one it was to replace stays
                 old.rename(final)
             raise
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         if self.keep is not None:
@@ -351,43 +345,44 @@ class CheckpointManager:
 
     def _agree(self, value):
         """Rank 0's `value` on every rank."""
-        if not self._distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
+        return all_gather_object(value, self._comm)[0]
 
-    def _refuse(self, path: Path, problems: list[str]) -> None:
+    def _refuse(self, path: Path, step: int, problems: list[str]) -> None:
         """Raise on every rank if any rank found a problem (so none goes on alone)."""
-        if self._distributed:
-            everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, problems, group=self._group)
-            problems = list(dict.fromkeys(p for mine in everyone for p in mine))
+        problems = list(dict.fromkeys(p for mine in all_gather_object(problems, self._comm) for p in mine))
         if problems:
-            raise CheckpointError(f"cannot load {path}: {'; '.join(problems)}. Nothing was changed.")
+            raise refused(path, step, problems)
 
     def load(self, step: int | None = None) -> Loaded | None:
-        """Restore the checkpoint of `step`, by default the newest complete one
-        (collective). Returns what was loaded, or None when `step` is None and there is
-        no checkpoint. A checkpoint that does not fit raises `CheckpointError` on every
-        rank before anything is changed."""
+        """Restore the checkpoint of `step`, by default the newest one that is complete and
+        verifies (collective). Returns what was loaded, or None when `step` is None and there
+        is no checkpoint.
+
+        A checkpoint that is incomplete or damaged (a file missing, of another size, or whose
+        bytes do not match the checksum the manifest recorded), or that does not fit these
+        objects, raises `CheckpointError` on every rank, naming the step and the file,
+        before anything is changed. Without `step`, damaged or incomplete newer checkpoints
+        are skipped with a warning naming each and what is wrong with it, and the newest
+        sound one is loaded; if there are checkpoints but none is sound, that raises (it
+        is not a fresh start). A sound checkpoint that does not fit raises either way."""
         self.wait()
-        chosen = self._agree(self.latest() if step is None else step)
-        if chosen is None:
+        steps, step = self._agree((self.steps()[::-1] if self.rank == 0 and step is None else [], step))
+        found = self._verifier.choose(self.directory, step, steps, self.path,
+                                      lambda at: self._describe(at, self._state(None, [])))  # fmt: skip
+        if found is None:
             return None
+        chosen, manifest = found
         path = self.path(chosen)
-        manifest, problems = self._read_manifest(path, chosen)
-        self._refuse(path, problems)
         same_world = manifest["world_size"] == self.world_size
         live = self._state(None, [self.rank] if same_world else [])
-        self._refuse(path, check_files(path, live))
+        self._refuse(path, chosen, check_files(path, live))
         loaded = map_leaves(live, blank)
         try:
             with _quiet():
                 dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
             self.optimizer.validate_param_groups(loaded["optim"]["param_groups"])
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-            raise CheckpointError(f"cannot load {path}: {outcome.reason(e)}. Nothing was changed.") from e
+            raise refused(path, chosen, [outcome.reason(e)]) from e
         with torch.no_grad():
             take(live, loaded)
         self.optimizer.load_sharded_model_state_dict({k: live["model"][k] for k in self._params})
@@ -402,13 +397,6 @@ class CheckpointManager:
             warnings.warn(f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
                           f"{self.world_size}: the random states are not restored", stacklevel=2)  # fmt: skip
         return Loaded(chosen, path, loaded["extra"].value)
-
-    def _read_manifest(self, path: Path, step: int) -> tuple[dict | None, list[str]]:
-        """The checkpoint's manifest, and what in it does not fit these objects."""
-        manifest, problems = _manifest.read(path, step)
-        if manifest is None:
-            return None, problems
-        return manifest, _manifest.mismatches(manifest, self._describe(step, self._state(None, [])))
 
 
 __all__ = ["CheckpointError", "CheckpointManager", "Loaded"]

@@ -5,15 +5,24 @@ the checkpoint is on disk: a folder without it is incomplete. It names the optim
 scheduler classes, the param groups' sizes and the hyperparameters that shape the state,
 the state's storage (`state_bits`), the model's names and shapes and the stateful objects,
 so a checkpoint of something else is refused before anything is read.
+
+Format 2 adds `files`: every file of the folder (DCP's data files and `.metadata`) with its
+size and its checksum (`checksum.ALGORITHM`, computed while the file was written; None
+when the save was made with `verify=False`), so a load can tell a damaged or incomplete
+checkpoint from a sound one. A manifest of format 1 (written before checksums) still
+loads: its files are checked for presence and size through DCP's metadata only, and the
+load warns that nothing verified their bytes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # the manifests this version reads
 MANIFEST = "vescale_optim.json"
 
 
@@ -50,8 +59,14 @@ def read(path: Path, step: int) -> tuple[dict | None, list[str]]:
         manifest = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         return None, [f"{file} is damaged ({e})"]
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("step") != step:
-        return None, [f"{file} is not a manifest of format {FORMAT} for step {step}"]
+    ok = isinstance(manifest, dict) and manifest.get("format") in FORMATS and manifest.get("step") == step
+    if not ok:
+        return None, [f"{file} is not a manifest of format {' or '.join(map(str, FORMATS))} for step {step}"]
+    files = manifest.get("files")
+    if manifest["format"] >= 2 and not (
+        isinstance(files, dict) and all(isinstance(v, list) and len(v) == 2 for v in files.values())
+    ):
+        return None, [f"{file} is damaged (its files are not a table of sizes and checksums)"]
     return manifest, []
 
 
@@ -98,3 +113,12 @@ def mismatches(theirs: dict, ours: dict) -> list[str]:
     if absent:
         problems.append(f"it has no state for stateful {absent}")
     return problems
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

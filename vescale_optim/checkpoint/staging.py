@@ -20,6 +20,7 @@ Once `stage` returns, the result is plain CPU memory: a writer thread never touc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import time
@@ -191,4 +192,15 @@ def _fence(devices: set[torch.device]) -> int:
     return len(events)
 
 
-__all__ = ["HostStager", "Staging", "StagingStats", "staging"]
+@contextlib.contextmanager
+def on_device(index: int | None):
+    """CUDA work of the writer thread, if any (a CUDA tensor in `extra`), on this rank's
+    device, not on device 0 where a new thread starts."""
+    if index is None:
+        yield
+    else:
+        with torch.cuda.device(index):
+            yield
+
+
+__all__ = ["HostStager", "Staging", "StagingStats", "on_device", "staging"]
