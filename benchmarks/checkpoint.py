@@ -19,6 +19,11 @@ Measured in one world per W, ours and the peer taking turns (the order alternati
   DCP's `FileSystemWriter` (files fsynced); ours also writes and fsyncs a manifest and renames
   the folder (atomicity), and checks metadata and file sizes before a load. A load reads what
   was just written (page cache warm for both). Checkpoints are deleted between rounds, untimed.
+* the checksum's cost: a third manager over ours with `verify=False` (sizes only, no checksum
+  written or read) takes its turn in every round too; `checksum save x` / `checksum load x` are
+  ours / that one's save and load times (medians of the per-round ratios): the save computes a
+  CRC-32 of every byte as it is written, the load reads this rank's share of the files once
+  more to check them.
 * `MB/rank`: bytes of the DCP data files each rank wrote (`__RANK_*.distcp`), mean over ranks;
   `B/param`: all data files / parameters (AdamW fp32: 12 = parameter + 2 moments); `meta KB`:
   the rest of the folder (DCP's `.metadata`, our manifest).
@@ -107,6 +112,7 @@ class Ours(_Side):
         self.opts = [opt]
         self.sync = CheckpointManager(root / "sync", self.model, opt, keep=None)
         self.background = CheckpointManager(root / "async", self.model, opt, keep=None, async_save=True)
+        self.unverified = CheckpointManager(root / "unverified", self.model, opt, keep=None, verify=False)
 
     def save(self, step: int) -> Path:
         return self.sync.save(step)
@@ -116,6 +122,12 @@ class Ours(_Side):
 
     def save_async(self, step: int) -> Path:
         return self.background.save(step)
+
+    def save_unverified(self, step: int) -> Path:
+        return self.unverified.save(step)
+
+    def load_unverified(self, step: int) -> None:
+        self.unverified.load(step)
 
     def wait(self) -> None:
         self.background.wait()
@@ -216,8 +228,17 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
     out = {s: {"params": side.params, "check": _check(rank, side, *batches[0]), "save": [], "load": [],
                "data": [], "meta": [], "plain": [], "async": [], "stage": []}
            for s, side in sides.items()}  # fmt: skip
+    out["ours"].update(save_unverified=[], load_unverified=[])
+    turns = [*SIDES, "unverified"]  # the last: ours without checksums
     for r in range(1, rounds + 1):
-        for s in SIDES[:: 1 if r % 2 else -1]:
+        for s in turns[r % 3 :] + turns[: r % 3]:
+            if s == "unverified":
+                ours = sides["ours"]
+                t, path = _timed(ours.save_unverified, r)
+                out["ours"]["save_unverified"].append(t)
+                out["ours"]["load_unverified"].append(_timed(ours.load_unverified, r)[0])
+                _remove(rank, path)
+                continue
             side, res = sides[s], out[s]
             t, path = _timed(side.save, r)
             res["save"].append(t)
@@ -293,6 +314,13 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
             f"{p}meta KB": statistics.median(d["meta"][0]) / 1024,
             **timed, f"{s} restored": all(c["loaded"] == c["saved"] != c["moved"] for c in d["check"]),
         })  # fmt: skip
+    plain_save = _slowest(side["ours"]["save_unverified"])
+    plain_load = _slowest(side["ours"]["load_unverified"])
+    raw["ours"].update(unverified_save_s=plain_save, unverified_load_s=plain_load)
+    row["unverified save ms"] = 1e3 * statistics.median(plain_save)
+    row["unverified load ms"] = 1e3 * statistics.median(plain_load)
+    row["checksum save x"] = _ratio(raw["ours"]["save_s"], plain_save)
+    row["checksum load x"] = _ratio(raw["ours"]["load_s"], plain_load)
     row["save x"] = _ratio(raw["ours"]["save_s"], raw["peer"]["save_s"])
     row["load x"] = _ratio(raw["ours"]["load_s"], raw["peer"]["load_s"])
     row["bytes x"] = row["MB/rank"] / row["peer MB/rank"]
@@ -304,6 +332,8 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
 TIMES = ["W", "optimizer", "params", "save ms", "peer save ms", "save x", "load ms", "peer load ms",
          "load x", "MB/rank", "peer MB/rank", "bytes x", "B/param", "peer B/param", "meta KB",
          "peer meta KB", "restored"]  # fmt: skip
+CHECKSUM = ["W", "optimizer", "MB/rank", "save ms", "unverified save ms", "checksum save x", "load ms",
+            "unverified load ms", "checksum load x"]  # fmt: skip
 ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms",
          "peer stage ms"]
 
@@ -368,6 +398,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nsave / load / bytes per rank, ours (ZeRO-3 + CheckpointManager) vs FSDP2 + DCP; "
           f"x = ours / peer, medians of {rounds} rounds\n")  # fmt: skip
     print(table(rows, TIMES))
+    print("\nthe checksum's cost: ours (a CRC-32 of every file written, checked on load) vs ours with "
+          "verify=False (sizes only); x = with / without, medians of the per-round ratios\n")  # fmt: skip
+    print(table(rows, CHECKSUM))
     print(f"\n{FSDP2_ON_CPU}")
     timed = [r for r in rows if "async %" in r]
     if timed:

@@ -38,6 +38,9 @@ def test_both_sides_restore_and_are_measured(run):
         assert row[f"{p}meta KB"] > 0
         assert len(row["raw"]["ours" if not p else "peer"]["async_cycle_s"]) == result["cycles"]["AdamW"]
     assert row["save x"] > 0 and row["load x"] > 0
+    for op in ("save", "load"):  # the checksum's cost: ours against ours with verify=False
+        assert row[f"unverified {op} ms"] > 0 and row[f"checksum {op} x"] > 0
+        assert len(row["raw"]["ours"][f"unverified_{op}_s"]) == result["rounds"]
 
 
 @pytest.mark.timeout(180)
