@@ -186,8 +186,8 @@ class Shampoo(ShardedOptimizer):
         if n:
             self.kept_roots += n
             warnings.warn(
-                f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor or its root was not "
-                f"finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
+                f"Shampoo kept the previous inverse root of {n} factor(s) this step: the factor or its root "
+                f"was not finite (inf/nan gradients?) or eigh failed in root_dtype and float64 "
                 f"({self.kept_roots} kept so far, see kept_roots)",
                 stacklevel=caller_stacklevel(),
             )
