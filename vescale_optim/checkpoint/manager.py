@@ -148,6 +148,7 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: tuple[Future, Path] | None = None  # an asynchronous save and its folder
         self._rewinds: set[int] = set()  # newer checkpoints a save was already warned about
+        self._skipped: set[int] = set()  # newer checkpoints a load skipped as damaged or incomplete
         self._thread: ThreadPoolExecutor | None = None  # the asynchronous saves' writer
         self._stager = HostStager()
         self._params = list(optimizer.sharded_model_state_dict(model))
@@ -214,7 +215,7 @@ class CheckpointManager:
     def _warn_rewind(self, step: int) -> None:
         """Rank 0: complete checkpoints newer than `step` mean the run went back (a load
         of an older step); `latest()` would resume from them. Said once for each."""
-        newer = [s for s in self.steps() if s > step]
+        newer = [s for s in self.steps() if s > step and s not in self._skipped]
         if set(newer) - self._rewinds:
             self._rewinds.update(newer)
             warnings.warn(f"saving step {step} while {self.directory} holds newer checkpoints "
@@ -372,6 +373,8 @@ class CheckpointManager:
         if found is None:
             return None
         chosen, manifest = found
+        if step is None:  # the newer ones are not sound: a save after this is no rewind
+            self._skipped.update(s for s in steps if s > chosen)
         path = self.path(chosen)
         same_world = manifest["world_size"] == self.world_size
         live = self._state(None, [self.rank] if same_world else [])
