@@ -12,7 +12,7 @@ from .shard import (
     plan_layout,
     set_collective_timeout,
 )
-from .units import ShardingConfig
+from .units import ReshardedParameterError, ShardingConfig
 from .version import __version__
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Muon",
     "MuonPlan",
     "RaggedShard",
+    "ReshardedParameterError",
     "ShardedOptimizer",
     "Shampoo",
     "ShardingConfig",

@@ -290,6 +290,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # --- the model's own state ----------------------------------------------------------
 
+    def gathered(self, modules=None, writeback: bool = True) -> contextlib.AbstractContextManager:
+        """Whole parameters of all units (or `modules`') inside; in-place writes, the same on every rank,
+        reach shards and masters on exit (see `units.gathered`). Collective; costs the units' full size."""
+        return self.runtime.gathered(modules, writeback)
+
     def full_model_state_dict(self, model: nn.Module | None = None, *, to_rank: int | None = None) -> dict:
         """`model.state_dict()` with full tensors on the CPU (the outermost of
         `shard_modules` by default): each unit's parameters are gathered and moved to the

@@ -5,12 +5,14 @@ from .config import ShardingConfig
 from .reduced_grad import Partial, ReducedGrad, Sharded, ShardedGradError
 from .runtime import Declaration, Runtime
 from .segment import Segment
+from .stand_in import ReshardedParameterError
 from .unit import State, Unit
 
 __all__ = [
     "Declaration",
     "Partial",
     "ReducedGrad",
+    "ReshardedParameterError",
     "Runtime",
     "Segment",
     "Sharded",

@@ -29,6 +29,7 @@ from ..shard.layout import bucket_indices, plan_layout
 from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
+from .gathered import gathered
 from .gradients import GradTracker
 from .grads import ring
 from .hyper import hyper_digest, hyper_mismatch
@@ -327,13 +328,20 @@ class Runtime:
         """Unsharded units: gather the updated shards into the parameters every rank keeps
         (sharded units gather before their next forward instead). Returns bytes sent."""
         sent = 0
+        units = self.units if units is None else units
+        for u in units:  # a graph saved before this step refuses its backward (torch's in-place check)
+            u.bump_versions()
         with record_function("vescale_optim.gather_params"):
-            units = [u for u in (self.units if units is None else units) if not u.sharded]
+            units = [u for u in units if not u.sharded]
             handles = [u.gather_after_step(async_op=True) for u in units]
             for u, h in zip(units, handles):
                 h.wait()
                 sent += ring(u.comm.world_size, u.shard.numel() * u.full.data.element_size())
         return sent
+
+    def gathered(self, modules=None, writeback: bool = True) -> contextlib.AbstractContextManager:
+        """Whole parameters inside (see the optimizers' `gathered`)."""
+        return gathered(self.units, self.schedule, modules, writeback)
 
     def collective_bytes(self) -> tuple[int, int]:
         """Bytes this rank sent so far in the units' parameter all-gathers and in their

@@ -20,11 +20,12 @@ import enum
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
 from ..shard.layout import Layout
-from . import qcomm
+from . import qcomm, stand_in
 from .grads import Gradients, ring
 from .qcomm import packed_numel
 from .streams import streams_for
@@ -120,6 +121,7 @@ class Unit:
         self.grads = Gradients(self)
         self.state = State.GATHERED
         self._gather: Handle | None = None
+        self._held = 0  # `hold()`: kept gathered (inside `opt.gathered()`) until `release()`
         with torch.no_grad():
             for i, p in enumerate(params):
                 grad = p.grad
@@ -135,8 +137,12 @@ class Unit:
                     self.grads.take(i, grad)
         self.grads.make_placeholders()
         self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
-        nan = torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)
-        self.stand_ins = [nan.expand(p.shape) for p in params]  # each `.data` between uses
+        if sharded:
+            for p, label in zip(params, self.labels):
+                stand_in.register(p, label)
+        # each `.data` between uses: a scalar of its own, never read (see `stand_in`)
+        scalar = lambda: torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)  # noqa: E731
+        self.stand_ins = [scalar().expand(p.shape) for p in params]
         if sharded:
             self.reshard()
 
@@ -201,7 +207,7 @@ class Unit:
 
     def reshard(self) -> None:
         """Free the unsharded parameters (sharded units only), after the gather in flight."""
-        if not self.sharded or self.state is State.RESHARDED:
+        if not self.sharded or self.state is State.RESHARDED or self._held:
             return
         if self.state is State.GATHERING:
             self._gather.wait()
@@ -232,6 +238,7 @@ class Unit:
     def _show(self) -> None:
         """Parameters are views of the (gathered) unsharded buffer."""
         for i, (p, view) in enumerate(zip(self.params, self.views)):
+            stand_in.show(p)
             problem = self.placement_problem(i)
             if problem is not None:
                 raise RuntimeError(problem)
@@ -239,11 +246,12 @@ class Unit:
         self.state = State.GATHERED
 
     def _hide(self) -> None:
-        """Between uses a parameter holds a stand-in, not a view of freed memory: reading it
-        gives NaN (never a crash), writing it fails, and `model.double()`/`.to()` produce a
-        parameter the next step refuses by name."""
-        for p, stand_in in zip(self.params, self.stand_ins):
-            p.data = stand_in
+        """Between uses a parameter is its stand-in (`stand_in`), not a view of freed memory:
+        its metadata reads as before, and reading or writing its values raises, naming it."""
+        for p, scalar in zip(self.params, self.stand_ins):
+            with stand_in.revealed(p):
+                p.data = scalar
+            stand_in.hide(p)
         self.state = State.RESHARDED
 
     def holds_stand_in(self, i: int) -> bool:
@@ -267,8 +275,9 @@ class Unit:
         p = self.params[i]
         if p.data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
             return
-        self.write_param(i, p.detach())
-        p.data = self.stand_ins[i] if self.state is State.RESHARDED else self.views[i]
+        with stand_in.revealed(p):
+            self.write_param(i, p.detach())
+            p.data = self.stand_ins[i] if self.state is State.RESHARDED else self.views[i]
 
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
@@ -319,6 +328,34 @@ class Unit:
         if not self.sharded:
             self.full.view(i).copy_(value)
 
+    def hold(self) -> None:
+        """Keep the (gathered) parameters until `release()`: `reshard()` does nothing meanwhile."""
+        self._held += 1
+
+    def release(self) -> None:
+        self._held -= 1
+
+    def write_back(self) -> None:
+        """Gathered parameters were written in place (`opt.gathered()`): a tensor assigned to
+        a parameter's `.data` is copied into its view, then what changed in this rank's
+        slice goes into the shard (`refresh_shard`'s comparison, for sharded units too)."""
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            if p.data_ptr() != view.data_ptr():
+                problem = self.placement_problem(i)
+                if problem is not None:
+                    raise RuntimeError(problem)
+                view.copy_(p.detach())
+                p.data = view
+        if self.shard.data_ptr() != self.full.local.data_ptr():
+            self._take_changed()
+
+    def bump_versions(self) -> None:
+        """The parameters' values changed outside autograd (a step, a write-back): a graph
+        saved before refuses its backward, as torch's version counter does for in-place writes."""
+        for p in self.params:
+            with stand_in.revealed(p):
+                increment_version(p)
+
     def refresh_shard(self) -> None:
         """Unsharded units with a separate shard (an fp32 master, or `param_dtype`): where a
         kept parameter no longer equals its shard rounded to the parameter's dtype, it was
@@ -326,6 +363,10 @@ class Unit:
         (A mask the size of the shard, no host sync: the update is a `where`.)"""
         if self.sharded or self.shard.data_ptr() == self.full.local.data_ptr():
             return
+        self._take_changed()
+
+    def _take_changed(self) -> None:
+        """Where this rank's slice of `full` differs from the shard as gathered, take it."""
         local = self.full.local
         if self.gather_bits:  # the kept parameters are the shard through 8-bit blocks
             kept = qcomm.unpack_rows(qcomm.pack_rows(self.shard, 1, self.comm_block), 1, self.comm_block,

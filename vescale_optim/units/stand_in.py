@@ -1,0 +1,175 @@
+"""What a sharded parameter is between uses: itself, refusing to be read or written.
+
+Between its unit's forward and backward a sharded parameter has no values on this rank
+(they are shards, spread over the ranks). The unit then turns the parameter's class into
+a stand-in subclass of its own class (`p.__class__ = stand_in_class(type(p))`, cached per
+class) and back when it gathers: on the gathered path the parameter is exactly what it
+was, so forward and backward (compiled or not) pay nothing, and between uses every torch
+function reaches the stand-in's `__torch_function__`:
+
+- metadata passes (shape, dtype, device, `requires_grad`, `.grad` get and set, `is_leaf`,
+  `numel`, `data_ptr`, hook registration, the `.data` setter), run on the parameter as it
+  is (the class flipped back around the call, no private torch API);
+- a cast that changes nothing (`model.to(same device)`, `.float()` of a float) is the
+  parameter itself; one that changes dtype or device (`model.double()`) is refused;
+- `detach()` (what `model.state_dict()` stores before the units' state-dict hooks put the
+  gathered values in its place) gives a detached stand-in that refuses values in turn;
+- everything else (the `.data` getter, arithmetic, `clone`, `copy.deepcopy`, in-place
+  ops, `nn.init`) raises `ReshardedParameterError`, naming the parameter and the ways to
+  its values: `model.state_dict()`, `with opt.gathered():`, or calling the root module.
+
+Each parameter's `.data` is then its own stride-0 scalar (no memory, nothing shared with
+another parameter); it is never read. A parameter class whose instances cannot change
+class (another layout than its stand-in's) is refused when its unit is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import resolve_name
+
+_T = torch.Tensor
+_METADATA = {
+    _T.size, _T.dim, _T.numel, _T.nelement, _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__,
+    _T.device.__get__, _T.layout.__get__, _T.requires_grad.__get__, _T.requires_grad.__set__,
+    _T.requires_grad_, _T.grad.__get__, _T.grad.__set__, _T.grad.__delete__, _T.grad_fn.__get__,
+    _T.is_leaf.__get__, _T.is_sparse.__get__, _T.is_floating_point, _T.is_complex, _T.data_ptr,
+    _T.element_size, _T.stride, _T.is_contiguous, _T.storage_offset, _T.get_device,
+    _T.is_cuda.__get__, _T.is_cpu.__get__, _T.is_meta.__get__, _T.is_quantized.__get__,
+    _T.is_nested.__get__, _T.is_mkldnn.__get__, _T.itemsize.__get__, _T.nbytes.__get__,
+    _T.data.__set__, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.untyped_storage,
+    _T._version.__get__, _T.output_nr.__get__, _T.is_inference,
+}  # fmt: skip
+# torch's own checks, by name (not private attributes of ours to import): `nn.Module._apply`'s
+_METADATA_NAMES = {"_has_compatible_shallow_copy_type"}
+_CASTS = {_T.to, _T.type, _T.float, _T.double, _T.half, _T.bfloat16, _T.cpu, _T.cuda}
+_DESCRIBE = {_T.__repr__, _T.__format__}
+
+# id(tensor) -> (how errors name it, its class while it has values); entries leave with the tensor
+_NAMES: dict[int, tuple[str, type]] = {}
+
+
+class ReshardedParameterError(RuntimeError):
+    """A sharded parameter was read or written between its unit's uses."""
+
+
+def _found(args, kwargs) -> _StandIn | None:
+    """The first stand-in among `args` and `kwargs` (lists and tuples searched too)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, _StandIn):
+            return a
+        if isinstance(a, list | tuple):
+            inner = _found(a, {})
+            if inner is not None:
+                return inner
+    return None
+
+
+def _message(t: torch.Tensor, what: str) -> str:
+    label = _NAMES.get(id(t), ("(a sharded parameter)", None))[0]
+    return (
+        f"parameter {label} is resharded: outside its unit's forward and backward its values are "
+        f"shards spread over the ranks, so {what} cannot read or write it here. Read whole values "
+        "with model.state_dict(); read or write them inside `with opt.gathered():` (every rank "
+        "enters it; in-place writes land in the shards); or call the root module, model(x), whose "
+        "hooks gather each unit (calling a child module directly skips the hooks of the units around it)"
+    )
+
+
+class _StandIn:
+    """The mixin of every stand-in class (see the module's docstring)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = _found(args, kwargs)
+        if t is None:  # another stand-in class's turn
+            return NotImplemented
+        if func in _METADATA or getattr(func, "__name__", None) in _METADATA_NAMES:
+            with revealed(t):
+                return func(*args, **kwargs)
+        if func in _DESCRIBE:
+            label = _NAMES.get(id(t), ("",))[0]
+            return f"resharded parameter {label}: {t.dtype}, shape {tuple(t.shape)}, no values on this rank"
+        if func in _CASTS:
+            with revealed(t):
+                out = func(*args, **kwargs)
+            if out is t:
+                return t
+            return _refuse(t, f"`.{func.__name__}()` (to {out.dtype} on {out.device}; cast it before)")
+        if func is _T.detach:
+            with revealed(t):
+                out = func(*args, **kwargs)
+            _NAMES[id(out)] = (_NAMES.get(id(t), ("", _T))[0], type(out))
+            _forget_with(out)
+            out.__class__ = stand_in_class(type(out))
+            return out
+        return _refuse(t, f"`{resolve_name(func) or getattr(func, '__name__', func)}`")
+
+
+def _refuse(t: torch.Tensor, what: str):
+    raise ReshardedParameterError(_message(t, what))
+
+
+def _forget_with(t: torch.Tensor) -> None:
+    weakref.finalize(t, _NAMES.pop, id(t), None)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def stand_in_class(cls: type) -> type:
+    """The stand-in subclass of parameter class `cls` (made once)."""
+    if issubclass(cls, _StandIn):
+        return cls
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = _CLASSES[cls] = type(f"Resharded{cls.__name__}", (_StandIn, cls), {"__slots__": ()})
+    return made
+
+
+def register(p: torch.Tensor, label: str) -> None:
+    """Name `p` in errors and check that it can become a stand-in (ValueError otherwise)."""
+    cls = type(p)
+    try:
+        p.__class__ = stand_in_class(cls)
+        p.__class__ = cls
+    except TypeError as e:
+        raise ValueError(
+            f"parameter {label} is a {cls.__name__}, whose instances cannot change class ({e}); a sharded "
+            "unit turns each parameter into a stand-in between uses, so it cannot shard this one (keep it "
+            "out of shard_modules' units, or use nn.Parameter)"
+        ) from None
+    if id(p) not in _NAMES:
+        _forget_with(p)
+    _NAMES[id(p)] = (label, cls)
+
+
+def hide(p: torch.Tensor) -> None:
+    """`p` becomes its stand-in (its `.data` already set to the stand-in's scalar)."""
+    p.__class__ = stand_in_class(_NAMES[id(p)][1])
+
+
+def show(p: torch.Tensor) -> None:
+    """`p` is its own class again."""
+    p.__class__ = _NAMES[id(p)][1]
+
+
+@contextlib.contextmanager
+def revealed(t: torch.Tensor) -> Iterator[None]:
+    """`t` as its own class for a moment (the runtime reading metadata or a value set by hand)."""
+    cls = type(t)
+    if not isinstance(t, _StandIn):
+        yield
+        return
+    t.__class__ = _NAMES.get(id(t), ("", _T))[1]
+    try:
+        yield
+    finally:
+        t.__class__ = cls
