@@ -29,6 +29,10 @@ timed per rank: `fwd` (`model.loss`), `bwd`, `step` (`opt.step()`), `zero_grad`;
 their sum; `update` is `step` less the communication exposed in it (ours agrees there which
 parameters step: one small all-reduce, which also absorbs the ranks' skew). A number is the
 median over steps of the slowest rank's; a ratio is the median of the per-step ratios.
+`stand-in ms` is what ours spend per step turning sharded parameters into their stand-ins
+between uses and back (a class assignment per parameter and gather, timed around each call;
+`stand-in % fwd` against `fwd ms`, though it covers backward's gathers too): on the gathered
+path a parameter is its own class again, so forward and backward compute pay nothing more.
 `exposed comm` is the time the training thread spent inside collective calls or waiting
 for them (`benchmarks._comm`: issue, synchronous calls, `Work.wait`, DTensor's
 `wait_tensor`), i.e. communication not hidden behind compute. On CPU, FSDP2 issues every
@@ -106,6 +110,7 @@ from benchmarks._live import LiveBytes  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
+from vescale_optim.units import stand_in  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
            "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
@@ -151,11 +156,39 @@ def _optimizer(config: str, model: torch.nn.Module):
     return fsdp2(model, family)
 
 
+class _FlipClock:
+    """Seconds spent turning sharded parameters into their stand-ins and back between uses
+    (`vescale_optim.units.stand_in.show` / `hide`, timed around each call): the stand-ins'
+    whole cost in forward and backward, since on the gathered path a parameter is its own class."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        for name in ("show", "hide"):
+            real = getattr(stand_in, name)
+
+            def timed(p, real=real):
+                t = time.perf_counter()
+                real(p)
+                self.seconds += time.perf_counter() - t
+
+            setattr(stand_in, name, timed)
+
+
+FLIPS: _FlipClock | None = None
+
+
 class Trainer(_train.Trainer):
     """One configuration of this benchmark (see the module's docstring)."""
 
     def optimizer(self, model: torch.nn.Module):
+        self.flips: list[float] = []
         return _optimizer(self.config, model)
+
+    def step(self, x, y, record: bool = True, around=None) -> None:
+        before = FLIPS.seconds if FLIPS is not None else 0.0
+        super().step(x, y, record, around)
+        if record and FLIPS is not None:
+            self.flips.append(FLIPS.seconds - before)
 
     def result(self, loss_after: float, copies: dict | None) -> dict:
         """What this configuration's recorded steps measured, for the parent."""
@@ -166,7 +199,8 @@ class Trainer(_train.Trainer):
         exposed = {k: [c[k]["exposed_s"] for c in self.comm] for k in PHASES}
         return {"params": self.params, "times_s": self.times, "exposed_s": exposed,
                 "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}, "losses": self.losses,
-                "loss_after": loss_after, "copies": copies, "device": device().type}  # fmt: skip
+                "loss_after": loss_after, "copies": copies, "device": device().type,
+                "flips_s": self.flips}  # fmt: skip
 
 
 def _classify(event, context: list[str]) -> str:
@@ -199,7 +233,9 @@ def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
 
 def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: int, steps: int) -> dict:
     """Per model: every configuration in this world, interleaved step by step."""
+    global FLIPS
     meter = CommMeter().install()
+    FLIPS = FLIPS or _FlipClock()
     out = {}
     for name, shape in models.items():
         pool = batches(shape, rank, world)
@@ -297,6 +333,9 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> di
            "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
     row["train ms"] = ms(row["_train"])
+    flips = slowest([r["flips_s"] for r in res]) if all(r.get("flips_s") for r in res) else [0.0]
+    row["stand-in ms"] = ms(flips)  # class flips between uses, per step (forward and backward)
+    row["stand-in % fwd"] = 100 * row["stand-in ms"] / row["fwd ms"] if row["fwd ms"] else 0.0
     if r0.get("device") == "cuda":  # see the docstring: no exposed comm, update nor copies there
         for k in NOT_ON_CUDA:
             del row[k]
