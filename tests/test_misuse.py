@@ -265,6 +265,9 @@ def _misreads():
             errors[name] = (type(e).__name__, str(e))
     own = len({q.data_ptr() for q in model.parameters()}) == len(list(model.parameters()))
     meta = (tuple(w.shape), w.dtype, w.device.type, w.requires_grad, w.is_leaf, w.numel(), w.dim())
+    like = [torch.zeros_like(w), torch.full_like(w, 2.0), w.new_zeros(3)]  # shaped like it: no value read
+    assert [type(t) for t in like] == [torch.Tensor] * 3
+    assert like[1].shape == (8, 6) and bool((like[1] == 2).all())
     _loss(model, 1, rank).backward()  # the model still trains, and torch's clipping reads .grad
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     opt.step()

@@ -9,7 +9,8 @@ function reaches the stand-in's `__torch_function__`:
 
 - metadata passes (shape, dtype, device, `requires_grad`, `.grad` get and set, `is_leaf`,
   `numel`, `data_ptr`, hook registration, the `.data` setter), run on the parameter as it
-  is (the class flipped back around the call, no private torch API);
+  is (the class flipped back around the call, no private torch API), and so do the
+  factories that read nothing but it (`torch.zeros_like(p)`, `full_like`, `p.new_empty`);
 - a cast that changes nothing (`model.to(same device)`, `.float()` of a float) is the
   parameter itself; one that changes dtype or device (`model.double()`) is refused;
 - `detach()` (what `model.state_dict()` stores before the units' state-dict hooks put the
@@ -46,6 +47,11 @@ _METADATA = {
 }  # fmt: skip
 # torch's own checks, by name (not private attributes of ours to import): `nn.Module._apply`'s
 _METADATA_NAMES = {"_has_compatible_shallow_copy_type"}
+# a new tensor shaped like the parameter (an EMA's zeros, a gradient set by hand): no value read
+_LIKE = {
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
+}  # fmt: skip
 _CASTS = {_T.to, _T.type, _T.float, _T.double, _T.half, _T.bfloat16, _T.cpu, _T.cuda}
 _DESCRIBE = {_T.__repr__, _T.__format__}
 
@@ -91,7 +97,7 @@ class _StandIn:
         t = _found(args, kwargs)
         if t is None:  # another stand-in class's turn
             return NotImplemented
-        if func in _METADATA or getattr(func, "__name__", None) in _METADATA_NAMES:
+        if func in _METADATA or getattr(func, "__name__", None) in _METADATA_NAMES or func in _LIKE:
             with revealed(t):
                 return func(*args, **kwargs)
         if func in _DESCRIBE:
