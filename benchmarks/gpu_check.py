@@ -81,6 +81,8 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check"
 SETUP_S = 15  # the script's own start, the CUDA check and the packing of the results
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
 TESTS = [*KERNEL_TESTS, "tests/test_stand_ins.py"]
+# the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
+CPU_TESTS = ["tests/test_stand_ins.py"]
 SUMMARY_BYTES = 8000
 
 
@@ -172,7 +174,7 @@ def stage_tests(r: Result, *, out: Path, mode: str) -> None:
                GPU_CHECK_TESTS_LOG=str(live))  # fmt: skip
     workers = _pytest_workers(mode)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks._pytest_live",
-           *workers, *TESTS]  # fmt: skip
+           *workers, *(TESTS if mode == "gpu" else CPU_TESTS)]  # fmt: skip
     print("$ TRITON_INTERPRET=" + env["TRITON_INTERPRET"], " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
@@ -303,7 +305,8 @@ def _plans() -> dict:
         ],
         "tests": lambda m: [
             f"TRITON_INTERPRET={'1' if m == 'cpu' else '0'} HYPOTHESIS_PROFILE=ci python -m pytest -q "
-            f"-n {'8' if m == 'gpu' else '2'} -p benchmarks._pytest_live " + " ".join(TESTS)
+            f"-n {'8' if m == 'gpu' else '2'} -p benchmarks._pytest_live "
+            + " ".join(TESTS if m == "gpu" else CPU_TESTS)
             + " (-> OUT/tests.jsonl as they finish)"
         ],
         "steps": lambda m: [_kernels_cmd(m, "steps")],
