@@ -15,18 +15,20 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from test_amp import _loss, _model  # the same small model and per-rank loss
 
 import vescale_optim as vo
 
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def _loss(model, t, rank):
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + rank))
-    return model(x).square().mean()
+def _stepped_once():
+    """This rank, a model sharded by units [model[0], model], and its optimizer after one step."""
+    rank = _rank()
+    model = _model()
+    opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
+    _loss(model, 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    return rank, model, opt
 
 
 def _rank():
@@ -62,12 +64,7 @@ def test_shard_modules_that_differ_between_ranks_raise_on_every_rank(world):
 
 
 def _second_optimizer():
-    rank = _rank()
-    model = _model()
-    opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 0, rank).backward()
-    opt.step()
-    opt.zero_grad()
+    rank, model, opt = _stepped_once()
     with pytest.raises(ValueError, match=r"#0 of param group 0 \(shape \(8, 6\)\) is already sharded by"):
         vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
     _loss(model, 1, rank).backward()  # the first optimizer goes on as if nothing happened
@@ -203,12 +200,7 @@ def test_a_write_inside_gathered_reaches_its_master_and_leaves_others_unrounded(
 
 
 def _subset_and_discard():
-    rank = _rank()
-    model = _model()
-    opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 0, rank).backward()
-    opt.step()
-    opt.zero_grad()
+    rank, model, opt = _stepped_once()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad(), opt.gathered(model[0]):
         states = [u.state.value for u in opt.units]
@@ -237,12 +229,7 @@ def _misreads():
     message), then what still reads right."""
     import copy
 
-    rank = _rank()
-    model = _model()
-    opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 0, rank).backward()
-    opt.step()
-    opt.zero_grad()
+    rank, model, opt = _stepped_once()
     w, ema = model[0].weight, [torch.zeros(q.shape) for q in model.parameters()]
     cases = {
         "ema": lambda: [e.mul_(0.9).add_(q, alpha=0.1) for e, q in zip(ema, model.parameters())],
