@@ -12,7 +12,7 @@ from .shard import (
     plan_layout,
     set_collective_timeout,
 )
-from .units import ReshardedParameterError, ShardingConfig
+from .units import ReshardedParameterError, ShardedGradError, ShardingConfig
 from .version import __version__
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "MuonPlan",
     "RaggedShard",
     "ReshardedParameterError",
+    "ShardedGradError",
     "ShardedOptimizer",
     "Shampoo",
     "ShardingConfig",
