@@ -53,6 +53,15 @@ def _group(mode: str):
         dist.set_debug_level(before)
 
 
+def _agreement(flag: torch.Tensor, group, pending: list):
+    """A backward pre-hook issuing one small all-reduce of the sync flag (its wait: `pending`)."""
+
+    def hook(*_):
+        pending.append(dist.all_reduce(flag, group=group, async_op=True))
+
+    return hook
+
+
 def _rank(rank: int, world: int, layers: int, width: int, micro: int, runs: int) -> list[dict]:
     rows = []
     for mode in MODES:
@@ -61,12 +70,7 @@ def _rank(rank: int, world: int, layers: int, width: int, micro: int, runs: int)
         opt = vo.AdamW(model.parameters(), lr=1e-3, shard_modules=[*model.blocks, model], process_group=group)
         pending: list = []  # the per-backward agreements in flight
         if mode == MODES[1]:
-            flag = torch.zeros(1)
-
-            def agree(*_):
-                pending.append(dist.all_reduce(flag, group=group, async_op=True))
-
-            model.blocks[-1].register_full_backward_pre_hook(agree)  # the first block backward reaches
+            model.blocks[-1].register_full_backward_pre_hook(_agreement(torch.zeros(1), group, pending))
         times = []
         for t in range(runs + 1):
             dist.barrier()
@@ -96,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 small layers, 2 micro-batches, 2 runs")
     args = ap.parse_args(argv)
-    layers, width, micro, runs = (2, 32, 2, 2) if args.quick else (args.layers, args.width, args.micro, args.runs)
+    sizes = (args.layers, args.width, args.micro, args.runs)
+    layers, width, micro, runs = (2, 32, 2, 2) if args.quick else sizes
     per_rank = launch(_rank, args.world_size, layers, width, micro, runs, preload=PRELOAD)
     rows = []
     for i, row in enumerate(per_rank[0]):

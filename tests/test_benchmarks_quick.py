@@ -178,3 +178,14 @@ def test_grad_clip(tmp_path):
         assert counts[(mode, "float(p.grad.norm()) per parameter")] == out["rows"][0]["parameters"]
     _finite(out["rows"], ["median ms"])
     _host(out, threads=2)
+
+
+@pytest.mark.timeout(120)
+def test_sync_check(tmp_path):
+    from benchmarks import sync_check
+
+    with results_in(tmp_path):
+        out = sync_check.main(["--quick", "--world-size", "2"])
+    assert [r["check"] for r in out["rows"]] == list(sync_check.MODES)
+    _finite(out["rows"], ["median ms", "x as shipped"])
+    _host(out, threads=2)
