@@ -85,12 +85,12 @@ def test_adamw_tolerance_covers_the_noise_floor(world_size):
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
-def test_grads_tolerance_covers_the_noise_floor(kind):
-    from test_grads import TOL, _reference
+def test_step_agreement_tolerance_covers_the_noise_floor(kind):
+    from test_step_agreement import TOL, _reference
 
     a, _ = _reference(kind, 3)
     b, _ = _reference(kind, 3, reversed_order=True)
-    _floor_within(a, b, **TOL[kind], what=f"test_grads.TOL[{kind!r}]")
+    _floor_within(a, b, **TOL[kind], what=f"test_step_agreement.TOL[{kind!r}]")
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon", "shampoo"])

@@ -30,13 +30,13 @@ from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
 from .gathered import gathered
-from .gradients import GradTracker
-from .grads import ring
+from .grad_buffers import ring
 from .hyper import hyper_digest, hyper_mismatch
 from .materialize import materialize, needs_materializing
 from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
+from .step_agreement import GradTracker
 from .unit import LOW_PRECISION, Unit
 
 

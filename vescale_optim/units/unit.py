@@ -5,7 +5,7 @@ Persistent, per rank: `shard`, the rank's `S` parameter elements (fp32 for bf16/
 parameters: it is their master copy). Transient: `full`, the unsharded parameters in the
 compute dtype — every parameter's `.data` is a view of it while the unit is gathered. A
 sharded unit frees `full` between uses; an unsharded one (no `shard_modules`) keeps it.
-The gradients are the unit's `grads` (`grads.Gradients`).
+The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
 
 A unit declares where its parameters are (`state`: `RESHARDED`, `GATHERING` or
 `GATHERED`), and only its own methods change that: `unshard` / `wait_unshard` gather,
@@ -26,7 +26,7 @@ from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
 from ..shard.layout import Layout
 from . import qcomm, stand_in
-from .grads import Gradients, ring
+from .grad_buffers import GradBuffers, ring
 from .qcomm import packed_numel
 from .streams import streams_for
 
@@ -118,7 +118,7 @@ class Unit:
             self._take_initial_values(sync_params)
         if not sharded and self.shard_dtype == self.compute_dtype and not gather_bits:
             self.shard = self.full.local  # the update writes the kept parameters in place
-        self.grads = Gradients(self)
+        self.grads = GradBuffers(self)
         self.state = State.GATHERED
         self._gather: Handle | None = None
         self._held = 0  # `hold()`: kept gathered (inside `opt.gathered()`) until `release()`

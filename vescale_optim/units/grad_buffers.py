@@ -55,7 +55,7 @@ class _Reduction(Handle):
         self._second.wait()
 
 
-class Gradients:
+class GradBuffers:
     """The gradients of `unit`'s parameters (see the module's docstring)."""
 
     def __init__(self, unit: Unit):
