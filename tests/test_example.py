@@ -3,7 +3,8 @@ checkpoints through CheckpointManager (synchronously and asynchronously), resume
 exactly, and a 2-rank checkpoint resumes in one process.
 examples/hf_llama.py (a Hugging Face Llama under Muon) trains, resumes exactly and writes a
 folder that transformers loads with the same weights.
-The README's torchrun script runs on 2 ranks too, and its HSDP script on a 2x2 mesh."""
+The docs' complete torchrun script runs on 2 ranks too, and their HSDP script on a 2x2 mesh (each
+the one ```python block of README.md and docs/*.md that has what it needs)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _docs import blocks_with
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
-README = ROOT / "README.md"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
 SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]
 HF_EXAMPLE = ROOT / "examples" / "hf_llama.py"
@@ -109,10 +110,9 @@ def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
 
 
 def _readme_torchrun_script() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    found = [b for b in blocks if "init_distributed" in b and "shard_modules" in b and "dcp.save" in b]
-    assert len(found) == 1, "the README shows one fully sharded torchrun script"
-    return found[0]
+    found = blocks_with("init_distributed", "shard_modules", "dcp.save")
+    assert len(found) == 1, f"README.md and docs/ show one complete torchrun script: {[n for n, _ in found]}"
+    return found[0][1]
 
 
 @pytest.mark.timeout(240)
@@ -125,11 +125,10 @@ def test_readme_torchrun_script_runs_on_two_ranks(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_readme_hsdp_script_runs_as_two_replicas_of_two_shards(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    found = [b for b in blocks if "init_device_mesh" in b]
-    assert len(found) == 1, "the README shows one HSDP script"
+    found = blocks_with("init_device_mesh")
+    assert len(found) == 1, f"README.md and docs/ show one HSDP script: {[name for name, _ in found]}"
     script = tmp_path / "hsdp.py"
-    script.write_text(found[0])
+    script.write_text(found[0][1])
     out = _run([*TORCHRUN[:-3], "--nproc-per-node", "4", "--standalone", str(script)], tmp_path)
     # the 4 ranks print into one pipe: a rank's number and its dict may be split by another's line
     stats = [ast.literal_eval(p) for p in re.findall(r"\{'ns_matrices'[^}]*\}", out)]
