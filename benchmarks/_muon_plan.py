@@ -20,8 +20,8 @@ from benchmarks.model_shapes import MODELS, matrices
 # The library's pure planning functions, called as vo.Muon calls them: imported here only, so that
 # a module that moves is a one-line fix.
 from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: I001
+from vescale_optim.owners.balance import assign_owners, imbalance, keep_homes, rank_loads
 from vescale_optim.shard.layout import bucket_indices, plan_layout
-from vescale_optim.units.owners import assign_owners, imbalance, keep_homes, rank_loads
 
 __all__ = ["ALIGN", "BUCKET_CAP", "assign_owners", "assignment", "default_buckets", "imbalance",
            "matrix_view", "model_buckets", "ns_flops"]  # fmt: skip

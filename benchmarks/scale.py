@@ -47,8 +47,8 @@ import vescale_optim as vo  # noqa: E402
 from benchmarks._report import environment, pyplot, require_finite, save_json, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
 from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: E402
+from vescale_optim.owners.balance import assign_owners, rank_loads  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
-from vescale_optim.units.owners import assign_owners, rank_loads  # noqa: E402
 
 COST = vo.CostModel.H200
 TOKENS, MFU, NS_STEPS = 4096, 0.5, 5

@@ -12,7 +12,7 @@ from _reference import mean_of
 
 import vescale_optim as vo
 from vescale_optim.optim._muon_math import ns_flops
-from vescale_optim.units.owners import assign_owners, imbalance
+from vescale_optim.owners.balance import assign_owners, imbalance
 
 # tall, wide, square, tiny, a 3-D stack of 3 wide matrices, a 4-D conv, and two repeats
 MUON_SHAPES = [(12, 5), (4, 10), (8, 8), (2, 3), (3, 4, 6), (6, 2, 3, 3), (8, 8), (12, 5)]

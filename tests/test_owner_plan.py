@@ -1,4 +1,4 @@
-"""The owner layer (`units.owner_plan`, `units.owners`): every item computed exactly once in the
+"""The owner layer (`owners.plan`, `owners.balance`): every item computed exactly once in the
 world, items their owner holds whole stay in place, the plans deliver each item whole to its
 owner and its result back to every holder of every replica, loads add up and stay within the
 balancer's bound. Pure properties on random layouts and meshes, and one round trip on gloo."""
@@ -12,12 +12,12 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vescale_optim.owners.balance import assign_owners, keep_homes, rank_loads, spread_homes
+from vescale_optim.owners.moves import run_moves
+from vescale_optim.owners.plan import WorkItem, mostly_on, plan_owners, whole_on
 from vescale_optim.shard.collectives import Comm
 from vescale_optim.shard.mesh import Topology
 from vescale_optim.shard.redistribution import Piece
-from vescale_optim.units.moves import run_moves
-from vescale_optim.units.owner_plan import WorkItem, mostly_on, plan_owners, whole_on
-from vescale_optim.units.owners import assign_owners, keep_homes, rank_loads, spread_homes
 
 
 def segment_items(sizes, gaps, costs, shards, homes="whole"):

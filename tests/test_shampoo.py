@@ -14,7 +14,7 @@ from _shampoo_reference import ReferenceShampoo, inverse_fourth_root
 
 import vescale_optim as vo
 from vescale_optim.optim._shampoo_math import inverse_roots_, stripe_granule
-from vescale_optim.units.owners import assign_owners, rank_loads
+from vescale_optim.owners.balance import assign_owners, rank_loads
 
 SHAPES = [(10, 7), (8, 3, 2), (13,), (5, 12), (1, 6), (6,), (9, 2, 2), (21, 16)]
 # (param indices, hyperparameters) per group: tiles of 3, 4 and 5, rows that stripes do not

@@ -31,7 +31,7 @@ per matrix the world rank already holding it whole (None when it spans ranks; `v
 its layout's, `opt.homes`), makes step 4 keep a whole matrix at its home while that rank's load
 stays within 5 % of the mean, so it need not travel; without them whole matrices are placed as
 if nothing lay anywhere (the same balance, other owners). `vo.Muon` then trades owners between
-matrices of equal cost toward the ranks holding them (`units.owners.keep_homes`), which leaves
+matrices of equal cost toward the ranks holding them (`owners.balance.keep_homes`), which leaves
 `loads` as they are.
 """
 
@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..units.owners import assign_owners
+from ..owners.balance import assign_owners
 from ._muon_math import matrix_view, ns_flops
 from ._split_ns import Split
 

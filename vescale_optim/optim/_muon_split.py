@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..owners.plan import WorkItem, plan_owners
 from ..shard.collectives import Comm, run_plan
 from ..shard.mesh import Topology
 from ..shard.redistribution import Piece
-from ..units.owner_plan import WorkItem, plan_owners
 from ..units.segment import Segment
 from ._muon_plan import MuonPlan
 from ._split_ns import Job, run_split

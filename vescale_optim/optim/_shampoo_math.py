@@ -1,6 +1,6 @@
 """Shampoo's functional core: the global tiling and the math on flat tensors and on stacks
 of equal-shaped tiles. No processes, no optimizer state objects; who owns which tile is the
-owner layer's (`units.owner_plan`)."""
+owner layer's (`owners.plan`)."""
 
 from __future__ import annotations
 

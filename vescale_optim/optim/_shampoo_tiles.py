@@ -1,16 +1,16 @@
 """Shampoo's tiles on a rank: the ones it owns, stacked by shape with their factors and roots,
 and the step that brings a tile whose rows its owner does not hold to the owner and its
-update back, as the owner layer planned it (`units.owner_plan`). The math is
+update back, as the owner layer planned it (`owners.plan`). The math is
 `_shampoo_math`'s; the optimizer is `shampoo.Shampoo`."""
 
 from __future__ import annotations
 
 import torch
 
+from ..owners.moves import Move
+from ..owners.plan import SegmentMoves, WorkItem
 from ..shard.comm import host_to_device
 from ..shard.redistribution import Piece
-from ..units.moves import Move
-from ..units.owner_plan import SegmentMoves, WorkItem
 from ..units.segment import Segment
 from ._shampoo_math import (
     Tile,

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from ..owners.moves import Move, run_moves
 from ..units.config import ShardingConfig
-from ..units.moves import Move, run_moves
 from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment
 from ..units.unit import Unit
@@ -111,7 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
         averaged local `grads`; math that needs whole matrices or tiles returns a `Move`
-        that runs with every other segment's (see `units.moves`)."""
+        that runs with every other segment's (see `owners.moves`)."""
         raise NotImplementedError
 
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:

@@ -3,7 +3,7 @@ or, when it is large, split over a group of ranks.
 
 The math is `_muon_math`'s (and `_split_ns`'s for a split matrix); who orthogonalizes what is
 `_muon_plan.muon_plan`'s (`vo.muon_plan`); how a whole matrix gets to its owner and back is the
-owner layer's (`units.owner_plan`): Muon declares each matrix as a work item (its pieces, its
+owner layer's (`owners.plan`): Muon declares each matrix as a work item (its pieces, its
 Newton–Schulz FLOPs, the rank holding it whole if one does); a split matrix's row blocks travel
 to its group's members the same way (`_muon_split`).
 """
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from ..owners.balance import keep_homes, spread_homes
+from ..owners.moves import Move
+from ..owners.plan import SegmentMoves, WorkItem, plan_owners
 from ..shard.redistribution import Piece
-from ..units.moves import Move
-from ..units.owner_plan import SegmentMoves, WorkItem, plan_owners
-from ..units.owners import keep_homes, spread_homes
 from ..units.segment import FROZEN, Segment
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from ..owners.moves import Move
+from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
-from ..units.moves import Move
-from ..units.owner_plan import plan_owners
 from ..units.segment import FROZEN, Segment
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel

@@ -82,8 +82,9 @@ def spread_homes(
     return out
 
 
-def keep_homes(owners: Sequence[int | None], keys: Sequence[object],
-               homes: Sequence[Sequence[int] | None]) -> list[int | None]:
+def keep_homes(
+    owners: Sequence[int | None], keys: Sequence[object], homes: Sequence[Sequence[int] | None]
+) -> list[int | None]:
     """`owners` traded between items of equal `keys` (equal cost) so that as many items as
     possible are owned by one of their `homes` (ranks holding them whole; None or empty: none):
     every rank keeps the same number of items of each key, so its load does not change. First

@@ -4,7 +4,7 @@ An optimizer declares, per segment, its `WorkItem`s: which shard rank holds whic
 of an item, at which offset of that rank's source buffer (`Piece`s), what the item costs and
 its home (the shard rank where its data lies whole, or where most of it lies). `plan_owners`
 chooses one owner per item over the whole world with the one balancer
-(`owners.assign_owners`; with a `replicate x shard` mesh homes are first spread over the
+(`balance.assign_owners`; with a `replicate x shard` mesh homes are first spread over the
 replicas, so each item is computed once in the world), and builds, for each segment, the
 plans that bring the items to their owners (`channels` inputs each) and their results back,
 seen from one rank (`SegmentMoves`). An item whose owner holds it whole stays in place. It
@@ -39,8 +39,8 @@ from ..shard.redistribution import (
     plan_gather_to_owner,
     plan_scatter_from_owner,
 )
+from .balance import assign_owners, rank_loads, spread_homes
 from .moves import Move
-from .owners import assign_owners, rank_loads, spread_homes
 
 
 @dataclass(frozen=True)
