@@ -236,15 +236,7 @@ class Runtime:
             self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
                                          lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
-            for u in pending:
-                u.grads.reduce(async_op=True)
-            for u in pending:
-                u.grads.advance()
-            for u in self.units:
-                u.grads.sync_replicas()
-                u.grads.advance()
-            for u in self.units:
-                u.grads.wait()
+            self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
 
