@@ -74,8 +74,8 @@ from benchmarks._measure import slowest  # noqa: E402
 from benchmarks._optim import ours  # noqa: E402
 from benchmarks._report import environment, host_line, require_finite, save_json, table  # noqa: E402
 from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
+from vescale_optim.kernels.wire import codec  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
-from vescale_optim.units.qcomm import packed_numel  # noqa: E402
 
 BLOCK = 256
 ALIGN = 16  # ShardingConfig.align's default
@@ -118,6 +118,12 @@ def whole_blocks(granule: int, block: int, numel: int) -> int:
     return both if numel % both == 0 else max(numel, 1)
 
 
+def wire_width(config: dict, key: str, numel: int) -> int | None:
+    """Bytes of `numel` elements through the wire codec `config[key]` names (None: full precision)."""
+    bits = config.get(key)
+    return None if bits is None else codec(bits, config.get("comm_block", BLOCK)).packed_width(numel)
+
+
 def layout_bytes(units: list[list[int]], world: int, config: dict, root_gathers: int = 1) -> dict:
     """Bytes a rank sends per step for `units` (each a list of parameter sizes; the last one the
     outermost unit) under `config`, from the runtime's layout rules (see the module's docstring);
@@ -136,8 +142,8 @@ def layout_bytes(units: list[list[int]], world: int, config: dict, root_gathers:
         s = layout.shard_size
         shards.append(s)
         passes = root_gathers if k == len(units) - 1 else 2
-        gather += passes * (world - 1) * (packed_numel(s, block) if config.get("gather_bits") else s * elem)
-        reduce += (world - 1) * (packed_numel(s, block) if config.get("reduce_bits") else s * reduce_elem)
+        gather += passes * (world - 1) * (wire_width(config, "gather_bits", s) or s * elem)
+        reduce += (world - 1) * (wire_width(config, "reduce_bits", s) or s * reduce_elem)
         padding += layout.padding
     return {"gather": gather, "reduce": reduce, "total": gather + reduce, "shards": shards,
             "padding %": 100 * padding / sum(map(sum, units))}  # fmt: skip

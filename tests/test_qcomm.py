@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 import vescale_optim as vo
 from vescale_optim.kernels import dequantize_blockwise, quantize_blockwise
-from vescale_optim.units.qcomm import pack_rows, unpack_rows
+from vescale_optim.kernels.wire import codec
 
 BLOCK = 64
+Q8 = codec(8, BLOCK)
 
 
 # --- the wire format, in one process -----------------------------------------------------
@@ -35,7 +36,7 @@ def test_a_block_round_trips_within_half_a_code_step(kinds, rows, seed):
              "inf": x.index_fill(0, torch.tensor([7]), float("inf"))}.get(kind, x)  # fmt: skip
         pieces.append(x)
     flat = torch.cat(pieces * rows)
-    back = unpack_rows(pack_rows(flat, rows, BLOCK), rows, BLOCK, torch.float32).reshape(-1)
+    back = Q8.unpack(Q8.pack(flat, rows), torch.float32)
     for b in range(flat.numel() // BLOCK):
         x, y = flat[b * BLOCK : (b + 1) * BLOCK], back[b * BLOCK : (b + 1) * BLOCK]
         if not torch.isfinite(x).all():  # a non-finite block stays non-finite: skip_nonfinite sees it

@@ -1,4 +1,4 @@
-"""The packed 8-bit wire format of the unit collectives (``units.qcomm``): ``rows`` equal
+"""The packed 8-bit wire format of the unit collectives (``wire``'s "q8" codec): ``rows`` equal
 pieces of a flat tensor, each quantized on its own (blocks counted from the piece's
 start), as a ``[rows, width]`` uint8 tensor whose row ``r`` holds piece ``r``'s int8 codes
 (``numel`` bytes), then its fp32 scales as little-endian bytes (``4 * ceil(numel /

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from .qcomm import check_bits
+from ..kernels import wire
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,19 @@ class ShardingConfig:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"{name} must be a floating-point torch.dtype or None; got {dtype!r}")
         for name in ("gather_bits", "reduce_bits"):
-            check_bits(name, getattr(self, name))
-        block = self.comm_block
-        if isinstance(block, bool) or not isinstance(block, int) or not 4 <= block <= 8192 or block % 4:
-            raise ValueError(
-                f"comm_block must be a multiple of 4 between 4 and 8192 (the scales follow the codes as "
-                f"fp32, and the kernels quantize blocks of up to 8192); got {block!r}"
-            )
+            bits = getattr(self, name)
+            if bits is not None:
+                try:
+                    wire.codec(bits)
+                except ValueError:
+                    raise ValueError(f"{name} must be None (full precision) or the bits of a wire codec: "
+                                     f"{wire.known()}; got {bits!r}") from None  # fmt: skip
+        # the codecs in use say what a block may be (without one, the default "q8" does)
+        used = {wire.codec(b) for b in (self.gather_bits, self.reduce_bits) if b is not None}
+        for c in used or {wire.codec(8)}:
+            problem = c.block_problem(self.comm_block)
+            if problem is not None:
+                raise ValueError(f"comm_block must be {problem}; got {self.comm_block!r}")
         for name in ("bucket_cap_numel", "align"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -123,10 +130,16 @@ class ShardingConfig:
                 raise TypeError(f"{owner}.__init__() got an unexpected keyword argument '{key}'")
         return cls(**keywords)
 
+    def wire_codec(self, bits: int | None) -> wire.WireCodec | None:
+        """The codec `bits` (`gather_bits` or `reduce_bits`) sends with, in `comm_block` blocks."""
+        return None if bits is None else wire.codec(bits, self.comm_block)
+
     @property
     def quantized_block(self) -> int | None:
-        """The block every tensor keeps whole on the wire, when a collective is 8-bit."""
-        return self.comm_block if self.gather_bits or self.reduce_bits else None
+        """The block every tensor keeps whole on the wire, when a collective goes through a
+        wire codec (the least common multiple of the codecs' blocks)."""
+        blocks = [self.wire_codec(b).block for b in (self.gather_bits, self.reduce_bits) if b is not None]
+        return math.lcm(*blocks) if blocks else None
 
     @property
     def sharded(self) -> bool:

@@ -19,11 +19,10 @@ import torch
 
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Handle, all_reduce_, all_to_all_, reduce_scatter_into_
-from . import qcomm
 from .reduced_grad import ReducedGrad, Sharded
 
 if TYPE_CHECKING:
-    from .unit import Unit
+    from .unit_view import UnitView
 
 
 def ring(world: int, shard_bytes: int, passes: int = 1) -> int:
@@ -58,7 +57,7 @@ class _Reduction(Handle):
 class GradBuffers:
     """The gradients of `unit`'s parameters (see the module's docstring)."""
 
-    def __init__(self, unit: Unit):
+    def __init__(self, unit: UnitView):
         self.unit = unit
         self.full = self._new_buffer()
         self._shard = torch.zeros(unit.layout.shard_size, dtype=unit.shard_dtype, device=unit.device)
@@ -199,9 +198,9 @@ class GradBuffers:
             # across replicas the wire is in reduce_dtype too: half the inter-node bytes in bf16
             part = None if not u.replicate.active else torch.empty(self._shard.numel(), dtype=data.dtype,
                                                                    device=data.device)  # fmt: skip
-            if u.reduce_bits:  # the 8-bit pieces are summed in fp32, then sent across in reduce_dtype
+            if u.reduce_codec is not None:  # decoded, summed in fp32, then sent across in reduce_dtype
                 part = None if part is None else torch.empty_like(self._shard)
-                scatter = self._reduce_8bit(data, self.shard if part is None else part, part is None, what)
+                scatter = self._reduce_encoded(data, self.shard if part is None else part, part is None, what)
             else:
                 self.sent_bytes += ring(u.comm.world_size, self._shard.numel() * data.element_size())
                 add = part is None and self.has_values
@@ -221,14 +220,14 @@ class GradBuffers:
             self.wait()
         return self._reduction
 
-    def _reduce_8bit(self, data: torch.Tensor, out: torch.Tensor, accumulate: bool, what: str) -> Handle:
-        """qgZ's reduction: the piece of `data` each rank owns, quantized blockwise, goes to
-        it in one all-to-all; this rank sums the pieces it receives in fp32 into `out`
-        (their mean; added to `out` when `accumulate` and `out` holds values). The
-        quantization runs on the compute stream, the all-to-all on the reduce stream."""
+    def _reduce_encoded(self, data: torch.Tensor, out: torch.Tensor, accumulate: bool, what: str) -> Handle:
+        """qgZ's reduction: the piece of `data` each rank owns, encoded by the unit's reduce
+        codec, goes to it in one all-to-all; this rank sums the pieces it receives in fp32
+        into `out` (their mean; added to `out` when `accumulate` and `out` holds values). The
+        encoding runs on the compute stream, the all-to-all on the reduce stream."""
         u = self.unit
-        world, block = u.comm.world_size, u.comm_block
-        send = qcomm.pack_rows(data, world, block)
+        world, codec = u.comm.world_size, u.reduce_codec
+        send = codec.pack(data, world)
         data.untyped_storage().resize_(0)  # read on the compute stream already: free it now
         self.scattering = send  # what is alive while the reduction runs
         recv = torch.empty_like(send)
@@ -238,7 +237,7 @@ class GradBuffers:
             moved = all_to_all_(recv, send, u.comm, async_op=True, what=what)
 
         def mean() -> None:
-            total = qcomm.unpack_sum_rows(recv, world, block).div_(world)  # the rows summed in order
+            total = codec.unpack_sum(recv).div_(world)  # the rows summed in order
             if add:
                 out.add_(total)
             else:

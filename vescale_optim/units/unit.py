@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import increment_version
 
+from ..kernels import wire
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
 from ..shard.layout import Layout
-from . import qcomm, stand_in
+from . import stand_in
 from .grad_buffers import GradBuffers, ring
-from .qcomm import packed_numel
 from .streams import streams_for
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -94,6 +94,9 @@ class Unit:
         self.world = world or comm  # every rank: parameters start from world rank 0's
         self.index, self.name, self.sharded = index, name, sharded
         self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
+        # the wire codecs of the all-gathers and the gradient reductions (None: full precision)
+        self.gather_codec = None if gather_bits is None else wire.codec(gather_bits, comm_block)
+        self.reduce_codec = None if reduce_bits is None else wire.codec(reduce_bits, comm_block)
         self.gathered_bytes = 0  # sent by this unit's parameter all-gathers so far (as many received)
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
@@ -116,7 +119,7 @@ class Unit:
         self.shard = torch.zeros(layout.shard_size, dtype=self.shard_dtype, device=self.device)
         if not self._meta:
             self._take_initial_values(sync_params)
-        if not sharded and self.shard_dtype == self.compute_dtype and not gather_bits:
+        if not sharded and self.shard_dtype == self.compute_dtype and self.gather_codec is None:
             self.shard = self.full.local  # the update writes the kept parameters in place
         self.grads = GradBuffers(self)
         self.state = State.GATHERED
@@ -168,7 +171,7 @@ class Unit:
             for i, p in enumerate(self.params):
                 self.write_piece(i, p.detach())
         if not self.sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
-            if sync_params or self.gather_bits:
+            if sync_params or self.gather_codec is not None:
                 self._gather_into_full(async_op=False)
             else:
                 for i, p in enumerate(self.params):
@@ -287,29 +290,30 @@ class Unit:
             return self._gather_into_full(async_op)
 
     def _gather_into_full(self, async_op: bool) -> Handle:
-        """Every rank's shard into `full`: in the compute dtype, or through 8-bit blocks
+        """Every rank's shard into `full`: in the compute dtype, or through the gather codec
         (`gather_bits`: packed on the compute stream, one all-gather of the bytes, then
-        dequantized into `full` when waited for; see `qcomm`)."""
+        decoded into `full` when waited for; see `kernels.wire`)."""
         world, s, what = self.comm.world_size, self.layout.shard_size, f"unit {self.name}'s parameters"
-        if not self.gather_bits:
+        codec = self.gather_codec
+        if codec is None:
             self.gathered_bytes += ring(world, s * self.full.data.element_size())
             with self.streams.gathering():  # issued there; a blocking wait belongs to the compute stream
                 handle = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True, what=what)
             if not async_op:
                 handle.wait()
             return handle
-        block, rank = self.comm_block, self.comm.rank
-        wire = torch.empty(world, packed_numel(s, block), dtype=torch.uint8, device=self.device)
-        qcomm.pack_rows(self.shard, 1, block, wire[rank])
-        self.gathered_bytes += ring(world, wire.shape[1])
+        rank = self.comm.rank
+        rows = torch.empty(world, codec.packed_width(s), dtype=torch.uint8, device=self.device)
+        codec.pack(self.shard, 1, out=rows[rank])
+        self.gathered_bytes += ring(world, rows.shape[1])
         with self.streams.gathering():
-            gathered = all_gather_into_(wire.view(-1), wire[rank], self.comm, async_op=True, what=what)
+            gathered = all_gather_into_(rows.view(-1), rows[rank], self.comm, async_op=True, what=what)
 
-        def dequantize() -> None:
-            qcomm.unpack_rows(wire, world, block, self.compute_dtype, out=self.full.data)  # straight in
-            wire.untyped_storage().resize_(0)
+        def decode() -> None:
+            codec.unpack(rows, self.compute_dtype, out=self.full.data)  # straight in
+            rows.untyped_storage().resize_(0)
 
-        handle = gathered.then(dequantize)
+        handle = gathered.then(decode)
         if not async_op:
             handle.wait()
         return handle
@@ -368,9 +372,9 @@ class Unit:
     def _take_changed(self) -> None:
         """Where this rank's slice of `full` differs from the shard as gathered, take it."""
         local = self.full.local
-        if self.gather_bits:  # the kept parameters are the shard through 8-bit blocks
-            kept = qcomm.unpack_rows(qcomm.pack_rows(self.shard, 1, self.comm_block), 1, self.comm_block,
-                                     local.dtype).view(-1)  # fmt: skip
+        codec = self.gather_codec
+        if codec is not None:  # the kept parameters are the shard through the gather codec
+            kept = codec.unpack(codec.pack(self.shard), local.dtype)
         else:
             kept = self.shard.to(local.dtype)
         stale = kept != local
