@@ -47,7 +47,8 @@ class ShardingConfig:
       int8 codes with one fp32 scale per block of `comm_block` consecutive elements of a
       tensor (no rank boundary cuts a block, so the numbers do not depend on the world
       size); None (default) sends full precision. Shards, masters, state and checkpoints
-      stay full precision.
+      stay full precision. The bits name a wire codec (`kernels.wire`: 8 is "q8"); a format
+      registered there is taken by its bits, its block rules checked on `comm_block`.
     - `align`: every tensor starts at a multiple of this many elements in its buffer.
     """
 
