@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from .shard import set_collective_timeout
+from .shard import handle, set_collective_timeout
 
 __all__ = ["init_distributed"]
 
@@ -133,7 +133,7 @@ def init_distributed(
     RuntimeError when a default process group exists already (made here or elsewhere).
     """
     global _joined
-    if dist.is_available() and dist.is_initialized():
+    if handle.initialized():
         made = "by an earlier init_distributed()" if _joined else "by dist.init_process_group()"
         raise RuntimeError(
             f"init_distributed: this process has joined a process group already ({made}); call it "

@@ -42,10 +42,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..shard import handle
 from ..shard.collectives import Comm, all_gather_object
 from . import checksum, outcome
 from . import manifest as _manifest
@@ -133,9 +133,9 @@ class CheckpointManager:
         self.directory, self.model, self.optimizer = Path(directory), model, optimizer
         self.scheduler, self.stateful, self.keep, self.async_save = scheduler, stateful, keep, async_save
         self.verify = bool(verify)
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self._distributed else 0
-        self.world_size = dist.get_world_size() if self._distributed else 1
+        self._distributed = handle.initialized()
+        self.rank = handle.group_rank() if self._distributed else 0
+        self.world_size = handle.group_size() if self._distributed else 1
         if optimizer.runtime.world.world_size != self.world_size:
             raise ValueError(
                 f"the optimizer spans {optimizer.runtime.world.world_size} of the {self.world_size} ranks; "
@@ -145,7 +145,7 @@ class CheckpointManager:
         self._comm = Comm()  # the main thread's exchanges of verdicts (the default group)
         self._verifier = Verifier(self._comm, self.verify)
         if async_save and self._distributed:  # DCP's collectives from the background thread
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._group = handle.new_group(backend="gloo", timeout=timeout)
         self._pending: tuple[Future, Path] | None = None  # an asynchronous save and its folder
         self._rewinds: set[int] = set()  # newer checkpoints a save was already warned about
         self._skipped: set[int] = set()  # newer checkpoints a load skipped as damaged or incomplete
@@ -208,7 +208,7 @@ class CheckpointManager:
     def _settle(self, error: BaseException | None, final: Path) -> None:
         """Where the ranks wait for each other: each one's outcome, so that a failure on
         any rank raises on every rank (the failed one's chained to its own error)."""
-        failed = outcome.failures(error, self.rank, self.world_size, self._group, self._distributed)
+        failed = outcome.failures(error, self.rank, self._group, self._distributed)
         if failed:
             raise CheckpointError(f"saving {final} failed: {'; '.join(failed)}") from error
 

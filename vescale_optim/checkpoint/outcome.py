@@ -10,8 +10,9 @@ than leaving the others in the barrier until the process group's timeout.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from ..shard import handle
 
 
 class CheckpointError(RuntimeError):
@@ -26,17 +27,14 @@ def reason(e: BaseException) -> str:
     return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
 
 
-def failures(error: BaseException | None, rank: int, world_size: int, group, distributed: bool) -> list[str]:
+def failures(error: BaseException | None, rank: int, group, distributed: bool) -> list[str]:
     """Every rank's failure, `rank r: Error: message` (collective when `distributed`:
     every rank calls it, failed or not). DCP's own error names its ranks already and is
     the same on each, so it is said once."""
     mine = None if error is None else reason(error)
     if error is not None and not isinstance(error, dcp.CheckpointException):
         mine = f"rank {rank}: {mine}"
-    everyone = [mine]
-    if distributed:
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = handle.all_gather_object(mine, group) if distributed else [mine]
     return list(dict.fromkeys(m for m in everyone if m is not None))
 
 

@@ -19,9 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ..shard.collectives import Comm, all_gather_object, all_reduce_
 from .checkpoints import Checkpoints, collective_timeout, params_sha256
 from .config import TrainConfig
 from .data import Batches, load_corpus, stdlib_files, val_windows
@@ -30,27 +30,22 @@ from .optimizers import OPTIMIZERS, make_scheduler, optimizer_names, param_dtype
 
 
 class World:
-    """Rank, size and device of this process; collectives are no-ops for one process."""
+    """Rank, size and device of this process; collectives are no-ops for one process. They are
+    the library's own (`shard.collectives` over the default group's `Comm`)."""
 
     def __init__(self) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.size = dist.get_world_size() if self.distributed else 1
-        self.backend = dist.get_backend() if self.distributed else "none"
+        self.comm = Comm()
+        self.distributed, self.rank, self.size = self.comm.distributed, self.comm.rank, self.comm.world_size
+        self.backend = self.comm.backend
         on_gpu = torch.cuda.is_available() and self.backend in ("nccl", "none")
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(t)
+        all_reduce_(t, self.comm, what="the demo's figures")
         return t
 
     def gather(self, obj: object) -> list:
-        if not self.distributed:
-            return [obj]
-        out: list = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+        return all_gather_object(obj, self.comm)
 
 
 SHARDING = {

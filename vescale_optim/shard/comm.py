@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import handle
 
 
 def forced() -> bool:
@@ -24,14 +26,14 @@ class Comm:
     group moves CPU tensors. `gloo` says whether this library's tensors travel through
     gloo (whose quirks the calls below work around)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.distributed = dist.is_available() and dist.is_initialized()
+    def __init__(self, group: ProcessGroup | None = None):
+        self.distributed = handle.initialized()
         if group is not None and not self.distributed:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
         self.group = group
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.backend = str(dist.get_backend(group)) if self.distributed else "none"
+        self.rank = handle.group_rank(group) if self.distributed else 0
+        self.world_size = handle.group_size(group) if self.distributed else 1
+        self.backend = handle.group_backend(group) if self.distributed else "none"
         self.device = _group_device(group, self.backend) if self.distributed else torch.device("cpu")
         self.gloo = self.device.type == "cpu" and "gloo" in self.backend
 
@@ -45,7 +47,7 @@ class Comm:
 
     def global_rank(self, rank: int) -> int:
         """The default group's rank of this group's `rank`."""
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+        return handle.global_rank(self.group, rank) if self.group is not None else rank
 
     @property
     def active(self) -> bool:
@@ -60,12 +62,12 @@ class DeviceMismatchError(RuntimeError):
     every rank's bytes would land on that one, not on the group's."""
 
 
-def _group_device(group: dist.ProcessGroup | None, backend: str) -> torch.device:
+def _group_device(group: ProcessGroup | None, backend: str) -> torch.device:
     """The device a group's tensors live on (see `Comm`); `DeviceMismatchError` when the
     group is bound to a CUDA device that is not the current one."""
     if "nccl" not in backend or not torch.cuda.is_available():
         return torch.device("cpu")
-    pg = group if group is not None else dist.group.WORLD
+    pg = group if group is not None else handle.default_group()
     bound = getattr(pg, "bound_device_id", None)
     current = torch.cuda.current_device()
     if bound is not None:

@@ -1,6 +1,23 @@
 """How this library's collectives are issued and waited for: `Op` (what a collective is,
-for errors), `Handle` (waiting, bounded by `set_collective_timeout`), and `issue`, the one
-door every `torch.distributed` call of the shard layer goes through.
+for errors), `Handle` (waiting, bounded by `set_collective_timeout`), and `issue`; and the
+one door every `torch.distributed` call of the library goes through.
+
+The door, by kind of call (`tests/test_one_door.py` checks that no other module calls
+torch.distributed):
+
+- collectives on tensors: `issue(op, call)`, where `call` makes the asynchronous
+  `torch.distributed` call (`shard.collectives` builds them; nothing else does);
+- calls on Python objects: `all_gather_object` (synchronous);
+- groups: `new_group`, and the queries `initialized`, `group_rank`, `group_size`,
+  `group_backend`, `global_rank` and `default_group`.
+
+What other modules may still name, and why it is not a call through a back door: the types
+`ProcessGroup` and `DeviceMesh` (isinstance checks and annotations); DCP
+(`torch.distributed.checkpoint`, the checkpoint format, its save and load coordinating the
+group they are given by themselves) in `checkpoint/` and `shard/dcp.py`; and the setup of a
+user's process group (`init_process_group`, `destroy_process_group`, the stores) in
+`distributed.py`, `local_world.py` and `demo/launch.py`, which make the group this library
+then uses.
 
 Two debugging aids work at that door, for tests above all:
 
@@ -25,14 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .collectives import Comm
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 _timeout: timedelta | None = None
 
@@ -63,10 +79,17 @@ def get_collective_timeout() -> timedelta | None:
     return _timeout
 
 
+class Group(Protocol):
+    """What an `Op` reads of its group (a `shard.comm.Comm`): its size and this rank in it."""
+
+    rank: int
+    world_size: int
+
+
 class Op:
     """What a collective is, for error messages: kind, purpose, tensor and group."""
 
-    def __init__(self, kind: str, what: str | None, tensor: torch.Tensor | None, comm: Comm):
+    def __init__(self, kind: str, what: str | None, tensor: torch.Tensor | None, comm: Group):
         self.kind, self.what, self.comm = kind, what, comm
         self.numel = tensor.numel() if tensor is not None else None
         self.dtype = tensor.dtype if tensor is not None else None
@@ -299,3 +322,64 @@ def before_issue(callback: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         _hooks.remove(callback)
+
+
+# --- the rest of torch.distributed this library calls -------------------------------------
+
+
+def initialized() -> bool:
+    """Whether this process has joined a default process group (False where torch was built
+    without torch.distributed)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (the default group when None)."""
+    return dist.get_rank(group)
+
+
+def group_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks of `group` (the default group when None)."""
+    return dist.get_world_size(group)
+
+
+def group_backend(group: ProcessGroup | None = None) -> str:
+    """`group`'s backend as torch names it (`"gloo"`, `"nccl"`, `"cpu:gloo,cuda:nccl"`)."""
+    return str(dist.get_backend(group))
+
+
+def global_rank(group: ProcessGroup, rank: int) -> int:
+    """The default group's rank of `group`'s `rank`."""
+    return dist.get_global_rank(group, rank)
+
+
+def default_group() -> ProcessGroup:
+    """The default process group (the world)."""
+    return dist.group.WORLD
+
+
+def new_group(ranks: Sequence[int] | None = None, **options) -> ProcessGroup:
+    """A new process group of `ranks` (every rank when None); `options` as torch's
+    `new_group` takes them (`backend`, `timeout`, `use_local_synchronization`). Every rank
+    of the world makes the same calls in one order, or with `use_local_synchronization`
+    only the members. Not a collective on tensors: not traced."""
+    return dist.new_group(None if ranks is None else list(ranks), **options)
+
+
+def all_gather_object(obj: object, group: ProcessGroup | None = None, op: Op | None = None) -> list:
+    """Every rank of `group`'s picklable `obj`, in rank order (synchronous: a host sync).
+
+    With `op` the call is a collective of the traced order: it is traced, whatever
+    `delayed()` holds back runs first (every rank keeps one order) and a failure raises
+    `op`'s `CollectiveError`. Without one it is a plain exchange outside that order (a
+    checkpoint's outcomes, possibly from a background thread; the demo's figures)."""
+    out: list = [None] * group_size(group)
+    if op is None:
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    before_synchronous(op)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:
+        raise op.error(e, False) from e
+    return out

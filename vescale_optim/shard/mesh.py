@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from . import handle
 from .collectives import Comm
 
 DIM_NAMES = ("replicate", "shard")
@@ -73,16 +72,16 @@ def resolve(mesh=None, process_group=None) -> Groups:
         return Groups(comm, Comm.alone(), comm, Topology.flat(comm))
     if process_group is not None:
         raise ValueError("pass either mesh= or process_group=, not both (a 1-D mesh replaces the group)")
-    if not (dist.is_available() and dist.is_initialized()):
+    if not handle.initialized():
         raise ValueError("a mesh was given but torch.distributed is not initialised")
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; expected 1 (shard) or 2 (replicate, shard)"
         )
-    if mesh.size() != dist.get_world_size():
+    if mesh.size() != handle.group_size():
         raise ValueError(
             f"mesh of shape {tuple(mesh.shape)} spans {mesh.size()} ranks but the world has "
-            f"{dist.get_world_size()}; the mesh must cover every rank"
+            f"{handle.group_size()}; the mesh must cover every rank"
         )
     if mesh.ndim == 1:
         shard = Comm(mesh.get_group(0))
