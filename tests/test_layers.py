@@ -1,5 +1,9 @@
 """The package's layers import downwards only, with no import circle, and no module or
-class outgrows one idea."""
+class outgrows one idea.
+
+Every import counts, for both rules: at module level, under `if TYPE_CHECKING:` (a circle of
+types is still a circle: the two modules cannot be understood one without the other) and
+inside functions (imported late, but imported)."""
 
 import ast
 from pathlib import Path
@@ -32,14 +36,12 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """The package modules `name` imports at module level (not under TYPE_CHECKING nor
-    inside functions)."""
+    """The package modules `name` imports anywhere: at module level, under TYPE_CHECKING
+    and inside functions."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("vescale_optim"))
         elif isinstance(node, ast.ImportFrom):

@@ -7,15 +7,39 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..shard.collectives import all_reduce_
 from ..shard.comm import Comm
 
-if TYPE_CHECKING:
-    from .reduced_grad import Sharded
+
+class Pieces(Protocol):
+    """What a whole-tensor reduction reads of a sharded tensor (`reduced_grad.Sharded`, which
+    imports this module: naming it here would close an import circle)."""
+
+    _comm: Comm
+    dtype: torch.dtype
+    device: torch.device
+
+    def local(self) -> torch.Tensor: ...
+
+    def dim(self) -> int: ...
+
+    def numel(self) -> int: ...
+
+
+# The one dispatch of sharded and partial tensors (`reduced_grad._dispatch`): installed by
+# `reduced_grad` when it is imported, which it is before any Partial exists (only its ops make them).
+_dispatch: Callable[[Any, Any, tuple, dict], Any] | None = None
+
+
+def use_dispatch(dispatch: Callable[[Any, Any, tuple, dict], Any]) -> None:
+    """Make `dispatch` the torch-function dispatch of `Partial` values (see `_dispatch`)."""
+    global _dispatch
+    _dispatch = dispatch
+
 
 _AMAX = {torch.amax, torch.amin, torch.Tensor.amax, torch.Tensor.amin}  # these take a dim; max(dim) does not
 
@@ -92,8 +116,6 @@ class Partial(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .reduced_grad import _dispatch  # the one dispatch of sharded and partial tensors
-
         return _dispatch(func, types, args, kwargs or {})
 
 
@@ -158,7 +180,7 @@ def _float_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
 
 
-def _norm(self: Sharded, ord_: Any = 2, dtype: torch.dtype | None = None) -> Partial:
+def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Partial:
     """The vector norm of order `ord_` of the whole tensor, partial."""
     if ord_ is None or ord_ == "fro":
         ord_ = 2.0
@@ -194,7 +216,7 @@ def _norm(self: Sharded, ord_: Any = 2, dtype: torch.dtype | None = None) -> Par
                        self.device)  # fmt: skip
 
 
-def _reduction(self: Sharded, kind: str, func, args, kwargs) -> Partial:
+def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Partial:
     """A whole-tensor reduction (`sum`, `max`, `all`, ...) of a sharded tensor, partial."""
     dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
     keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))

@@ -50,10 +50,11 @@ from .partial import (
     _resolve,
     _shell,
     _stack,
+    use_dispatch,
 )
 
 if TYPE_CHECKING:
-    from .unit import Unit
+    from .unit_view import UnitView
 
 _METADATA = {
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
@@ -172,7 +173,7 @@ class ReducedGrad(Sharded):
     `model.to(...)` runs; the step then refuses the moved parameter); assigning a tensor to
     `.grad` replaces the gradient."""
 
-    _unit: Unit
+    _unit: UnitView
     _index: int
 
     def local(self) -> torch.Tensor:
@@ -186,7 +187,7 @@ class ReducedGrad(Sharded):
         return self.local()
 
     @staticmethod
-    def _of(unit: Unit, i: int, shape, dtype, device) -> ReducedGrad:  # type: ignore[override]
+    def _of(unit: UnitView, i: int, shape, dtype, device) -> ReducedGrad:  # type: ignore[override]
         out = _shell(ReducedGrad, shape, dtype, device)
         out._unit, out._index = unit, i
         offset = unit.layout.offsets[i]
@@ -345,5 +346,7 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
         return _elementwise(func, args, kwargs, inplace=False)
     raise _refuse(func)
 
+
+use_dispatch(_dispatch)  # Partial's values dispatch here too
 
 __all__ = ["Partial", "ReducedGrad", "Sharded", "ShardedGradError"]
