@@ -363,7 +363,7 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
     (parameters, gradients, state; `unsharded` 0). During the step: plus the activations and
     the gradients a plain torch model would hold (measured: `plain`, the same forward and
     backward without the library), plus the library's transient buffers: at most three
-    unit-sized buffers in backward (README: the computing unit's parameters and gradient
+    unit-sized buffers in backward (docs/guide.md: the computing unit's parameters and gradient
     buffer, and the one being reduced or the next unit's parameters) and the outermost unit's
     parameters and gradient buffer. Bounds: peak >= persistent + the largest unit (a gather
     must allocate it); peak <= persistent + plain + 3 x largest block + 2 x outermost + 128 MiB

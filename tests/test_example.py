@@ -3,8 +3,8 @@ checkpoints through CheckpointManager (synchronously and asynchronously), resume
 exactly, and a 2-rank checkpoint resumes in one process.
 examples/hf_llama.py (a Hugging Face Llama under Muon) trains, resumes exactly and writes a
 folder that transformers loads with the same weights.
-The docs' complete torchrun script runs on 2 ranks too, and their HSDP script on a 2x2 mesh (each
-the one ```python block of README.md and docs/*.md that has what it needs)."""
+README.md's complete torchrun script runs on 2 ranks too, and the HSDP script of docs/guide.md on
+a 2x2 mesh (each the one ```python block of README.md and docs/*.md that has what it needs)."""
 
 from __future__ import annotations
 
