@@ -5,20 +5,23 @@ Each member's block (its rows of M) is a work item of the owner layer with its m
 owner, so one staged gather plan over the world brings every block to its member (a block a
 member holds whole stays in place) and one scatter plan brings the results back to every holder
 of every replica. The process groups, one per distinct set of members, are created once, at
-construction, by every rank in the same order. All of it runs once a step, when the last
-active Muon segment has its momentum (`vo.Muon` defers the segments' updates until then), so
-every rank issues the same world collectives at the same point.
+construction, by every rank in the same order. All of it runs once a step, in the step's phase
+across segments (`vo.Muon._step_phase`: every Muon segment has its momentum, no update has been
+applied yet), so every rank issues the same world collectives at the same point. Everything a step needs to
+know of where blocks lie and go is planned once, at construction (`SplitStep`); a step only
+moves and computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..owners.plan import WorkItem, plan_owners
 from ..shard.collectives import Comm, run_plan
-from ..shard.handle import group_size, new_group
 from ..shard.mesh import Topology
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
@@ -31,7 +34,7 @@ def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
     the world in one order; the `Comm`s of those this rank is in."""
     if not world.active:
         return {}
-    everyone = world.world_size == group_size()  # else only members may create a group
+    everyone = world.world_size == dist.get_world_size()  # else only members may create a group
     mine = {}
     for members in sorted(set(plan.groups.values())):
         ranks = [world.global_rank(r) for r in members]
@@ -39,10 +42,25 @@ def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
             raise RuntimeError(f"world ranks {members} are not in the order of their global ranks {ranks}")
         if not everyone and world.rank not in members:
             continue
-        group = new_group(ranks, use_local_synchronization=not everyone)
+        group = dist.new_group(ranks, use_local_synchronization=not everyone)
         if world.rank in members:
             mine[members] = Comm(group)
     return mine
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A block this rank computes: member `member` of matrix `matrix`'s split, block `block` of
+    the plan, from the segment at `seg` (position); it arrives at `received` in the gathered
+    buffer, or lies whole here at `at` in the segment's update (read and written in place)."""
+
+    matrix: int
+    member: int
+    block: int
+    seg: int
+    numel: int
+    received: int | None
+    at: int | None
 
 
 class SplitStep:
@@ -72,9 +90,13 @@ class SplitStep:
                 owners.append(member)
                 self.seg_of.append(s)
         self.blocks = blocks
-        self.moves = plan_owners([blocks], topology, rank, owners=owners).segments[0]
+        self.moves = moves = plan_owners([blocks], topology, rank, owners=owners).segments[0]
         self.comms = _groups(plan, world)
         self.segs = list(segs)
+        self._mine = [_Block(i, j, b, self.seg_of[b], blocks[b].numel, moves.received_at.get(b),
+                             None if b in moves.received_at else
+                             next(p.offset for p in blocks[b].pieces if p.stop > p.start))
+                      for i, j, b in self.mine]  # fmt: skip
 
     def run(self, updates: dict[int, torch.Tensor]) -> tuple[int, int, list[tuple[int, int]]]:
         """Split Newton–Schulz on every split matrix, in place in `updates` (segment position ->
@@ -89,26 +111,24 @@ class SplitStep:
         if moves.gather is not None:
             got = like.new_empty(moves.gather.dst_numel[self.world.rank])
             self._run(moves.gather, send, got, 0, traffic, "split Newton–Schulz: blocks to members")
-        jobs, in_place = [], []
-        for i, j, b in self.mine:
-            split, group = self.plan.splits[i], self.segs[self.seg_of[b]].group
-            numel, src = self.blocks[b].numel, updates.get(self.seg_of[b])
-            if b in moves.received_at:
-                block, at = got[moves.received_at[b] : moves.received_at[b] + numel], None
+        jobs = []
+        for m in self._mine:
+            split, group, src = self.plan.splits[m.matrix], self.segs[m.seg].group, updates.get(m.seg)
+            if m.received is not None:
+                block = got[m.received : m.received + m.numel]
             else:  # held whole here: read and written in place
-                at = next(p.offset for p in self.blocks[b].pieces if p.stop > p.start)
-                block = src[at : at + numel] if src is not None else like.new_zeros(numel)
-            in_place.append(at)
-            jobs.append(Job(split, j, block.view(-1, split.shape[1]), self.comms[self.plan.groups[i]],
-                            group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"]))  # fmt: skip
+                block = src[m.at : m.at + m.numel] if src is not None else like.new_zeros(m.numel)
+            comm = self.comms[self.plan.groups[m.matrix]]
+            jobs.append(Job(split, m.member, block.view(-1, split.shape[1]), comm, group["ns_steps"],
+                            tuple(group["ns_coefficients"]), group["eps"]))  # fmt: skip
         outs, gathered = run_split(jobs)
         traffic = [traffic[0] + gathered, traffic[1] + gathered]  # a ring sends what it receives
         out = like.new_empty(moves.result_numel)
-        for (_, _, b), o, at in zip(self.mine, outs, in_place):
-            if at is None:
-                out[moves.result_at[b] : moves.result_at[b] + o.numel()].copy_(o.reshape(-1))
+        for m, o in zip(self._mine, outs):
+            if m.at is None:
+                out[moves.result_at[m.block] : moves.result_at[m.block] + o.numel()].copy_(o.reshape(-1))
             else:
-                _copy(updates.get(self.seg_of[b]), at, o.reshape(-1), 0, o.numel())
+                _copy(updates.get(m.seg), m.at, o.reshape(-1), 0, o.numel())
         if moves.scatter is not None:
             back = like.new_empty(moves.back_numel)
             self._run(moves.scatter, out, back, 1, traffic, "split Newton–Schulz: results back")

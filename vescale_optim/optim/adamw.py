@@ -10,7 +10,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ..kernels import adamw8bit_update_
 from ..shard.comm import host_to_device
-from ..units.segment import Segment
+from ..units.segment import Segment, StateSpec
 from . import lowbit
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
 from .base import ShardedOptimizer
@@ -73,6 +73,8 @@ class AdamW(ShardedOptimizer):
     """
 
     structural_keys = ("amsgrad",)
+    STATE = (StateSpec("exp_avg"), StateSpec("exp_avg_sq", stored_as_sqrt=True))
+    AMSGRAD = StateSpec("max_exp_avg_sq")
 
     def __init__(
         self,
@@ -117,53 +119,53 @@ class AdamW(ShardedOptimizer):
             return f"param group {gi}: {e}"
         return None
 
-    def _state_names(self, seg: Segment) -> list[str]:
-        names = ["exp_avg", "exp_avg_sq"]
-        return [*names, "max_exp_avg_sq"] if seg.group["amsgrad"] else names
+    def _state_specs(self, seg: Segment) -> list[StateSpec]:
+        return [*self.STATE, self.AMSGRAD] if seg.group["amsgrad"] else list(self.STATE)
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> None:
-        adamw_segment_step(seg, lowbit.kind(seg.tier), grads)
+        adamw_segment_step(seg, grads)
 
 
-def adamw_segment_step(seg: Segment, kind: str, grads: torch.Tensor) -> None:
+def adamw_segment_step(seg: Segment, grads: torch.Tensor) -> None:
     """AdamW on the active runs of a seg's local slice, whatever the moments' storage.
 
-    fp32 moments go through torch's fused AdamW kernel, every run in one call (one pass
-    over memory, same math as `adamw_update_`); bf16 moments are decoded, updated run by
-    run and re-encoded; 8-bit moments use the fused block-quantized kernel per run (runs
-    start and end on quantization blocks).
+    Moments kept exactly (fp32) go through torch's fused AdamW kernel, every run in one
+    call (one pass over memory, same math as `adamw_update_`); 8-bit blocks use the fused
+    block-quantized kernel per run (runs start and end on quantization blocks, and the
+    second moment is stored as its square root, the kernel's form); other storage is
+    decoded, updated run by run and re-encoded.
     """
     runs = list(seg.runs())
     if not runs:
         return
-    g, st = seg.group, seg.state
+    g = seg.group
     beta1, beta2 = g["betas"]
     hyper = dict(
         lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
         maximize=g.get("maximize", False),
     )  # fmt: skip
-    params = seg.local_params
-    if kind == "q8":
-        blk = lowbit.BLOCK
+    params, codec = seg.local_params, seg.codec
+    if isinstance(codec, lowbit.Blocks):
+        (mq, ms), (vq, vs) = codec.parts(seg.state, "exp_avg"), codec.parts(seg.state, "exp_avg_sq")
+        blk = codec.block
         for lo, hi, step in runs:
             b0, b1 = lo // blk, -(-hi // blk)
-            adamw8bit_update_(
-                params[lo:hi], grads[lo:hi], st["exp_avg.q"][lo:hi], st["exp_avg.scales"][b0:b1],
-                st["exp_avg_sq.q"][lo:hi], st["exp_avg_sq.scales"][b0:b1], step=step, block_size=blk, **hyper,
-            )  # fmt: skip
-    elif kind == "fp32":
-        amsgrad = "max_exp_avg_sq" in st
+            adamw8bit_update_(params[lo:hi], grads[lo:hi], mq[lo:hi], ms[b0:b1], vq[lo:hi], vs[b0:b1],
+                              step=step, block_size=blk, **hyper)  # fmt: skip
+    elif codec.exact:
+        amsgrad = "max_exp_avg_sq" in seg.state_names
         cut = lambda t: [t[lo:hi] for lo, hi, _ in runs]  # noqa: E731
         # the fused kernel counts each step up itself before using it
         # copied to the device without a stall (pinned, non-blocking on CUDA)
         steps = host_to_device([float(s - 1) for _, _, s in runs], torch.float32, params.device).unbind()
         _torch_adamw(
-            cut(params), cut(grads), cut(st["exp_avg"]), cut(st["exp_avg_sq"]),
-            cut(st["max_exp_avg_sq"]) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad, **hyper,
+            cut(params), cut(grads), cut(seg.moment("exp_avg")), cut(seg.moment("exp_avg_sq")),
+            cut(seg.moment("max_exp_avg_sq")) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad,
+            **hyper,
         )  # fmt: skip
     else:
-        m, v = lowbit.decode(st, "exp_avg", kind), lowbit.decode(st, "exp_avg_sq", kind)
+        m, v = seg.moment("exp_avg"), seg.moment("exp_avg_sq")
         for lo, hi, step in runs:
             adamw_update_(params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], None, step=step, **hyper)
-        lowbit.encode_(st, "exp_avg", kind, m)
-        lowbit.encode_(st, "exp_avg_sq", kind, v)
+        seg.store("exp_avg", m)
+        seg.store("exp_avg_sq", v)

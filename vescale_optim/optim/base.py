@@ -1,12 +1,12 @@
 """The sharded-optimizer base: a `torch.optim.Optimizer` that holds a sharding runtime.
 
-A subclass declares how big a layout granule of each parameter is (`_granule`), which
-flat state it keeps per segment (`_state_names`) and how to update a segment
-(`_update`, a pure function of the segment's flat tensors, or a `Move` for math that
-needs whole matrices or tiles); optionally the per-parameter state it keeps whole on one
-rank (`_owned_state`). The runtime (`units.Runtime`) does the rest: units, their hooks,
-the gradient reduction, which parameters step, clipping and memory; the state dicts go
-through `StateIO`.
+A subclass declares each parameter's layout granule (`_granule`), its flat state per segment
+(`_state_specs`, stored by the tier's codec: `lowbit`), how to update a segment (`_update`:
+pure math on its flat tensors, or a `Move` for whole matrices or tiles), optionally work that
+spans a step's segments (`_step_phase`), state kept whole on one rank (`_owned_state`) and
+the step statistics it counts (`step_stat_names`). The runtime (`units.Runtime`) does the
+rest: units, hooks, gradient reduction, which parameters step, clipping, memory; the state
+dicts go through `StateIO`.
 
 A parameter takes a step iff some rank has a gradient for it, as in torch; the ranks
 agree on that with one small all-reduce per step.
@@ -26,15 +26,12 @@ from torch.profiler import record_function
 from ..owners.moves import Move, run_moves
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
-from ..units.segment import FROZEN, Segment
+from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.unit import Unit
-from . import lowbit
+from . import _step_stats, lowbit
 from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .state_dict import Gather, Owned, StateIO
-
-STEP_STATS = ("ns_matrices", "ns_flops", "roots", "bytes_sent", "bytes_received", "gather_bytes",
-              "reduce_bytes")  # fmt: skip
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -48,7 +45,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
+    step_stat_names: tuple[str, ...] = ()  # the step statistics a subclass counts itself
     structural_keys: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _step_stats.register(cls.step_stat_names)
 
     def __init__(self, params, defaults: dict, sharding: ShardingConfig | dict[str, Any] | None = None):
         if not isinstance(sharding, ShardingConfig):
@@ -57,7 +59,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.skip_nonfinite = sharding.skip_nonfinite
         self.skipped_steps = 0
-        self.step_stats = dict.fromkeys(STEP_STATS, 0)
+        self.step_stats = _step_stats.fresh()
         all_params = [p for g in self.param_groups for p in g["params"]]
         try:  # a problem only this rank has is raised on every rank, once they have agreed
             self._check_params(all_params)
@@ -65,11 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         except ValueError as e:
             local = str(e)
         self._labels = label_params(self.param_groups)
-        for p in all_params:
-            if p.requires_grad and p.dtype == torch.float64 and lowbit.tier(p, self.state_bits) != "fp32":
-                bits = self.state_bits
-                local = local or (f"parameter {self._labels[id(p)]} is float64, but state_bits={bits} "
-                                  "would keep its state below fp32; use state_bits=32")  # fmt: skip
+        local = local or lowbit.precision_problem(all_params, self.state_bits, self._labels)
 
         def agree(world, problem: str | None, structure: list) -> None:
             check_same_on_every_rank(self.param_groups, world, local or problem, structure)
@@ -78,10 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.runtime = runtime
         self._sent_until = runtime.collective_bytes()  # at the end of the last step
         for seg in runtime.segments:
-            names = [] if seg.tier == FROZEN else self._state_names(seg)
-            params = seg.local_params
-            seg.set_state(names, lowbit.new_state(names, lowbit.kind(seg.tier), seg.numel, params.device,
-                                                  params.dtype))  # fmt: skip
+            seg.set_state([] if seg.tier == FROZEN else self._state_specs(seg), lowbit.codec_of(seg.tier))
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
         self._io = StateIO(
             runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.world,
@@ -90,13 +85,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _declare(self, p: torch.Tensor, group: int) -> Declaration:
-        """A parameter's granule, state tier and alignment, for the runtime's layout: 8-bit
-        state keeps whole quantization blocks, frozen parameters need no granule."""
-        tier = lowbit.tier(p, self.state_bits) if p.requires_grad else FROZEN
-        if tier == "q8":
-            return Declaration(lowbit.q8_granule(p), tier, align=lowbit.BLOCK)
-        granule = 1 if tier == FROZEN else self._granule(p, self.param_groups[group])
-        return Declaration(granule, tier)
+        """A parameter's granule, state tier and alignment, for the runtime's layout: its tier's codec
+        may refine the granule (8-bit blocks stay whole); frozen parameters need none."""
+        if not p.requires_grad:
+            return Declaration(1, FROZEN)
+        codec = lowbit.codec_for(p, self.state_bits)
+        granule = codec.granule(p, self._granule(p, self.param_groups[group]))
+        return Declaration(granule, codec.tier, align=codec.align)
 
     # --- what a subclass declares ---------------------------------------------------------
 
@@ -104,8 +99,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Elements per layout granule: rank boundaries inside `p` fall on multiples of this."""
         return 1
 
-    def _state_names(self, seg: Segment) -> list[str]:
-        """Names of the element-wise state tensors kept for a segment."""
+    def _state_specs(self, seg: Segment) -> list[StateSpec]:
+        """The element-wise state tensors kept for a segment, under torch's names."""
         return []
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
@@ -133,6 +128,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _before_update(self) -> None:
         """Called once per step before the segments are updated (per-step counters)."""
+
+    def _step_phase(self, segments: list[Segment]) -> list[Move]:
+        """Once a step, after every stepping segment's `_update` (`segments`, in model order, agreed),
+        before the moves: work spanning segments (Muon's split Newton–Schulz); returns more moves."""
+        return []
 
     def _after_update(self) -> None:
         """Called once per step after every segment's update and move finished."""
@@ -187,7 +187,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameters step (collective; once per step, `step()` calls it)."""
         if self.runtime.gradients_reduced:
             return
-        self.step_stats = dict.fromkeys(STEP_STATS, 0)
+        self.step_stats = _step_stats.fresh()
         self._traffic(self.runtime.reduce_gradients())
 
     def _traffic(self, sent: int, received: int | None = None) -> None:
@@ -224,12 +224,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.runtime.refresh(changed)
         with record_function("vescale_optim.update"):
             self._before_update()
-            moves = []
-            for seg in self.runtime.segments:
-                if seg.any_active:
-                    move = self._update(seg, seg.local_grads())
-                    if move is not None:
-                        moves.append(move)
+            moves, stepping = [], [seg for seg in self.runtime.segments if seg.any_active]
+            for seg in stepping:
+                move = self._update(seg, seg.local_grads())
+                if move is not None:
+                    moves.append(move)
+            moves += self._step_phase(stepping)
             self._traffic(*run_moves(moves, self.runtime.world))
             self._after_update()
         self._traffic(self.runtime.publish(changed))

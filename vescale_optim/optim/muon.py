@@ -21,7 +21,7 @@ from ..owners.balance import keep_homes, spread_homes
 from ..owners.moves import Move
 from ..owners.plan import SegmentMoves, WorkItem, plan_owners
 from ..shard.redistribution import Piece
-from ..units.segment import FROZEN, Segment
+from ..units.segment import FROZEN, Segment, StateSpec
 from . import lowbit
 from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
 from ._muon_math import ADJUST_LR_FNS as _ADJUST
@@ -30,7 +30,7 @@ from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
 from ._muon_split import SplitStep
 
 __all__ = ["CostModel", "Muon", "MuonPlan", "adjusted_lr", "matrix_view", "ns_flops"]  # benchmarks read them
-from .adamw import adamw_segment_step
+from .adamw import AdamW, adamw_segment_step
 from .base import ShardedOptimizer
 
 _ADAMW_EPS = 1e-8
@@ -199,8 +199,6 @@ class Muon(ShardedOptimizer):
         self._split = SplitStep(self.plan, segs, [w for w, _ in work], [s for _, s in work], topo,
                                 runtime.world) if self.plan.groups else None  # fmt: skip
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
-        self._waiting: list = []  # segments' updates to apply once the split matrices are done
-        self._split_at: int | None = None  # the segment whose update runs the split matrices
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -221,12 +219,15 @@ class Muon(ShardedOptimizer):
                     )
 
     structural_keys = ("use_muon",)
+    step_stat_names = ("ns_matrices", "ns_flops")  # this rank's Newton–Schulz work in the step
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return p.shape[-1] if group["use_muon"] else 1
 
-    def _state_names(self, seg: Segment) -> list[str]:
-        return ["momentum_buffer"] if seg.group["use_muon"] else ["exp_avg", "exp_avg_sq"]
+    MOMENTUM = StateSpec("momentum_buffer")
+
+    def _state_specs(self, seg: Segment) -> list[StateSpec]:
+        return [self.MOMENTUM] if seg.group["use_muon"] else list(AdamW.STATE)
 
     def _stepless(self, seg: Segment) -> bool:
         return seg.group["use_muon"]
@@ -240,44 +241,44 @@ class Muon(ShardedOptimizer):
 
     def _before_update(self) -> None:
         self.orthogonalized = 0
-        self._updates, self._waiting = {}, []
-        active = [s for s, seg in enumerate(self._segs) if seg.any_active]  # agreed: the same everywhere
-        self._split_at = active[-1] if self._split is not None and active else None
+        self._updates = {}
 
-    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        work = self._work.get(id(seg))
-        if work is None:
-            adamw_segment_step(seg, lowbit.kind(seg.tier), grads)
+    def _update(self, seg: Segment, grads: torch.Tensor) -> None:
+        """Momentum on the local slice; the update waits for `_step_phase` (AdamW groups step now)."""
+        if id(seg) not in self._work:
+            adamw_segment_step(seg, grads)
             return None
-        g, kind = seg.group, lowbit.kind(seg.tier)
-        buf = lowbit.decode(seg.state, "momentum_buffer", kind)
+        g, buf = seg.group, seg.moment("momentum_buffer")
         runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
         update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
-        lowbit.encode_(seg.state, "momentum_buffer", kind, buf)
-        if self._split_at is not None:
-            position = self._position[id(seg)]
-            self._updates[position] = update
-            if position == self._split_at:  # every segment has its momentum: the split matrices now
-                self._run_split()
+        seg.store("momentum_buffer", buf)
+        self._updates[self._position[id(seg)]] = update
+        return None
+
+    def _step_phase(self, segments: list[Segment]) -> list[Move]:
+        """Every Muon segment has its momentum: the split matrices first (all of the step's, by
+        their groups, in place in the segments' updates), then each segment's move of its whole
+        matrices to their owners (those held whole are orthogonalized and applied now)."""
+        updates, self._updates = self._updates, {}
+        if self._split is not None and updates:
+            self._run_split(updates)
+        moves = [self._move(self._segs[position], update) for position, update in updates.items()]
+        return [m for m in moves if m is not None]
+
+    def _move(self, seg: Segment, update: torch.Tensor) -> Move | None:
+        """The segment's whole matrices to their owners and back, applied with the split ones."""
+        work, g = self._work[id(seg)], seg.group
         return work.moves.move(
             update, label="newton_schulz",
             local=lambda: self._orthogonalize(work.held, g, update),
             compute=lambda received: self._orthogonalize(work.arriving, g, received),
-            finish=lambda back: self._finish(seg, update, back, work.returned),
+            finish=lambda back: self._apply(seg, update, back, work.returned),
         )  # fmt: skip
 
-    def _finish(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
-                returned: list[tuple[int, int, int]]) -> None:  # fmt: skip
-        """`_apply` now, or once the split matrices are done (their results land in `update`)."""
-        if self._waiting is None or self._split_at is None:
-            self._apply(seg, update, back, returned)
-        else:
-            self._waiting.append(lambda: self._apply(seg, update, back, returned))
-
-    def _run_split(self) -> None:
-        """Every split matrix of the step, then the updates that waited for them."""
+    def _run_split(self, updates: dict[int, torch.Tensor]) -> None:
+        """Every split matrix of the step, in place in `updates` (segment position -> update)."""
         with record_function("vescale_optim.newton_schulz_split"):
-            sent, received, done = self._split.run(self._updates)
+            sent, received, done = self._split.run(updates)
         self._traffic(sent, received)
         for i, j in done:
             split, steps = self.plan.splits[i], self._segs[self._split.seg_of_matrix[i]].group["ns_steps"]
@@ -285,9 +286,6 @@ class Muon(ShardedOptimizer):
             if j == 0:  # a split matrix counts once, at its first member
                 self.orthogonalized += 1
                 self.step_stats["ns_matrices"] += 1
-        waiting, self._waiting, self._updates = self._waiting, None, {}
-        for apply in waiting:
-            apply()
 
     def _apply(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
                returned: list[tuple[int, int, int]]) -> None:  # fmt: skip

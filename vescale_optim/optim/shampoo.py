@@ -10,7 +10,7 @@ import torch
 from ..owners.moves import Move
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
-from ..units.segment import FROZEN, Segment
+from ..units.segment import FROZEN, Segment, StateSpec
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel
 from ._shampoo_math import (
@@ -27,7 +27,8 @@ from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
-_SECOND = {"adam": "exp_avg_sq", "adagrad": "sum"}
+_SECOND = {"adam": StateSpec("exp_avg_sq"), "adagrad": StateSpec("sum")}  # the grafting's second moment
+_EXP_AVG = StateSpec("exp_avg")
 # No tile leaves the rank holding its rows while no rank's root work exceeds 1.2x the mean;
 # when some must, tiles stay while their rank's work is within 1.1x the mean.
 _TOLERATE, _SLACK = 0.2, 0.1
@@ -116,6 +117,7 @@ class Shampoo(ShardedOptimizer):
     # --- hooks ----------------------------------------------------------------------
 
     structural_keys = ("max_preconditioner_dim", "grafting")
+    step_stat_names = ("roots",)  # inverse roots this rank computed in the step
 
     def _check_group(self, gi: int, group: dict) -> str | None:
         try:
@@ -129,13 +131,15 @@ class Shampoo(ShardedOptimizer):
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
 
-    def _state_names(self, seg: Segment) -> list[str]:
+    def _state_specs(self, seg: Segment) -> list[StateSpec]:
         second = _SECOND.get(seg.group["grafting"])
-        return ["exp_avg", second] if second else ["exp_avg"]
+        return [_EXP_AVG, second] if second else [_EXP_AVG]
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         g, seg_tiles = seg.group, self._tiles[id(seg)]
-        exp_avg, second = seg.state["exp_avg"], seg.state.get(_SECOND.get(g["grafting"], ""))
+        second_spec = _SECOND.get(g["grafting"])
+        exp_avg = seg.moment(_EXP_AVG.name)
+        second = seg.moment(second_spec.name) if second_spec else None
         update, mhat = torch.empty_like(exp_avg), torch.empty_like(exp_avg)
         runs = list(seg.runs())
         for lo, hi, step in runs:
@@ -145,6 +149,9 @@ class Shampoo(ShardedOptimizer):
                 grafting=g["grafting"],
             )  # fmt: skip
             torch.div(exp_avg[lo:hi], bias_correction(g["betas"][0], step), out=mhat[lo:hi])
+        seg.store(_EXP_AVG.name, exp_avg)  # nothing to write back while the state is exact (fp32)
+        if second_spec:
+            seg.store(second_spec.name, second)
 
         def apply() -> None:
             lr, p = float(g["lr"]), seg.local_params

@@ -22,9 +22,7 @@ from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
 from ..shard.redistribution import owner_offsets
 from ..shard.spec import RaggedShard
 from ..units.segment import Segment
-from . import lowbit
 
-_SQRT = ("exp_avg_sq",)  # stored as sqrt(v) when 8-bit
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
 
 
@@ -115,22 +113,19 @@ class StateIO:
     # --- flat state under torch's names --------------------------------------------------
 
     @staticmethod
-    def _kind(seg: Segment) -> str:
-        return lowbit.kind(seg.tier)
+    def _locals(seg: Segment) -> dict[str, torch.Tensor]:
+        """Local flat state decoded under torch's names, one element per local-slice element.
 
-    def _locals(self, seg: Segment) -> dict[str, torch.Tensor]:
-        """Local flat state in fp32 under torch's names, one element per local-slice element.
+        State its tier keeps exactly is returned as itself (so loading writes it in place);
+        other state is decoded into copies (by the segment's codec, from its `StateSpec`s),
+        and `_commit` encodes them back."""
+        return {n: seg.moment(n) for n in seg.state_names}
 
-        fp32 state is returned as itself (so loading writes it in place); bf16 or 8-bit
-        state is decoded into copies, and `_commit` encodes them back."""
-        kind = self._kind(seg)
-        return {n: lowbit.decode(seg.state, n, kind, sqrt=n in _SQRT) for n in seg.state_names}
-
-    def _commit(self, seg: Segment, local: dict[str, torch.Tensor]) -> None:
+    @staticmethod
+    def _commit(seg: Segment, local: dict[str, torch.Tensor]) -> None:
         """Store values written into `_locals`' tensors back into the state."""
-        kind = self._kind(seg)
         for name, x in local.items():
-            lowbit.encode_(seg.state, name, kind, x, sqrt=name in _SQRT)
+            seg.store(name, x)
 
     def _expected(self, seg: Segment, i: int, owned: list[Owned]) -> dict[str, tuple[int, ...]]:
         """The state keys parameter `i` must carry on load, with their shapes."""
@@ -305,7 +300,7 @@ class StateIO:
 
     def _piece(self, seg: Segment, i: int, name: str):
         """This rank's piece of parameter `i`'s state `name` (or its fp32 "master") for DCP:
-        a view of fp32 state, or a reader that decodes low-bit state when DCP writes it."""
+        a view of state kept exactly, or a reader that decodes other state when DCP writes it."""
         from ..shard.dcp import dcp_piece
 
         shape = tuple(seg.params[i].shape)
@@ -313,12 +308,11 @@ class StateIO:
         lo, hi = seg.local_range(i)
         if name == MASTER:
             return dcp_piece(shape, start, stop, seg.master[lo:hi])
-        kind, sqrt = self._kind(seg), name in _SQRT
-        if kind == "fp32":
-            return dcp_piece(shape, start, stop, seg.state[name][lo:hi])
+        if seg.codec.exact:
+            return dcp_piece(shape, start, stop, seg.moment(name)[lo:hi])
 
         def read(a: int, z: int) -> torch.Tensor:
-            return lowbit.decode_range(seg.state, name, kind, lo + a, lo + z, sqrt=sqrt)
+            return seg.moment_range(name, lo + a, lo + z)
 
         device = seg.local_params.device
         return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device)

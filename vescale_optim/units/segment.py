@@ -9,15 +9,19 @@ exactly that long. `layout` is the unit's layout restricted to the segment's ten
 
 Besides views it keeps what torch keeps per parameter. The runtime sets whether a
 parameter has a gradient (`marked`) and whether it takes the current step (`active`,
-agreed over ranks); the optimizer sets its state (`state_names`, `state`: flat tensors
-as long as the segment) and step counts (`steps`; 0 means never stepped, so no state),
-each through a method of this class. `runs()` cuts the segment into maximal ranges that
+agreed over ranks); the optimizer sets its state (`StateSpec`s, stored by the `StateCodec`
+of the segment's tier in `state`: flat tensors as long as the segment) and step counts
+(`steps`; 0 means never stepped, so no state), each through a method of this class. The
+optimizer's math reads a state tensor decoded (`moment`) and writes it back (`store`),
+never knowing how its tier stores it. `runs()` cuts the segment into maximal ranges that
 one element-wise call can update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,6 +29,34 @@ from ..shard.layout import Layout
 from ..units.unit import LOW_PRECISION, Unit
 
 FROZEN = "frozen"  # the tier of parameters frozen at construction: no state, no steps
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One element-wise state tensor an optimizer keeps per segment, under torch's name.
+    `stored_as_sqrt`: a tier that quantizes keeps `sqrt(x)` instead of `x` (second moments:
+    the 8-bit AdamW kernel's form, finer near zero); decoded it is `x` again."""
+
+    name: str
+    stored_as_sqrt: bool = False
+
+
+class StateCodec(Protocol):
+    """How one storage tier keeps a segment's state (`optim.lowbit` defines the tiers).
+    `exact`: the stored tensor is the working copy itself, at the parameters' update
+    precision (so `decode` returns it and in-place math needs no `encode_`)."""
+
+    exact: bool
+
+    def allocate(self, specs: Sequence[StateSpec], n: int, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]: ...  # fmt: skip
+
+    def decode(self, state: dict[str, torch.Tensor], spec: StateSpec) -> torch.Tensor: ...
+
+    def decode_range(self, state: dict[str, torch.Tensor], spec: StateSpec, start: int,
+                     stop: int) -> torch.Tensor: ...  # fmt: skip
+
+    def encode_(self, state: dict[str, torch.Tensor], spec: StateSpec, x: torch.Tensor) -> None: ...
 
 
 class Segment:
@@ -48,7 +80,9 @@ class Segment:
         self.steps = [0] * len(members)
         self.active = [False] * len(members)
         self.state_names: list[str] = []  # element-wise state under torch's names
-        self.state: dict[str, torch.Tensor] = {}
+        self.specs: dict[str, StateSpec] = {}
+        self.codec: StateCodec | None = None  # how the tier stores the state (set with it)
+        self.state: dict[str, torch.Tensor] = {}  # the stored tensors, as the codec lays them out
         self._spans = self._local_spans()
 
     # --- views -------------------------------------------------------------------------
@@ -108,9 +142,26 @@ class Segment:
 
     # --- what the optimizer sets -----------------------------------------------------------
 
-    def set_state(self, names: list[str], state: dict[str, torch.Tensor]) -> None:
-        """The optimizer's element-wise state, under torch's names."""
-        self.state_names, self.state = list(names), state
+    def set_state(self, specs: Sequence[StateSpec], codec: StateCodec) -> None:
+        """The optimizer's element-wise state, zero, stored by `codec` (the tier's)."""
+        params = self.local_params
+        self.state_names, self.specs, self.codec = [s.name for s in specs], {s.name: s for s in specs}, codec
+        self.state = codec.allocate(specs, self.numel, params.device, params.dtype)
+
+    # --- state, decoded ---------------------------------------------------------------------
+
+    def moment(self, name: str) -> torch.Tensor:
+        """State `name` in the update precision: the stored tensor itself in an exact tier
+        (in-place math updates it), else a decoded copy for `store` to write back."""
+        return self.codec.decode(self.state, self.specs[name])
+
+    def moment_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements `[start, stop)` of `moment(name)`, decoding no more than it must."""
+        return self.codec.decode_range(self.state, self.specs[name], start, stop)
+
+    def store(self, name: str, value: torch.Tensor) -> None:
+        """Encode `value` (the segment's length, update precision) as state `name`."""
+        self.codec.encode_(self.state, self.specs[name], value)
 
     def set_steps(self, steps: list[int]) -> None:
         if len(steps) != len(self.params):
@@ -165,4 +216,4 @@ class Segment:
         return f"Segment(unit {self.unit.name or self.unit.index}, {self.tier}, params {self.indices})"
 
 
-__all__ = ["FROZEN", "Segment"]
+__all__ = ["FROZEN", "Segment", "StateCodec", "StateSpec"]
