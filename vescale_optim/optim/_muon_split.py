@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..owners.plan import WorkItem, plan_owners
 from ..shard.collectives import Comm, run_plan
+from ..shard.handle import group_size, new_group
 from ..shard.mesh import Topology
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
@@ -34,7 +34,7 @@ def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
     the world in one order; the `Comm`s of those this rank is in."""
     if not world.active:
         return {}
-    everyone = world.world_size == dist.get_world_size()  # else only members may create a group
+    everyone = world.world_size == group_size()  # else only members may create a group
     mine = {}
     for members in sorted(set(plan.groups.values())):
         ranks = [world.global_rank(r) for r in members]
@@ -42,7 +42,7 @@ def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
             raise RuntimeError(f"world ranks {members} are not in the order of their global ranks {ranks}")
         if not everyone and world.rank not in members:
             continue
-        group = dist.new_group(ranks, use_local_synchronization=not everyone)
+        group = new_group(ranks, use_local_synchronization=not everyone)
         if world.rank in members:
             mine[members] = Comm(group)
     return mine
