@@ -4,7 +4,7 @@ STAMP := $(VENV)/.installed
 WORLD_SIZE ?= 4
 ZERO ?= 3
 
-.PHONY: setup test lint demo bench aot gpu-check clean
+.PHONY: setup test test-fast lint demo bench aot gpu-check clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q tests
+
+# the inner loop: everything but the tests marked slow (under 4 minutes on 2 cores)
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: setup
 	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE) --zero $(ZERO)

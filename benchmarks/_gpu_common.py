@@ -4,8 +4,10 @@ reason a CUDA-only check is skipped, rounding units."""
 from __future__ import annotations
 
 KERNEL_TESTS = [
-    "tests/test_kernels_ns.py", "tests/test_kernels_quant.py", "tests/test_kernels_qcomm.py",
-    "tests/test_kernels_no_triton.py",
+    "tests/kernels/test_kernels_ns.py",
+    "tests/kernels/test_kernels_quant.py",
+    "tests/kernels/test_kernels_qcomm.py",
+    "tests/kernels/test_kernels_no_triton.py",
 ]
 FORCE = {"VESCALE_OPTIM_FORCE_COLLECTIVES": "1"}
 NEEDS_CUDA = "needs CUDA"

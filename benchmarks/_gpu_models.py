@@ -29,7 +29,7 @@ TIMEOUT_S = 60  # every collective of a stage: the process group's timeout (and,
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 MUON_AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)  # the AdamW group of vo.Muon
-# Roots in float64 from two steps of gradients, as tests/test_fsdp.py. epsilon 1e-6, not the
+# Roots in float64 from two steps of gradients, as tests/units/test_fsdp.py. epsilon 1e-6, not the
 # default 1e-12: the factors are fp32, so their eigenvalues below ~1e-7 of the largest are
 # rounding noise, which a tiny epsilon lets the inverse fourth root amplify (differently in two
 # correct implementations: one fused baddbmm here, a multiply and an add in the reference).

@@ -40,7 +40,7 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
     bounds + 2 d eps (two products). On CUDA cuSOLVER may take a batched Jacobi solver for
     small stacks and a per-matrix one alone: the bound allows it; bitwise equality is reported.
     newton_schulz (bf16): 1 bf16 ulp per element, the kernel tests' bar between two different
-    implementations (tests/test_kernels_ns.py), which one implementation at two batch sizes
+    implementations (tests/kernels/test_kernels_ns.py), which one implementation at two batch sizes
     must meet.
     """
     torch = _torch()
@@ -172,7 +172,7 @@ def _close(a, b, rtol: float, atol: float) -> dict:
 def stage_nan(r: Result, *, out: Path, mode: str) -> None:
     """NaN, +Inf and -Inf, alone in a block and together with finite values, through
     quantize_blockwise, dequantize_blockwise and adamw8bit_update_ (in the gradient and in the
-    parameter), Triton against the torch reference. Bounds, those of tests/test_kernels_quant.py
+    parameter), Triton against the torch reference. Bounds, those of tests/kernels/test_kernels_quant.py
     for the two backends: quantize and dequantize equal element for element (NaN = NaN); the
     8-bit update: the same non-finite positions, finite parameters within rtol 1e-6 + atol 1e-7,
     scales within rtol 1e-5, codes at most 1 apart in under 1% of the elements, and equal codes
@@ -268,7 +268,7 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
     must be finite and orthogonalised (mean squared singular value ||X||_F^2 / min(m, n) in
     [0.5, 1.5]; Muon's coefficients put singular values in about [0.7, 1.2]).
     Quantization: codes, scales and dequantized values equal (the two compute the same
-    function: `tests/test_kernels_quant.py`).
+    function: `tests/kernels/test_kernels_quant.py`).
     """
     torch = _torch()
     from benchmarks import _gpu_models as gm

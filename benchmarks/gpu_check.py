@@ -80,9 +80,9 @@ __all__ = ["STAGES", "analyse_overlap", "main"]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check"
 SETUP_S = 15  # the script's own start, the CUDA check and the packing of the results
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
-TESTS = [*KERNEL_TESTS, "tests/test_stand_ins.py"]
+TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py"]
 # the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
-CPU_TESTS = ["tests/test_stand_ins.py"]
+CPU_TESTS = ["tests/shard/test_stand_ins.py"]
 SUMMARY_BYTES = 8000
 
 

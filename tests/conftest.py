@@ -1,7 +1,18 @@
 import os
+import sys
+from pathlib import Path
 
 # The Triton interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests mirror the package (tests/shard/, tests/units/, ...); their shared helpers
+# (tests/_*.py) and the modules other tests borrow from (`from test_fsdp import ...`) are
+# imported by name, here and in the ranks of a local world (its fork server takes sys.path).
+TESTS = Path(__file__).resolve().parent
+FOLDERS = ["shard", "units", "owners", "optim", "checkpoint", "kernels", "integration"]
+for folder in [TESTS, *(TESTS / name for name in FOLDERS)]:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import pytest  # noqa: E402
 from _world import WorldPool  # noqa: E402
@@ -30,3 +41,4 @@ def world():
     pool = WorldPool()
     yield pool
     pool.close()
+

@@ -107,3 +107,17 @@ def test_modules_and_classes_stay_small():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno > 400:
                 big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno} lines")
     assert not big, big
+
+
+def test_tests_mirror_the_packages():
+    """A test folder per package (the demo runs whole in tests/integration/), each on the
+    tests' import path (conftest.FOLDERS); only tests of top-level modules and of the
+    code base itself lie in tests/."""
+    from conftest import FOLDERS, TESTS
+
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - {"demo"}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders == set(FOLDERS) == packages | {"integration"}, (folders, FOLDERS, packages)
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    for path in TESTS.glob("test_*.py"):
+        assert path.stem[len("test_"):] in top | {"layers", "one_door", "references"}, path.name

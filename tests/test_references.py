@@ -34,7 +34,7 @@ def test_no_reference_scales_each_loss_by_one_over_world():
     assert not SCALED_BY_WORLD.search("(loss_fn(model, *batch(t, rank, m)) / micro).backward()")
     found = [
         f"{path.name}:{n}: {line.strip()}"
-        for path in sorted(TESTS.glob("*.py"))
+        for path in sorted(TESTS.rglob("*.py"))
         if path.name != pathlib.Path(__file__).name
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if SCALED_BY_WORLD.search(line)

@@ -13,6 +13,8 @@ from torch import nn
 
 import vescale_optim as vo
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 STEPS = 6
 
 

@@ -5,6 +5,8 @@ and Newton–Schulz work per rank adds up to the model's total."""
 import pytest
 from _bench import config_row, results_in
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import _gpu_stages as stages  # noqa: E402
 from benchmarks import gpu_check  # noqa: E402
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 MULTI = ROOT / "benchmarks" / "gpu_multi.sh"
@@ -88,8 +90,8 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     interpret = "TRITON_INTERPRET=0" if mode == "gpu" else "TRITON_INTERPRET=1"
     assert (
         f"{interpret} HYPOTHESIS_PROFILE=ci python -m pytest" in text
-        and ("tests/test_kernels_quant.py" in text) == (mode == "gpu")  # on CPU `make test` runs them
-        and "tests/test_stand_ins.py" in text
+        and ("tests/kernels/test_kernels_quant.py" in text) == (mode == "gpu")  # on CPU `make test` runs them
+        and "tests/shard/test_stand_ins.py" in text
         and "-p benchmarks._pytest_live" in text
     )
     assert ("-n 8 -p benchmarks._pytest_live" in text) == (mode == "gpu")

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
             "--max-restarts", "1", "--monitor-interval", "0.1"]  # fmt: skip
 TINY = ["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",

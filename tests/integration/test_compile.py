@@ -12,6 +12,8 @@ from _tiny_gpt import batch, build, loss_fn
 
 import vescale_optim as vo
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 STEPS = 3
 MODES = {
     "default": {},

@@ -4,6 +4,8 @@ to its FSDP2 peer's loss, the measurements see what each configuration holds and
 import pytest
 from _bench import config_row, results_in
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):

@@ -9,7 +9,9 @@ import pytest
 
 import vescale_optim
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = sorted(
     ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "vescale_optim").rglob("__init__.py")
 )

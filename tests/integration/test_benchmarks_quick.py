@@ -11,6 +11,8 @@ import math
 import pytest
 from _bench import results_in
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 
 def _host(payload: dict, threads: int | None = None) -> None:
     host = payload["env"]["host"]

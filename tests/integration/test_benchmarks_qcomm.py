@@ -11,6 +11,8 @@ import math
 import pytest
 from _bench import results_in
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 
 def _finite(rows: list[dict], columns: list[str]) -> None:
     for r in rows:

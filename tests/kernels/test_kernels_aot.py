@@ -17,6 +17,8 @@ import pytest
 from vescale_optim.kernels import _ns_triton, _quant_triton, aot
 from vescale_optim.kernels.quant import MAX_TRITON_BLOCK
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 FIELDS = {"kernel", "role", "arch", "config", "smem_bytes", "regs", "spills", "tensor_cores", "ptx"}
 ROLES = {"newton_schulz", "quantize", "dequantize", "adamw8bit", "pack", "unpack", "unpack_sum"}
 

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from _docs import blocks_with
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
 SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]

@@ -9,6 +9,8 @@ import re
 import pytest
 from _bench import config_row, results_in
 
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
 
 @pytest.mark.timeout(300)
 def test_compile_quick(tmp_path, capsys):
