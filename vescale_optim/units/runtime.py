@@ -146,7 +146,7 @@ class Runtime:
             ps = [params[i] for i in idx]
             declared = [declare(p, group_of[id(p)]) for p in ps]
             keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
-            block = config.quantized_block or 1  # 8-bit collectives: no cut inside a block either
+            block = config.quantized_block or 1  # wire codecs: no cut inside a block either
             aligns = [math.lcm(config.align, d.align, block) for d in declared]
             granules = [_whole_blocks(d.granule, block, p.numel()) for p, d in zip(ps, declared)]
             layout = plan_layout([p.numel() for p in ps], granules, self.comm.world_size,
