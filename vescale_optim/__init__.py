@@ -12,7 +12,7 @@ from .shard import (
     plan_layout,
     set_collective_timeout,
 )
-from .units import ReshardedParameterError, ShardedGradError, ShardingConfig
+from .units import NoSyncMismatchError, ReshardedParameterError, ShardedGradError, ShardingConfig
 from .version import __version__
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Layout",
     "Muon",
     "MuonPlan",
+    "NoSyncMismatchError",
     "RaggedShard",
     "ReshardedParameterError",
     "ShardedGradError",

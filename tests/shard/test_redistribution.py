@@ -18,7 +18,8 @@ from vescale_optim.shard import (
     redistribute,
     run_plan,
 )
-from vescale_optim.shard.collectives import Comm, any_rank
+from vescale_optim.shard.collectives import Comm
+from vescale_optim.shard.flags import any_rank
 from vescale_optim.shard.redistribution import in_arrival_order
 
 WORLDS = [1, 2, 3, 4, 5]

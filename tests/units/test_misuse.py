@@ -330,27 +330,25 @@ def test_grad_at_iteration_0_is_the_averaged_gradient_of_every_unit(world):
             torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7, msg=n)
 
 
-def _no_sync_on_one_rank():
-    """Under torch's collective check (DETAIL, on a group of its own), a backward inside
-    `no_sync()` on rank 0 only ends in torch's named mismatch error on both ranks, the
-    weights unchanged (without it gloo aborts the process: the step's agreement comes after
-    the other rank's reductions, so it cannot see the difference in time)."""
+def _no_sync_on_one_rank(micro: int):
+    """`micro` backward passes, all inside `no_sync()` on rank 0 only (a group of its own: the
+    other rank's first reduction is left unmatched): every rank raises the named error (rank 1
+    in backward, before waiting for a reduction no one joins; rank 0 at the step), the weights
+    unchanged."""
     rank = _rank()
-    before = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    try:
-        group = dist.new_group([0, 1])  # checked: created under DETAIL
-    finally:
-        dist.set_debug_level(before)
     model = _model()
+    group = dist.new_group([0, 1])
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model], process_group=group)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="Detected mismatch between collectives on ranks"):
-        with opt.no_sync() if rank == 0 else contextlib.nullcontext():
-            _loss(model, 0, rank).backward()  # rank 1's first reduction meets rank 0's step
+    shards = [u.shard.clone() for u in opt.runtime.units]  # the group cannot gather after the error
+    named = r"ranks \[0\] ran a backward inside .*no_sync.* ranks \[1\] did not"
+    with pytest.raises(vo.NoSyncMismatchError, match=named):
+        for m in range(micro):
+            with opt.no_sync() if rank == 0 else contextlib.nullcontext():
+                _loss(model, m, rank).backward()
         opt.step()
-    return all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    return bool(shards) and all(torch.equal(s, u.shard) for s, u in zip(shards, opt.runtime.units))
 
 
-def test_no_sync_on_one_rank_only_is_named_on_every_rank_under_torch_detail_checks(world):
-    assert world(2).run(_no_sync_on_one_rank, timeout=60) == [True, True]
+@pytest.mark.parametrize("micro", [1, 2])
+def test_no_sync_on_one_rank_only_raises_on_every_rank(world, micro):
+    assert world(2).run(_no_sync_on_one_rank, micro, timeout=60) == [True, True]

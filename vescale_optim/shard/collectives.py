@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Comm, forced, host_to_device
+from .comm import Comm, forced
 from .handle import (
     CollectiveError,
     Handle,
@@ -207,37 +207,6 @@ def all_reduce_(
     return handle
 
 
-def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = None,
-             what: str | None = None) -> list[bool]:  # fmt: skip
-    """For each flag, whether some rank of `comm` has it set (one all-reduce).
-
-    On gloo the flags travel as bits of int64 words (bitwise or): a handful of words
-    instead of one float per flag, and below the world size gloo's small-message path is
-    several times faster than its ring (4 ranks on 2 cores: 0.7 ms for 2 words, 5-7 ms
-    for 78 floats). NCCL has no bitwise reduction: a byte per flag, max, on the group's
-    device, copied there without a stall; reading the answer back is one host sync (the
-    host decides what follows from it). `device` is ignored (kept for callers)."""
-    if not comm.active:
-        return [bool(f) for f in flags]
-    if comm.gloo:
-        words = [0] * -(-len(flags) // 64)
-        for i, f in enumerate(flags):
-            if f:
-                words[i // 64] |= 1 << (i % 64)
-        signed = [w - (1 << 64) if w >> 63 else w for w in words]
-        tensor, reduce_op = torch.tensor(signed, dtype=torch.int64), dist.ReduceOp.BOR
-    else:
-        tensor = host_to_device([bool(f) for f in flags], torch.uint8, comm.device)
-        reduce_op = dist.ReduceOp.MAX
-    desc = Op("all-reduce (any)", what, tensor, comm)
-    Handle(issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)),
-           op=desc).wait()  # fmt: skip
-    if not comm.gloo:
-        return [bool(b) for b in tensor.tolist()]
-    words = tensor.tolist()
-    return [bool(words[i // 64] >> (i % 64) & 1) for i in range(len(flags))]
-
-
 def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False,
                 what: str | None = None) -> Handle:  # fmt: skip
     """Rank r's r-th equal piece of every rank's flat `inp`, in rank order, into its `out`
@@ -251,17 +220,6 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool
     if not async_op:
         handle.wait()
     return handle
-
-
-def any_rank_flag(flag: torch.Tensor, comm: Comm, what: str | None = None) -> bool:
-    """Whether some rank's boolean tensor `flag` (one element, on any device) is set: one
-    all-reduce on the group's device and one host sync, to read the answer."""
-    wire = flag.reshape(1).to(comm.device, torch.uint8)
-    if comm.active:
-        desc = Op("all-reduce (any)", what, wire, comm)
-        Handle(issue(desc, lambda: dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=comm.group,
-                                                   async_op=True)), op=desc).wait()  # fmt: skip
-    return bool(wire.item())
 
 
 def run_plan(

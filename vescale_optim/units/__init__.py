@@ -3,6 +3,7 @@ runtime object an optimizer holds."""
 
 from .config import ShardingConfig
 from .reduced_grad import Partial, ReducedGrad, Sharded, ShardedGradError
+from .reduction import NoSyncMismatchError
 from .runtime import Declaration, Runtime
 from .segment import Segment
 from .stand_in import ReshardedParameterError
@@ -10,6 +11,7 @@ from .unit import State, Unit
 
 __all__ = [
     "Declaration",
+    "NoSyncMismatchError",
     "Partial",
     "ReducedGrad",
     "ReshardedParameterError",

@@ -101,6 +101,7 @@ class Schedule:
         self.reshard_after_forward = reshard_after_forward
         self.on_grad = on_grad
         self.round = Round.IDLE
+        self._sync_checked = False  # this backward's agreement on no_sync() is issued
         self.prefetch = Prefetcher(backward_prefetch)
         self.reductions = ReductionPipeline(self.units)
         self._handles: list = []
@@ -144,6 +145,13 @@ class Schedule:
                 rec.reset()
         self.round = Round.RUNNING
 
+    def _backward_event(self) -> None:
+        """The first backward event after a forward (or a step): the ranks agree on no_sync()
+        before this backward's first reduction."""
+        if not self._sync_checked and self.units:
+            self._sync_checked = True
+            self.reductions.check_sync(self.units[0].world)
+
     def _end_if_done(self) -> None:
         """RUNNING, every unit expected to reduce has: wait for them all, the round ENDED."""
         if self.round is not Round.RUNNING:
@@ -161,6 +169,7 @@ class Schedule:
 
         def hook(grad):
             self._open()
+            self._backward_event()
             p = unit.params[i]
             if unit.placement_problem(i) is not None:
                 return  # moved or cast after construction: the step refuses it
@@ -255,6 +264,8 @@ class Schedule:
         order's fixed order; wait for every reduction, free what backward left gathered (not
         a unit still inside its forward: `unfinished_forward()` names it), settle the static
         order (rank 0's, from the first backward); IDLE."""
+        self.reductions.verify()  # before any reduction of the step: all raise together
+        self._sync_checked = False
         if self.round is Round.RUNNING:
             for unit in self.static.rest(self.units):
                 self._reduce(unit)
@@ -292,6 +303,8 @@ class Schedule:
             if rec.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
+            if torch.is_grad_enabled():
+                self._sync_checked = False  # a forward towards the next backward
             rec.in_forward = True
             with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
                 unit.wait_unshard()
@@ -339,6 +352,7 @@ class Schedule:
 
     def _on_pre_backward(self, unit: Unit) -> None:
         self._open()
+        self._backward_event()
         rec = self._rec(unit)
         rec.in_backward = True
         with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..shard.collectives import Comm, any_rank, any_rank_flag
+from ..shard.collectives import Comm
+from ..shard.flags import any_rank, any_rank_flag
 from .schedule import Schedule
 from .segment import FROZEN, Segment
 from .unit import Unit
