@@ -29,7 +29,7 @@ indices, so only the address arithmetic is wider.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._triton_common import INTERPRET, Launch, cast_rne, device_of
-from .newton_schulz import as_stack
+from .newton_schulz import Triple, as_stack, ns_schedule
 
 __all__ = [
     "INTERPRET", "newton_schulz_launches", "newton_schulz_triton", "poly", "poly_config", "poly_launch",
@@ -215,9 +215,10 @@ def poly(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = N
 def newton_schulz_launches(
     x: Tensor,
     steps: int,
-    coefficients: tuple[float, float, float],
+    coefficients: Triple | Sequence[Triple] | str,
     eps: float,
     *,
+    scale: float | None = None,
     block: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Tensor, list[Callable[[], object]]]:
@@ -228,9 +229,13 @@ def newton_schulz_launches(
     stay zero through the iteration and add exact zeros to every sum, so the result is
     unchanged, while every size and stride the kernels see is divisible by 16 (vector
     loads; without it the 128-wide tiles spill registers).
+
+    ``coefficients`` are ``newton_schulz``'s (one triple, one per step, or a name): step
+    ``k`` launches with its own ``(a, b, c)``; ``scale`` overrides the schedule's norm scale.
     """
-    a, b, c = coefficients
-    X, tall = as_stack(x, eps)
+    schedule, own_scale = ns_schedule(coefficients, steps)
+    steps = len(schedule)
+    X, tall = as_stack(x, eps, own_scale if scale is None else scale)
     X = X.reshape(-1, *X.shape[-2:])
     nb, p, q = X.shape
     P, Q = -(-p // _ALIGN) * _ALIGN, -(-q // _ALIGN) * _ALIGN
@@ -246,7 +251,7 @@ def newton_schulz_launches(
     spare = torch.empty_like(X) if steps > 1 or padded else None
     tiles = dict(block_m=block, block_n=block, block_k=block_k)
     plan: list[Callable[[], object]] = []
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(schedule):
         dest = final if step == steps - 1 and not padded else spare
         plan += [
             syrk_launch(X, A, block=block, block_k=block_k),
@@ -262,9 +267,10 @@ def newton_schulz_launches(
 def newton_schulz_triton(
     x: Tensor,
     steps: int,
-    coefficients: tuple[float, float, float],
+    coefficients: Triple | Sequence[Triple] | str,
     eps: float,
     *,
+    scale: float | None = None,
     block: int | None = None,
     block_k: int | None = None,
 ) -> Tensor:
@@ -273,7 +279,7 @@ def newton_schulz_triton(
     ``block`` and ``block_k`` override the tile sizes (tests use small tiles to exercise
     masks and the mirrored stores on small matrices).
     """
-    out, plan = newton_schulz_launches(x, steps, coefficients, eps, block=block, block_k=block_k)
+    out, plan = newton_schulz_launches(x, steps, coefficients, eps, scale=scale, block=block, block_k=block_k)
     with device_of(x):
         for launch in plan:
             launch()

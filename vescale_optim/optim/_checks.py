@@ -72,8 +72,18 @@ def check_impl_flags(name: str, *, foreach, fused, capturable: bool, differentia
         )
 
 
+MUON_ONLY = ("normuon", "split_sizes", "num_heads")  # Muon's keys that shape what Muon does
+
+
 def check_adamw_group(group: dict) -> None:
-    """torch.optim.AdamW's checks on a param group (or the defaults), in its order."""
+    """torch.optim.AdamW's checks on a param group (or the defaults), in its order, after
+    refusing Muon's own keys (`MUON_ONLY`), which nothing reads in an AdamW step."""
+    given = [k for k in MUON_ONLY if group.get(k) not in (None, False)]
+    if given:
+        raise ValueError(
+            f"{given[0]}={group[given[0]]!r} is a Muon option, but this group takes AdamW steps "
+            "(vo.AdamW, or use_muon=False in vo.Muon), which do not read it"
+        )
     check_lr(group["lr"])
     check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
     check_betas(group["betas"])

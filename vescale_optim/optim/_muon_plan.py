@@ -176,17 +176,20 @@ def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: i
 
 
 def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostModel = H200,
-                  homes: Sequence[int | None] | None = None) -> MuonPlan:  # fmt: skip
-    """`muon_plan` over matrices `(rows, cols, ns_steps)` (see the module's docstring)."""
+                  homes: Sequence[int | None] | None = None,
+                  whole: Sequence[bool] | None = None) -> MuonPlan:  # fmt: skip
+    """`muon_plan` over matrices `(rows, cols, ns_steps)` (see the module's docstring); a matrix
+    marked in `whole` is never split (NorMuon's normalization needs all of it on one rank)."""
     homes = list(homes) if homes is not None else [None] * len(dims)
+    whole = list(whole) if whole is not None else [False] * len(dims)
     costs = [ns_flops(r, c, s) for r, c, s in dims]
     mean = sum(costs) / world
     loads = [0.0] * world
     owners: list[int | None] = [None] * len(dims)
     groups: dict[int, tuple[int, ...]] = {}
     splits: dict[int, Split] = {}
-    line = [i for i, (r, c, s) in enumerate(dims)
-            if world > 1 and costs[i] > THETA * mean and splittable(r, c, s, cost)]  # fmt: skip
+    line = [i for i, (r, c, s) in enumerate(dims) if world > 1 and not whole[i]
+            and costs[i] > THETA * mean and splittable(r, c, s, cost)]  # fmt: skip
     line.sort(key=lambda i: (-costs[i], i))
     for ranks, items in _pools(line, dims, costs, world, mean, cost):
         for i, members, shares in _wrap(items, ranks, costs):

@@ -120,7 +120,7 @@ class SplitStep:
                 block = src[m.at : m.at + m.numel] if src is not None else like.new_zeros(m.numel)
             comm = self.comms[self.plan.groups[m.matrix]]
             jobs.append(Job(split, m.member, block.view(-1, split.shape[1]), comm, group["ns_steps"],
-                            tuple(group["ns_coefficients"]), group["eps"]))  # fmt: skip
+                            group["ns_coefficients"], group["eps"]))  # fmt: skip
         outs, gathered = run_split(jobs)
         traffic = [traffic[0] + gathered, traffic[1] + gathered]  # a ring sends what it receives
         out = like.new_empty(moves.result_numel)

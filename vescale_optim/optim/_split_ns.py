@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.newton_schulz import ns_schedule
 from ..shard.collectives import Comm, all_gather_into_
 
 
@@ -88,20 +89,23 @@ class Split:
 Request = tuple[torch.Tensor, tuple[int, ...]]  # (this member's rows, every member's row count)
 
 
-def member(split: Split, index: int, block: torch.Tensor, steps: int, coefficients: Sequence[float],
+def member(split: Split, index: int, block: torch.Tensor, steps: int, coefficients,
            eps: float) -> Generator[Request, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Member `index`'s split Newton–Schulz on its `block` (its rows of M): yields `(rows,
     counts)` for each all-gather and is sent the gathered matrix (`sum(counts)` rows); returns
-    its rows of `NS(M)` in bf16."""
-    a, b, c = coefficients
+    its rows of `NS(M)` in bf16. `coefficients` as `newton_schulz` takes them (one triple,
+    one per step, or a name)."""
+    schedule, scale = ns_schedule(coefficients, steps)
+    steps = len(schedule)
     full = yield block, split.rows
     X = full.bfloat16()
     if split.tall:
         X = X.mT
-    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)  # as one rank does
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    X = X / (norm if scale == 1.0 else norm * scale).clamp(min=eps)  # as one rank does
     lo = sum(split.x_rows[:index])
     Xi = X[lo : lo + split.x_rows[index]]
-    for k in range(steps):
+    for k, (a, b, c) in enumerate(schedule):
         if k:
             X = yield Xi, split.x_rows
         Ai = Xi @ X.mT
@@ -131,7 +135,7 @@ def assemble(gathered: torch.Tensor, counts: Sequence[int], cols: int) -> torch.
     return torch.cat([blocks[i, :n] for i, n in enumerate(counts)])
 
 
-def simulate(split: Split, matrix: torch.Tensor, steps: int, coefficients: Sequence[float],
+def simulate(split: Split, matrix: torch.Tensor, steps: int, coefficients,
              eps: float) -> torch.Tensor:  # fmt: skip
     """`NS(matrix)` computed by every member of `split` in this process, the all-gathers done
     through the same padding and assembly as over a process group."""
@@ -166,7 +170,7 @@ class Job:
     block: torch.Tensor
     comm: Comm
     steps: int
-    coefficients: tuple[float, float, float]
+    coefficients: tuple[tuple[float, float, float], ...] | tuple[float, float, float] | str
     eps: float
 
 

@@ -11,7 +11,6 @@ to its group's members the same way (`_muon_split`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any
 
 import torch
@@ -23,11 +22,22 @@ from ..owners.plan import SegmentMoves, WorkItem, plan_owners
 from ..shard.redistribution import Piece
 from ..units.segment import FROZEN, Segment, StateSpec
 from . import lowbit
-from ._checks import check_adamw_group, check_at_least, check_betas, check_lr, check_params_arg
-from ._muon_math import ADJUST_LR_FNS as _ADJUST
-from ._muon_math import adjusted_lr, apply_, matrix_view, momentum_, ns_flops, orthogonalize_
+from ._checks import check_betas, check_params_arg
+from ._muon_math import (
+    adjusted_lr,
+    apply_,
+    group_blocks,
+    matrix_view,
+    momentum_,
+    normuon_,
+    ns_flops,
+    ns_steps_of,  # fmt: skip
+    orthogonalize_,
+)
 from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
 from ._muon_split import SplitStep
+from .muon_groups import check_blocks, check_muon_group
+from .state_dict import Owned
 
 __all__ = ["CostModel", "Muon", "MuonPlan", "adjusted_lr", "matrix_view", "ns_flops"]  # benchmarks read them
 from .adamw import AdamW, adamw_segment_step
@@ -37,17 +47,24 @@ _ADAMW_EPS = 1e-8
 _CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
 
 
+def segment_blocks(seg: Segment) -> list[tuple[int, int]]:
+    """`(param, block)` of each of the segment's matrices (`matrix_work`'s order): per parameter,
+    its blocks (`_muon_math.param_blocks`: a stack's matrices, `split_sizes` / `num_heads` rows)."""
+    return [
+        (i, b) for i, p in enumerate(seg.params) for b in range(len(group_blocks(tuple(p.shape), seg.group)))
+    ]
+
+
 def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
-    """The segment's matrices as work items, and their `(rows, cols)`. A matrix's pieces lie in
-    each shard rank's part of the segment (from `seg.rank_start(r)`); its cost is its
-    Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does."""
+    """The segment's matrices (its parameters' blocks) as work items, and their `(rows, cols)`.
+    A matrix's pieces lie in each shard rank's part of the segment (from `seg.rank_start(r)`);
+    its cost is its Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does."""
     layout = seg.layout
     shard = layout.shard_size
     items, shapes = [], []
     for i, p in enumerate(seg.params):
-        count, rows, cols = matrix_view(tuple(p.shape))
-        for s in range(count):
-            start, numel = layout.offsets[i] + s * rows * cols, rows * cols
+        for at, rows, cols in group_blocks(tuple(p.shape), seg.group):
+            start, numel = layout.offsets[i] + at, rows * cols
             first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
             pieces = []
             for r in range(first, last + 1):
@@ -64,46 +81,31 @@ def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple
 class _SegmentWork:
     """A Muon segment's moves, and this rank's matrices batched by shape: `(rows, cols) ->
     offsets` in the local update (`held`: matrices it holds whole) or in the received buffer
-    (`arriving`); `returned`: `(offset, in back, length)` of the results that come back."""
+    (`arriving`), with the segment's matrix index of each (`held_ids`, `arriving_ids`: NorMuon's
+    state); `returned`: `(offset, in back, length)` of the results that come back."""
 
     moves: SegmentMoves
     held: dict[tuple[int, int], list[int]]
     arriving: dict[tuple[int, int], list[int]]
     returned: list[tuple[int, int, int]]
+    held_ids: dict[tuple[int, int], list[int]]
+    arriving_ids: dict[tuple[int, int], list[int]]
 
     @staticmethod
-    def of(moves: SegmentMoves, items: list[WorkItem], shapes: list[tuple[int, int]]) -> _SegmentWork:
+    def of(moves: SegmentMoves, items: list[WorkItem], shapes: list[tuple[int, int]],
+           ids: list[int]) -> _SegmentWork:  # fmt: skip
         held: dict[tuple[int, int], list[int]] = {}
         arriving: dict[tuple[int, int], list[int]] = {}
+        held_ids: dict[tuple[int, int], list[int]] = {}
+        arriving_ids: dict[tuple[int, int], list[int]] = {}
         for k in moves.local:
             held.setdefault(shapes[k], []).append(next((p.offset for p in items[k].pieces), 0))
+            held_ids.setdefault(shapes[k], []).append(ids[k])
         for k in moves.arriving:
             arriving.setdefault(shapes[k], []).append(moves.received_at[k])
+            arriving_ids.setdefault(shapes[k], []).append(ids[k])
         returned = [(p.offset, at, p.stop - p.start) for _, p, at in moves.returned]
-        return _SegmentWork(moves, held, arriving, returned)
-
-
-def check_muon_group(group: dict) -> None:
-    """Raise ValueError for a hyperparameter out of range in a Muon param group (or the
-    defaults); a group with `use_muon=False` is checked as AdamW's."""
-    if not isinstance(group.get("use_muon", True), bool):
-        raise ValueError(f"use_muon must be True or False; got {group['use_muon']!r}")
-    if not group.get("use_muon", True):
-        check_adamw_group(group)
-        return
-    check_lr(group["lr"], "Learning rate should be >= 0 but is: {}")
-    if not 0.0 <= group["momentum"] < 1.0:
-        raise ValueError(f"momentum should be >= 0 and < 1 but is: {group['momentum']}")
-    check_at_least(group["weight_decay"], 0.0, "weight decay should be >= 0 but is: {}")
-    check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
-    fn, steps, coefficients = group["adjust_lr_fn"], group["ns_steps"], group["ns_coefficients"]
-    if fn not in _ADJUST:
-        raise ValueError(f"Adjust learning rate function {fn} is not supported; expected one of {_ADJUST}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"ns_steps must be an integer >= 1; got {steps!r}")
-    if not (isinstance(coefficients, tuple | list) and len(coefficients) == 3
-            and all(isinstance(c, Real) for c in coefficients)):  # fmt: skip
-        raise ValueError(f"Coefficients must be a tuple of exactly 3 values; got {coefficients!r}")
+        return _SegmentWork(moves, held, arriving, returned, held_ids, arriving_ids)
 
 
 class Muon(ShardedOptimizer):
@@ -148,12 +150,14 @@ class Muon(ShardedOptimizer):
         ns_backend: str = "auto",
         state_bits: int = 32,
         cost_model: CostModel = H200,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
         **sharding: Any,
     ):
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            use_muon=True,
+            use_muon=True, normuon=normuon, normuon_beta2=normuon_beta2,
         )  # fmt: skip
         check_muon_group(defaults)
         check_betas(betas)
@@ -166,35 +170,43 @@ class Muon(ShardedOptimizer):
         if params and isinstance(params[0], dict):
             # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
             # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
-            adamw = {"eps": _ADAMW_EPS, "betas": betas}
+            adamw = {"eps": _ADAMW_EPS, "betas": betas, "normuon": False}  # NorMuon is Muon's alone
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
         super().__init__(params, defaults, sharding)
         # One plan over every matrix of the step and every rank of the world (replicas too),
         # so the step's total is balanced and each matrix is orthogonalized once.
         runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
-        work = [matrix_work(seg, seg.group["ns_steps"]) for seg in segs]
-        dims = [(r, c, seg.group["ns_steps"]) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
+        work = [matrix_work(seg, ns_steps_of(seg.group)) for seg in segs]
+        dims = [(r, c, ns_steps_of(seg.group)) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
+        whole_only = [bool(seg.group["normuon"]) for seg, (_, shapes) in zip(segs, work) for _ in shapes]
         items = [item for seg_items, _ in work for item in seg_items]
         costs = [ns_flops(*d) for d in dims]
         # a matrix lying whole on one shard rank stays there when the balance allows (with
         # replicas, the matrices of a shard rank are dealt over its replicas)
         homes = spread_homes(costs, [it.home for it in items], topo.ranks)
         self.homes: list[int | None] = homes  # per matrix, the world rank holding it whole (or None)
-        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model, homes)
+        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model, homes, whole_only)
         self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
         holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
         owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
-        whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners
-        for seg_items, shapes in work:
+        whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
+        self._blocks = [segment_blocks(seg) for seg in segs]  # per segment, (param, block) per matrix
+        self._variance: dict[tuple[int, int], torch.Tensor] = {}  # NorMuon's v of the matrices owned here
+        self._owners: list[list[int | None]] = []
+        for s, (seg, (seg_items, shapes)) in enumerate(zip(segs, work)):
             keep = [k for k in range(len(seg_items)) if owners[pos + k] is not None]
             whole.append(([seg_items[k] for k in keep], [shapes[k] for k in keep],
-                          [owners[pos + k] for k in keep]))  # fmt: skip
+                          [owners[pos + k] for k in keep], keep))  # fmt: skip
+            self._owners.append(owners[pos : pos + len(seg_items)])
+            for k in keep if seg.group["normuon"] else ():
+                if owners[pos + k] == runtime.world.rank:
+                    self._variance[s, k] = torch.zeros(shapes[k][0], device=seg.local_params.device)
             pos += len(seg_items)
         fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
         plan = plan_owners([w[0] for w in whole], topo, runtime.world.rank, sources=sources, owners=fixed)
-        self._work = {id(seg): _SegmentWork.of(moves, w_items, w_shapes)
-                      for seg, moves, (w_items, w_shapes, _) in zip(segs, plan.segments, whole)}  # fmt: skip
+        self._work = {id(seg): _SegmentWork.of(moves, its, shs, ids)
+                      for seg, moves, (its, shs, _, ids) in zip(segs, plan.segments, whole)}  # fmt: skip
         self._segs, self._position = segs, {id(seg): s for s, seg in enumerate(segs)}
         self._split = SplitStep(self.plan, segs, [w for w, _ in work], [s for _, s in work], topo,
                                 runtime.world) if self.plan.groups else None  # fmt: skip
@@ -202,13 +214,17 @@ class Muon(ShardedOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        check_muon_group(self.param_groups[-1])
+        try:
+            check_muon_group(self.param_groups[-1])
+        except ValueError as e:
+            raise ValueError(f"param group {len(self.param_groups) - 1}: {e}") from None
 
     def _check_params(self, params):
         super()._check_params(params)
         for gi, g in enumerate(self.param_groups):
             if not g.get("use_muon", True):
                 continue
+            check_blocks(gi, g)
             names = g.get("param_names")
             for j, p in enumerate(g["params"]):
                 if p.ndim not in (2, 3, 4):
@@ -218,7 +234,7 @@ class Muon(ShardedOptimizer):
                         f"shape {tuple(p.shape)}; put it in a group with use_muon=False (AdamW)"
                     )
 
-    structural_keys = ("use_muon",)
+    structural_keys = ("use_muon", "split_sizes", "num_heads", "normuon")  # they shape plan and state
     step_stat_names = ("ns_matrices", "ns_flops")  # this rank's Newton–Schulz work in the step
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
@@ -235,7 +251,10 @@ class Muon(ShardedOptimizer):
     def _check_group(self, gi: int, group: dict) -> str | None:
         try:
             check_muon_group(group)
+            check_blocks(gi, group)
         except ValueError as e:
+            if str(e).startswith(f"param group {gi}"):
+                return str(e)
             return f"param group {gi}: {e}"
         return None
 
@@ -267,11 +286,11 @@ class Muon(ShardedOptimizer):
 
     def _move(self, seg: Segment, update: torch.Tensor) -> Move | None:
         """The segment's whole matrices to their owners and back, applied with the split ones."""
-        work, g = self._work[id(seg)], seg.group
+        work = self._work[id(seg)]
         return work.moves.move(
             update, label="newton_schulz",
-            local=lambda: self._orthogonalize(work.held, g, update),
-            compute=lambda received: self._orthogonalize(work.arriving, g, received),
+            local=lambda: self._orthogonalize(work.held, seg, update, work.held_ids),
+            compute=lambda received: self._orthogonalize(work.arriving, seg, received, work.arriving_ids),
             finish=lambda back: self._apply(seg, update, back, work.returned),
         )  # fmt: skip
 
@@ -281,7 +300,7 @@ class Muon(ShardedOptimizer):
             sent, received, done = self._split.run(updates)
         self._traffic(sent, received)
         for i, j in done:
-            split, steps = self.plan.splits[i], self._segs[self._split.seg_of_matrix[i]].group["ns_steps"]
+            split, steps = self.plan.splits[i], ns_steps_of(self._segs[self._split.seg_of_matrix[i]].group)
             self.step_stats["ns_flops"] += split.member_flops(j, steps)
             if j == 0:  # a split matrix counts once, at its first member
                 self.orthogonalized += 1
@@ -292,20 +311,65 @@ class Muon(ShardedOptimizer):
         """The update on the active runs, with one adjusted learning rate per run of
         parameters that share it (a scalar, as in torch)."""
         g, lr = seg.group, float(seg.group["lr"])
-        shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
-        runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
+        if g.get("split_sizes") is None and g.get("num_heads") is None:
+            shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
+            runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
+        else:
+            runs = self._block_runs(seg, lr)
         apply_(seg.local_params, runs, lr, g["weight_decay"], update, back, returned, _CHUNK)
 
-    def _orthogonalize(self, batches: dict[tuple[int, int], list[int]], group: dict,
-                       buf: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    @staticmethod
+    def _block_runs(seg: Segment, lr: float) -> list[tuple[int, int, float]]:
+        """`(lo, hi, adjusted_lr)` over the local pieces of the active parameters, cut where their
+        blocks meet: each block scaled by its own shape, as a parameter of that shape would be."""
+        runs = []
+        for i, p in enumerate(seg.params):
+            (lo, hi), (start, stop) = seg.local_range(i), seg.tensor_range(i)
+            if not seg.active[i] or hi <= lo:
+                continue
+            for at, rows, cols in group_blocks(tuple(p.shape), seg.group):
+                a, z = max(start, at), min(stop, at + rows * cols)
+                if a < z:
+                    runs.append(
+                        (
+                            lo + a - start,
+                            lo + z - start,
+                            adjusted_lr(lr, seg.group["adjust_lr_fn"], rows, cols),
+                        )
+                    )
+        return runs
+
+    def _orthogonalize(self, batches: dict[tuple[int, int], list[int]], seg: Segment, buf: torch.Tensor,
+                       ids: dict[tuple[int, int], list[int]]) -> torch.Tensor:  # fmt: skip
         """Newton–Schulz, in place in `buf`, on the matrices at `batches`' offsets, one batch
-        per shape."""
-        steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
+        per shape; then NorMuon on each matrix of a stepping parameter (`ids`: their indices)."""
+        group = seg.group
+        steps, coefficients, eps = ns_steps_of(group), group["ns_coefficients"], group["eps"]
+        position, blocks = self._position[id(seg)], self._blocks[self._position[id(seg)]]
         for (rows, cols), offsets in batches.items():
             n = rows * cols
-            orthogonalize_([buf[o : o + n].view(rows, cols) for o in offsets], steps, coefficients, eps,
-                           self.ns_backend)  # fmt: skip
+            views = [buf[o : o + n].view(rows, cols) for o in offsets]
+            orthogonalize_(views, steps, coefficients, eps, self.ns_backend)
+            for view, k in zip(views, ids[rows, cols]) if group["normuon"] else ():
+                if seg.active[blocks[k][0]]:  # a parameter not stepping keeps its v
+                    normuon_(view, self._variance[position, k], float(group["normuon_beta2"]))
             self.orthogonalized += len(offsets)
             self.step_stats["ns_matrices"] += len(offsets)
             self.step_stats["ns_flops"] += len(offsets) * ns_flops(rows, cols, steps)
         return buf
+
+    def _owned_state(self, seg: Segment) -> list[list[Owned]]:
+        """NorMuon's per-row second moment of each matrix, kept by the matrix's owner:
+        `variance_neuron` (rows,) for a parameter of one matrix, `variance_neuron_{b}` for block `b`
+        of one cut into several (a stack's matrices, `split_sizes`, `num_heads`); fp32 always."""
+        out: list[list[Owned]] = [[] for _ in seg.params]
+        position = getattr(self, "_position", {}).get(id(seg))
+        if position is None or not seg.group["normuon"]:
+            return out
+        blocks, owners = self._blocks[position], self._owners[position]
+        counts = [sum(1 for i, _ in blocks if i == j) for j in range(len(seg.params))]
+        for k, (i, b) in enumerate(blocks):
+            rows = group_blocks(tuple(seg.params[i].shape), seg.group)[b][1]
+            key = "variance_neuron" if counts[i] == 1 else f"variance_neuron_{b}"
+            out[i].append(Owned(key, (rows,), owners[k], self._variance.get((position, k))))
+        return out

@@ -1,11 +1,18 @@
-"""`muon_param_groups`: which parameters Muon orthogonalizes and which take AdamW steps."""
+"""Muon's param groups: `muon_param_groups` (which parameters Muon orthogonalizes and which take
+AdamW steps) and the checks of a group's keys (`check_muon_group`, `check_blocks`)."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from numbers import Real
 
 import torch
+
+from ..kernels.newton_schulz import ns_schedule
+from ._checks import check_adamw_group, check_at_least, check_lr
+from ._muon_math import ADJUST_LR_FNS as _ADJUST
+from ._muon_math import group_blocks
 
 _HEAD_NAMES = ("lm_head", "head", "output", "classifier", "fc")
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -100,3 +107,58 @@ def _likely_heads(model: torch.nn.Module, muon_ids: set[int]) -> list[str]:
         if why:
             out.append(f"'{name or type(model).__name__}' ({', '.join(why)})")
     return out
+
+
+def check_muon_group(group: dict) -> None:
+    """Raise ValueError for a hyperparameter out of range in a Muon param group (or the
+    defaults); a group with `use_muon=False` is checked as AdamW's (which refuses Muon's own
+    keys: `normuon`, `split_sizes`, `num_heads`)."""
+    if not isinstance(group.get("use_muon", True), bool):
+        raise ValueError(f"use_muon must be True or False; got {group['use_muon']!r}")
+    if not group.get("use_muon", True):
+        check_adamw_group(group)
+        return
+    check_lr(group["lr"], "Learning rate should be >= 0 but is: {}")
+    if not 0.0 <= group["momentum"] < 1.0:
+        raise ValueError(f"momentum should be >= 0 and < 1 but is: {group['momentum']}")
+    check_at_least(group["weight_decay"], 0.0, "weight decay should be >= 0 but is: {}")
+    check_at_least(group["eps"], 0.0, "Invalid epsilon value: {}")
+    fn, steps, coefficients = group["adjust_lr_fn"], group["ns_steps"], group["ns_coefficients"]
+    if fn not in _ADJUST:
+        raise ValueError(f"Adjust learning rate function {fn} is not supported; expected one of {_ADJUST}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"ns_steps must be an integer >= 1; got {steps!r}")
+    if isinstance(coefficients, str):
+        ns_schedule(coefficients, steps)  # a name it knows, or ValueError naming the known ones
+    elif not (isinstance(coefficients, tuple | list) and len(coefficients) == 3
+              and all(isinstance(c, Real) for c in coefficients)):  # fmt: skip
+        try:
+            ns_schedule(coefficients, steps)
+        except ValueError:
+            raise ValueError(
+                "Coefficients must be a tuple of exactly 3 values, a sequence of such triples (one per "
+                f"Newton–Schulz step) or the name 'polar_express'; got {coefficients!r}"
+            ) from None
+    if not isinstance(group.get("normuon", False), bool):
+        raise ValueError(f"normuon must be True or False; got {group['normuon']!r}")
+    beta2 = group.get("normuon_beta2", 0.95)
+    if isinstance(beta2, bool) or not isinstance(beta2, Real) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"normuon_beta2 should be >= 0 and < 1 but is: {beta2!r}")
+
+
+def check_blocks(gi: int, group: dict) -> None:
+    """Each parameter of a Muon group cut into its blocks (`split_sizes` / `num_heads` fit its
+    rows), else ValueError naming the group and the parameter."""
+    if not group.get("use_muon", True) or (
+        group.get("split_sizes") is None and group.get("num_heads") is None
+    ):
+        return
+    names = group.get("param_names")
+    for j, p in enumerate(group["params"]):
+        try:
+            group_blocks(tuple(p.shape), group)
+        except ValueError as e:
+            name = f"'{names[j]}' " if names else ""
+            raise ValueError(
+                f"param group {gi}, parameter {name}#{j} of shape {tuple(p.shape)}: {e}"
+            ) from None
