@@ -73,6 +73,7 @@ class AdamW(ShardedOptimizer):
     """
 
     structural_keys = ("amsgrad",)
+    takes_dtensors = True  # element-wise: exact on each TP rank's local shard
     STATE = (StateSpec("exp_avg"), StateSpec("exp_avg_sq", stored_as_sqrt=True))
     AMSGRAD = StateSpec("max_exp_avg_sq")
 

@@ -27,6 +27,7 @@ from ..owners.moves import Move, run_moves
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment, StateSpec
+from ..units.tensor_parallel import local, refuse_for
 from ..units.unit import Unit
 from . import _step_stats, lowbit
 from ._checks import check_params, check_same_on_every_rank
@@ -37,16 +38,16 @@ from .state_dict import Gather, Owned, StateIO
 class ShardedOptimizer(torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
-    With `shard_modules`, each listed module is a unit whose parameters are gathered
-    before its forward and backward and freed after (ZeRO-3); without, parameters stay
-    whole on every rank (ZeRO-2). Either way gradients are reduce-scattered during
-    backward into each rank's shard. Without an initialised process group it is an
-    ordinary single-process optimizer. The sharding keywords are `ShardingConfig`'s.
-    """
+    With `shard_modules`, each listed module is a unit whose parameters are gathered before its
+    forward and backward and freed after (ZeRO-3); without, parameters stay whole on every rank
+    (ZeRO-2). Either way gradients are reduce-scattered during backward into each rank's shard.
+    Without an initialised process group it is an ordinary single-process optimizer. The
+    sharding keywords are `ShardingConfig`'s."""
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
     step_stat_names: tuple[str, ...] = ()  # the step statistics a subclass counts itself
     structural_keys: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
+    takes_dtensors = False  # whether its math is exact on DTensor parameters' local shards (element-wise)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -89,6 +90,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         may refine the granule (8-bit blocks stay whole); frozen parameters need none."""
         if not p.requires_grad:
             return Declaration(1, FROZEN)
+        p = local(p)  # a DTensor parameter is laid out by its local shard
         codec = lowbit.codec_for(p, self.state_bits)
         granule = codec.granule(p, self._granule(p, self.param_groups[group]))
         return Declaration(granule, codec.tier, align=codec.align)
@@ -125,6 +127,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Refuse what cannot be sharded (subclasses add their own conditions); a ValueError
         is raised on every rank, whichever rank found it."""
         check_params(params)
+        refuse_for(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
 
     def _before_update(self) -> None:
         """Called once per step before the segments are updated (per-step counters)."""
@@ -255,18 +258,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside keep their gradients unreduced (summed in full buffers);
-        the first backward after it, or the step, reduce-scatters everything at once.
-        Faster accumulation for more memory; the result is the same."""
+        """Backward passes inside keep their gradients unreduced (summed in full buffers); the first
+        backward after it, or the step, reduce-scatters everything at once. Faster accumulation for
+        more memory; the result is the same."""
         with self.runtime.no_sync():
             yield
 
     @contextlib.contextmanager
     def no_all_reduce(self) -> Iterator[None]:
-        """With a `replicate` mesh dimension: backward passes inside reduce-scatter their
-        gradients within each shard group as usual but keep them unsynced across replicas;
-        the first backward after it, or the step, all-reduces everything across replicas
-        once. Fewer bytes across replicas for one extra gradient shard of memory."""
+        """With a `replicate` mesh dimension: backward passes inside reduce-scatter their gradients
+        within each shard group as usual but keep them unsynced across replicas; the first backward
+        after it, or the step, all-reduces it across replicas once (fewer bytes, one more shard)."""
         with self.runtime.no_all_reduce():
             yield
 
@@ -394,9 +396,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return sum(t.numel() for t in self._local_state_tensors())
 
     def local_state_bytes(self) -> int:
-        """Bytes of every persistent tensor the optimizer holds on this rank besides the
-        parameters and gradients: state, fp32 masters of bf16/fp16 parameters and owned
-        state (Shampoo's preconditioners)."""
+        """Bytes of every persistent tensor the optimizer holds on this rank besides the parameters
+        and gradients: state, fp32 masters of bf16/fp16 parameters, owned state (Shampoo's)."""
         return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
 
     def _local_state_tensors(self) -> Iterator[torch.Tensor]:
@@ -407,11 +408,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         yield from self.runtime.masters()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by
-        unsharded units, in their dtypes), `gradients` (averaged-gradient shards, and
-        those kept unsynced across replicas inside `no_all_reduce()`),
-        `state` (`local_state_bytes()`, masters included), `unsharded` (gathered
-        parameters and unreduced gradients of units between gather and free)."""
+        """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by unsharded
+        units, in their dtypes), `gradients` (averaged-gradient shards, and those kept unsynced
+        across replicas inside `no_all_reduce()`), `state` (`local_state_bytes()`, masters
+        included), `unsharded` (gathered parameters and unreduced gradients between gather and free)."""
         stats = self.runtime.memory_stats()
         return {"parameters": stats["parameters"], "gradients": stats["gradients"],
                 "state": self.local_state_bytes(), "unsharded": stats["unsharded"]}  # fmt: skip

@@ -22,6 +22,7 @@ from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
 from ..shard.redistribution import owner_offsets
 from ..shard.spec import RaggedShard
 from ..units.segment import Segment
+from ..units.tensor_parallel import local_shape
 
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
 
@@ -129,7 +130,7 @@ class StateIO:
 
     def _expected(self, seg: Segment, i: int, owned: list[Owned]) -> dict[str, tuple[int, ...]]:
         """The state keys parameter `i` must carry on load, with their shapes."""
-        shape = tuple(seg.params[i].shape)
+        shape = local_shape(seg.params[i])
         out = {name: shape for name in seg.state_names}
         out.update({o.key: o.shape for o in owned})
         return out if self.stepless(seg) else {"step": (), **out}
@@ -179,7 +180,7 @@ class StateIO:
             for i, index in enumerate(seg.indices):
                 if seg.steps[i] == 0:
                     continue
-                shape = tuple(seg.params[i].shape)
+                shape = local_shape(seg.params[i])
                 start, size = seg.flat_offset(i), seg.layout.sizes[i]
                 entry = {"step": torch.tensor(float(seg.steps[i]))}
                 for name, full in flat.items():
@@ -234,7 +235,7 @@ class StateIO:
                 st = by_index[index]
                 expected = self._expected(seg, i, owned[id(seg)][i])
                 if MASTER in st and seg.master is not None:  # optional; ignored without a master
-                    expected[MASTER] = tuple(seg.params[i].shape)
+                    expected[MASTER] = local_shape(seg.params[i])
                 for name, shape in expected.items():
                     if name not in st:
                         raise ValueError(f"parameter {index}: state dict lacks '{name}'")
@@ -303,7 +304,7 @@ class StateIO:
         a view of state kept exactly, or a reader that decodes other state when DCP writes it."""
         from ..shard.dcp import dcp_piece
 
-        shape = tuple(seg.params[i].shape)
+        shape = local_shape(seg.params[i])
         start, stop = seg.tensor_range(i)
         lo, hi = seg.local_range(i)
         if name == MASTER:

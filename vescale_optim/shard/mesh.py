@@ -1,8 +1,10 @@
 """Where a rank sits in a `replicate x shard` device mesh, and the groups it talks to.
 
 Parameters, gradients and state are sharded over the `shard` dimension and replicated
-over `replicate`. A `Topology` maps `(replica, shard)` coordinates to ranks of the world
-group (the mesh spans it), so plans for work split across replicas can name any rank.
+over `replicate`. A 1-D mesh may be one dimension of a larger root mesh (`world["dp"]` next
+to a tensor-parallel `world["tp"]`): the collectives then run on its group alone. A `Topology`
+maps `(replica, shard)` coordinates to ranks of the world group (a 2-D mesh spans it), so plans
+for work split across replicas can name any rank.
 """
 
 from __future__ import annotations
@@ -78,14 +80,15 @@ def resolve(mesh=None, process_group=None) -> Groups:
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; expected 1 (shard) or 2 (replicate, shard)"
         )
+    if mesh.ndim == 1:  # the whole world, or one dimension of a larger root mesh (world["dp"])
+        shard = Comm(mesh.get_group(0))
+        return Groups(shard, Comm.alone(), shard, Topology.flat(shard))
     if mesh.size() != handle.group_size():
         raise ValueError(
             f"mesh of shape {tuple(mesh.shape)} spans {mesh.size()} ranks but the world has "
-            f"{handle.group_size()}; the mesh must cover every rank"
+            f"{handle.group_size()}; a 2-D mesh must cover every rank (HSDP over part of a larger mesh, "
+            "next to tensor parallelism, is not supported yet: pass a 1-D data-parallel mesh there)"
         )
-    if mesh.ndim == 1:
-        shard = Comm(mesh.get_group(0))
-        return Groups(shard, Comm.alone(), shard, Topology.flat(shard))
     names = mesh.mesh_dim_names or DIM_NAMES
     if sorted(names) != sorted(DIM_NAMES):
         raise ValueError(f"mesh dimensions are named {names}; name them {DIM_NAMES}")

@@ -20,6 +20,7 @@ import torch
 from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Handle, all_reduce_, all_to_all_, reduce_scatter_into_
 from .reduced_grad import ReducedGrad, Sharded
+from .tensor_parallel import like, local, local_shape, set_grad
 
 if TYPE_CHECKING:
     from .unit_view import UnitView
@@ -74,8 +75,9 @@ class GradBuffers:
         """What each `.grad` holds once reduced, in the parameters' compute dtype and device
         (called once the parameters are views of the unit's buffer)."""
         u = self.unit
-        made = (ReducedGrad._of(u, i, p.shape, p.dtype, p.device) for i, p in enumerate(u.params))
-        self.placeholders = list(made)
+        made = (ReducedGrad._of(u, i, local_shape(p), p.dtype, p.device) for i, p in enumerate(u.params))
+        # a DTensor parameter's is a DTensor of its placements over the local placeholder
+        self.placeholders = [like(p, g) for p, g in zip(u.params, made)]
         alone = not u.comm.active and not u.replicate.active
         self.plain = alone and all(p.dtype == self._shard.dtype for p in u.params)
 
@@ -85,11 +87,11 @@ class GradBuffers:
         if not self.plain:
             return self.placeholders[i]
         start, stop = self.unit.full.local_range(i)
-        return self.shard[start:stop].view(self.unit.full.shapes[i])
+        return like(self.unit.params[i], self.shard[start:stop].view(self.unit.full.shapes[i]))
 
     def is_reduced(self, i: int) -> bool:
         """Whether parameter `i`'s `.grad` is its reduced gradient (`placeholder(i)`)."""
-        g = self.unit.params[i].grad
+        g = local(self.unit.params[i].grad)
         if isinstance(g, ReducedGrad):
             return True
         if g is None or not self.plain or type(g) is not torch.Tensor or g.dtype != self._shard.dtype:
@@ -100,7 +102,7 @@ class GradBuffers:
 
     def _new_buffer(self) -> FlatBuffer:
         u = self.unit
-        shapes = [tuple(p.shape) for p in u.params]
+        shapes = [local_shape(p) for p in u.params]
         return FlatBuffer(u.layout, shapes, u.comm.rank, u.compute_dtype, u.device, allocate=False)
 
     # --- the unreduced buffer ---------------------------------------------------------------
@@ -117,7 +119,7 @@ class GradBuffers:
 
     def is_live(self, i: int) -> bool:
         """Whether parameter `i`'s `.grad` is its view of the unreduced buffer."""
-        g = self.unit.params[i].grad
+        g = local(self.unit.params[i].grad)
         return g is not None and self.has_full and g.data_ptr() == self.full.view(i).data_ptr()
 
     def drop(self, i: int) -> None:
@@ -136,6 +138,7 @@ class GradBuffers:
     def take(self, i: int, grad: torch.Tensor) -> None:
         """A gradient set by hand replaces parameter `i`'s: it goes into the unreduced buffer
         and what `shard` accumulated for it so far is dropped."""
+        grad = local(grad)  # a DTensor parameter's gradient: its local tensor
         if isinstance(grad, Sharded):  # an averaged gradient of this layout: straight into the shard
             if grad._ranges != self.placeholders[i]._ranges or tuple(grad.shape) != self.unit.full.shapes[i]:
                 raise ValueError(
@@ -150,7 +153,7 @@ class GradBuffers:
             return
         self.drop(i)
         self.view(i).copy_(grad)
-        self.unit.params[i].grad = self.full.view(i)
+        set_grad(self.unit.params[i], self.full.view(i))
 
     def bind(self, i: int) -> None:
         """Autograd is about to accumulate parameter `i`'s gradient: its `.grad` becomes its
@@ -160,13 +163,13 @@ class GradBuffers:
         p = self.unit.params[i]
         if p.grad is None:
             self.drop(i)
-            p.grad = self.view(i)
+            set_grad(p, self.view(i))
         elif self.is_reduced(i):
-            p.grad = self.view(i)
+            set_grad(p, self.view(i))
         else:
             self.take(i, p.grad)
             if not self.is_live(i):
-                p.grad = self.view(i)
+                set_grad(p, self.view(i))
 
     # --- the reduction -----------------------------------------------------------------------
 

@@ -306,6 +306,8 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
     if func in _SELF:
         return args[0]
     self = args[0] if args else None
+    if func is torch.Tensor.view_as and isinstance(self, Sharded) and tuple(args[1].shape) == self.shape:
+        return self  # the same shape: itself (how DTensor.from_local holds a DTensor parameter's)
     if func in _CASTS and isinstance(self, ReducedGrad):
         probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
         if probe.dtype == self.dtype and probe.device == self.device:

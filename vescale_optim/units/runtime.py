@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..shard.collectives import all_reduce_
+from ..shard.collectives import Comm, all_reduce_
 from ..shard.layout import bucket_indices, plan_layout
 from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
@@ -37,6 +37,7 @@ from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
+from .tensor_parallel import local_numel, refuse_dtensors, tp_groups
 from .unit import LOW_PRECISION, Unit
 
 
@@ -124,10 +125,13 @@ class Runtime:
         agree: Callable[[object, str | None, list], None] | None = None,
     ):
         self.config, self.labels, self._check, self._groups = config, labels, check, param_groups
+        params = [p for g in param_groups for p in g["params"]]
+        refuse_dtensors(params, config, labels)  # before any collective, alike on every rank
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology = groups.topology
-        params = [p for g in param_groups for p in g["params"]]
+        # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
+        self.tp = [Comm(g) for g in tp_groups(params)]
         problem = device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
         try:
             members, modules, names = self._plan(params)
@@ -148,8 +152,8 @@ class Runtime:
             keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
             block = config.quantized_block or 1  # wire codecs: no cut inside a block either
             aligns = [math.lcm(config.align, d.align, block) for d in declared]
-            granules = [_whole_blocks(d.granule, block, p.numel()) for p, d in zip(ps, declared)]
-            layout = plan_layout([p.numel() for p in ps], granules, self.comm.world_size,
+            granules = [_whole_blocks(d.granule, block, local_numel(p)) for p, d in zip(ps, declared)]
+            layout = plan_layout([local_numel(p) for p in ps], granules, self.comm.world_size,
                                  math.lcm(config.align, block), aligns=aligns, segments=keys)  # fmt: skip
             unit = Unit(
                 ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
@@ -198,7 +202,7 @@ class Runtime:
                 )
         self.root = None
         keys = [(p.dtype, p.device) for p in params]
-        members = bucket_indices([p.numel() for p in params], keys, self.config.bucket_cap_numel)
+        members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
 
     def _label(self, p: torch.Tensor, name: str) -> str:

@@ -29,6 +29,7 @@ from ..shard.layout import Layout
 from . import stand_in
 from .grad_buffers import GradBuffers, ring
 from .streams import streams_for
+from .tensor_parallel import local, local_shape, set_data
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -114,7 +115,7 @@ class Unit:
         self.compute_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.shard_dtype = shard_dtype_for(self.orig_dtype)
-        self.full = FlatBuffer(layout, [tuple(p.shape) for p in params], comm.rank, self.compute_dtype,
+        self.full = FlatBuffer(layout, [local_shape(p) for p in params], comm.rank, self.compute_dtype,
                                self.device)  # fmt: skip
         self.shard = torch.zeros(layout.shard_size, dtype=self.shard_dtype, device=self.device)
         if not self._meta:
@@ -127,14 +128,14 @@ class Unit:
         self._held = 0  # `hold()`: kept gathered (inside `opt.gathered()`) until `release()`
         with torch.no_grad():
             for i, p in enumerate(params):
-                grad = p.grad
+                grad = local(p.grad)
                 if p.is_meta:  # a real parameter in its place (the same object for everyone holding it)
                     real = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
                                               requires_grad=p.requires_grad)  # fmt: skip
                     real.data = self.full.view(i)  # its own version counter, as for `.data` below
                     torch.utils.swap_tensors(p, real)
                 else:
-                    p.data = self.full.view(i)
+                    set_data(p, self.full.view(i))  # a DTensor's local tensor: see `tensor_parallel`
                 p.grad = None
                 if grad is not None:
                     self.grads.take(i, grad)
@@ -145,7 +146,7 @@ class Unit:
                 stand_in.register(p, label)
         # each `.data` between uses: a scalar of its own, never read (see `stand_in`)
         scalar = lambda: torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)  # noqa: E731
-        self.stand_ins = [scalar().expand(p.shape) for p in params]
+        self.stand_ins = [scalar().expand(local_shape(p)) for p in params]
         if sharded:
             self.reshard()
 
@@ -162,20 +163,21 @@ class Unit:
             staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
             for i, p in enumerate(self.params):
                 start = self.layout.offsets[i]
-                staged[start : start + p.numel()].copy_(p.detach().reshape(-1))
+                value = local(p).detach()
+                staged[start : start + value.numel()].copy_(value.reshape(-1))
             broadcast_(staged, 0, self.world, what=f"unit {self.name}'s initial parameters")
             self.shard.copy_(staged[rank * s : (rank + 1) * s])
             # a finished broadcast's work can outlive wait() and keep `staged` (seen on gloo): free it now
             staged.untyped_storage().resize_(0)
         else:
             for i, p in enumerate(self.params):
-                self.write_piece(i, p.detach())
+                self.write_piece(i, local(p).detach())
         if not self.sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
             if sync_params or self.gather_codec is not None:
                 self._gather_into_full(async_op=False)
             else:
                 for i, p in enumerate(self.params):
-                    self.full.view(i).copy_(p.detach())
+                    self.full.view(i).copy_(local(p).detach())
 
     # --- parameters ------------------------------------------------------------------
 
@@ -258,15 +260,15 @@ class Unit:
         self.state = State.RESHARDED
 
     def holds_stand_in(self, i: int) -> bool:
-        return self.params[i].data_ptr() == self.stand_ins[i].data_ptr()
+        return local(self.params[i]).data_ptr() == self.stand_ins[i].data_ptr()
 
     def placement_problem(self, i: int) -> str | None:
         """Why parameter `i` no longer fits its unit (moved or cast after construction), if it does not."""
         p, shape = self.params[i], self.full.shapes[i]
-        if p.dtype == self.compute_dtype and p.device == self.device and tuple(p.shape) == shape:
+        if p.dtype == self.compute_dtype and p.device == self.device and local_shape(p) == shape:
             return None
         return (
-            f"parameter {self.labels[i]} is now {p.dtype} on {p.device}, shape {tuple(p.shape)}, but the "
+            f"parameter {self.labels[i]} is now {p.dtype} on {p.device}, shape {local_shape(p)}, but the "
             f"optimizer holds it as {self.compute_dtype} on {self.device}: it was moved or cast after the "
             "optimizer was built (model.double(), .half(), .to(...)); move the model first, then build "
             "the optimizer"
@@ -276,11 +278,11 @@ class Unit:
         """A tensor assigned to parameter `i`'s `.data` (same dtype, device and shape) becomes
         its value: this rank's piece goes into the shard, and `.data` is the unit's again."""
         p = self.params[i]
-        if p.data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
+        if local(p).data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
             return
         with stand_in.revealed(p):
-            self.write_param(i, p.detach())
-            p.data = self.stand_ins[i] if self.state is State.RESHARDED else self.views[i]
+            self.write_param(i, local(p).detach())
+            set_data(p, self.stand_ins[i] if self.state is State.RESHARDED else self.views[i])
 
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
         """Unsharded units: refresh the kept parameters from every rank's updated shard."""
@@ -344,12 +346,12 @@ class Unit:
         a parameter's `.data` is copied into its view, then what changed in this rank's
         slice goes into the shard (`refresh_shard`'s comparison, for sharded units too)."""
         for i, (p, view) in enumerate(zip(self.params, self.views)):
-            if p.data_ptr() != view.data_ptr():
+            if local(p).data_ptr() != view.data_ptr():
                 problem = self.placement_problem(i)
                 if problem is not None:
                     raise RuntimeError(problem)
-                view.copy_(p.detach())
-                p.data = view
+                view.copy_(local(p).detach())
+                set_data(p, view)
         if self.shard.data_ptr() != self.full.local.data_ptr():
             self._take_changed()
 

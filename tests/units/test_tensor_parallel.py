@@ -1,0 +1,219 @@
+"""Data-parallel sharding of a tensor-parallel model (dp2 x tp2 on 4 gloo ranks): torch's own
+TP plan on world["tp"], vo.AdamW on world["dp"]; the same numbers as one process fed the mean
+gradient, step for step as FSDP2 after the same plan, DTensor parameters and state dicts kept,
+and named errors for what is not supported."""
+
+import pytest
+import torch
+from _reference import mean_grad_reference
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import vescale_optim as vo
+
+pytestmark = pytest.mark.slow
+
+DIM, HIDDEN, HEAD, STEPS, BATCH, SEQ = 16, 32, 4, 3, 2, 5
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+PLAN = {
+    **{name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")},
+    **{name: RowwiseParallel() for name in ("wo", "w2")},
+}
+
+
+class Block(nn.Module):
+    """A Llama-like block: attention over heads of `HEAD` features, a SwiGLU MLP; under TP
+    each rank computes its own heads and hidden features (the views read the local width)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(DIM), nn.LayerNorm(DIM)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, t, -1, HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
+        h = self.norm2(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+def _build():
+    torch.manual_seed(0)
+    model = Block()
+    with torch.no_grad():  # norms away from their init, so their gradients matter
+        for norm in (model.norm1, model.norm2):
+            norm.weight.uniform_(0.5, 1.5)
+        model.norm2.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def _batch(step, dp_rank):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(dp=2, steps=STEPS):
+    """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
+    dp ranks' batches."""
+    model = _build()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for t in range(steps):
+        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _world():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _full(state):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _placements(model):
+    return {n: tuple(p.placements) if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
+
+
+def _train(kind, steps=STEPS):
+    world = _world()
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    before = _placements(model)
+    if kind == "ours":
+        opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
+    else:  # FSDP2 after the same plan
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=world["dp"])
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    dp_rank = world["dp"].get_local_rank()
+    per_step = []
+    for t in range(steps):
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(_full(model.state_dict()))
+    if kind == "ours":
+        assert _placements(model) == before  # DTensors with their TP placements after every step
+        assert all(isinstance(model.get_parameter(n), DTensor) == (p is not None) for n, p in before.items())
+    return per_step
+
+
+def test_dp2_tp2_adamw_equals_one_process(world):
+    want = reference()
+    for got in world(4).run(_train, "ours"):
+        for k in want:
+            torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_dp2_tp2_adamw_equals_fsdp2_step_for_step(world):
+    ours, theirs = world(4).run(_train, "ours"), world(4).run(_train, "fsdp2")
+    for a, b in zip(ours, theirs):
+        for t in range(STEPS):
+            for k in b[t]:
+                torch.testing.assert_close(a[t][k], b[t][k], rtol=1e-5, atol=1e-6, msg=f"step {t}: {k}")
+
+
+def _local_views_and_state():
+    """The parameters' local tensors are the unit's memory; .grad is a DTensor of the same
+    placements; the state dicts round trip."""
+    world = _world()
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
+    unit = opt.units[0]
+    base = unit.full.data.untyped_storage().data_ptr()
+    for p in model.parameters():
+        assert _local(p).untyped_storage().data_ptr() == base  # zero copy: a view of the unit's buffer
+    dp_rank = world["dp"].get_local_rank()
+    _loss(model, *_batch(0, dp_rank)).backward()
+    grads = {n: (type(p.grad), tuple(p.grad.placements)) for n, p in model.named_parameters()
+             if isinstance(p, DTensor)}  # fmt: skip
+    opt.step()
+    opt.zero_grad()
+    sd = model.state_dict()
+    kinds = {k: tuple(v.placements) if isinstance(v, DTensor) else None for k, v in sd.items()}
+    saved = opt.state_dict()
+    model2 = parallelize_module(_build(), world["tp"], PLAN)
+    opt2 = vo.AdamW(model2.parameters(), mesh=world["dp"], **ADAMW)
+    model2.load_state_dict(sd)
+    opt2.load_state_dict(saved)
+    for t in (1, 2):
+        for m, o in ((model, opt), (model2, opt2)):
+            _loss(m, *_batch(t, dp_rank)).backward()
+            o.step()
+            o.zero_grad()
+    same = all(torch.equal(_local(a), _local(b)) for a, b in zip(model.state_dict().values(),
+                                                                model2.state_dict().values()))  # fmt: skip
+    return grads, kinds, same
+
+
+def test_local_tensors_are_views_and_state_dicts_round_trip(world):
+    for grads, kinds, same in world(4).run(_local_views_and_state):
+        assert {k: v[1] for k, v in grads.items()} == {
+            **{f"{n}.weight": (Shard(0),) for n in ("wq", "wk", "wv", "w1", "w3")},
+            **{f"{n}.weight": (Shard(1),) for n in ("wo", "w2")},
+        }
+        assert all(t is DTensor for t, _ in grads.values())
+        assert kinds["wq.weight"] == (Shard(0),) and kinds["w2.weight"] == (Shard(1),)
+        assert kinds["norm1.weight"] is None  # not parallelised: a plain tensor, as without the optimizer
+        assert same
+
+
+def _refused(case):
+    world = _world()
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    if case == "unrelated mesh":
+        other = init_device_mesh("cpu", (4,))  # spans the dp ranks too
+        weight = distribute_tensor(model.norm1.weight.detach(), other, [Replicate()])
+        model.norm1.weight = nn.Parameter(weight)
+        make = lambda: vo.AdamW(model.parameters(), mesh=world["dp"])  # noqa: E731
+    elif case == "partial":
+        local = model.norm1.weight.detach().clone()
+        model.norm1.weight = nn.Parameter(DTensor.from_local(local, world["tp"], [Partial()]))
+        make = lambda: vo.AdamW(model.parameters(), mesh=world["dp"])  # noqa: E731
+    elif case == "no mesh":
+        make = lambda: vo.AdamW(model.parameters())  # noqa: E731
+    elif case == "zero3":
+        make = lambda: vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=[model])  # noqa: E731
+    elif case == "muon":
+        make = lambda: vo.Muon(model.parameters(), mesh=world["dp"])  # noqa: E731
+    else:
+        make = lambda: vo.Shampoo(model.parameters(), mesh=world["dp"])  # noqa: E731
+    wq = model.wq.weight.to_local().clone()
+    try:
+        make()
+    except (ValueError, NotImplementedError) as e:
+        assert torch.equal(model.wq.weight.to_local(), wq)  # nothing changed
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("unrelated mesh", "ValueError", "not orthogonal to the data-parallel mesh"),
+        ("partial", "ValueError", "Partial placement"),
+        ("no mesh", "ValueError", "pass the data-parallel mesh as mesh="),
+        ("zero3", "NotImplementedError", "shard_modules (ZeRO-3) with DTensor"),
+        ("muon", "NotImplementedError", "Muon does not support DTensor"),
+        ("shampoo", "NotImplementedError", "Shampoo does not support DTensor"),
+    ],
+)
+def test_what_cannot_be_sharded_is_refused_on_every_rank(world, case, error, words):
+    for got in world(4).run(_refused, case):
+        assert got is not None and got[0] == error and words in got[1], got

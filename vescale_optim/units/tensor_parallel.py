@@ -1,0 +1,184 @@
+"""Parameters that are DTensors of a tensor-parallel plan, as the units see them.
+
+A model tensor-parallelised with torch's `parallelize_module` holds DTensor parameters: each
+rank keeps its TP-local shard (`p.to_local()`) and the placements say how the shards make
+the whole. The optimizer shards over the *data-parallel* mesh only, so a unit lays out each
+parameter's local tensor (its shape, its elements), exactly as it lays out a plain parameter.
+The parameter stays a DTensor (the same object) whose local tensor is a view of the unit's buffer
+(`set_data`), so the DTensor reads and writes the unit's memory with no copy. Gradients are
+DTensors of the same placements whose local tensors are views of the unit's gradient buffer:
+autograd accumulates into them in place (redistributing an incoming gradient of other
+placements first, as DTensor does for any in-place op).
+
+DTensors are recognised by their public attributes (`device_mesh`, `placements`,
+`to_local`, `from_local`), so this module names nothing of `torch.distributed` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .config import ShardingConfig
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether `t` is a DTensor (a parameter of a tensor-parallel plan, or its gradient)."""
+    return isinstance(t, torch.Tensor) and hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor the units work on: a DTensor's local tensor (a view of the memory it holds),
+    any other tensor itself."""
+    if t is None or not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def local_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(local(p).shape)
+
+
+def local_numel(p: torch.Tensor) -> int:
+    return local(p).numel()
+
+
+def like(p: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` (a tensor of `p`'s local shape) as what `p` holds: for a DTensor parameter a DTensor
+    over `t` with `p`'s mesh, placements, global shape and stride (no communication)."""
+    if t is None or not is_dtensor(p):
+        return t
+    return type(p).from_local(
+        t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+def set_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    """`p.grad = g`, `g` of `p`'s local shape (wrapped as a DTensor for a DTensor parameter)."""
+    p.grad = like(p, g)
+
+
+def set_data(p: torch.Tensor, data: torch.Tensor) -> None:
+    """Point `p`'s values (a DTensor's local tensor) at `data` (of its local shape).
+
+    A DTensor parameter hands out views of the local tensor it holds (`to_local()`), so its
+    memory cannot be re-pointed through them: the parameter takes the contents of a new
+    DTensor parameter over `data` (`torch.utils.swap_tensors`: the same Python object, which
+    the model and the optimizer keep), with its attributes. Tensor hooks registered on it
+    before would stay with the old contents, so the units do this once, at construction, before
+    their own hooks."""
+    if not is_dtensor(p):
+        p.data = data
+        return
+    if local(p).data_ptr() == data.data_ptr():
+        return
+    new = torch.nn.Parameter(like(p, data), requires_grad=p.requires_grad)
+    for key, value in vars(p).items():
+        if key not in vars(new):
+            setattr(new, key, value)
+    torch.utils.swap_tensors(p, new)
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """Whether `p`'s elements differ over its tensor-parallel ranks (a `Shard` placement):
+    norms of its gradient sum over them; a replicated parameter counts once."""
+    return is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
+
+
+def _ranks(mesh) -> set[int]:
+    return {int(r) for r in mesh.mesh.reshape(-1).tolist()}
+
+
+def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]) -> str | None:
+    """Why the DTensor parameters among `params` cannot be sharded over the data-parallel
+    `mesh`, if they cannot (the same answer on every rank of a shared plan): a DTensor needs
+    `mesh=`, and its own mesh must be orthogonal to `mesh` in one root mesh (the two meet in
+    this rank alone, as `world["tp"]` and `world["dp"]` do); placements must be `Shard` or
+    `Replicate` (a `Partial` parameter has no values of its own; strided shards are not read
+    yet)."""
+    for p in params:
+        if not is_dtensor(p):
+            continue
+        name = labels[id(p)]
+        for pl in p.placements:
+            if pl.is_partial():
+                return (
+                    f"parameter {name} is a DTensor with a Partial placement {tuple(p.placements)}: "
+                    "a parameter must hold its values (Shard or Replicate); redistribute it before "
+                    "building the optimizer"
+                )
+            if not (pl.is_replicate() or (pl.is_shard() and type(pl).__name__ == "Shard")):
+                return (
+                    f"parameter {name} has placement {pl!r}, which the optimizer does not read yet; "
+                    "use Shard(dim) or Replicate() placements"
+                )
+        if mesh is None:
+            return (
+                f"parameter {name} is a DTensor (mesh {tuple(p.device_mesh.mesh_dim_names or ())}); pass the "
+                "data-parallel mesh as mesh= (e.g. mesh=world['dp'] for world = init_device_mesh(..., "
+                "mesh_dim_names=('dp', 'tp'))), as to fully_shard"
+            )
+        if p.device_mesh.device_type != mesh.device_type:
+            return (
+                f"parameter {name} is a DTensor on a {p.device_mesh.device_type} mesh, but mesh= is a "
+                f"{mesh.device_type} mesh"
+            )
+        common = _ranks(p.device_mesh) & _ranks(mesh)
+        if len(common) != 1:
+            return (
+                f"parameter {name} is a DTensor on mesh {p.device_mesh} "
+                f"(ranks {sorted(_ranks(p.device_mesh))}), "
+                f"which is not orthogonal to the data-parallel mesh= {mesh} (ranks {sorted(_ranks(mesh))}): "
+                "both must be dimensions of one root mesh, e.g. world['tp'] and world['dp'] of "
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+            )
+    return None
+
+
+def refuse_dtensors(params: Sequence[torch.Tensor], config: ShardingConfig, labels: dict[int, str]) -> None:
+    """DTensor parameters (tensor parallelism) the runtime cannot shard, refused by name; every
+    rank of one plan sees the same parameters, so every rank raises."""
+    if not any(is_dtensor(p) for p in params):
+        return
+    problem = dtensor_problem(params, config.mesh, labels)
+    if problem is not None:
+        raise ValueError(problem)
+    if config.sharded:
+        raise NotImplementedError(
+            "shard_modules (ZeRO-3) with DTensor (tensor-parallel) parameters is not supported yet; "
+            "leave shard_modules unset: the parameters stay whole on every data-parallel rank (ZeRO-2)"
+        )
+    meta = [labels[id(p)] for p in params if is_dtensor(p) and p.is_meta]
+    if meta:
+        raise NotImplementedError(f"DTensor parameters on the meta device ({meta[0]}) are not supported yet")
+
+
+def refuse_for(owner: str, params: Sequence[torch.Tensor], takes_dtensors: bool) -> None:
+    """An optimizer whose math is not element-wise (`takes_dtensors=False`) refuses DTensor
+    parameters by name: it would need each whole matrix or tile across the TP shards, and
+    orthogonalizing the local shards alone would depend on the TP size."""
+    if takes_dtensors or not any(is_dtensor(p) for p in params):
+        return
+    raise NotImplementedError(
+        f"{owner} does not support DTensor (tensor-parallel) parameters yet: its math needs whole "
+        "matrices or tiles across the TP shards; use vo.AdamW for them, or give this optimizer "
+        "plain (non-DTensor) parameters only"
+    )
+
+
+def tp_groups(params: Sequence[torch.Tensor]) -> list:
+    """The process groups over which some parameter of `params` is sharded (one per distinct
+    mesh dimension holding a `Shard` placement), for norms summed over tensor parallelism."""
+    seen, groups = set(), []
+    for p in params:
+        if not is_dtensor(p):
+            continue
+        for dim, pl in enumerate(p.placements):
+            if pl.is_shard():
+                group = p.device_mesh.get_group(dim)
+                if id(group) not in seen:
+                    seen.add(id(group))
+                    groups.append(group)
+    return groups
