@@ -1,23 +1,23 @@
-"""What it costs to catch `no_sync()` on some ranks only: a train step with gradient
-accumulation, as shipped and under the two ways that would catch it.
+"""What the agreement on `no_sync()` costs: a train step with gradient accumulation, as
+shipped, with one more such all-reduce per backward, and under torch's own collective check.
 
-The step's agreement (one small all-reduce in `step()`) cannot see a `no_sync()` entered on
-some ranks only: the other ranks have already issued their reductions in backward, where
-the ranks' collectives part ways. Catching it means meeting before each backward's first
-reduction. Measured here, per train step of `--micro` micro-batches (every one but the last
-under `no_sync()`), on a local gloo world:
+`no_sync()` entered on some ranks only leaves the other ranks' reductions unmatched. The
+step's agreement cannot see it (those ranks issued their reductions in backward, where the
+collectives part ways), so each backward starts with the ranks' agreement on it: one small
+all-reduce before its first reduction (`vo.NoSyncMismatchError` on every rank). That is one
+collective per backward the step's agreement does not cover. Measured here, per train step
+of `--micro` micro-batches (every one but the last under `no_sync()`), on a local gloo world:
 
-- **as shipped**: no check; a mismatch aborts the process (gloo) or hangs (NCCL);
-- **one agreement per backward**: what a built-in check would add, one small all-reduce of
-  the sync flag when each backward starts (the verdict could wait for the step, so no host
-  sync in backward): emulated with a module backward pre-hook issuing it;
-- **TORCH_DISTRIBUTED_DEBUG=DETAIL**: torch's own check, every collective's fingerprint
-  compared over a helper group first (named error on every rank), on a group created under it.
+- **as shipped**: the agreement in every backward;
+- **+ one more per backward**: a second all-reduce of the same size in every backward, issued
+  from a backward pre-hook and waited for at the step: what the agreement adds;
+- **TORCH_DISTRIBUTED_DEBUG=DETAIL**: torch's check, every collective's fingerprint compared
+  over a helper group first, on a group created under it.
 
     python benchmarks/sync_check.py [--world-size 4] [--layers 8] [--micro 4] [--quick]
 
-On CPU gloo issues every collective synchronously: the per-backward all-reduce's latency is
-added whole, where on a GPU it would run beside the compute.
+On CPU gloo issues every collective synchronously: the extra all-reduce's latency is added
+whole, where on a GPU it would run beside the compute.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
 from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
 
 PRELOAD = ["benchmarks.sync_check"]
-MODES = ("as shipped", "one agreement per backward", "TORCH_DISTRIBUTED_DEBUG=DETAIL")
+MODES = ("as shipped", "+ one more per backward", "TORCH_DISTRIBUTED_DEBUG=DETAIL")
 
 
 def _group(mode: str):
@@ -70,7 +70,8 @@ def _rank(rank: int, world: int, layers: int, width: int, micro: int, runs: int)
         opt = vo.AdamW(model.parameters(), lr=1e-3, shard_modules=[*model.blocks, model], process_group=group)
         pending: list = []  # the per-backward agreements in flight
         if mode == MODES[1]:
-            model.blocks[-1].register_full_backward_pre_hook(_agreement(torch.zeros(1), group, pending))
+            flag = torch.zeros(1, dtype=torch.int64)  # as the agreement's one word of flags
+            model.blocks[-1].register_full_backward_pre_hook(_agreement(flag, group, pending))
         times = []
         for t in range(runs + 1):
             dist.barrier()
