@@ -377,6 +377,37 @@ def print_a(a: dict, world: int, shape: dict, warmup: int, steps: int) -> dict:
     return _goals("Goals (a):", goals)
 
 
+VARIANTS = {"muon": {}, "polar": {"ns_coefficients": "polar_express"}, "normuon": {"normuon": True}}
+
+
+def part_v(shape: dict, warmup: int, steps: int) -> list[dict]:
+    """The step time of each Muon variant (`VARIANTS`: torch's coefficients, Polar Express,
+    NorMuon) in one process on part (a)'s model, from the same weights and gradients: the
+    median of `steps` timed `opt.step()` calls after `warmup`."""
+    rows = []
+    for name, keys in VARIANTS.items():
+        torch.manual_seed(0)
+        model = _model(shape)
+        opt = vo.Muon(muon_groups(model), **keys)
+        x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=0)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        times = []
+        for t in range(warmup + steps):
+            start = time.perf_counter()
+            opt.step()
+            if t >= warmup:
+                times.append(time.perf_counter() - start)
+        rows.append({"variant": name, "step ms": 1e3 * statistics.median(times),
+                     "matrices": opt.step_stats["ns_matrices"]})  # fmt: skip
+    return rows
+
+
+def print_v(rows: list[dict]) -> dict[str, bool]:
+    print("\n## Muon variants: one process, optimizer step (median)\n")
+    print(table(rows, ["variant", "step ms", "matrices"]))
+    return _goals("variants", {"every variant steps every matrix": len({r["matrices"] for r in rows}) == 1})
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=4)
@@ -384,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profiled", type=int, default=2, help="profiled steps: breakdown and measured FLOPs")
     ap.add_argument("--quick", action="store_true", help="tiny model, fewer steps, small part (b)")
-    ap.add_argument("--part", choices=["a", "b", "ab"], default="ab")
+    ap.add_argument("--part", choices=["a", "b", "ab", "v", "abv"], default="abv",
+                    help="a: step vs peers; b: owner assignment; v: each Muon variant's step")  # fmt: skip
     ap.add_argument("--configs", nargs="+", default=list(LABEL), choices=list(LABEL))
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
@@ -407,6 +439,9 @@ def main(argv: list[str] | None = None) -> dict:
         out["goals"].update(print_b(out["b"]))
         if "a" not in args.part:
             print(f"\n{host_line()}")
+    if "v" in args.part:
+        out["v"] = part_v(shape, args.warmup, args.steps)
+        out["goals"].update(print_v(out["v"]))
     out["env"] = environment(out["a"]["threads"] if "a" in out else None)
     path = save_json("muon_quick" if args.quick else "muon", out)
     print(f"total {time.perf_counter() - t0:.0f} s; wrote {path}", file=sys.stderr)

@@ -230,3 +230,21 @@ def test_checkpoint_flags_are_checked():
                 ["--timeout", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+@pytest.mark.timeout(120)
+def test_muon_variants_train_from_the_same_weights(tmp_path, one_thread):
+    """--muon-variant: Muon, Polar Express and NorMuon each train from the seeded weights."""
+    runs = {}
+    for variant in ("muon", "polar", "normuon"):
+        flags = ["--optimizer", "muon", "--muon-variant", variant, "--steps", "8", "--warmup", "2",
+                 "--val-tokens", "512", "--no-progress", "--out", str(tmp_path / variant)]  # fmt: skip
+        cfg, _ = parse_args([*TINY_FLAGS, *flags])
+        assert cfg.muon_variant == variant
+        runs[variant] = train(cfg)["runs"]["muon"]
+    assert len({run["init_params_sha256"] for run in runs.values()}) == 1
+    assert len({run["params_sha256"] for run in runs.values()}) == 3
+    for run in runs.values():
+        assert run["loss"][-1] < run["loss"][0]
+    with pytest.raises(SystemExit):
+        parse_args(["--muon-variant", "adam"])

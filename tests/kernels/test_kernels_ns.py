@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from vescale_optim.kernels import _ns_triton, newton_schulz
 from vescale_optim.kernels._dispatch import resolve_backend
 from vescale_optim.kernels._triton_common import Launch
-from vescale_optim.kernels.newton_schulz import as_stack
+from vescale_optim.kernels.newton_schulz import POLAR_EXPRESS, as_stack
 
 COEFFS = (3.4445, -4.775, 2.0315)
 DEVICE = torch.device("cpu" if _ns_triton.INTERPRET else "cuda")
@@ -239,6 +239,42 @@ def test_triton_launches_round_where_torch_does(shape, dtype, block):
 
 
 @needs_triton_device
+@pytest.mark.parametrize("shape, block", [((24, 16), 16), ((2, 16, 40), None)])
+def test_triton_takes_per_step_coefficients(shape, block):
+    """Polar Express through the kernels: each step launches with its own triple and the input
+    is scaled by 1 / (1.02 ||X||_F); checked launch by launch (one rounding each), since the
+    iteration itself amplifies one rounding that falls the other way."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    out, plan = _ns_triton.newton_schulz_launches(
+        x.to(DEVICE), 1, "polar_express", 1e-7, block=block, block_k=block
+    )
+    X, tall = as_stack(x, 1e-7, 1.02)
+    X = X.reshape(-1, *X.shape[-2:])
+    p, q = X.shape[-2:]
+    X = F.pad(X, (0, -q % 16, 0, -p % 16))
+    launches = [launch for launch in plan if isinstance(launch, Launch)]
+    assert len(launches) == 3 * len(POLAR_EXPRESS)
+    for step, (a, b, c) in enumerate(POLAR_EXPRESS):
+        gram, poly2, poly = launches[3 * step : 3 * step + 3]
+        assert torch.equal(gram.args[0].cpu(), X)
+        gram()
+        A = gram.args[2].cpu()
+        _check_syrk(X, A)
+        poly2()
+        Bm = poly2.args[2].cpu()
+        _check_syrk(A, Bm, alpha=c, beta=b, C=A)
+        poly()
+        X_next = poly.args[2].cpu()
+        _check_poly(Bm, X, X_next, a)
+        X = X_next
+    for launch in plan:
+        if not isinstance(launch, Launch):
+            launch()
+    X = X[:, :p, :q]
+    assert torch.equal(out.cpu().reshape((X.mT if tall else X).shape), X.mT if tall else X)
+
+
+@needs_triton_device
 @pytest.mark.parametrize("P, K", [(40, 24), (24, 40), (17, 33)])
 def test_symmetric_kernel_matches_matmul(P, K):
     g = torch.Generator().manual_seed(P * K)
@@ -339,8 +375,11 @@ def test_offsets_past_two_to_the_31_elements():
     copy, bit for bit. With int32 offsets the last row's address wraps, and the process
     crashes or reads elsewhere, so it runs in a subprocess."""
     proc = subprocess.run(
-        [sys.executable, "-c", WIDE_OFFSETS, DEVICE.type], capture_output=True, text=True,
-        timeout=240, env={**os.environ, "TRITON_INTERPRET": "1" if _ns_triton.INTERPRET else "0"},
+        [sys.executable, "-c", WIDE_OFFSETS, DEVICE.type],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TRITON_INTERPRET": "1" if _ns_triton.INTERPRET else "0"},
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-3000:])
 

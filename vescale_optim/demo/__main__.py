@@ -17,7 +17,7 @@ from dataclasses import fields
 
 from .config import TrainConfig
 from .launch import launch
-from .optimizers import DEFAULT_OPTIMIZERS, OPTIMIZERS, PARAM_DTYPES, optimizer_names
+from .optimizers import DEFAULT_OPTIMIZERS, MUON_VARIANTS, OPTIMIZERS, PARAM_DTYPES, optimizer_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"one of {', '.join(OPTIMIZERS)}, several separated by commas, or 'all'; each trains from the "
         f"same initial weights (default %(default)s: {','.join(DEFAULT_OPTIMIZERS)}, or adamw alone with "
         "--checkpoint-dir)",
+    )
+    add(
+        "--muon-variant",
+        choices=list(MUON_VARIANTS),
+        default=d.muon_variant,
+        help="what 'muon' runs: torch's Newton–Schulz coefficients, Polar Express (ns_coefficients="
+        "'polar_express') or NorMuon (normuon=True)",
     )
     add(
         "--zero",

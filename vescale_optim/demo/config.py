@@ -20,9 +20,11 @@ class TrainConfig:
     CPU) is the dtype of the gathered parameters and the compute, over fp32 shards. `sharding`:
     more sharding keywords (`vo.ShardingConfig`'s fields, e.g. `{"gather_bits": 8, "reduce_bits":
     8}`) for every optimizer of the run, over those `zero` and `param_dtype` give (no flag: set it
-    from Python; keep its values JSON-friendly, the summary records them)."""
+    from Python; keep its values JSON-friendly, the summary records them). `muon_variant` is what
+    "muon" runs: "muon" (torch's coefficients), "polar" (Polar Express) or "normuon" (NorMuon)."""
 
     optimizer: str | None = None
+    muon_variant: str = "muon"
     zero: int = 3
     steps: int = 100
     batch_size: int = 8

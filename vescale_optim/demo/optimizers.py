@@ -76,12 +76,24 @@ def make_adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return vo.AdamW(decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8, **sharding(model, cfg))
 
 
+# --muon-variant: the Muon keys of each variant (docs/muon.md)
+MUON_VARIANTS: dict[str, dict] = {
+    "muon": {},
+    "polar": {"ns_coefficients": "polar_express"},
+    "normuon": {"normuon": True},
+}
+
+
 def make_muon(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Sharded Muon on the hidden matrices (lr 0.02, weight decay 0.1); embeddings, the head,
-    norms and biases take AdamW steps at AdamW's tuned lr, without weight decay."""
+    """Sharded Muon on the hidden matrices (lr 0.02, weight decay 0.1), as `cfg.muon_variant` asks
+    (`MUON_VARIANTS`); embeddings, the head, norms and biases take AdamW steps at AdamW's tuned
+    lr, without weight decay."""
+    if cfg.muon_variant not in MUON_VARIANTS:
+        raise ValueError(f"muon_variant must be one of {sorted(MUON_VARIANTS)}; got {cfg.muon_variant!r}")
     lr = cfg.lr if cfg.lr is not None else 0.02
     groups = vo.muon_param_groups(model, exclude=[model.head], adamw_lr=3e-3, adamw_weight_decay=0.0)
-    return vo.Muon(groups, lr=lr, weight_decay=0.1, adjust_lr_fn="original", **sharding(model, cfg))
+    kwargs = {**MUON_VARIANTS[cfg.muon_variant], **sharding(model, cfg)}
+    return vo.Muon(groups, lr=lr, weight_decay=0.1, adjust_lr_fn="original", **kwargs)
 
 
 def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
