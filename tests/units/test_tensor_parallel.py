@@ -63,15 +63,19 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def reference(dp=2, steps=STEPS):
+def reference(dp=2, steps=STEPS, clip=None):
     """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
-    dp ranks' batches."""
+    dp ranks' batches (clipped to norm `clip`: then each step's norm before clipping too, as
+    `norm{t}`)."""
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    norms = {}
     for t in range(steps):
         mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        if clip is not None:
+            norms[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **norms}
 
 
 def _world():
@@ -90,7 +94,7 @@ def _placements(model):
     return {n: tuple(p.placements) if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
 
 
-def _train(kind, steps=STEPS):
+def _train(kind, steps=STEPS, clip=None):
     world = _world()
     model = parallelize_module(_build(), world["tp"], PLAN)
     before = _placements(model)
@@ -105,9 +109,12 @@ def _train(kind, steps=STEPS):
     per_step = []
     for t in range(steps):
         _loss(model, *_batch(t, dp_rank)).backward()
+        norm = opt.clip_grad_norm_(clip) if clip is not None else None
         opt.step()
         opt.zero_grad()
         per_step.append(_full(model.state_dict()))
+        if norm is not None:
+            per_step[-1]["norm"] = _full({"norm": norm})["norm"]
     if kind == "ours":
         assert _placements(model) == before  # DTensors with their TP placements after every step
         assert all(isinstance(model.get_parameter(n), DTensor) == (p is not None) for n, p in before.items())
@@ -217,3 +224,15 @@ def _refused(case):
 def test_what_cannot_be_sharded_is_refused_on_every_rank(world, case, error, words):
     for got in world(4).run(_refused, case):
         assert got is not None and got[0] == error and words in got[1], got
+
+
+def test_clip_grad_norm_sums_tp_shards_and_counts_replicated_parameters_once(world):
+    """opt.clip_grad_norm_ under TP (FSDP2 2-D cannot run torch's clip_grad_norm_ here: its
+    per-parameter norms live on two meshes, dp and dp x tp, which torch.stack refuses)."""
+    want = reference(clip=0.05)
+    for got in world(4).run(_train, "ours", clip=0.05):
+        for t in range(STEPS):  # the norm before clipping
+            torch.testing.assert_close(got[t]["norm"], want[f"norm{t}"], rtol=1e-5, atol=1e-7)
+        for k in got[-1]:
+            if k != "norm":
+                torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -37,7 +37,7 @@ from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
-from .tensor_parallel import local_numel, refuse_dtensors, tp_groups
+from .tensor_parallel import local_numel, refuse_dtensors, tp_groups, tp_norm_parts
 from .unit import LOW_PRECISION, Unit
 
 
@@ -285,16 +285,15 @@ class Runtime:
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [u.grads.shard for u in self.units if u.grads.shard_bytes]
-        inf = math.isinf(norm_type)
-        # summed in float64, so that how parameters are grouped into units does not round it
-        f64 = torch.float64
-        parts = [g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64)
-                 ** norm_type for g in grads]  # fmt: skip
-        total = torch.zeros(1, dtype=f64, device=self.device)
-        if parts:
-            total[0] = torch.stack(parts).max() if inf else torch.stack(parts).sum()
-        all_reduce_(total, self.comm, "max" if inf else "sum", what="clip_grad_norm_'s total norm")
-        total = (total[0] if inf else total[0] ** (1.0 / norm_type)).float()
+        inf, op = math.isinf(norm_type), "max" if math.isinf(norm_type) else "sum"
+        # summed in float64, so that how parameters are grouped into units does not round it;
+        # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
+        total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
+        all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")
+        if self.tp:
+            all_reduce_(total[1:], self.tp[0], op, what="clip_grad_norm_'s norm over tensor parallelism")
+        total = total.max() if inf else total.sum()
+        total = (total if inf else total ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "

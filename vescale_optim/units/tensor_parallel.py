@@ -16,6 +16,7 @@ DTensors are recognised by their public attributes (`device_mesh`, `placements`,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -181,4 +182,43 @@ def tp_groups(params: Sequence[torch.Tensor]) -> list:
                 if id(group) not in seen:
                     seen.add(id(group))
                     groups.append(group)
+    if len(groups) > 1:
+        raise NotImplementedError(
+            f"parameters are sharded over {len(groups)} tensor-parallel groups (mesh dimensions); one "
+            "tensor-parallel dimension is supported yet"
+        )
     return groups
+
+
+def tp_norm_parts(units: Sequence, norm_type: float, device: torch.device, split: bool) -> torch.Tensor:
+    """This rank's part of the gradient norm of `units` in float64: the sum of `|g|^norm_type`
+    over its gradient shards (the max of `|g|` for the inf norm), as `[all]`, or with `split`
+    as `[replicated, TP-sharded]` (the elements of parameters with a `Shard` placement apart,
+    which differ over the TP ranks, so that their part can be summed over TP and the rest
+    counted once)."""
+    inf, f64 = math.isinf(norm_type), torch.float64
+
+    def part(g: torch.Tensor) -> torch.Tensor:
+        if g.numel() == 0:
+            return torch.zeros((), dtype=f64, device=device)
+        return (
+            g.abs().max().to(f64) if inf else torch.linalg.vector_norm(g, norm_type, dtype=f64) ** norm_type
+        )
+
+    parts: list[list[torch.Tensor]] = [[], []]
+    for u in units:
+        if not u.grads.shard_bytes:
+            continue
+        shard = u.grads.shard
+        if not split:
+            parts[0].append(part(shard))
+            continue
+        for i, p in enumerate(u.params):
+            start, stop = u.full.local_range(i)
+            if stop > start:
+                parts[int(is_tp_sharded(p))].append(part(shard[start:stop]))
+    total = torch.zeros(2 if split else 1, dtype=f64, device=device)
+    for k, found in enumerate(parts[: len(total)]):
+        if found:
+            total[k] = torch.stack(found).max() if inf else torch.stack(found).sum()
+    return total
