@@ -30,7 +30,9 @@ their sum; `update` is `step` less the communication exposed in it (ours agrees 
 parameters step: one small all-reduce, which also absorbs the ranks' skew). A number is the
 median over steps of the slowest rank's; a ratio is the median of the per-step ratios.
 `stand-in ms` is what ours spend per step turning sharded parameters into their stand-ins
-between uses and back (a class assignment per parameter and gather, timed around each call;
+between uses and back (a class assignment per parameter and gather, the profiler's
+`vescale::stand_ins[unit]` regions in one more step of rank 0, which also hold pointing
+`.data` at the gathered views;
 `stand-in % fwd` against `fwd ms`, though it covers backward's gathers too): on the gathered
 path a parameter is its own class again, so forward and backward compute pay nothing more.
 `exposed comm` is the time the training thread spent inside collective calls or waiting
@@ -110,7 +112,6 @@ from benchmarks._live import LiveBytes  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
-from vescale_optim.units import stand_in  # noqa: E402
 
 CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
            "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
@@ -156,41 +157,26 @@ def _optimizer(config: str, model: torch.nn.Module):
     return fsdp2(model, family)
 
 
-class _FlipClock:
-    """Seconds spent turning sharded parameters into their stand-ins and back between uses
-    (`vescale_optim.units.stand_in.show` / `hide`, timed around each call): the stand-ins'
-    whole cost in forward and backward, since on the gathered path a parameter is its own class."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        for name in ("show", "hide"):
-            real = getattr(stand_in, name)
-
-            def timed(p, real=real):
-                t = time.perf_counter()
-                real(p)
-                self.seconds += time.perf_counter() - t
-
-            setattr(stand_in, name, timed)
-
-
-FLIPS: _FlipClock | None = None
+def _stand_in_seconds(rank: int, tr: Trainer, x, y) -> float | None:
+    """Rank 0: one step of `tr` under the profiler (CPU events, no stacks), the seconds inside
+    `vescale::stand_ins[...]`: the units turning their parameters into stand-ins between uses
+    and back (host work on any device)."""
+    if rank != 0:
+        tr.step(x, y, record=False)
+        return None
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with prof:
+        tr.step(x, y, record=False)
+    return sum(e.cpu_time_total for e in prof.events() if e.name.startswith("vescale::stand_ins[")) / 1e6
 
 
 class Trainer(_train.Trainer):
     """One configuration of this benchmark (see the module's docstring)."""
 
     def optimizer(self, model: torch.nn.Module):
-        self.flips: list[float] = []
         return _optimizer(self.config, model)
 
-    def step(self, x, y, record: bool = True, around=None) -> None:
-        before = FLIPS.seconds if FLIPS is not None else 0.0
-        super().step(x, y, record, around)
-        if record and FLIPS is not None:
-            self.flips.append(FLIPS.seconds - before)
-
-    def result(self, loss_after: float, copies: dict | None) -> dict:
+    def result(self, loss_after: float, copies: dict | None, stand_ins: float | None) -> dict:
         """What this configuration's recorded steps measured, for the parent."""
         total = {"calls": Counter(), "sent": Counter()}
         for c in (self.comm[-1] if self.comm else {}).values():  # the last recorded step
@@ -200,7 +186,7 @@ class Trainer(_train.Trainer):
         return {"params": self.params, "times_s": self.times, "exposed_s": exposed,
                 "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}, "losses": self.losses,
                 "loss_after": loss_after, "copies": copies, "device": device().type,
-                "flips_s": self.flips}  # fmt: skip
+                "stand_ins_s": stand_ins}  # fmt: skip
 
 
 def _classify(event, context: list[str]) -> str:
@@ -233,16 +219,16 @@ def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
 
 def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: int, steps: int) -> dict:
     """Per model: every configuration in this world, interleaved step by step."""
-    global FLIPS
     meter = CommMeter().install()
-    FLIPS = FLIPS or _FlipClock()
     out = {}
     for name, shape in models.items():
         pool = batches(shape, rank, world)
         trainers = [Trainer(c, shape, meter) for c in configs]
         interleave(trainers, pool, warmup, steps)
         copies = {tr.config: _count_copies(rank, tr, *pool[0]) for tr in trainers}
-        out[name] = {tr.config: tr.result(tr.eval_loss(*pool[0]), copies[tr.config]) for tr in trainers}
+        stand_ins = {tr.config: _stand_in_seconds(rank, tr, *pool[0]) for tr in trainers}
+        out[name] = {tr.config: tr.result(tr.eval_loss(*pool[0]), copies[tr.config], stand_ins[tr.config])
+                     for tr in trainers}  # fmt: skip
         del trainers
         gc.collect()
     return out
@@ -333,8 +319,7 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> di
            "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
     row["train ms"] = ms(row["_train"])
-    flips = slowest([r["flips_s"] for r in res]) if all(r.get("flips_s") for r in res) else [0.0]
-    row["stand-in ms"] = ms(flips)  # class flips between uses, per step (forward and backward)
+    row["stand-in ms"] = 1e3 * (r0.get("stand_ins_s") or 0.0)  # rank 0's profiled step (fwd and bwd)
     row["stand-in % fwd"] = 100 * row["stand-in ms"] / row["fwd ms"] if row["fwd ms"] else 0.0
     if r0.get("device") == "cuda":  # see the docstring: no exposed comm, update nor copies there
         for k in NOT_ON_CUDA:

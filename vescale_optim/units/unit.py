@@ -241,22 +241,25 @@ class Unit:
             self.gather_after_step()
 
     def _show(self) -> None:
-        """Parameters are views of the (gathered) unsharded buffer."""
-        for i, (p, view) in enumerate(zip(self.params, self.views)):
-            stand_in.show(p)
-            problem = self.placement_problem(i)
-            if problem is not None:
-                raise RuntimeError(problem)
-            p.data = view
+        """Parameters are views of the (gathered) unsharded buffer (profiled as
+        `vescale::stand_ins[unit]`, with `_hide`: what the stand-ins cost a step)."""
+        with torch.profiler.record_function(f"vescale::stand_ins[{self.name}]"):
+            for i, (p, view) in enumerate(zip(self.params, self.views)):
+                stand_in.show(p)
+                problem = self.placement_problem(i)
+                if problem is not None:
+                    raise RuntimeError(problem)
+                p.data = view
         self.state = State.GATHERED
 
     def _hide(self) -> None:
         """Between uses a parameter is its stand-in (`stand_in`), not a view of freed memory:
         its metadata reads as before, and reading or writing its values raises, naming it."""
-        for p, scalar in zip(self.params, self.stand_ins):
-            with stand_in.revealed(p):
-                p.data = scalar
-            stand_in.hide(p)
+        with torch.profiler.record_function(f"vescale::stand_ins[{self.name}]"):
+            for p, scalar in zip(self.params, self.stand_ins):
+                with stand_in.revealed(p):
+                    p.data = scalar
+                stand_in.hide(p)
         self.state = State.RESHARDED
 
     def holds_stand_in(self, i: int) -> bool:
