@@ -347,3 +347,75 @@ def test_resume_at_another_world_size(world):
             for a, b in zip(got, straight):
                 assert torch.equal(a, b), variant
         assert torch.equal(_resume(variant, state, halfway)[0], straight[0])
+
+
+# --- 8-bit NorMuon: v in int8 codes and scales, as momentum is -----------------------------------
+
+Q8_SHAPES = [(64, 96), (80, 64), (6, 10)]  # two of 4096+ elements (q8 tier), one below (fp32)
+
+
+def _normuon_q8(steps=3, start=0, state=None, values=None, normuon=True):
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in Q8_SHAPES]
+    if values is not None:
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+    opt = vo.Muon(params, **HYPER, normuon=normuon, state_bits=8)
+    if state is not None:
+        opt.load_state_dict(state)
+    for t in range(start, start + steps):
+        for i, p in enumerate(params):
+            p.grad = _grad(p.shape, t, i)
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict(), opt.memory_stats()["state"]
+
+
+def test_8bit_normuon_stores_v_as_int8_codes_and_scales():
+    _, state, with_v = _normuon_q8(1)
+    _, _, without = _normuon_q8(1, normuon=False)
+    # rows int8 codes + one fp32 scale per 256 rows for the q8 matrices, fp32 for the small one
+    assert with_v - without == (64 + 4) + (80 + 4) + 4 * 6
+    assert [tuple(st["variance_neuron"].shape) for st in state["state"].values()] == [(64,), (80,), (6,)]
+
+
+def test_8bit_normuon_is_identical_at_every_world_size_and_resumed(world):
+    want, want_state, _ = _normuon_q8(4)
+    for world_size in (2, 3):
+        for got, state, _ in world(world_size).run(_normuon_q8, 4):
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), world_size
+            for i, st_ in want_state["state"].items():
+                for key, value in st_.items():
+                    assert torch.equal(state["state"][i][key], value), (world_size, i, key)
+    halfway, state, _ = world(2).run(_normuon_q8, 2)[0]
+    for got, _, _ in [*world(3).run(_normuon_q8, 2, 2, state, halfway), _normuon_q8(2, 2, state, halfway)]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _normuon_q8_dcp(path, mode):
+    """Two 8-bit NorMuon steps saved with DCP (`mode="save"`), or a fresh optimizer loading them."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in Q8_SHAPES]
+    opt = vo.Muon(params, **HYPER, normuon=True, state_bits=8)
+    if mode == "load":
+        sd = opt.sharded_state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        opt.load_sharded_state_dict(sd)
+        return opt.state_dict()
+    for t in range(2):
+        for i, p in enumerate(params):
+            p.grad = _grad(p.shape, t, i)
+        opt.step()
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    return opt.state_dict()
+
+
+def test_8bit_normuon_v_through_dcp_at_another_world_size(world, tmp_path):
+    path = str(tmp_path / "normuon_q8")
+    saved = world(3).run(_normuon_q8_dcp, path, "save")[0]
+    loaded = world(2).run(_normuon_q8_dcp, path, "load")[0]
+    for i, st_ in saved["state"].items():
+        for key, value in st_.items():
+            assert torch.equal(loaded["state"][i][key], value), (i, key)

@@ -11,7 +11,8 @@ its block grid is the tensors'.
 Each tier is a codec (`units.segment.StateCodec`) that a segment holds: it allocates the
 state, decodes it to the update precision and encodes it back; the optimizers and the state
 dicts reach the state only through it (`Segment.moment` / `Segment.store`). This module is
-the one place that names the tiers. A q8 codec stores a `StateSpec(stored_as_sqrt=True)` as
+the one place that names the tiers. `Kept` holds one state tensor kept whole on one rank
+through a segment's codec. A q8 codec stores a `StateSpec(stored_as_sqrt=True)` as
 `sqrt(v)` (see `kernels.adamw8bit_update_`).
 """
 
@@ -111,6 +112,32 @@ class Blocks:
         codes, kept = self.parts(state, spec.name)
         codes.copy_(q)
         kept.copy_(scales)
+
+
+class Kept:
+    """One state tensor of `n` elements kept whole on one rank (NorMuon's per-row `v`), in a
+    codec's tier, as one buffer: `buffer` is the tensor held (fp32 or bf16; for q8 int8: the
+    blocks' fp32 scales as bytes, then the codes), so counting it counts the state's bytes.
+    Its block grid starts at its own element 0, so it codes the same at any world size."""
+
+    def __init__(self, codec: Exact | Blocks, spec: StateSpec, n: int, device):
+        self.codec, self.spec = codec, spec
+        if isinstance(codec, Blocks):
+            head = 4 * -(-n // codec.block)
+            self.buffer = torch.zeros(head + n, dtype=torch.int8, device=device)
+            self._state = {f"{spec.name}.scales": self.buffer[:head].view(torch.float32),
+                           f"{spec.name}.q": self.buffer[head:]}  # fmt: skip
+        else:
+            self._state = codec.allocate([spec], n, device, torch.float32)
+            self.buffer = self._state[spec.name]
+
+    def decode(self) -> torch.Tensor:
+        """The values in fp32 (the buffer itself in the fp32 tier, so in-place math keeps)."""
+        return self.codec.decode(self._state, self.spec)
+
+    def encode_(self, x: torch.Tensor) -> None:
+        """Store `x` (a no-op for the fp32 buffer itself)."""
+        self.codec.encode_(self._state, self.spec, x.reshape(-1))
 
 
 FP32, BF16, Q8 = Exact(), Rounded(), Blocks()

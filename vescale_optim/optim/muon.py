@@ -130,7 +130,7 @@ class Muon(ShardedOptimizer):
     only, not in `defaults`, so schedulers that cycle momentum (`OneCycleLR`, `CyclicLR`)
     cycle `momentum` as they do for `torch.optim.Muon`. Every group is checked at
     construction (`momentum` in [0, 1), betas in [0, 1), ...). `state_bits` (32, 16 or 8)
-    stores momentum and moments as in `AdamW`. Hyperparameters, `adjust_lr_fn` included,
+    stores momentum, moments and NorMuon's `v` as in `AdamW`. Hyperparameters, `adjust_lr_fn` included,
     are read from `param_groups` at every step.
     """
 
@@ -192,7 +192,7 @@ class Muon(ShardedOptimizer):
         owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
         whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
         self._blocks = [segment_blocks(seg) for seg in segs]  # per segment, (param, block) per matrix
-        self._variance: dict[tuple[int, int], torch.Tensor] = {}  # NorMuon's v of the matrices owned here
+        self._variance: dict[tuple[int, int], lowbit.Kept] = {}  # NorMuon's v of the matrices owned here
         self._owners: list[list[int | None]] = []
         for s, (seg, (seg_items, shapes)) in enumerate(zip(segs, work)):
             keep = [k for k in range(len(seg_items)) if owners[pos + k] is not None]
@@ -201,7 +201,8 @@ class Muon(ShardedOptimizer):
             self._owners.append(owners[pos : pos + len(seg_items)])
             for k in keep if seg.group["normuon"] else ():
                 if owners[pos + k] == runtime.world.rank:
-                    self._variance[s, k] = torch.zeros(shapes[k][0], device=seg.local_params.device)
+                    codec, device = lowbit.codec_of(seg.tier), seg.local_params.device  # momentum's tier
+                    self._variance[s, k] = lowbit.Kept(codec, self.VARIANCE, shapes[k][0], device)
             pos += len(seg_items)
         fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
         plan = plan_owners([w[0] for w in whole], topo, runtime.world.rank, sources=sources, owners=fixed)
@@ -241,6 +242,7 @@ class Muon(ShardedOptimizer):
         return p.shape[-1] if group["use_muon"] else 1
 
     MOMENTUM = StateSpec("momentum_buffer")
+    VARIANCE = StateSpec("variance_neuron", stored_as_sqrt=True)  # NorMuon's v, kept by the owner
 
     def _state_specs(self, seg: Segment) -> list[StateSpec]:
         return [self.MOMENTUM] if seg.group["use_muon"] else list(AdamW.STATE)
@@ -352,7 +354,10 @@ class Muon(ShardedOptimizer):
             orthogonalize_(views, steps, coefficients, eps, self.ns_backend)
             for view, k in zip(views, ids[rows, cols]) if group["normuon"] else ():
                 if seg.active[blocks[k][0]]:  # a parameter not stepping keeps its v
-                    normuon_(view, self._variance[position, k], float(group["normuon_beta2"]))
+                    kept = self._variance[position, k]
+                    v = kept.decode()
+                    normuon_(view, v, float(group["normuon_beta2"]))
+                    kept.encode_(v)
             self.orthogonalized += len(offsets)
             self.step_stats["ns_matrices"] += len(offsets)
             self.step_stats["ns_flops"] += len(offsets) * ns_flops(rows, cols, steps)
@@ -361,7 +366,8 @@ class Muon(ShardedOptimizer):
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:
         """NorMuon's per-row second moment of each matrix, kept by the matrix's owner:
         `variance_neuron` (rows,) for a parameter of one matrix, `variance_neuron_{b}` for block `b`
-        of one cut into several (a stack's matrices, `split_sizes`, `num_heads`); fp32 always."""
+        of one cut into several (a stack's matrices, `split_sizes`, `num_heads`); stored in the
+        tier of the matrix's momentum (8-bit: int8 codes of `sqrt(v)` and a scale per block)."""
         out: list[list[Owned]] = [[] for _ in seg.params]
         position = getattr(self, "_position", {}).get(id(seg))
         if position is None or not seg.group["normuon"]:
@@ -371,5 +377,8 @@ class Muon(ShardedOptimizer):
         for k, (i, b) in enumerate(blocks):
             rows = group_blocks(tuple(seg.params[i].shape), seg.group)[b][1]
             key = "variance_neuron" if counts[i] == 1 else f"variance_neuron_{b}"
-            out[i].append(Owned(key, (rows,), owners[k], self._variance.get((position, k))))
+            kept = self._variance.get((position, k))
+            tensor = None if kept is None else kept.buffer
+            coded = None if kept is None or kept.codec.exact else kept
+            out[i].append(Owned(key, (rows,), owners[k], tensor, coded))
         return out

@@ -15,6 +15,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,16 +28,36 @@ from ..units.tensor_parallel import local_shape
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
 
 
+class Coded(Protocol):
+    """How an owned tensor is stored when not as its values (`lowbit.Kept`)."""
+
+    def decode(self) -> torch.Tensor: ...
+    def encode_(self, x: torch.Tensor) -> None: ...
+
+
 @dataclass(frozen=True)
 class Owned:
     """A state tensor of one parameter kept whole on one rank of the world: `key` in the
     parameter's state, its `shape`, the world rank that holds it and, on that rank, the
-    tensor itself (None elsewhere)."""
+    tensor itself (None elsewhere): what it stores, its values unless `coded` (a low-bit
+    tier: int8 codes and scales), which then decodes and encodes them."""
 
     key: str
     shape: tuple[int, ...]
     owner: int
     tensor: torch.Tensor | None
+    coded: Coded | None = None
+
+    def values(self) -> torch.Tensor:
+        """The values (on the owner): the tensor itself, or a decoded fp32 copy."""
+        return self.tensor if self.coded is None else self.coded.decode().view(self.shape)
+
+    def assign_(self, x: torch.Tensor) -> None:
+        """Store `x` as the values (on the owner); a no-op for the tensor itself."""
+        if self.coded is not None:
+            self.coded.encode_(x)
+        elif x is not self.tensor:
+            self.tensor.copy_(x)
 
 
 def _step_count(state: dict, index: int) -> int:
@@ -150,7 +171,7 @@ class StateIO:
         world = full_gather.comm.world_size
         numels = [math.prod(o.shape) for o in flat]
         offsets, totals = owner_offsets(numels, [o.owner for o in flat], world)
-        mine = [o.tensor.reshape(-1) for o in flat if o.owner == self.world.rank]
+        mine = [o.values().reshape(-1) for o in flat if o.owner == self.world.rank]
         like = seg.local_params
         local = torch.cat(mine) if mine else like.new_zeros(0)
         full = full_gather(local, totals)
@@ -267,9 +288,9 @@ class StateIO:
                     if o.tensor is None:
                         continue
                     if i in present:
-                        o.tensor.copy_(torch.as_tensor(by_index[seg.indices[i]][o.key]))
+                        o.assign_(torch.as_tensor(by_index[seg.indices[i]][o.key]).to(o.tensor.device))
                     else:
-                        o.tensor.zero_()
+                        o.assign_(torch.zeros(o.shape, device=o.tensor.device))
             if seg.master is not None:
                 self._load_masters(seg, [i for i in present if MASTER in by_index[seg.indices[i]]], by_index)
 
@@ -320,15 +341,15 @@ class StateIO:
 
     def sharded(self) -> dict:
         """This rank's pieces of the state, keyed by parameter index, for DCP (no copies):
-        fp32 state as views, low-bit state as readers, owned tensors themselves in the
-        entry of the rank that owns them; and the param groups' hyperparameters."""
+        fp32 state as views, low-bit state as readers, owned tensors themselves (low-bit ones
+        decoded) in the entry of the rank that owns them; and the param groups' hyperparameters."""
         state = {}
         for seg in self.segments:
             names = seg.state_names + ([MASTER] if seg.master is not None else [])
             for i, (index, per_param) in enumerate(zip(seg.indices, self.owned(seg))):
                 entry = {"step": torch.tensor(float(seg.steps[i]))}
                 entry.update({name: self._piece(seg, i, name) for name in names})
-                entry.update({o.key: o.tensor for o in per_param if o.tensor is not None})
+                entry.update({o.key: o.values() for o in per_param if o.tensor is not None})
                 state[str(index)] = entry
         groups, start = [], 0
         for g in self.param_groups:
@@ -340,7 +361,8 @@ class StateIO:
     @torch.no_grad()
     def load_sharded(self, state_dict: dict) -> None:
         """Finish a DCP load: fp32 state, masters and owned tensors were filled in place;
-        buffers DCP decoded into are encoded into the low-bit state and dropped."""
+        buffers DCP decoded into are encoded into the low-bit state and dropped, and so are
+        low-bit owned tensors' decoded copies."""
         from ..shard.dcp import DcpPiece
 
         entries = state_dict["state"]
@@ -371,4 +393,8 @@ class StateIO:
                     lo, hi = seg.local_range(i)
                     local[name][lo:hi].copy_(buf)
                 self._commit(seg, {n: local[n] for n, _ in loaded})
+            for index, per_param in zip(seg.indices, self.owned(seg)):
+                for o in per_param:
+                    if o.coded is not None and o.tensor is not None:
+                        o.assign_(torch.as_tensor(entries[str(index)][o.key]))
         self.publish()
