@@ -1,10 +1,10 @@
 """One door for torch.distributed: no module of the package calls it but `shard/handle.py`.
 
-Collectives on tensors are built in `shard/collectives.py` and handed to the door as calls
-(`issue(op, lambda: dist.all_reduce(...))`): the door issues, queues (`delayed()`) and traces
-them. The rest (object calls, group creation, rank and size queries) are `handle`'s own
-functions. What other modules may still name, and why (the docstring of `shard/handle.py`
-says the same):
+Collectives on tensors are built in `shard/collectives.py` (and `shard/flags.py`) and handed
+to the door as calls (`issue(op, lambda: dist.all_reduce(...))`): the door issues, queues
+(`delayed()`) and traces them. The rest (object calls, group creation, rank and size
+queries) are `handle`'s own functions. What other modules may still name, and why (the
+docstring of `shard/handle.py` says the same):
 
 - the types `ProcessGroup` and `DeviceMesh`, for isinstance checks and annotations (never
   called: a type is not a call);
@@ -28,6 +28,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "vescale_optim"
 DOOR = "shard/handle.py"
 COLLECTIVE_LAYER = "shard/collectives.py"
+COLLECTIVE_FILES = {COLLECTIVE_LAYER, "shard/flags.py"}  # the collective layer: its flags' all-reduces too
 TYPES = {"torch.distributed.ProcessGroup", "torch.distributed.device_mesh.DeviceMesh"}
 DCP = "torch.distributed.checkpoint"
 DCP_FILES = ("checkpoint/", "shard/dcp.py")
@@ -129,7 +130,7 @@ def _allowed(rel: str, node: ast.AST, full: str, parents: dict[int, ast.AST]) ->
         return True
     if rel in SETUP_FILES and _within(full, SETUP):
         return True
-    if rel == COLLECTIVE_LAYER:
+    if rel in COLLECTIVE_FILES:
         if not _called(node, parents) and not isinstance(node, ast.ImportFrom):
             return True  # constants (ReduceOp) and the functions it hands to the door
         return _handed_to_issue(node, parents) or (_function(node, parents), full) in SYNCHRONOUS
