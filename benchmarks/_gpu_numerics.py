@@ -1,8 +1,10 @@
 """The kernels' numerical stages of `benchmarks/gpu_check.py`: batch invariance of
-Shampoo's tile math and Newton-Schulz, NaN/Inf through the 8-bit kernels, large shapes."""
+Shampoo's tile math and Newton-Schulz, NaN/Inf through the 8-bit kernels, large shapes (Newton-Schulz
+at Muon's and Polar Express's coefficients)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -10,6 +12,11 @@ from pathlib import Path
 
 from benchmarks._gpu_common import EPS32, NEEDS_CUDA, SIZES, _torch
 from benchmarks._gpu_stages import Result
+
+# Muon's default triple (the checks keep their names) and Polar Express: five triples of their own,
+# the input over 1.02 ||X||_F (`vescale_optim.kernels.newton_schulz.POLAR_EXPRESS`).
+NS_COEFFICIENTS = {"newton_schulz": (3.4445, -4.775, 2.0315), "newton_schulz.polar_express": "polar_express"}
+
 
 # --- batch invariance -----------------------------------------------------------------------------
 
@@ -39,9 +46,9 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
     kappa = the factor's lambda_max/lambda_min, measured in fp64); the direction: both roots'
     bounds + 2 d eps (two products). On CUDA cuSOLVER may take a batched Jacobi solver for
     small stacks and a per-matrix one alone: the bound allows it; bitwise equality is reported.
-    newton_schulz (bf16): 1 bf16 ulp per element, the kernel tests' bar between two different
-    implementations (tests/kernels/test_kernels_ns.py), which one implementation at two batch sizes
-    must meet.
+    newton_schulz (bf16, at Muon's and at Polar Express's coefficients): 1 bf16 ulp per element,
+    the kernel tests' bar between two different implementations (tests/kernels/test_kernels_ns.py),
+    which one implementation at two batch sizes must meet.
     """
     torch = _torch()
     # Shampoo's tile math has no public entry point (vo.Shampoo runs it inside step()): this stage
@@ -110,13 +117,13 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
         )
     m, n = sz["ns_shape"]
     x = torch.randn(k, m, n, generator=torch.Generator().manual_seed(5)).to(dev)
-    for backend in ("triton", "torch"):
-        alone = newton_schulz(x[:1], backend=backend)[0]
-        batched = newton_schulz(x, backend=backend)[0]
+    for (name, coefficients), backend in itertools.product(NS_COEFFICIENTS.items(), ("triton", "torch")):
+        alone = newton_schulz(x[:1], coefficients=coefficients, backend=backend)[0]
+        batched = newton_schulz(x, coefficients=coefficients, backend=backend)[0]
         ulps, bitwise = _bf16_ulps(alone, batched), bool(torch.equal(alone, batched))
         rows.append(
             dict(
-                op=f"newton_schulz.{backend}",
+                op=f"{name}.{backend}",
                 shape=f"{m}x{n}",
                 max_ulps=ulps,
                 max_abs_diff=float((alone.float() - batched.float()).abs().max()),
@@ -124,7 +131,7 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
             )
         )
         r.check(
-            f"newton_schulz.{backend}",
+            f"{name}.{backend}",
             ulps <= 1,
             measured=ulps,
             bound=1,
@@ -261,7 +268,9 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
     stack (32 x 2880 x 5760) in bf16, and quantize / dequantize of more than 2^31 elements
     (int32 indexing would overflow), Triton against the torch reference.
 
-    Newton-Schulz bound: relative Frobenius difference <= 2^-5. Each of the 5 iterations
+    Newton-Schulz runs twice, at Muon's coefficients and at Polar Express's (five triples of their
+    own, the input over 1.02 ||X||_F: the per-iteration path of the Triton kernel), each with these
+    bounds. Newton-Schulz bound: relative Frobenius difference <= 2^-5. Each of the 5 iterations
     rounds A, B and X to bf16 (relative 2^-8 per ulp); two implementations whose fp32
     accumulations differ in order may round any element one ulp apart, which over 15 roundings
     adds up to about sqrt(15) * 2^-8 = 0.015 in quadrature; the bound leaves 2x. Both outputs
@@ -278,48 +287,12 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
     cuda = dev.type == "cuda"
     rows = []
     for shape in sz["big_ns"]:
-        label = "x".join(map(str, shape))
         x = torch.randn(
             shape, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(3)
         )
-        outs, seconds = {}, {}
-        for backend in ("triton", "torch"):
-            for call in ("first", "second"):  # the first compiles the Triton kernels for this shape
-                outs.pop(backend, None)
-                gm.synchronize(dev)
-                t0 = time.perf_counter()
-                outs[backend] = newton_schulz(x, backend=backend)
-                gm.synchronize(dev)
-                seconds[f"{backend} {call}"] = round(time.perf_counter() - t0, 4)
-        rel = _rel(outs["triton"], outs["torch"])
-        msv = {b: float(o.float().square().sum()) / (o.numel() // max(shape[-2:])) for b, o in outs.items()}
-        finite = all(bool(torch.isfinite(o).all()) for o in outs.values())
-        rows.append(
-            dict(
-                op="newton_schulz",
-                shape=label,
-                rel_diff=rel,
-                mean_sq_singular=msv,
-                finite=finite,
-                seconds=seconds,
-            )
-        )
-        r.check(
-            f"newton_schulz.{label}",
-            finite and rel <= 2.0**-5,
-            measured=rel,
-            bound=2.0**-5,
-            detail=f"relative Frobenius, Triton vs torch; Triton {seconds['triton second']:.3f} s, torch "
-            f"{seconds['torch second']:.3f} s (warm)" + ("" if cuda else " (interpreter; CPU sizes)"),
-        )
-        r.check(
-            f"newton_schulz.{label}.orthogonalised",
-            all(0.5 <= v <= 1.5 for v in msv.values()),
-            measured=msv,
-            bound=[0.5, 1.5],
-            detail="||X||_F^2 / min(m, n) per backend",
-        )
-        del x, outs
+        for name, coefficients in NS_COEFFICIENTS.items():
+            rows.append(_big_newton_schulz(r, x, name, coefficients, newton_schulz, dev))
+        del x
         if cuda:
             torch.cuda.empty_cache()
     n = sz["big_quant"]
@@ -337,6 +310,43 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
         )
     r.measure(rows=rows, device=str(dev))
     print(json.dumps(rows, indent=1, default=str))
+
+
+def _big_newton_schulz(r: Result, x, name: str, coefficients, newton_schulz, dev) -> dict:
+    """One coefficient schedule on `x`, Triton against torch: the bounds of `stage_large_shapes`."""
+    torch = _torch()
+    from benchmarks import _gpu_models as gm
+
+    shape, cuda = tuple(x.shape), dev.type == "cuda"
+    label = "x".join(map(str, shape))
+    outs, seconds = {}, {}
+    for backend in ("triton", "torch"):
+        for call in ("first", "second"):  # the first compiles the Triton kernels for this shape
+            outs.pop(backend, None)
+            gm.synchronize(dev)
+            t0 = time.perf_counter()
+            outs[backend] = newton_schulz(x, coefficients=coefficients, backend=backend)
+            gm.synchronize(dev)
+            seconds[f"{backend} {call}"] = round(time.perf_counter() - t0, 4)
+    rel = _rel(outs["triton"], outs["torch"])
+    msv = {b: float(o.float().square().sum()) / (o.numel() // max(shape[-2:])) for b, o in outs.items()}
+    finite = all(bool(torch.isfinite(o).all()) for o in outs.values())
+    r.check(
+        f"{name}.{label}",
+        finite and rel <= 2.0**-5,
+        measured=rel,
+        bound=2.0**-5,
+        detail=f"relative Frobenius, Triton vs torch; Triton {seconds['triton second']:.3f} s, torch "
+        f"{seconds['torch second']:.3f} s (warm)" + ("" if cuda else " (interpreter; CPU sizes)"),
+    )
+    r.check(
+        f"{name}.{label}.orthogonalised",
+        all(0.5 <= v <= 1.5 for v in msv.values()),
+        measured=msv,
+        bound=[0.5, 1.5],
+        detail="||X||_F^2 / min(m, n) per backend",
+    )
+    return dict(op=name, shape=label, rel_diff=rel, mean_sq_singular=msv, finite=finite, seconds=seconds)
 
 
 def _big_quantize(r: Result, n: int, dev, quantize_blockwise, dequantize_blockwise, cuda: bool) -> dict:

@@ -30,7 +30,8 @@ throughput, `kernels` only with `--kernels`):
   checkpoint       CheckpointManager sync and async round trips continue exactly; staging time
   nan              NaN/Inf through quantize, dequantize and the 8-bit update: Triton vs torch
   batch_invariance Shampoo's tile math and newton_schulz alone vs in a batch of 8
-  large_shapes     newton_schulz of 8192x28672 and 32x2880x5760, quantize of > 2^31 elements
+  large_shapes     newton_schulz of 8192x28672 and 32x2880x5760 (Muon's and Polar Express's
+                   coefficients), quantize of > 2^31 elements
   tests            pytest -n 8 of the kernel and stand-in tests, compiled; results as they finish
   steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
   kernels          (--kernels) benchmarks/kernels.py --quick --sections kernels (torch.compile)
@@ -297,10 +298,12 @@ def _plans() -> dict:
         ],
         "batch_invariance": lambda m: [
             f"update_factors_/inverse_roots_/precondition, d in {z(m)['shampoo_dims']}, K=1 vs 8; "
-            f"newton_schulz {z(m)['ns_shape']} alone vs 8 (triton, torch)"
+            f"newton_schulz {z(m)['ns_shape']} alone vs 8 (triton, torch; Muon's and Polar Express's "
+            "coefficients)"
         ],
         "large_shapes": lambda m: [
-            f"newton_schulz {' and '.join('x'.join(map(str, s)) for s in z(m)['big_ns'])} (bf16); "
+            f"newton_schulz {' and '.join('x'.join(map(str, s)) for s in z(m)['big_ns'])} (bf16, Muon's "
+            "and Polar Express's coefficients); "
             f"quantize/dequantize of {z(m)['big_quant']:,} elements"
         ],
         "tests": lambda m: [
