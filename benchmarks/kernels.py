@@ -3,7 +3,8 @@ and the optimizers' step on one device (world size 1).
 
 Kernel rows (``backend``: ``triton``, ``torch``, ``compile`` = ``torch.compile`` of the torch path):
 
-- ``newton_schulz``, 5 steps at Muon's coefficients. TFLOP/s counts the dense work of the
+- ``newton_schulz``, 5 steps at Muon's coefficients, and ``newton_schulz polar_express``,
+  Polar Express's 5 per-step triples. TFLOP/s counts the dense work of the
   torch iteration per matrix (``p <= q``): ``X Xᵀ`` ``2p²q``, ``A²`` ``2p³``, ``B X``
   ``2p²q`` per step. The Triton path skips the lower triangles of the two symmetric
   products (about a quarter of the work when ``p = q``), so its rate on this count can
@@ -131,19 +132,26 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+NS_KERNELS = {"newton_schulz": "muon", "newton_schulz polar_express": "polar_express"}  # row -> coefficients
+
+
 def bench_newton_schulz(shapes, backends, device, repeats, peak_tflops) -> list[dict]:
+    """Newton–Schulz at Muon's coefficients and at Polar Express's five per-step triples
+    (its input scaled by 1/(1.02 ||X||_F)): the same dense work per step."""
     rows = []
-    torch_ns = functools.partial(newton_schulz, backend="torch")
-    fns = {"triton": functools.partial(newton_schulz, backend="triton"), "torch": torch_ns,
-           "compile": _compiled(torch_ns)}
-    for shape in shapes:
-        x = torch.randn(shape, device=device, dtype=torch.bfloat16)
-        reference = torch_ns(x)
-        for backend in backends:
-            seconds, first = timed(functools.partial(fns[backend], x), device, repeats)
-            diff = None if backend == "torch" else _max_diff(fns[backend](x), reference)
-            rows.append(_row("newton_schulz", "x".join(map(str, shape)), backend, seconds, first,
-                             peak_tflops, flops=ns_flops(shape), diff=diff))
+    for kernel, coefficients in NS_KERNELS.items():
+        given = {} if coefficients == "muon" else {"coefficients": coefficients}
+        torch_ns = functools.partial(newton_schulz, backend="torch", **given)
+        fns = {"triton": functools.partial(newton_schulz, backend="triton", **given), "torch": torch_ns,
+               "compile": _compiled(torch_ns)}
+        for shape in shapes:
+            x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+            reference = torch_ns(x)
+            for backend in backends:
+                seconds, first = timed(functools.partial(fns[backend], x), device, repeats)
+                diff = None if backend == "torch" else _max_diff(fns[backend](x), reference)
+                rows.append(_row(kernel, "x".join(map(str, shape)), backend, seconds, first,
+                                 peak_tflops, flops=ns_flops(shape), diff=diff))
     return rows
 
 

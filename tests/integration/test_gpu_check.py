@@ -176,7 +176,8 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path):
 
     kernels = json.loads((out / "kernels_kernels.json").read_text())
     assert {(r["kernel"], r["backend"]) for r in kernels["rows"]} == {
-        (k, "torch") for k in ("newton_schulz", "quantize", "dequantize", "adamw8bit")
+        (k, "torch")
+        for k in ("newton_schulz", "newton_schulz polar_express", "quantize", "dequantize", "adamw8bit")
     }
     assert all(r["ms"] > 0 and r["% of peak"] is None for r in kernels["rows"])
     host = kernels["env"]["host"]
