@@ -195,8 +195,6 @@ def _refused(case):
         make = lambda: vo.AdamW(model.parameters(), mesh=world["dp"])  # noqa: E731
     elif case == "no mesh":
         make = lambda: vo.AdamW(model.parameters())  # noqa: E731
-    elif case == "zero3":
-        make = lambda: vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=[model])  # noqa: E731
     elif case == "muon":
         make = lambda: vo.Muon(model.parameters(), mesh=world["dp"])  # noqa: E731
     else:
@@ -216,7 +214,6 @@ def _refused(case):
         ("unrelated mesh", "ValueError", "not orthogonal to the data-parallel mesh"),
         ("partial", "ValueError", "Partial placement"),
         ("no mesh", "ValueError", "pass the data-parallel mesh as mesh="),
-        ("zero3", "NotImplementedError", "shard_modules (ZeRO-3) with DTensor"),
         ("muon", "NotImplementedError", "Muon does not support DTensor"),
         ("shampoo", "NotImplementedError", "Shampoo does not support DTensor"),
     ],
@@ -236,3 +233,54 @@ def test_clip_grad_norm_sums_tp_shards_and_counts_replicated_parameters_once(wor
         for k in got[-1]:
             if k != "norm":
                 torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# --- ZeRO-3: DTensor parameters sharded between uses ------------------------------------------
+
+
+def _train_zero3(steps=STEPS):
+    """ZeRO-3 over the TP model (a unit per projection, the norms in the root's): per step the
+    whole model state, and what a weight between steps, `opt.gathered()` and the state dict give."""
+    world = _world()
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    before = _placements(model)
+    projections = [getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=[*projections, model], **ADAMW)
+    dp_rank = world["dp"].get_local_rank()
+    per_step, refused, seen = [], [], {}
+    for t in range(steps):
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert _placements(model) == before  # DTensors with their TP placements after every step
+        assert len(opt.units) == 8 and all(u.sharded and u.full.nbytes == 0 for u in opt.units)  # freed
+        w = model.wq.weight
+        assert isinstance(w, DTensor) and isinstance(w, nn.Parameter) and w.shape == (DIM, DIM)
+        assert w.to_local().shape == (DIM // 2, DIM)  # metadata of the local tensor reads
+        for read in (lambda w: w * 2, lambda w: w.to_local() + 1, lambda w: w.full_tensor(), torch.sum):
+            try:
+                read(w)
+            except vo.ReshardedParameterError as e:
+                refused.append("wq.weight" in str(e))
+            else:
+                refused.append(False)
+        state = model.state_dict()
+        seen = {k: tuple(v.placements) if isinstance(v, DTensor) else None for k, v in state.items()}
+        per_step.append(_full(state))
+        with opt.gathered():
+            whole = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
+        assert all(torch.equal(whole[k], _local(state[k])) for k in whole)  # TP-local values, whole
+    return per_step, refused, seen
+
+
+def test_zero3_dp2_tp2_equals_one_process_and_fsdp2_step_for_step(world):
+    want, theirs = reference(), world(4).run(_train, "fsdp2")
+    for (ours, refused, seen), fsdp in zip(world(4).run(_train_zero3), theirs):
+        for k in want:
+            torch.testing.assert_close(ours[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+        for t in range(STEPS):
+            for k in fsdp[t]:
+                torch.testing.assert_close(ours[t][k], fsdp[t][k], rtol=1e-5, atol=1e-6, msg=f"step {t}: {k}")
+        assert refused and all(refused)  # the named stand-in error, to_local() and full_tensor() too
+        assert seen["wq.weight"] == (Shard(0),) and seen["w2.weight"] == (Shard(1),)
+        assert seen["norm1.weight"] is None

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..shard.collectives import all_gather_into_, redistribute
 from ..shard.spec import RaggedShard
+from .tensor_parallel import like, local, local_shape
 from .unit import State, Unit
 
 
@@ -104,8 +105,8 @@ class ModelState:
                 if full is None:
                     del state_dict[key]
                     continue
-                start = unit.layout.offsets[i]
-                state_dict[key] = full[start : start + unit.params[i].numel()].view(unit.params[i].shape)
+                p, start = unit.params[i], unit.layout.offsets[i]  # (a DTensor's: its local tensor)
+                state_dict[key] = like(p, full[start : start + unit.layout.sizes[i]].view(local_shape(p)))
 
         return hook
 
@@ -132,7 +133,7 @@ class ModelState:
             incoming = self._incoming.pop(unit.index, {})
             with torch.no_grad():
                 for i, value in incoming.items():
-                    unit.write_piece(i, value.detach())
+                    unit.write_piece(i, local(value.detach()))
             if self._was_gathered.pop(unit.index, False):
                 unit.regather()
             else:

@@ -22,6 +22,13 @@ function reaches the stand-in's `__torch_function__`:
 Each parameter's `.data` is then its own stride-0 scalar (no memory, nothing shared with
 another parameter); it is never read. A parameter class whose instances cannot change
 class (another layout than its stand-in's) is refused when its unit is built.
+
+A DTensor parameter (tensor parallelism) keeps its mesh and placements and its local tensor,
+a view of its unit's buffer that holds no memory between uses (nothing re-points it: the
+buffer is freed and given memory again in place). Its stand-in class also answers the
+DTensor methods that reach the local tensor without a torch function: `to_local()` gives the
+local tensor as a stand-in of its own (shape and dtype read, values refused by name), and
+`full_tensor()` and `redistribute()` are refused.
 """
 
 from __future__ import annotations
@@ -112,10 +119,7 @@ class _StandIn:
         if func is _T.detach:
             with revealed(t):
                 out = func(*args, **kwargs)
-            _NAMES[id(out)] = (_NAMES.get(id(t), ("", _T))[0], type(out))
-            _forget_with(out)
-            out.__class__ = stand_in_class(type(out))
-            return out
+            return _named_like(t, out)
         return _refuse(t, f"`{resolve_name(func) or getattr(func, '__name__', func)}`")
 
 
@@ -127,6 +131,35 @@ def _forget_with(t: torch.Tensor) -> None:
     weakref.finalize(t, _NAMES.pop, id(t), None)
 
 
+def _named_like(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` (read from stand-in `t`'s metadata) as a stand-in named as `t`."""
+    _NAMES[id(out)] = (_NAMES.get(id(t), ("", _T))[0], type(out))
+    _forget_with(out)
+    out.__class__ = stand_in_class(type(out))
+    return out
+
+
+def _local_stand_in(self, *args, **kwargs):
+    """A DTensor stand-in's `to_local()`: its local tensor as a stand-in too (the same shape
+    and dtype, no values), so the runtime reads its metadata and users get the named error."""
+    with revealed(self):
+        out = self.to_local(*args, **kwargs)
+    return _named_like(self, out)
+
+
+def _refusing(name: str):
+    def refuse(self, *args, **kwargs):
+        return _refuse(self, f"`.{name}()`")
+
+    refuse.__name__ = name
+    return refuse
+
+
+# DTensor methods that reach the local tensor without a torch function: `to_local()` gives a
+# stand-in, the collectives over the values are refused (a DTensor is known by its attributes)
+_DTENSOR = {"to_local": _local_stand_in, "full_tensor": _refusing("full_tensor"),
+            "redistribute": _refusing("redistribute")}  # fmt: skip
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -136,7 +169,10 @@ def stand_in_class(cls: type) -> type:
         return cls
     made = _CLASSES.get(cls)
     if made is None:
-        made = _CLASSES[cls] = type(f"Resharded{cls.__name__}", (_StandIn, cls), {"__slots__": ()})
+        body: dict = {"__slots__": ()}
+        if all(hasattr(cls, a) for a in ("device_mesh", "placements", "to_local")):
+            body.update(_DTENSOR)
+        made = _CLASSES[cls] = type(f"Resharded{cls.__name__}", (_StandIn, cls), body)
     return made
 
 

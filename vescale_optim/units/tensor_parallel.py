@@ -146,11 +146,6 @@ def refuse_dtensors(params: Sequence[torch.Tensor], config: ShardingConfig, labe
     problem = dtensor_problem(params, config.mesh, labels)
     if problem is not None:
         raise ValueError(problem)
-    if config.sharded:
-        raise NotImplementedError(
-            "shard_modules (ZeRO-3) with DTensor (tensor-parallel) parameters is not supported yet; "
-            "leave shard_modules unset: the parameters stay whole on every data-parallel rank (ZeRO-2)"
-        )
     meta = [labels[id(p)] for p in params if is_dtensor(p) and p.is_meta]
     if meta:
         raise NotImplementedError(f"DTensor parameters on the meta device ({meta[0]}) are not supported yet")

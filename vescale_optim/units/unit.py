@@ -3,8 +3,9 @@ freed as one (FSDP2's parameter group).
 
 Persistent, per rank: `shard`, the rank's `S` parameter elements (fp32 for bf16/fp16
 parameters: it is their master copy). Transient: `full`, the unsharded parameters in the
-compute dtype — every parameter's `.data` is a view of it while the unit is gathered. A
-sharded unit frees `full` between uses; an unsharded one (no `shard_modules`) keeps it.
+compute dtype — every parameter's `.data` (a DTensor's local tensor) is a view of it while the
+unit is gathered. A sharded unit frees `full` between uses; an unsharded one (no `shard_modules`)
+keeps it.
 The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
 
 A unit declares where its parameters are (`state`: `RESHARDED`, `GATHERING` or
@@ -29,7 +30,7 @@ from ..shard.layout import Layout
 from . import stand_in
 from .grad_buffers import GradBuffers, ring
 from .streams import streams_for
-from .tensor_parallel import local, local_shape, set_data
+from .tensor_parallel import is_dtensor, local, local_shape, set_data
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -141,6 +142,9 @@ class Unit:
                     self.grads.take(i, grad)
         self.grads.make_placeholders()
         self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
+        # a DTensor's local tensor stays a view of `full` for good: `free()` and `allocate()` keep
+        # the storage object, so it is the gathered buffer whenever the unit is gathered
+        self.dtensors = [is_dtensor(p) for p in params]
         if sharded:
             for p, label in zip(params, self.labels):
                 stand_in.register(p, label)
@@ -249,20 +253,24 @@ class Unit:
                 problem = self.placement_problem(i)
                 if problem is not None:
                     raise RuntimeError(problem)
-                p.data = view
+                if not self.dtensors[i]:
+                    p.data = view
         self.state = State.GATHERED
 
     def _hide(self) -> None:
         """Between uses a parameter is its stand-in (`stand_in`), not a view of freed memory:
         its metadata reads as before, and reading or writing its values raises, naming it."""
         with torch.profiler.record_function(f"vescale::stand_ins[{self.name}]"):
-            for p, scalar in zip(self.params, self.stand_ins):
-                with stand_in.revealed(p):
-                    p.data = scalar
+            for p, scalar, dtensor in zip(self.params, self.stand_ins, self.dtensors):
+                if not dtensor:  # (a DTensor's local tensor is a view of the freed buffer)
+                    with stand_in.revealed(p):
+                        p.data = scalar
                 stand_in.hide(p)
         self.state = State.RESHARDED
 
     def holds_stand_in(self, i: int) -> bool:
+        if self.dtensors[i]:
+            return self.state is State.RESHARDED
         return local(self.params[i]).data_ptr() == self.stand_ins[i].data_ptr()
 
     def placement_problem(self, i: int) -> str | None:
@@ -281,6 +289,8 @@ class Unit:
         """A tensor assigned to parameter `i`'s `.data` (same dtype, device and shape) becomes
         its value: this rank's piece goes into the shard, and `.data` is the unit's again."""
         p = self.params[i]
+        if self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor: nothing to take
+            return
         if local(p).data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
             return
         with stand_in.revealed(p):
