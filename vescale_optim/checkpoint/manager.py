@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -136,10 +137,13 @@ class CheckpointManager:
         self._distributed = handle.initialized()
         self.rank = handle.group_rank() if self._distributed else 0
         self.world_size = handle.group_size() if self._distributed else 1
-        if optimizer.runtime.world.world_size != self.world_size:
+        # under tensor parallelism the optimizer spans the data-parallel ranks, its TP groups the rest
+        tp = math.prod(c.world_size for c in getattr(optimizer.runtime, "tp", ()))
+        if optimizer.runtime.world.world_size * tp != self.world_size:
             raise ValueError(
-                f"the optimizer spans {optimizer.runtime.world.world_size} of the {self.world_size} ranks; "
-                "checkpoints are of the whole world: build it over every rank"
+                f"the optimizer spans {optimizer.runtime.world.world_size} of the {self.world_size} ranks"
+                + (f" (x {tp} tensor-parallel)" if tp > 1 else "")
+                + "; checkpoints are of the whole world: build it over every rank"
             )
         self._group = None
         self._comm = Comm()  # the main thread's exchanges of verdicts (the default group)

@@ -23,7 +23,7 @@ from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
 from ..shard.redistribution import owner_offsets
 from ..shard.spec import RaggedShard
 from ..units.segment import Segment
-from ..units.tensor_parallel import local_shape
+from ..units.tensor_parallel import check_same_shard, is_dtensor, local_shape, tp_box, tp_full, tp_slice
 
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
 
@@ -151,7 +151,7 @@ class StateIO:
 
     def _expected(self, seg: Segment, i: int, owned: list[Owned]) -> dict[str, tuple[int, ...]]:
         """The state keys parameter `i` must carry on load, with their shapes."""
-        shape = local_shape(seg.params[i])
+        shape = tuple(seg.params[i].shape)  # a DTensor's: the whole tensor's (state dicts hold it whole)
         out = {name: shape for name in seg.state_names}
         out.update({o.key: o.shape for o in owned})
         return out if self.stepless(seg) else {"step": (), **out}
@@ -190,11 +190,15 @@ class StateIO:
     def fill(self, state_dict: dict, gather: Gather) -> None:
         """Put the full per-parameter state into torch's packed `state_dict` (collective).
         A parameter that never stepped has no entry, as in torch."""
-        state = {}
+        state, tp = {}, {}
+        # a DTensor parameter's state is gathered whole over its TP ranks after the data-parallel
+        # gathers (then moved to the CPU), in parameter order: the same on all of them
+        tp_model = any(is_dtensor(p) for seg in self.segments for p in seg.params)
+        local = Gather(gather.comm, gather.to_rank, False) if tp_model else gather
         for seg in self.segments:
-            flat = {name: gather(t, seg.counts) for name, t in self._locals(seg).items()}
+            flat = {name: local(t, seg.counts) for name, t in self._locals(seg).items()}
             if seg.master is not None:
-                flat[MASTER] = gather(seg.master, seg.counts)
+                flat[MASTER] = local(seg.master, seg.counts)
             extra = self._gather_owned(seg, self.owned(seg), gather)
             if not gather.receives:
                 continue
@@ -208,6 +212,12 @@ class StateIO:
                     entry[name] = full[start : start + size].view(shape).clone()
                 entry.update({key: t for (j, key), t in extra.items() if j == i})
                 state[index] = entry
+                if is_dtensor(seg.params[i]):
+                    tp[index] = seg.params[i]
+        for index in sorted(tp):
+            state[index].update({n: tp_full(tp[index], v) for n, v in state[index].items() if n != "step"})
+        for entry in state.values() if local is not gather and gather.cpu_offload else ():
+            entry.update({k: v.cpu() for k, v in entry.items()})
         state_dict["state"] = state
 
     def validate_groups(self, saved: list[dict]) -> None:
@@ -256,10 +266,11 @@ class StateIO:
                 st = by_index[index]
                 expected = self._expected(seg, i, owned[id(seg)][i])
                 if MASTER in st and seg.master is not None:  # optional; ignored without a master
-                    expected[MASTER] = local_shape(seg.params[i])
+                    expected[MASTER] = tuple(seg.params[i].shape)
                 for name, shape in expected.items():
                     if name not in st:
                         raise ValueError(f"parameter {index}: state dict lacks '{name}'")
+                    check_same_shard(seg.params[i], st[name], f"parameter {index}: '{name}'")
                     got = tuple(torch.as_tensor(st[name]).shape)
                     if got != shape:
                         raise ValueError(f"parameter {index}: '{name}' has shape {got}, expected {shape}")
@@ -316,6 +327,11 @@ class StateIO:
         """Write this rank's piece of parameter `i`'s full tensor `full` into the local `flat`."""
         start, stop = seg.tensor_range(i)
         lo, hi = seg.local_range(i)
+        p = seg.params[i]
+        if is_dtensor(full):  # of p's mesh and placements (checked): its local tensor is p's shard
+            full = full.to_local()
+        elif is_dtensor(p):  # the whole tensor: this TP rank's shard of it
+            full = tp_slice(p, torch.as_tensor(full).to(flat.device))
         flat[lo:hi].copy_(torch.as_tensor(full).reshape(-1)[start:stop])
 
     # --- sharded format (torch.distributed.checkpoint) -------------------------------------------
@@ -326,18 +342,20 @@ class StateIO:
         from ..shard.dcp import dcp_piece
 
         shape = local_shape(seg.params[i])
+        whole, origin = tp_box(seg.params[i])  # a DTensor's local shard: its place in the whole
+        box = dict(origin=origin, whole=whole)
         start, stop = seg.tensor_range(i)
         lo, hi = seg.local_range(i)
         if name == MASTER:
-            return dcp_piece(shape, start, stop, seg.master[lo:hi])
+            return dcp_piece(shape, start, stop, seg.master[lo:hi], **box)
         if seg.codec.exact:
-            return dcp_piece(shape, start, stop, seg.moment(name)[lo:hi])
+            return dcp_piece(shape, start, stop, seg.moment(name)[lo:hi], **box)
 
         def read(a: int, z: int) -> torch.Tensor:
             return seg.moment_range(name, lo + a, lo + z)
 
         device = seg.local_params.device
-        return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device)
+        return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device, **box)
 
     def sharded(self) -> dict:
         """This rank's pieces of the state, keyed by parameter index, for DCP (no copies):

@@ -1,6 +1,8 @@
 """This rank's piece of a ragged-sharded tensor, as `torch.distributed.checkpoint` sees it.
 
-A piece is the row-major flat range `[start, stop)` of a global tensor. DCP learns about
+A piece is the row-major flat range `[start, stop)` of a tensor; that tensor may itself be a
+box of a larger global one (`origin` and `whole`: a tensor-parallel rank's local shard), and
+then the piece's chunks carry the global shape and offsets. DCP learns about
 it through its extension protocol — `__create_write_items__` (save plan),
 `__create_chunk_list__` (load plan) and `__get_tensor_shard__` (the data of one chunk) —
 each rectangular box of the range (`flat_range_boxes`) being one chunk. So DCP writes
@@ -49,6 +51,7 @@ class DcpPiece(torch.Tensor):
 
     _start: int
     _numel: int
+    _box: tuple[tuple[int, ...], tuple[int, ...]]  # (shape of the ranged tensor, its origin in the whole)
     _chunks: list[tuple[torch.Size, torch.Size, int]]  # (offsets, sizes, position in the piece)
     _values: torch.Tensor | None
     _read: Reader | None
@@ -88,7 +91,13 @@ class DcpPiece(torch.Tensor):
         fresh = self._values is None and self._loaded is None  # a reader returns new memory
         values = self._flat(0, self._numel)
         values = values.to(device or values.device, copy=not fresh)
-        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, values)
+        return self._over(values)
+
+    def _over(self, values: torch.Tensor) -> DcpPiece:
+        """A piece of the same range (and box of the whole) over `values`."""
+        shape, origin = self._box
+        return dcp_piece(shape, self._start, self._start + self._numel, values, origin=origin,
+                         whole=tuple(self.shape))  # fmt: skip
 
     def copy_into(self, out: torch.Tensor, *, non_blocking: bool = False) -> DcpPiece:
         """A piece of the same chunks over `out` (flat, this piece's dtype and number of
@@ -101,13 +110,13 @@ class DcpPiece(torch.Tensor):
                 f"cannot copy {self!r} into a tensor of shape {tuple(out.shape)} and dtype {out.dtype}"
             )
         out.copy_(self._flat(0, self._numel), non_blocking=non_blocking)
-        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, out)
+        return self._over(out)
 
     def blank(self, device: torch.device | str | None = None) -> DcpPiece:
         """A piece of the same chunks over new zeroed memory on `device` (default: this
         piece's): `dcp.load` fills it without touching this piece's values."""
         values = torch.zeros(self._numel, dtype=self.dtype, device=device or self.device)
-        return dcp_piece(tuple(self.shape), self._start, self._start + self._numel, values)
+        return self._over(values)
 
     def load_from(self, other: DcpPiece) -> None:
         """Take the values `other` (a piece of the same range) holds: written into this
@@ -173,8 +182,14 @@ def dcp_piece(
     read: Reader | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    origin: Shape | None = None,
+    whole: Shape | None = None,
 ) -> DcpPiece:
     """This rank's elements `[start, stop)` of a row-major tensor of `shape`, for DCP.
+
+    With `origin` and `whole`, that tensor is the box of `shape` at offsets `origin` inside a
+    global tensor of shape `whole` (a tensor-parallel rank's local shard): the piece then has
+    the global shape and its chunks the global offsets, so DCP reshards across TP layouts too.
 
     Give either `values` (a flat tensor of `stop - start` elements, viewed, never copied)
     or `read` (`read(lo, hi)` returns elements `[start + lo, start + hi)` as a new flat
@@ -193,12 +208,21 @@ def dcp_piece(
         dtype, device = values.dtype, values.device
     elif dtype is None:
         raise ValueError("a piece given by read needs its dtype")
-    piece = _scalar(dtype, torch.device(device or "cpu")).expand(shape).as_subclass(DcpPiece)
+    origin = tuple(origin) if origin is not None else (0,) * len(shape)
+    whole = tuple(whole) if whole is not None else shape
+    if (
+        len(origin) != len(shape)
+        or len(whole) != len(shape)
+        or any(o < 0 or o + n > w for o, n, w in zip(origin, shape, whole))
+    ):
+        raise ValueError(f"a box of shape {shape} at {origin} is not inside a tensor of shape {whole}")
+    piece = _scalar(dtype, torch.device(device or "cpu")).expand(whole).as_subclass(DcpPiece)
     chunks, pos = [], 0
     for offsets, sizes in flat_range_boxes(shape, start, stop):
-        chunks.append((torch.Size(offsets), torch.Size(sizes), pos))
+        at = torch.Size(a + o for a, o in zip(offsets, origin))
+        chunks.append((at, torch.Size(sizes), pos))
         pos += math.prod(sizes)
-    piece._start, piece._numel, piece._chunks = start, stop - start, chunks
+    piece._start, piece._numel, piece._chunks, piece._box = start, stop - start, chunks, (shape, origin)
     piece._values, piece._read, piece._loaded = values, read, None
     return piece
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..shard.collectives import all_gather_into_, redistribute
 from ..shard.spec import RaggedShard
-from .tensor_parallel import like, local, local_shape
+from .tensor_parallel import like, local, local_shape, tp_box
 from .unit import State, Unit
 
 
@@ -55,7 +55,9 @@ def gather_full(unit: Unit, to_rank: int | None = None) -> torch.Tensor | None:
 def sharded_model_state(units: Sequence[Unit], names: dict[int, str]) -> dict:
     """`{name: DcpPiece}` of every unit parameter: this rank's piece of it in its unit's
     shard (full precision), as a view for `torch.distributed.checkpoint` to save from and
-    load into. `names` maps `id(parameter)` to its state-dict key."""
+    load into. `names` maps `id(parameter)` to its state-dict key. A DTensor parameter's piece
+    carries its global shape and offsets (its TP shard's place in the whole, with the ragged
+    range inside that shard), so a checkpoint reshards across TP layouts too."""
     from ..shard.dcp import dcp_piece
 
     out = {}
@@ -63,7 +65,9 @@ def sharded_model_state(units: Sequence[Unit], names: dict[int, str]) -> dict:
         for i, p in enumerate(unit.params):
             start, stop = unit.full.tensor_range(i)
             lo, hi = unit.full.local_range(i)
-            out[names[id(p)]] = dcp_piece(tuple(p.shape), start, stop, unit.shard[lo:hi])
+            whole, origin = tp_box(p)  # a DTensor's local shard: placed in the whole tensor
+            out[names[id(p)]] = dcp_piece(local_shape(p), start, stop, unit.shard[lo:hi], origin=origin,
+                                          whole=whole)  # fmt: skip
     return out
 
 

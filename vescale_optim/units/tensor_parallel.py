@@ -217,3 +217,74 @@ def tp_norm_parts(units: Sequence, norm_type: float, device: torch.device, split
         if found:
             total[k] = torch.stack(found).max() if inf else torch.stack(found).sum()
     return total
+
+
+# --- where a TP rank's local shard sits in the whole (checkpoints) ---------------------------
+
+
+def tp_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(global shape, origin)` of `p`'s local tensor: the whole tensor's shape and the offsets of
+    this rank's shard inside it (zeros for a plain parameter). A `Shard(d)` placement cuts
+    dimension `d` as DTensor does, `torch.chunk`'s way (pieces of `ceil(n / size)`, the last ones
+    shorter or empty), nested in mesh-dimension order; the result must give the local shape."""
+    whole = tuple(p.shape)
+    if not is_dtensor(p):
+        return whole, (0,) * len(whole)
+    origin, sizes = [0] * len(whole), list(whole)
+    coordinate = p.device_mesh.get_coordinate()
+    for dim, pl in enumerate(p.placements):
+        if not pl.is_shard():
+            continue
+        d, n = pl.dim % len(whole), p.device_mesh.size(dim)
+        chunk = -(-sizes[d] // n)
+        start = min(coordinate[dim] * chunk, sizes[d])
+        origin[d] += start
+        sizes[d] = min(start + chunk, sizes[d]) - start
+    if tuple(sizes) != local_shape(p):
+        raise ValueError(
+            f"a DTensor of shape {whole} and placements {tuple(p.placements)} holds a local tensor of "
+            f"shape {local_shape(p)}, not the {tuple(sizes)} its placements give: an uneven layout "
+            "the checkpoint cannot place"
+        )
+    return whole, tuple(origin)
+
+
+def tp_slice(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's local shard of `full`, a tensor of `p`'s global shape (a view)."""
+    whole, origin = tp_box(p)
+    out = full.view(whole)
+    for d, (o, n) in enumerate(zip(origin, local_shape(p))):
+        out = out.narrow(d, o, n)
+    return out
+
+
+def tp_full(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which `t` (of `p`'s local shape) is this rank's shard: gathered over
+    `p`'s tensor-parallel ranks by DTensor itself (collective over them); `t` for a plain one."""
+    if not is_dtensor(p):
+        return t
+    return like(p, t.contiguous()).full_tensor()
+
+
+def check_same_shard(p: torch.Tensor, value: object, what: str) -> None:
+    """A DTensor `value` in a state dict (torch.optim's over a TP model) loads only into a
+    parameter of its mesh and placements, whose local tensor is its own shard; refused by name
+    otherwise. Any other value passes (a whole tensor, sliced on load)."""
+    if not is_dtensor(value):
+        return
+    same = is_dtensor(p) and value.device_mesh == p.device_mesh
+    if not same or tuple(value.placements) != tuple(p.placements):
+        raise ValueError(
+            f"{what} is a DTensor of placements {tuple(value.placements)} on mesh {value.device_mesh}, but "
+            "the parameter is not a DTensor of the same mesh and placements; pass whole tensors "
+            "(this library's opt.state_dict()) or call .full_tensor() on them first"
+        )
+
+
+def tp_description(p: torch.Tensor) -> tuple | None:
+    """What every rank of one data-parallel group must agree on about `p`'s tensor parallelism
+    (None for a plain parameter): the global shape, the placements and the TP mesh's shape."""
+    if not is_dtensor(p):
+        return None
+    mesh = p.device_mesh
+    return tuple(p.shape), tuple(repr(pl) for pl in p.placements), tuple(mesh.mesh.shape)

@@ -1,0 +1,110 @@
+"""Checkpoints of a tensor-parallel model (issue #31, item 5), on 4 gloo ranks: saved at dp2 x tp2,
+resumed at dp2 x tp2, dp4 x tp1 (a plain model) and dp1 x tp4, through DCP's sharded state dicts,
+torch's full format and vo.CheckpointManager; each resumed run equals one process that never
+stopped (torch.optim.AdamW on the mean gradient of each step's data-parallel ranks)."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _reference import mean_grad_reference
+from test_tensor_parallel import ADAMW, PLAN, _batch, _build, _loss
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import vescale_optim as vo
+
+BEFORE, AFTER = 2, 2  # steps before the save, steps after the resume
+LAYOUTS = [(2, 2), (4, 1), (1, 4)]  # (dp, tp) of the resumed run
+
+
+def reference(dp_after: int) -> dict:
+    """One process that never stopped: BEFORE steps over 2 data-parallel batches, then AFTER
+    steps over `dp_after`."""
+    model = _build()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for t in range(BEFORE + AFTER):
+        dp = 2 if t < BEFORE else dp_after
+        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _setup(dp: int, tp: int, weights: dict | None = None):
+    """The model at (dp, tp) (a plain one at tp=1) with vo.AdamW, and this rank's dp rank."""
+    model = _build()
+    if weights is not None:
+        model.load_state_dict(weights)
+    if tp == 1:
+        return model, vo.AdamW(model.parameters(), **ADAMW), torch.distributed.get_rank()
+    world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(model, world["tp"], PLAN)
+    return model, vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW), world["dp"].get_local_rank()
+
+
+def _steps(model, opt, dp_rank: int, steps: range) -> None:
+    for t in steps:
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model) -> dict:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}  # fmt: skip
+
+
+def _round_trip(path: str, kind: str, dp: int, tp: int) -> dict:
+    """Train BEFORE steps at dp2 x tp2, save (`kind`: "dcp", "full" or "manager"), resume at
+    (dp, tp), train AFTER steps; the final parameters, whole."""
+    model, opt, dp_rank = _setup(2, 2)
+    _steps(model, opt, dp_rank, range(BEFORE))
+    if kind == "dcp":
+        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
+                 checkpoint_id=path)  # fmt: skip
+    elif kind == "manager":
+        vo.CheckpointManager(path, model, opt).save(BEFORE)
+    else:
+        weights, saved = _full(model), opt.state_dict()
+    torch.distributed.barrier()
+    if kind == "full":
+        model, opt, dp_rank = _setup(dp, tp, weights)
+        opt.load_state_dict(saved)
+    else:
+        model, opt, dp_rank = _setup(dp, tp)
+    if kind == "dcp":
+        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+        dcp.load(pieces, checkpoint_id=path)
+        opt.load_sharded_model_state_dict(pieces["model"])
+        opt.load_sharded_state_dict(pieces["optim"])
+    elif kind == "manager":
+        assert vo.CheckpointManager(path, model, opt).load().step == BEFORE
+    _steps(model, opt, dp_rank, range(BEFORE, BEFORE + AFTER))
+    return _full(model)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "full", "manager"])
+@pytest.mark.parametrize("dp, tp", LAYOUTS, ids=[f"dp{d}xtp{t}" for d, t in LAYOUTS])
+def test_saved_at_dp2_tp2_resumes_exactly_at(world, tmp_path, kind, dp, tp):
+    want = reference(dp)
+    for got in world(4).run(_round_trip, str(tmp_path / "ckpt"), kind, dp, tp, timeout=120):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _pieces_are_global():
+    """The DCP pieces of a TP parameter carry its global shape and its TP shard's offsets."""
+    model, opt, _ = _setup(2, 2)
+    piece = opt.sharded_model_state_dict(model)["wq.weight"]
+    index = [n for n, _ in model.named_parameters()].index("wq.weight")
+    state = opt.sharded_state_dict()["state"][str(index)]["exp_avg"]
+    rows = [tuple(c.offsets) for c in piece.__create_chunk_list__()]
+    return tuple(piece.shape), tuple(state.shape), rows
+
+
+def test_dcp_pieces_carry_global_shapes_and_offsets(world):
+    got = world(4).run(_pieces_are_global)
+    for rank, (shape, state_shape, offsets) in enumerate(got):
+        assert shape == state_shape == (16, 16)
+        tp_rank = rank % 2  # wq is ColwiseParallel: rows [8 * tp_rank, 8 * tp_rank + 8)
+        assert all(8 * tp_rank <= o[0] < 8 * tp_rank + 8 for o in offsets), (rank, offsets)
