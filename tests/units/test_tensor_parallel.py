@@ -284,3 +284,33 @@ def test_zero3_dp2_tp2_equals_one_process_and_fsdp2_step_for_step(world):
         assert refused and all(refused)  # the named stand-in error, to_local() and full_tensor() too
         assert seen["wq.weight"] == (Shard(0),) and seen["w2.weight"] == (Shard(1),)
         assert seen["norm1.weight"] is None
+
+
+# --- HSDP next to TP: mesh=world["dp_replicate", "dp_shard"] -------------------------------------
+
+
+def _train_hsdp(shape, zero3):
+    """HSDP x TP on a 3-D root mesh of `shape` (replicate, shard, tp): the model state after STEPS."""
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    before = _placements(model)
+    shard_modules = [*(getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")), model]
+    opt = vo.AdamW(model.parameters(), mesh=world["dp_replicate", "dp_shard"],
+                   shard_modules=shard_modules if zero3 else None, **ADAMW)  # fmt: skip
+    replica, shard = world.get_coordinate()[:2]
+    dp_rank = replica * shape[1] + shard
+    for t in range(STEPS):
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert _placements(model) == before
+    return _full(model.state_dict())
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+@pytest.mark.parametrize("zero3", [False, True])
+def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
+    want = reference()
+    for got in world(4).run(_train_hsdp, shape, zero3):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)

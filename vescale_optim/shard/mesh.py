@@ -3,8 +3,9 @@
 Parameters, gradients and state are sharded over the `shard` dimension and replicated
 over `replicate`. A 1-D mesh may be one dimension of a larger root mesh (`world["dp"]` next
 to a tensor-parallel `world["tp"]`): the collectives then run on its group alone. A `Topology`
-maps `(replica, shard)` coordinates to ranks of the world group (a 2-D mesh spans it), so plans
-for work split across replicas can name any rank.
+maps `(replica, shard)` coordinates to ranks of the world group (every rank of the mesh: the
+default group, or a group of its own for a 2-D mesh inside a larger root mesh, HSDP next to tensor
+parallelism), so plans for work split across replicas can name any rank.
 """
 
 from __future__ import annotations
@@ -83,17 +84,35 @@ def resolve(mesh=None, process_group=None) -> Groups:
     if mesh.ndim == 1:  # the whole world, or one dimension of a larger root mesh (world["dp"])
         shard = Comm(mesh.get_group(0))
         return Groups(shard, Comm.alone(), shard, Topology.flat(shard))
-    if mesh.size() != handle.group_size():
+    names = tuple(mesh.mesh_dim_names or DIM_NAMES)
+    roles = tuple(next((r for r in DIM_NAMES if n == r or n.endswith("_" + r)), n) for n in names)
+    if sorted(roles) != sorted(DIM_NAMES):
         raise ValueError(
-            f"mesh of shape {tuple(mesh.shape)} spans {mesh.size()} ranks but the world has "
-            f"{handle.group_size()}; a 2-D mesh must cover every rank (HSDP over part of a larger mesh, "
-            "next to tensor parallelism, is not supported yet: pass a 1-D data-parallel mesh there)"
+            f"mesh dimensions are named {names}; name them {DIM_NAMES} (or e.g. dp_replicate, dp_shard)"
         )
-    names = mesh.mesh_dim_names or DIM_NAMES
-    if sorted(names) != sorted(DIM_NAMES):
-        raise ValueError(f"mesh dimensions are named {names}; name them {DIM_NAMES}")
-    rdim, sdim = names.index("replicate"), names.index("shard")
+    rdim, sdim = roles.index("replicate"), roles.index("shard")
     grid = mesh.mesh if rdim == 0 else mesh.mesh.T
-    ranks = tuple(tuple(int(r) for r in row) for row in grid.tolist())
+    world = Comm(None) if mesh.size() == handle.group_size() else Comm(_group_of(grid))
     shard, replicate = Comm(mesh.get_group(sdim)), Comm(mesh.get_group(rdim))
-    return Groups(shard, replicate, Comm(None), Topology(ranks, replicate.rank, shard.rank))
+    at = {world.global_rank(r): r for r in range(world.world_size)}  # default-group rank -> world's
+    ranks = tuple(tuple(at[int(r)] for r in row) for row in grid.tolist())
+    return Groups(shard, replicate, world, Topology(ranks, replicate.rank, shard.rank))
+
+
+def _group_of(grid):
+    """A process group of the ranks of a 2-D mesh that is part of a larger root mesh (HSDP next
+    to tensor parallelism: `world["dp_replicate", "dp_shard"]`), made by its members alone (each
+    data-parallel slice its own; torch's mesh names no group over two of its dimensions). The
+    ranks first check, in one exchange over the world, that their slices tile it (each rank in
+    exactly one), so a mesh over part of the world alone is refused on every rank."""
+    ranks = sorted(int(r) for r in grid.reshape(-1).tolist())
+    me = handle.group_rank()
+    slices = handle.all_gather_object(ranks if me in ranks else None)
+    covered = sorted(r for s in {tuple(s) for s in slices if s is not None} for r in s)
+    if covered != list(range(len(slices))) or any(s is None or r not in s for r, s in enumerate(slices)):
+        raise ValueError(
+            f"mesh of shape {tuple(grid.shape)} spans ranks {ranks} of a world of {len(slices)}, and "
+            "the ranks' meshes do not tile the world: a 2-D mesh covers every rank, or is the "
+            "data-parallel part of one root mesh (world['dp_replicate', 'dp_shard'] next to world['tp'])"
+        )
+    return handle.new_group(ranks, use_local_synchronization=True)
