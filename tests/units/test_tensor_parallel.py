@@ -314,3 +314,61 @@ def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
     for got in world(4).run(_train_hsdp, shape, zero3):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# --- skip_nonfinite, 8-bit state and 8-bit collectives under TP --------------------------------
+
+
+def _train_with(dp, options, steps=STEPS, poison=None, same_batch=False):
+    """dp x tp2 (dp * 2 ranks) with vo.AdamW(**options): the model state after `steps` (whole),
+    and the optimizer's state dict. `poison=(step, rank)`: that global rank's local gradient of
+    wq holds a NaN at that step (its TP peer's does not). `same_batch`: every dp rank trains on
+    step t's batch of rank 0, so the mean gradient does not depend on dp."""
+    world = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW, **options)
+    dp_rank = 0 if same_batch else world["dp"].get_local_rank()
+    for t in range(steps):
+        if poison is not None and poison == (t, torch.distributed.get_rank()):
+            hook = model.wq.weight.register_hook(lambda g: g * float("nan"))
+        _loss(model, *_batch(t, dp_rank)).backward()
+        if poison is not None and poison == (t, torch.distributed.get_rank()):
+            hook.remove()
+        opt.step()
+        opt.zero_grad()
+    return _full(model.state_dict()), opt.state_dict()
+
+
+def test_skip_nonfinite_skips_on_every_tp_rank(world):
+    """A NaN in one TP rank's shard of a gradient skips the step on all four ranks: the run equals
+    one that never took that step's data (the TP shards of wq stay one matrix)."""
+    want = reference(steps=1)
+    for got, _ in world(4).run(_train_with, 2, dict(skip_nonfinite=True), 2, (1, 0)):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_8bit_state_is_identical_at_any_dp_size_for_one_tp_size(world):
+    options = dict(state_bits=8)
+    one = world(2).run(_train_with, 1, options, same_batch=True)
+    two = world(4).run(_train_with, 2, options, same_batch=True)
+    (model1, state1), (model2, state2) = one[0], two[0]
+    for k in model1:
+        assert torch.equal(model1[k], model2[k]), k
+    for i, entry in state1["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, state2["state"][i][name]), (i, name)
+    near = world(4).run(_train_with, 2, {}, same_batch=True)[0][0]
+    for k in near:  # and near the fp32 state's run
+        torch.testing.assert_close(model2[k], near[k], rtol=0, atol=5e-3, msg=k)
+
+
+@pytest.mark.parametrize("options", [dict(gather_bits=8), dict(reduce_bits=8)], ids=["gather8", "reduce8"])
+def test_8bit_collectives_under_tp_stay_near_fp32(world, options):
+    """Within STEPS steps of lr of the fp32 run (Adam's updates of tiny gradients may flip with the
+    wire's rounding), and the parameters left out of the plan still equal on every TP rank."""
+    want, runs = reference(), world(4).run(_train_with, 2, options)
+    for got, _ in runs:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=STEPS * ADAMW["lr"], msg=k)
+            assert torch.equal(got[k], runs[0][0][k]), k

@@ -37,7 +37,7 @@ from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
-from .tensor_parallel import local_numel, refuse_dtensors, tp_groups, tp_norm_parts
+from .tensor_parallel import any_over_tp, local_numel, refuse_dtensors, tp_groups, tp_norm_parts
 from .unit import LOW_PRECISION, Unit
 
 
@@ -258,7 +258,7 @@ class Runtime:
         self._reduced = False
 
     def any_nonfinite(self) -> bool:
-        return self.tracker.any_nonfinite()
+        return any_over_tp(self.tracker.any_nonfinite(), self.tp)  # under TP: every TP rank alike
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
