@@ -372,3 +372,28 @@ def test_8bit_collectives_under_tp_stay_near_fp32(world, options):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=STEPS * ADAMW["lr"], msg=k)
             assert torch.equal(got[k], runs[0][0][k]), k
+
+
+# --- ranks with different TP plans --------------------------------------------------------------
+
+
+def _different_plans(case):
+    """Rank 0's plan differs from the others' (`case`): every rank must raise at construction."""
+    world = _world()
+    plan, rank0 = dict(PLAN), torch.distributed.get_rank() == 0
+    if rank0 and case == "colwise vs rowwise":
+        plan["wq"] = RowwiseParallel()
+    model = parallelize_module(_build(), world["tp"], plan)
+    if rank0 and case == "dtensor vs plain":  # wq a plain tensor of the same shape on rank 0 alone
+        model.wq.weight = nn.Parameter(torch.zeros(DIM, DIM))
+    try:
+        vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["colwise vs rowwise", "dtensor vs plain"])
+def test_different_tp_plans_are_refused_on_every_rank(world, case):
+    for got in world(4).run(_different_plans, case, timeout=60):
+        assert got is not None and ("parallelize_module plan" in got or "different parameters" in got), got

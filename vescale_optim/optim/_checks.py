@@ -12,6 +12,7 @@ from numbers import Real
 import torch
 
 from ..shard.collectives import Comm, all_gather_object
+from ..units.tensor_parallel import tp_description
 
 
 def check_params_arg(params) -> None:
@@ -119,7 +120,8 @@ def _signature(param_groups: list[dict]) -> list[tuple]:
         hyper = tuple(sorted((k, _value(v)) for k, v in g.items() if k != "params"))
         sig.append(("group", gi, len(g["params"]), hyper))
         sig.extend(
-            ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad) for j, p in enumerate(g["params"])
+            ("param", gi, j, tuple(p.shape), str(p.dtype), p.requires_grad, tp_description(p))
+            for j, p in enumerate(g["params"])
         )
     return sig
 

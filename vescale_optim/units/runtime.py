@@ -37,7 +37,14 @@ from .model_state import ModelState, sharded_model_state
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
-from .tensor_parallel import any_over_tp, local_numel, refuse_dtensors, tp_groups, tp_norm_parts
+from .tensor_parallel import (
+    any_over_tp,
+    local_numel,
+    refuse_dtensors,
+    tp_groups,
+    tp_norm_parts,
+    tp_plan_problem,
+)
 from .unit import LOW_PRECISION, Unit
 
 
@@ -138,6 +145,7 @@ class Runtime:
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, members, modules, names = problem or str(e), [], [], {}
         structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
+        problem = tp_plan_problem(params, self.tp, labels) or problem  # collective over TP: always
         if agree is not None:
             agree(self.world, problem, structure)
         elif problem is not None:
