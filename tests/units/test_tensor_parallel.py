@@ -196,7 +196,7 @@ def _refused(case):
     elif case == "no mesh":
         make = lambda: vo.AdamW(model.parameters())  # noqa: E731
     elif case == "muon":
-        make = lambda: vo.Muon(model.parameters(), mesh=world["dp"])  # noqa: E731
+        make = lambda: vo.Muon(model.parameters(), mesh=world["dp"], normuon=True)  # noqa: E731
     else:
         make = lambda: vo.Shampoo(model.parameters(), mesh=world["dp"])  # noqa: E731
     wq = model.wq.weight.to_local().clone()
@@ -214,7 +214,7 @@ def _refused(case):
         ("unrelated mesh", "ValueError", "not orthogonal to the data-parallel mesh"),
         ("partial", "ValueError", "Partial placement"),
         ("no mesh", "ValueError", "pass the data-parallel mesh as mesh="),
-        ("muon", "NotImplementedError", "Muon does not support DTensor"),
+        ("muon", "NotImplementedError", "Muon with normuon is not supported yet for DTensor"),
         ("shampoo", "NotImplementedError", "Shampoo does not support DTensor"),
     ],
 )

@@ -17,10 +17,12 @@ import torch
 from torch.profiler import record_function
 
 from ..owners.balance import keep_homes, spread_homes
-from ..owners.moves import Move
+from ..owners.moves import Move, run_moves
 from ..owners.plan import SegmentMoves, WorkItem, plan_owners
 from ..shard.redistribution import Piece
 from ..units.segment import FROZEN, Segment, StateSpec
+from ..units.tensor_parallel import local_shape
+from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, refuse_tp_muon, tp_matrix, tp_pieces
 from . import lowbit
 from ._checks import check_betas, check_params_arg
 from ._muon_math import (
@@ -55,15 +57,18 @@ def segment_blocks(seg: Segment) -> list[tuple[int, int]]:
     ]
 
 
-def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple[int, int]]]:
+def matrix_work(seg: Segment, ns_steps: int, cuts: list[TPMatrix | None] | None = None,
+                ) -> tuple[list[WorkItem], list[tuple[int, int]]]:  # fmt: skip
     """The segment's matrices (its parameters' blocks) as work items, and their `(rows, cols)`.
     A matrix's pieces lie in each shard rank's part of the segment (from `seg.rank_start(r)`);
-    its cost is its Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does."""
+    its cost is its Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does;
+    one cut over TP (`cuts[i]`) is its full matrix, with pieces from every TP shard."""
     layout = seg.layout
     shard = layout.shard_size
     items, shapes = [], []
     for i, p in enumerate(seg.params):
-        for at, rows, cols in group_blocks(tuple(p.shape), seg.group):
+        cut = cuts[i] if cuts else None
+        for at, rows, cols in group_blocks(local_shape(p), seg.group):
             start, numel = layout.offsets[i] + at, rows * cols
             first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
             pieces = []
@@ -72,6 +77,8 @@ def matrix_work(seg: Segment, ns_steps: int) -> tuple[list[WorkItem], list[tuple
                 at = lo - r * shard - seg.rank_start(r)  # in rank r's part of the segment
                 pieces.append(Piece(r, len(items), at, lo - start, hi - start))
             home = first if first == last else None
+            if cut is not None:  # the full matrix, from the TP shards of every tp rank
+                pieces, home, (rows, cols) = tp_pieces(pieces, cut, len(seg.counts)), None, tuple(p.shape)
             items.append(WorkItem(tuple(pieces), ns_flops(rows, cols, ns_steps), home))
             shapes.append((rows, cols))
     return items, shapes
@@ -90,6 +97,8 @@ class _SegmentWork:
     returned: list[tuple[int, int, int]]
     held_ids: dict[tuple[int, int], list[int]]
     arriving_ids: dict[tuple[int, int], list[int]]
+    shapes: list[tuple[int, int]]  # per item, and its matrix index in the segment (`ids`)
+    ids: list[int]
 
     @staticmethod
     def of(moves: SegmentMoves, items: list[WorkItem], shapes: list[tuple[int, int]],
@@ -105,7 +114,7 @@ class _SegmentWork:
             arriving.setdefault(shapes[k], []).append(moves.received_at[k])
             arriving_ids.setdefault(shapes[k], []).append(ids[k])
         returned = [(p.offset, at, p.stop - p.start) for _, p, at in moves.returned]
-        return _SegmentWork(moves, held, arriving, returned, held_ids, arriving_ids)
+        return _SegmentWork(moves, held, arriving, returned, held_ids, arriving_ids, shapes, ids)
 
 
 class Muon(ShardedOptimizer):
@@ -167,6 +176,7 @@ class Muon(ShardedOptimizer):
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
         params = list(params)
+        refuse_tp_muon(params, defaults)
         if params and isinstance(params[0], dict):
             # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
             # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
@@ -177,18 +187,25 @@ class Muon(ShardedOptimizer):
         # so the step's total is balanced and each matrix is orthogonalized once.
         runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
-        work = [matrix_work(seg, ns_steps_of(seg.group)) for seg in segs]
+        cuts = [[tp_matrix(p) for p in seg.params] for seg in segs]
+        self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, cuts))  # None without TP
+        work = [matrix_work(seg, ns_steps_of(seg.group), cut) for seg, cut in zip(segs, cuts)]
         dims = [(r, c, ns_steps_of(seg.group)) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
-        whole_only = [bool(seg.group["normuon"]) for seg, (_, shapes) in zip(segs, work) for _ in shapes]
+        whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, (_, s) in zip(segs, work) for _ in s]
+        rank = runtime.world.rank if tp is None else tp.comm.rank
+        size = topo.world_size if tp is None else tp.comm.world_size
         items = [item for seg_items, _ in work for item in seg_items]
         costs = [ns_flops(*d) for d in dims]
         # a matrix lying whole on one shard rank stays there when the balance allows (with
         # replicas, the matrices of a shard rank are dealt over its replicas)
-        homes = spread_homes(costs, [it.home for it in items], topo.ranks)
+        if tp is None:
+            homes = spread_homes(costs, [it.home for it in items], topo.ranks)
+            holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
+        else:
+            homes, holders = tp.homes(costs, [w for w, _ in work], cuts)
         self.homes: list[int | None] = homes  # per matrix, the world rank holding it whole (or None)
-        self.plan: MuonPlan = plan_matrices(dims, topo.world_size, cost_model, homes, whole_only)
+        self.plan: MuonPlan = plan_matrices(dims, size, cost_model, homes, whole_only)
         self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
-        holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
         owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
         whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
         self._blocks = [segment_blocks(seg) for seg in segs]  # per segment, (param, block) per matrix
@@ -204,11 +221,14 @@ class Muon(ShardedOptimizer):
                     codec, device = lowbit.codec_of(seg.tier), seg.local_params.device  # momentum's tier
                     self._variance[s, k] = lowbit.Kept(codec, self.VARIANCE, shapes[k][0], device)
             pos += len(seg_items)
-        fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
-        plan = plan_owners([w[0] for w in whole], topo, runtime.world.rank, sources=sources, owners=fixed)
+        if tp is None:
+            fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
+            planned = plan_owners([w[0] for w in whole], topo, rank, sources=sources, owners=fixed).segments
+        else:
+            planned = tp.moves([w[0] for w in whole], [w[2] for w in whole], [sg.counts for sg in segs], cuts)
         self._work = {id(seg): _SegmentWork.of(moves, its, shs, ids)
-                      for seg, moves, (its, shs, _, ids) in zip(segs, plan.segments, whole)}  # fmt: skip
-        self._segs, self._position = segs, {id(seg): s for s, seg in enumerate(segs)}
+                      for seg, moves, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
+        self._cuts, self._segs, self._position = cuts, segs, {id(seg): s for s, seg in enumerate(segs)}
         self._split = SplitStep(self.plan, segs, [w for w, _ in work], [s for _, s in work], topo,
                                 runtime.world) if self.plan.groups else None  # fmt: skip
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
@@ -235,11 +255,12 @@ class Muon(ShardedOptimizer):
                         f"shape {tuple(p.shape)}; put it in a group with use_muon=False (AdamW)"
                     )
 
+    takes_dtensors = True  # matrices cut over TP are orthogonalized whole, over the dp x tp world
     structural_keys = ("use_muon", "split_sizes", "num_heads", "normuon")  # they shape plan and state
     step_stat_names = ("ns_matrices", "ns_flops")  # this rank's Newton–Schulz work in the step
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
-        return p.shape[-1] if group["use_muon"] else 1
+        return local_shape(p)[-1] if group["use_muon"] else 1
 
     MOMENTUM = StateSpec("momentum_buffer")
     VARIANCE = StateSpec("variance_neuron", stored_as_sqrt=True)  # NorMuon's v, kept by the owner
@@ -284,7 +305,11 @@ class Muon(ShardedOptimizer):
         if self._split is not None and updates:
             self._run_split(updates)
         moves = [self._move(self._segs[position], update) for position, update in updates.items()]
-        return [m for m in moves if m is not None]
+        moves = [m for m in moves if m is not None]
+        if self._tp is None:
+            return moves
+        self._traffic(*run_moves(moves, self._tp.comm))  # over the dp x tp world
+        return []
 
     def _move(self, seg: Segment, update: torch.Tensor) -> Move | None:
         """The segment's whole matrices to their owners and back, applied with the split ones."""
@@ -292,9 +317,20 @@ class Muon(ShardedOptimizer):
         return work.moves.move(
             update, label="newton_schulz",
             local=lambda: self._orthogonalize(work.held, seg, update, work.held_ids),
-            compute=lambda received: self._orthogonalize(work.arriving, seg, received, work.arriving_ids),
+            compute=lambda received: self._full(work, seg, received),
             finish=lambda back: self._apply(seg, update, back, work.returned),
         )  # fmt: skip
+
+    def _full(self, work: _SegmentWork, seg: Segment, received: torch.Tensor) -> torch.Tensor:
+        """The arriving matrices orthogonalized; those cut over TP by columns made full first."""
+        blocks, cuts = self._blocks[self._position[id(seg)]], self._cuts[self._position[id(seg)]]
+        of = [cuts[blocks[i][0]] for i in work.ids]  # per item, its parameter's TP cut
+        rowwise = [(work.moves.received_at[k], *work.shapes[k], of[k]) for k in work.moves.arriving
+                   if of[k] is not None and of[k].dim == 1]  # fmt: skip
+        assemble(received, rowwise, back=False)
+        self._orthogonalize(work.arriving, seg, received, work.arriving_ids)
+        assemble(received, rowwise, back=True)
+        return received
 
     def _run_split(self, updates: dict[int, torch.Tensor]) -> None:
         """Every split matrix of the step, in place in `updates` (segment position -> update)."""
