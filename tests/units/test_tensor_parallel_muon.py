@@ -1,12 +1,14 @@
-"""Muon over a tensor-parallel model (dp2 x tp2 on 4 gloo ranks): torch's TP plan on
-world["tp"], vo.Muon on world["dp"]; each full matrix (its Colwise row blocks or Rowwise column
-blocks from both TP ranks) orthogonalized once in the whole world, the same numbers as one
-process running torch.optim.Muon (+ AdamW for the norms) on the mean gradient."""
+"""Muon over a tensor-parallel model (dp x tp on 4 gloo ranks): torch's TP plan on
+world["tp"], vo.Muon on the data-parallel mesh; each full matrix (its Colwise row blocks or
+Rowwise column blocks from both TP ranks) orthogonalized once in the whole world, the same
+numbers as one process running torch.optim.Muon (+ AdamW for the norms) on the mean gradient."""
 
 import pytest
 import torch
 from _reference import mean_grad_reference
-from test_tensor_parallel import PLAN, _batch, _build, _full, _loss, _world
+from test_tensor_parallel import PLAN, _batch, _build, _full, _loss
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 MUON = dict(lr=0.02, weight_decay=0.1)
 ADAM = dict(lr=0.01, weight_decay=0.05)
+EXTRA = (8, 12)  # a plain matrix beside the model, replicated over TP, in a Muon group of its own
 
 
 def _groups(model):
@@ -24,44 +27,87 @@ def _groups(model):
     return mats, [p for p in model.parameters() if p.ndim != 2]
 
 
-def reference(dp=2):
+def _extra():
+    return nn.Parameter(torch.randn(EXTRA, generator=torch.Generator().manual_seed(5)))
+
+
+def _extra_grad(step, dp_rank):
+    return torch.randn(EXTRA, generator=torch.Generator().manual_seed(77 + 1000 * step + dp_rank))
+
+
+def reference(dp=2, extra=False):
     """One process: torch.optim.Muon on the matrices, AdamW on the norms, mean gradient over dp."""
-    model = _build()
+    model, x = _build(), _extra()
     mats, vecs = _groups(model)
-    muon = torch.optim.Muon(mats, **MUON)
+    muon = torch.optim.Muon(mats + ([x] if extra else []), **MUON)
     adam = torch.optim.AdamW(vecs, betas=(0.9, 0.95), eps=1e-8, **ADAM)
     for t in range(STEPS):
         mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        x.grad = sum(_extra_grad(t, r) for r in range(dp)) / dp
         muon.step()
         adam.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, "extra": x.detach().clone()}
 
 
-def _train(zero3):
-    world = _world()
-    model = parallelize_module(_build(), world["tp"], PLAN)
+def _train(shape, zero3, extra):
+    """vo.Muon on a (replicate, shard, tp) root mesh of `shape`: the model state after STEPS and
+    each step's Newton–Schulz matrices on this rank."""
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp = world["dp_shard"] if shape[0] == 1 else world["dp_replicate", "dp_shard"]
+    model, x = parallelize_module(_build(), world["tp"], PLAN), _extra()
     mats, vecs = _groups(model)
+    groups = [{"params": mats}, {"params": vecs, "use_muon": False, **ADAM}] + (
+        [{"params": [x]}] if extra else []
+    )
     units = dict(shard_modules=[*(getattr(model, n) for n in PLAN), model]) if zero3 else {}
-    opt = vo.Muon([{"params": mats}, {"params": vecs, "use_muon": False, **ADAM}], mesh=world["dp"],
-                  **units, **MUON)  # fmt: skip
-    dp_rank = world["dp"].get_local_rank()
+    opt = vo.Muon(groups, mesh=dp, **units, **MUON)
+    replica, shard = world.get_coordinate()[:2]
+    dp_rank = replica * shape[1] + shard
     counts = []
     for t in range(STEPS):
         _loss(model, *_batch(t, dp_rank)).backward()
+        x.grad = _extra_grad(t, dp_rank)
         opt.step()
         opt.zero_grad()
         counts.append(opt.step_stats["ns_matrices"])
     assert all(isinstance(p, DTensor) for p in mats)
-    return _full(model.state_dict()), counts
+    return {**_full(model.state_dict()), "extra": x.detach().clone()}, counts
 
 
-@pytest.mark.parametrize("zero3", [False, True])
-def test_dp2_tp2_muon_equals_one_process_each_matrix_once(world, zero3):
-    want = reference()
-    results = world(4).run(_train, zero3)
-    n = sum(1 for p in _build().parameters() if p.ndim == 2)
+@pytest.mark.parametrize(
+    "shape, zero3, extra",
+    [
+        ((1, 2, 2), False, False),
+        ((1, 2, 2), True, False),
+        ((2, 1, 2), False, False),
+        ((1, 2, 2), False, True),
+    ],
+    ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2", "dp2xtp2-plain-matrix"],
+)
+def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, extra):
+    want = reference(extra=extra)
+    if not extra:
+        del want["extra"]
+    results = world(4).run(_train, shape, zero3, extra)
+    n = sum(1 for p in _build().parameters() if p.ndim == 2) + extra
     for t in range(STEPS):  # every full matrix orthogonalized exactly once in the world, each step
         assert sum(counts[t] for _, counts in results) == n
     for got, _ in results:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
+
+
+def _mixed():
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    mats, vecs = _groups(model)
+    try:
+        vo.Muon([{"params": mats + [_extra()]}, {"params": vecs, "use_muon": False}], mesh=world["dp"])
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_a_segment_mixing_tp_and_plain_matrices_is_refused_on_every_rank(world):
+    for got in world(4).run(_mixed):
+        assert got is not None and "next to plain ones" in got, got
