@@ -1,11 +1,11 @@
 """Distributed Muon: momentum on local pieces, each matrix orthogonalized once, by its owner
-or, when it is large, split over a group of ranks.
-
-The math is `_muon_math`'s (and `_split_ns`'s for a split matrix); who orthogonalizes what is
-`_muon_plan.muon_plan`'s (`vo.muon_plan`); how a whole matrix gets to its owner and back is the
-owner layer's (`owners.plan`): Muon declares each matrix as a work item (its pieces, its
-Newton–Schulz FLOPs, the rank holding it whole if one does); a split matrix's row blocks travel
-to its group's members the same way (`_muon_split`).
+or, when it is large, split over a group of ranks. The math is `_muon_math`'s (`_split_ns`'s
+for a split matrix); who orthogonalizes what, `vo.muon_plan`'s; how a whole matrix gets to its
+owner and back, the owner layer's (`owners.plan`): Muon declares each matrix a work item (its
+pieces, its Newton–Schulz FLOPs, the rank holding it whole if one does); a split matrix's row
+blocks travel to its group's members the same way (`_muon_split`). Under tensor parallelism a
+matrix cut over TP is its full matrix, with pieces from every TP shard, orthogonalized once in
+the dp x tp world by an owner of the same plan (whole, never split: `units.tp_pieces`).
 """
 
 from __future__ import annotations
