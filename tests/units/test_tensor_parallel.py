@@ -215,7 +215,7 @@ def _refused(case):
         ("partial", "ValueError", "Partial placement"),
         ("no mesh", "ValueError", "pass the data-parallel mesh as mesh="),
         ("muon", "NotImplementedError", "Muon with normuon is not supported yet for DTensor"),
-        ("shampoo", "NotImplementedError", "Shampoo does not support DTensor"),
+        ("shampoo", "NotImplementedError", "Shampoo under tensor parallelism needs every tile"),
     ],
 )
 def test_what_cannot_be_sharded_is_refused_on_every_rank(world, case, error, words):

@@ -53,14 +53,17 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
     return shape[0], math.prod(shape[1:])
 
 
-def tiles_of(shape: Sequence[int], max_dim: int, param: int = 0) -> list[Tile]:
-    """Row-major tiles of at most `max_dim` per side: blocks of `max_dim`, the last shorter."""
+def tiles_of(
+    shape: Sequence[int], max_dim: int, param: int = 0, first: tuple[int, int] = (0, 0)
+) -> list[Tile]:
+    """Row-major tiles of at most `max_dim` per side: blocks of `max_dim`, the last shorter;
+    their indices start at `first` (a TP shard's tiles keep the full tensor's indices)."""
     ms = matrix_shape(shape)
     if ms is None:
         return []
     m, n = ms
     return [
-        Tile(param, bi, bj, r0, min(r0 + max_dim, m), c0, min(c0 + max_dim, n))
+        Tile(param, first[0] + bi, first[1] + bj, r0, min(r0 + max_dim, m), c0, min(c0 + max_dim, n))
         for bi, r0 in enumerate(range(0, m, max_dim))
         for bj, c0 in enumerate(range(0, n, max_dim))
     ]

@@ -5,6 +5,8 @@ update back, as the owner layer planned it (`owners.plan`). The math is
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..owners.moves import Move
@@ -12,6 +14,7 @@ from ..owners.plan import SegmentMoves, WorkItem
 from ..shard.comm import host_to_device
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
+from ..units.tensor_parallel import is_dtensor, is_tp_sharded, local_shape
 from ._shampoo_math import (
     Tile,
     inverse_roots_,
@@ -87,6 +90,63 @@ def _by_step(steps: list[int], device: torch.device):
     return [(st, host_to_device(idx, torch.int64, device)) for st, idx in found.items()]
 
 
+def tp_tile_offset(p: torch.Tensor, max_dim: int, name: str) -> tuple[int, int]:
+    """`(rows, cols)`: how many whole tiles of the full matrix lie above and left of this TP
+    rank's shard of `p` (a DTensor seen as `[shape[0], rest]`; `(0, 0)` for a plain tensor).
+
+    Shampoo under tensor parallelism keeps every tile of the full tensor inside one TP shard,
+    so each TP rank's tiles of its local shard are the full tensor's own tiles, computed where
+    they lie with no TP traffic. That holds when every shard's first row (a `Shard(0)` cut) or
+    column (a cut of a later dimension) starts a tile, and its last one ends a tile or the
+    matrix. The answer is the same on every rank, from the global shape and placements; a cut
+    off the tile grid is a NotImplementedError naming the parameter, the block size and the
+    TP shard shape."""
+    if not is_dtensor(p) or not is_tp_sharded(p) or matrix_shape(tuple(p.shape)) is None:
+        return 0, 0
+    shape, cuts = tuple(p.shape), [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    m, n = matrix_shape(shape)
+    dim = cuts[0][1].dim % len(shape)
+    refusal = (
+        f"Shampoo under tensor parallelism needs every tile of the full tensor inside one TP shard: "
+        f"parameter {name} (global shape {shape}, TP shard shape {local_shape(p)}, placements "
+        f"{tuple(p.placements)}) is cut off the grid of max_preconditioner_dim={max_dim}"
+    )
+    if len(cuts) > 1 or math.prod(shape[1:dim]) != 1:
+        raise NotImplementedError(
+            refusal + ": one Shard placement of dim 0, or of a dimension whose shards are column blocks "
+            "of [shape[0], rest], is supported"
+        )
+    size, inner = shape[dim], math.prod(shape[dim + 1 :])
+    extent, ways = (m, 1) if dim == 0 else (n, inner), p.device_mesh.size(cuts[0][0])
+    chunk = -(-size // ways)  # DTensor's Shard cut, torch.chunk's way
+    for s in range(ways):
+        a, b = min(s * chunk, size) * extent[1], min((s + 1) * chunk, size) * extent[1]
+        if b > a and (a % max_dim or (b % max_dim and b != extent[0])):
+            what = "rows" if dim == 0 else "columns"
+            raise NotImplementedError(
+                refusal + f": a TP shard spans {extent[1] * chunk} {what}, not a multiple of it"
+            )
+    start = min(p.device_mesh.get_coordinate()[cuts[0][0]] * chunk, size) * extent[1]
+    return (start // max_dim, 0) if dim == 0 else (0, start // max_dim)
+
+
+def tp_replicated_matrix(params: list[torch.Tensor], labels: dict[int, str]) -> str | None:
+    """A matrix with tiles that every TP rank holds whole (a plain or Replicate parameter)
+    next to TP-cut ones, named: each TP rank would compute its tiles again, not once in the
+    world (not supported yet)."""
+    if not any(is_tp_sharded(p) for p in params):
+        return None
+    for p in params:
+        if p.requires_grad and not is_tp_sharded(p) and matrix_shape(local_shape(p)) is not None:
+            return (
+                f"Shampoo under tensor parallelism computes each tile once in the world; parameter "
+                f"{labels[id(p)]} is a matrix replicated over TP (a plain tensor or a Replicate DTensor), "
+                "whose tiles every TP rank would compute again: not supported yet; give it to another "
+                "optimizer (e.g. vo.AdamW) or cut it over TP"
+            )
+    return None
+
+
 CHANNELS = 3  # what travels to a tile's owner: gradient, mhat, grafting update
 
 
@@ -113,7 +173,7 @@ class SegmentTiles:
         self.seg, self.like = seg, seg.local_params
         self.where = {}  # param -> (local range, first local row, columns)
         for t in tiles:
-            n = matrix_shape(seg.params[t.param].shape)[1]
+            n = matrix_shape(local_shape(seg.params[t.param]))[1]
             lo, hi = seg.local_range(t.param)
             self.where[t.param] = (lo, hi, seg.tensor_range(t.param)[0] // n, n)
         self.moved = len(moves.moved)

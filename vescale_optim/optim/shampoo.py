@@ -11,8 +11,9 @@ from ..owners.moves import Move
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
 from ..units.segment import FROZEN, Segment, StateSpec
+from ..units.tensor_parallel import local_shape
 from ._checks import check_params_arg
-from ._guards import caller_stacklevel
+from ._guards import caller_stacklevel, label_params
 from ._shampoo_math import (
     Tile,
     bias_correction,
@@ -23,7 +24,7 @@ from ._shampoo_math import (
     stripe_granule,
     tiles_of,
 )
-from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work
+from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work, tp_replicated_matrix, tp_tile_offset
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
@@ -116,6 +117,7 @@ class Shampoo(ShardedOptimizer):
 
     # --- hooks ----------------------------------------------------------------------
 
+    takes_dtensors = True  # each TP shard's tiles are the full tensor's (refused where they are not)
     structural_keys = ("max_preconditioner_dim", "grafting")
     step_stat_names = ("roots",)  # inverse roots this rank computed in the step
 
@@ -127,6 +129,20 @@ class Shampoo(ShardedOptimizer):
         except ValueError as e:
             return f"param group {gi}: {e}"
         return None
+
+    def _check_params(self, params: list[torch.Tensor]) -> None:
+        """Under tensor parallelism every tile of the full tensor must lie inside one TP
+        shard, and no matrix be replicated over TP: refused by name on every rank (the
+        answer comes from global shapes and placements), before anything is laid out."""
+        super()._check_params(params)
+        labels = label_params(self.param_groups)
+        problem = tp_replicated_matrix(params, labels)
+        if problem is not None:
+            raise NotImplementedError(problem)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    tp_tile_offset(p, group["max_preconditioner_dim"], labels[id(p)])
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
@@ -209,7 +225,8 @@ class Shampoo(ShardedOptimizer):
         for seg in self.runtime.segments:
             d = seg.group["max_preconditioner_dim"]
             params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
-            found = [t for i, p in enumerate(params) for t in tiles_of(tuple(p.shape), d, i)]
+            first = [tp_tile_offset(p, d, self._labels[id(p)]) for p in params]  # a TP shard's first tile
+            found = [t for i, p in enumerate(params) for t in tiles_of(local_shape(p), d, i, first[i])]
             held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in found]
             segs.append(seg)
             tiles.append(found)
@@ -227,7 +244,7 @@ class Shampoo(ShardedOptimizer):
     @staticmethod
     def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
         """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
-        n = matrix_shape(tuple(seg.params[t.param].shape))[1]
+        n = matrix_shape(local_shape(seg.params[t.param]))[1]
         start, stop = seg.layout.rank_range(t.param, rank)
         first, last = (start - seg.layout.offsets[t.param]) // n, (stop - seg.layout.offsets[t.param]) // n
         a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
