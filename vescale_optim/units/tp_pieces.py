@@ -41,11 +41,20 @@ class TPMatrix:
     dim: int
 
 
+def is_expert_stack(p: torch.Tensor) -> bool:
+    """Whether `p` is a stack of matrices `[E, out, in]` cut over its mesh by whole matrices
+    alone (every `Shard` placement on dim 0: expert parallelism, e.g. `distribute_tensor(w,
+    ep_mesh, [Shard(0)])`): each rank's local stack holds whole matrices, orthogonalized where
+    they lie, by owners over the data-parallel group (no traffic over the expert mesh)."""
+    shards = [pl for pl in getattr(p, "placements", ()) if pl.is_shard()]
+    return is_tp_sharded(p) and p.ndim == 3 and all(pl.dim % 3 == 0 for pl in shards)
+
+
 def tp_matrix(p: torch.Tensor) -> TPMatrix | None:
-    """`p`'s TP cut (None for a parameter replicated over TP); NotImplementedError by name for
-    what Muon does not orthogonalize under TP yet (not 2-D, uneven shards, several Shard
-    placements)."""
-    if not is_tp_sharded(p):
+    """`p`'s TP cut (None for a parameter replicated over TP, and for an expert stack, whose
+    local matrices are whole: `is_expert_stack`); NotImplementedError by name for what Muon
+    does not orthogonalize under TP yet (not 2-D, uneven shards, several Shard placements)."""
+    if not is_tp_sharded(p) or is_expert_stack(p):
         return None
     shards = [(d, pl) for d, pl in enumerate(p.placements) if pl.is_shard()]
     if p.ndim != 2 or len(shards) != 1:
@@ -185,10 +194,17 @@ def refuse_tp_muon(params: list, defaults: dict) -> None:
 
 def muon_tp_world(runtime, segs: Sequence, cuts: Sequence[Sequence[TPMatrix | None]]) -> TPWorld | None:
     """The dp x tp world Muon's whole matrices travel over, when some Muon segment holds
-    matrices cut over TP (None otherwise: the data-parallel world, as without TP). A segment
-    mixing them with plain matrices is refused by name (alike on every rank)."""
+    matrices cut over TP (None otherwise: the data-parallel world, as without TP; expert stacks
+    are then orthogonalized on their own ranks, and plain matrices on every TP/EP rank). A
+    segment mixing them with plain matrices, and expert stacks next to them, are refused by
+    name (alike on every rank)."""
     if not any(c for seg_cuts in cuts for c in seg_cuts):
         return None
+    if any(is_expert_stack(p) for seg in segs for p in seg.params):
+        raise NotImplementedError(
+            "Muon holds expert stacks (3-D DTensors sharded on dim 0) next to matrices cut over tensor "
+            "parallelism; one of the two per optimizer is supported yet (AdamW takes both)"
+        )
     for seg_cuts in cuts:
         if any(seg_cuts) and not all(seg_cuts):
             raise NotImplementedError(

@@ -1,0 +1,133 @@
+"""Expert parallelism (dp2 x ep2 on 4 gloo ranks): a tiny MoE layer whose experts are one
+`[E, out, in]` parameter placed `distribute_tensor(w, world["ep"], [Shard(0)])`, each EP rank
+holding whole expert matrices; vo.Muon / vo.AdamW on world["dp"]. Each expert matrix is
+orthogonalized on its own EP rank's data-parallel group (no traffic over EP), the same numbers as
+one process running torch.optim.Muon (+ AdamW) on the unparallelised layer with the mean gradient."""
+
+import pytest
+import torch
+from _reference import mean_grad_reference
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import vescale_optim as vo
+
+pytestmark = pytest.mark.slow
+
+E, TOKENS, IN, OUT, STEPS, EP = 4, 3, 6, 8, 3, 2
+MUON = dict(lr=0.02, weight_decay=0.1)
+ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
+
+
+def _weights():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(E, OUT, IN, generator=g) / IN**0.5, torch.randn(OUT, OUT, generator=g) / OUT**0.5
+
+
+def _batch(step, dp_rank):
+    """Tokens already routed: `TOKENS` per expert, `[E, TOKENS, IN]`, and their targets."""
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randn(E, TOKENS, IN, generator=g), torch.randn(E, TOKENS, OUT, generator=g)
+
+
+class MoE(nn.Module):
+    """Experts (one `[E, out, in]` stack, or E matrices in the reference) on their tokens, then a
+    shared projection; under EP each rank runs its own experts and their outputs are gathered
+    over EP, so every EP rank computes the same loss."""
+
+    def __init__(self, ep=None):
+        super().__init__()
+        experts, proj = _weights()
+        self.ep = ep
+        if ep is None:
+            self.experts = nn.ParameterList(nn.Parameter(w.clone()) for w in experts)
+        else:
+            self.experts = nn.Parameter(distribute_tensor(experts, ep, [Shard(0)]))
+        self.proj = nn.Linear(OUT, OUT)
+        with torch.no_grad():
+            self.proj.weight.copy_(proj)
+            self.proj.bias.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(4))
+
+    def forward(self, x):
+        if self.ep is None:
+            h = torch.bmm(x, torch.stack(list(self.experts)).transpose(1, 2))
+        else:
+            w = self.experts.to_local()
+            at = self.ep.get_local_rank() * w.shape[0]
+            h = torch.bmm(x[at : at + w.shape[0]], w.transpose(1, 2))
+            h = DTensor.from_local(h, self.ep, [Shard(0)]).redistribute(self.ep, [Replicate()]).to_local()
+        return self.proj(h)
+
+
+def _loss(model, step, dp_rank):
+    x, y = _batch(step, dp_rank)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(muon):
+    model = MoE()
+    mats = [*model.experts, model.proj.weight]
+    if muon:
+        opts = [torch.optim.Muon(mats, **MUON), torch.optim.AdamW([model.proj.bias], **ADAMW)]
+    else:
+        opts = [torch.optim.AdamW(model.parameters(), **ADAMW)]
+    for t in range(STEPS):
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+        for opt in opts:
+            opt.step()
+    state = {"experts": torch.stack(list(model.experts)), "proj": model.proj.weight, "bias": model.proj.bias}
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _train(muon):
+    world = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp", "ep"))
+    model = MoE(world["ep"])
+    if muon:
+        groups = [{"params": [model.experts, model.proj.weight]},
+                  {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+        opt = vo.Muon(groups, mesh=world["dp"], **MUON)
+    else:
+        opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
+    dp = world["dp"].get_local_rank()
+    counts = []
+    for t in range(STEPS):
+        _loss(model, t, dp).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(opt.step_stats.get("ns_matrices", 0))
+    assert isinstance(model.experts, DTensor) and tuple(model.experts.placements) == (Shard(0),)
+    state = {"experts": model.experts.full_tensor(), "proj": model.proj.weight, "bias": model.proj.bias}
+    return {k: v.detach().clone() for k, v in state.items()}, counts
+
+
+@pytest.mark.parametrize("muon", [True, False], ids=["muon", "adamw"])
+def test_expert_stack_under_ep_equals_one_process(world, muon):
+    want = reference(muon)
+    results = world(4).run(_train, muon)
+    for t in range(STEPS) if muon else ():
+        # each expert matrix once in the world (on its EP rank's dp group); the plain proj matrix,
+        # replicated over EP, once on every EP rank
+        assert sum(counts[t] for _, counts in results) == E + EP
+    for got, _ in results:
+        for k in want:
+            atol = 2e-4 if muon else 1e-6
+            torch.testing.assert_close(got[k], want[k], rtol=0 if muon else 1e-5, atol=atol, msg=k)
+
+
+def _experts_next_to_tp_matrices():
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dense = parallelize_module(nn.Linear(IN, OUT, bias=False), world["tp"], ColwiseParallel())
+    experts = nn.Parameter(distribute_tensor(_weights()[0], world["tp"], [Shard(0)]))
+    try:
+        vo.Muon([{"params": [dense.weight]}, {"params": [experts]}], mesh=world["dp"])
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_expert_stacks_next_to_tp_cut_matrices_are_refused_on_every_rank(world):
+    for got in world(4).run(_experts_next_to_tp_matrices):
+        assert got is not None and "expert stacks" in got, got
