@@ -80,15 +80,16 @@ def reference(muon):
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _train(muon):
+def _train(muon, zero3=False):
     world = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp", "ep"))
     model = MoE(world["ep"])
+    units = dict(shard_modules=[model]) if zero3 else {}
     if muon:
         groups = [{"params": [model.experts, model.proj.weight]},
                   {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
-        opt = vo.Muon(groups, mesh=world["dp"], **MUON)
+        opt = vo.Muon(groups, mesh=world["dp"], **units, **MUON)
     else:
-        opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
+        opt = vo.AdamW(model.parameters(), mesh=world["dp"], **units, **ADAMW)
     dp = world["dp"].get_local_rank()
     counts = []
     for t in range(STEPS):
@@ -97,14 +98,18 @@ def _train(muon):
         opt.zero_grad()
         counts.append(opt.step_stats.get("ns_matrices", 0))
     assert isinstance(model.experts, DTensor) and tuple(model.experts.placements) == (Shard(0),)
-    state = {"experts": model.experts.full_tensor(), "proj": model.proj.weight, "bias": model.proj.bias}
-    return {k: v.detach().clone() for k, v in state.items()}, counts
+    with opt.gathered():  # ZeRO-3 parameters are shards between uses
+        state = {"experts": model.experts.full_tensor(), "proj": model.proj.weight, "bias": model.proj.bias}
+        state = {k: v.detach().clone() for k, v in state.items()}
+    return state, counts
 
 
-@pytest.mark.parametrize("muon", [True, False], ids=["muon", "adamw"])
-def test_expert_stack_under_ep_equals_one_process(world, muon):
+@pytest.mark.parametrize(
+    "muon, zero3", [(True, False), (True, True), (False, False)], ids=["muon", "muon-zero3", "adamw"]
+)
+def test_expert_stack_under_ep_equals_one_process(world, muon, zero3):
     want = reference(muon)
-    results = world(4).run(_train, muon)
+    results = world(4).run(_train, muon, zero3)
     for t in range(STEPS) if muon else ():
         # each expert matrix once in the world (on its EP rank's dp group); the plain proj matrix,
         # replicated over EP, once on every EP rank
@@ -131,3 +136,42 @@ def _experts_next_to_tp_matrices():
 def test_expert_stacks_next_to_tp_cut_matrices_are_refused_on_every_rank(world):
     for got in world(4).run(_experts_next_to_tp_matrices):
         assert got is not None and "expert stacks" in got, got
+
+
+def _resumed():
+    """Two steps, against one step, opt.state_dict() into a fresh model and optimizer, one step."""
+    world = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp", "ep"))
+    dp = world["dp"].get_local_rank()
+
+    def make():
+        model = MoE(world["ep"])
+        groups = [{"params": [model.experts, model.proj.weight]},
+                  {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+        return model, vo.Muon(groups, mesh=world["dp"], **MUON)
+
+    def step(model, opt, t):
+        _loss(model, t, dp).backward()
+        opt.step()
+        opt.zero_grad()
+
+    (a, opt_a), (b, opt_b) = make(), make()
+    for t in range(2):
+        step(a, opt_a, t)
+    step(b, opt_b, 0)
+    saved = opt_b.state_dict()
+    c, opt_c = make()
+    with torch.no_grad():
+        for p, q in zip(c.parameters(), b.parameters()):
+            p.copy_(q)
+    opt_c.load_state_dict(saved)
+    step(c, opt_c, 1)
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach() for m in (a, c) for p in m.parameters()
+    ]
+
+
+def test_expert_stack_state_dict_resumes_exactly(world):
+    for got in world(4).run(_resumed):
+        half = len(got) // 2
+        for want, have in zip(got[:half], got[half:]):
+            torch.testing.assert_close(have, want, rtol=0, atol=0)
