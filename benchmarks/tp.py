@@ -1,0 +1,312 @@
+"""Data parallelism over a tensor-parallel model (dp2 x tp2 on 4 gloo ranks): ours against
+FSDP2 2-D with AdamW, and against the Muon integration users write today.
+
+Every configuration trains its own copy of the same seeded Llama-like stack (attention
+wq/wk/wv/wo and a SwiGLU MLP w1/w2/w3 per block, RMSNorm) under torch's TP plan on
+world["tp"] (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2), on the same batches
+per data-parallel rank:
+
+* `ours AdamW`     - `vo.AdamW(mesh=world["dp"], shard_modules=[*blocks, model])` (ZeRO-3)
+* `FSDP2 AdamW`    - `fully_shard(block, mesh=world["dp"])` per block, then the root (FSDP2 2-D),
+                     `torch.optim.AdamW(foreach=True)`
+* `ours Muon`      - `vo.Muon` on the TP-cut matrices (AdamW for the norms), the same units:
+                     each full matrix orthogonalized once in the dp x tp world
+* `FSDP2 full_tensor Muon` - FSDP2 2-D as above; in the step, `full_tensor()` of each matrix
+                     gradient (all-gathers over dp and tp), `torch.optim.Muon` on full-size
+                     copies of the matrices on every rank, each rank then keeping its own shard
+                     of the result (`redistribute` from Replicate, no communication);
+                     `torch.optim.AdamW` on the norms
+
+Time: one step of each configuration in turn per round, the order rotating; `train` is
+forward + backward + `opt.step()` + `zero_grad` after a barrier, `step` is `opt.step()`; a
+number is the median over rounds of the slowest rank's, `x` the median of the per-round ratios
+to the peer (FSDP2 AdamW for ours AdamW, FSDP2 full_tensor Muon for ours Muon).
+`MB sent`: bytes a rank sends per train step (`benchmarks._comm`, the mean over ranks), and
+for ours the step's own count (`opt.step_stats["bytes_sent"]`). `NS GFLOP`: Newton–Schulz
+FLOPs per rank and step (`5 * (4a²b + 2a³)` for an `a x b` matrix, a <= b): ours from
+`step_stats["ns_flops"]` (the most on one rank), the peer every full matrix on every rank.
+`peak live MB`: the most tensor bytes alive on a rank during a step after the first, from
+the profiler's record of ATen's allocator (`benchmarks._live`), each configuration built
+and run alone, the most over ranks; `peak at` the phase and innermost region open then.
+
+    python benchmarks/tp.py            # 4 ranks (dp2 x tp2)
+    python benchmarks/tp.py --quick    # a tiny model, a few rounds (a smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
+
+import vescale_optim as vo  # noqa: E402
+from benchmarks._comm import CommMeter  # noqa: E402
+from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._measure import load_average  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, table  # noqa: E402
+
+PRELOAD = ["benchmarks.tp"]
+WORLD, TP = 4, 2
+CONFIGS = ["ours AdamW", "FSDP2 AdamW", "ours Muon", "FSDP2 full_tensor Muon"]
+PEER = {"ours AdamW": "FSDP2 AdamW", "ours Muon": "FSDP2 full_tensor Muon"}
+MODEL = dict(dim=256, layers=4, head=32, batch=4, seq=64, rounds=7)
+QUICK = dict(dim=32, layers=2, head=8, batch=2, seq=8, rounds=3)
+PLAN = {
+    **{name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")},
+    **{name: RowwiseParallel() for name in ("wo", "w2")},
+}
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+MUON = dict(lr=0.02, weight_decay=0.1)
+GOALS = {"train x (AdamW)": 0.8, "step x (Muon)": 0.3, "peak live x": 1.0}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, head: int):
+        super().__init__()
+        self.head = head
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, t, -1, self.head).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        x = x + self.wo(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        )
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def ns_flops(shape: torch.Size) -> int:
+    """Newton–Schulz FLOPs of one `a x b` matrix: 5 iterations of 4a²b + 2a³ (a <= b)."""
+    a, b = sorted(shape)
+    return 5 * (4 * a * a * b + 2 * a**3)
+
+
+class FullTensorMuon:
+    """The Muon integration written over FSDP2 2-D today: gather each matrix gradient whole
+    (`full_tensor()`), run `torch.optim.Muon` on full-size copies on every rank, keep this
+    rank's shard of the result."""
+
+    def __init__(self, matrices: list[DTensor], **muon):
+        self.params = matrices
+        self.full = [nn.Parameter(p.full_tensor().detach().clone()) for p in matrices]
+        self.opt = torch.optim.Muon(self.full, **muon)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, f in zip(self.params, self.full):
+            f.grad = p.grad.full_tensor()
+        self.opt.step()
+        for p, f in zip(self.params, self.full):
+            whole = DTensor.from_local(f, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+            p.copy_(whole.redistribute(p.device_mesh, p.placements))
+
+    def zero_grad(self) -> None:
+        for p, f in zip(self.params, self.full):
+            p.grad = f.grad = None
+
+
+class Both:
+    """Two optimizers stepped as one (the peer's Muon and AdamW)."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+
+class Trainer:
+    def __init__(self, config: str, world, sizes: dict):
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*(Block(sizes["dim"], sizes["head"]) for _ in range(sizes["layers"])))
+        for block in self.model:
+            parallelize_module(block, world["tp"], PLAN)
+        units = [*self.model, self.model]
+        cut = [p for p in self.model.parameters() if isinstance(p, DTensor)]
+        norms = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
+        self.ours = config.startswith("ours")
+        self.ns = 0  # Newton–Schulz FLOPs per rank and step, for the peers
+        if config == "ours AdamW":
+            self.opt = vo.AdamW(self.model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
+        elif config == "ours Muon":
+            groups = [{"params": cut}, {"params": norms, "use_muon": False, **ADAMW}]
+            self.opt = vo.Muon(groups, mesh=world["dp"], shard_modules=units, **MUON)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model:
+                fully_shard(block, mesh=world["dp"])
+            fully_shard(self.model, mesh=world["dp"])
+            if config == "FSDP2 AdamW":
+                self.opt = torch.optim.AdamW(self.model.parameters(), foreach=True, **ADAMW)
+            else:
+                cut = [p for p in self.model.parameters() if p.ndim == 2]
+                norms = [p for p in self.model.parameters() if p.ndim != 2]
+                muon = FullTensorMuon(cut, **MUON)
+                self.opt = Both(muon, torch.optim.AdamW(norms, foreach=True, **ADAMW))
+                self.ns = sum(ns_flops(p.shape) for p in cut)  # every full matrix, on every rank
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        """One train step: (train ms, opt.step() ms, loss)."""
+        dist.barrier()
+        start = time.perf_counter()
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        mid = time.perf_counter()
+        self.opt.step()
+        end = time.perf_counter()
+        self.opt.zero_grad()
+        done = time.perf_counter()
+        return (done - start) * 1e3, (end - mid) * 1e3, loss.item()
+
+    def ns_per_rank(self) -> int:
+        return int(self.opt.step_stats.get("ns_flops", 0)) if self.ours else self.ns
+
+
+def _batches(sizes: dict, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1 + dp_rank)
+    shape = (sizes["batch"], sizes["seq"], sizes["dim"])
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(2)]
+
+
+def _rank(rank: int, world_size: int, sizes: dict) -> dict:
+    world = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+    pool = _batches(sizes, world["dp"].get_local_rank())
+    # memory: each configuration built and run alone under the profiler
+    peak = {}
+    for config in CONFIGS:
+        gc.collect()
+        recorder = LiveBytes().start()
+        tr = Trainer(config, world, sizes)
+        for s, window in enumerate(["bench::first", "bench::steady", "bench::steady"]):
+            with record_function(window):
+                tr.step(*pool[s % 2])
+        peak[config] = recorder.stop().peak("bench::steady")  # {"bytes", "where", "by"}
+        del tr, recorder
+    gc.collect()
+    # time and bytes: every configuration in one world, one step each per round
+    meter = CommMeter().install()
+    trainers = {c: Trainer(c, world, sizes) for c in CONFIGS}
+    for tr in trainers.values():  # warm up
+        tr.step(*pool[0])
+    out = {c: {"train": [], "step": [], "loss": [], "sent": [], "stats": [], "ns": 0} for c in CONFIGS}
+    for r in range(sizes["rounds"]):
+        order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
+        for c in order:
+            tr = trainers[c]
+            meter.take()
+            train, step, loss = tr.step(*pool[r % 2])
+            sent = sum(meter.take()["sent"].values())
+            out[c]["train"].append(train)
+            out[c]["step"].append(step)
+            out[c]["loss"].append(loss)
+            out[c]["sent"].append(sent)
+            if tr.ours:
+                out[c]["stats"].append(tr.opt.step_stats.get("bytes_sent", 0))
+            out[c]["ns"] = tr.ns_per_rank()
+    for c in CONFIGS:
+        out[c]["peak"] = peak[c]
+    return out
+
+
+def _slowest(per_rank: list[dict], config: str, key: str) -> list[float]:
+    return [max(r[config][key][i] for r in per_rank) for i in range(len(per_rank[0][config][key]))]
+
+
+def _ratio(per_rank: list[dict], a: str, b: str, key: str) -> float:
+    return statistics.median(x / y for x, y in zip(_slowest(per_rank, a, key), _slowest(per_rank, b, key)))
+
+
+def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
+    rows = []
+    for c in CONFIGS:
+        peer = PEER.get(c)
+        row = {
+            "config": c,
+            "train ms": statistics.median(_slowest(per_rank, c, "train")),
+            "step ms": statistics.median(_slowest(per_rank, c, "step")),
+            "train x": _ratio(per_rank, c, peer, "train") if peer else None,
+            "step x": _ratio(per_rank, c, peer, "step") if peer else None,
+            "peak live MB": max(r[c]["peak"]["bytes"] for r in per_rank) / 2**20,
+            "peak at": max((r[c]["peak"] for r in per_rank), key=lambda p: p["bytes"])["where"],
+            "MB sent": statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20,
+            "stats MB": (
+                statistics.mean(statistics.mean(r[c]["stats"]) for r in per_rank) / 2**20
+                if per_rank[0][c]["stats"]
+                else None
+            ),
+            "NS GFLOP": max(r[c]["ns"] for r in per_rank) / 1e9,
+            "last loss": per_rank[0][c]["loss"][-1],
+        }
+        if peer:
+            row["peak live x"] = row["peak live MB"] / (
+                max(r[peer]["peak"]["bytes"] for r in per_rank) / 2**20
+            )
+        rows.append(row)
+    by = {r["config"]: r for r in rows}
+    measured = {
+        "train x (AdamW)": by["ours AdamW"]["train x"],
+        "step x (Muon)": by["ours Muon"]["step x"],
+        "peak live x": max(by["ours AdamW"]["peak live x"], by["ours Muon"]["peak live x"]),
+    }
+    goals = {k: {"goal": f"<= {GOALS[k]}", "measured": v, "met": v <= GOALS[k]} for k, v in measured.items()}
+    return rows, goals
+
+
+COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "peak live MB", "peak live x", "peak at",
+           "MB sent", "stats MB", "NS GFLOP", "last loss"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 3 rounds")
+    ap.add_argument("--rounds", type=int, help="timed rounds (default 7; 3 with --quick)")
+    args = ap.parse_args(argv)
+    sizes = dict(QUICK if args.quick else MODEL)
+    if args.rounds:
+        sizes["rounds"] = args.rounds
+    print(f"load average before: {load_average()}")
+    per_rank = launch(_rank, WORLD, sizes, preload=PRELOAD)
+    rows, goals = summarize(per_rank)
+    print(f"dp{WORLD // TP} x tp{TP}, {sizes['layers']} blocks of width {sizes['dim']}, batch "
+          f"{sizes['batch']}x{sizes['seq']} per dp rank; medians of {sizes['rounds']} rounds\n")  # fmt: skip
+    print(table(rows, COLUMNS, floatfmt=".3g"))
+    print(f"\n{FSDP2_ON_CPU}\n")
+    for name, g in goals.items():
+        print(f"goal {name} {g['goal']}: measured {g['measured']:.3f}, {'met' if g['met'] else 'NOT met'}")
+    print(f"\n{host_line(per_rank.threads)} (after the run)")
+    payload = {"world": WORLD, "tp": TP, "sizes": sizes, "rows": rows, "goals": goals,
+               "env": environment(per_rank.threads)}  # fmt: skip
+    path = save_json("tp_quick" if args.quick else "tp", payload)
+    print(f"\nwrote {path}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
