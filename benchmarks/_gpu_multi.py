@@ -11,6 +11,9 @@ is its wrapper. Stages, each in its own process under its own time limit, report
                same on 1x8, and every matrix is orthogonalized once in the world
   kill         one rank SIGKILLs itself during backward: every other rank exits within the
                timeout with a message naming the collective
+  tp           examples/train_tp.py on dp4 x tp2 (8 ranks, --tp 2), vo.AdamW and vo.Muon: each
+               trains to step 20 saving at 10, then resumes from step 10 and ends where it did
+               (the same weights fingerprint; on GPUs the same last loss within 1e-3)
   fsdp_bench   benchmarks/fsdp.py and benchmarks/hsdp.py under torchrun (--torchrun: a rank per
                process, NCCL) against FSDP2, ours ZeRO-3 / HSDP AdamW and Muon and their FSDP2
                peers at small sizes: each run ends, every configuration lowers its loss to its
@@ -22,7 +25,7 @@ is its wrapper. Stages, each in its own process under its own time limit, report
     bash benchmarks/gpu_multi.sh --dry-run [OUT]  # print the stages
 
 With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 vs 1x2 (hsdp),
-2 (kill) and 2 with `--quick` sizes (fsdp_bench).
+2 (kill), dp1 x tp2 (tp) and 2 with `--quick` sizes (fsdp_bench).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,10 +49,11 @@ from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_pr
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_multi"
 WORKER = ROOT / "benchmarks" / "_gpu_worker.py"
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
+TP_EXAMPLE = ROOT / "examples" / "train_tp.py"
 RANKS = {  # by mode: the README script's rank counts, the resume chain, the HSDP mesh, the kill world,
     # the benchmarks' world
-    "gpu": dict(readme=[2, 8], resume=[8, 4, 2], hsdp=(8, 4), kill=8, bench=8),
-    "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2, bench=2),
+    "gpu": dict(readme=[2, 8], resume=[8, 4, 2], hsdp=(8, 4), kill=8, tp=8, bench=8),
+    "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2, tp=2, bench=2),
 }
 KILL_TIMEOUT = 20  # seconds: the library's bound on a wait in the kill stage (the group's is 30 s more)
 SMALL = ["--dim", "64", "--layers", "4", "--batch-size", "8", "--seq-len", "32", "--log-every", "10"]
@@ -274,6 +279,53 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
     )
 
 
+def tp_cmd(mode: str, optimizer: str, ckpt: Path | str) -> list[str]:
+    """examples/train_tp.py with tp 2 on the stage's ranks (dp4 x tp2 on 8 GPUs) to step 20."""
+    args = [str(TP_EXAMPLE), "--tp", "2", "--optimizer", optimizer, "--steps", "20", "--save-every", "10",
+            "--log-every", "10", "--checkpoint-dir", str(ckpt), "--timeout", "60"]  # fmt: skip
+    return torchrun(RANKS[mode]["tp"], *args)
+
+
+def stage_tp(r: Result, *, out: Path, mode: str) -> None:
+    for optimizer in ("adamw", "muon"):
+        with tempfile.TemporaryDirectory(prefix="gpu_multi_tp_") as tmp:
+            ckpt = Path(tmp) / "ckpt"
+            runs = []
+            for i in range(2):  # from scratch, then resumed from step 10 after step-20 is removed
+                if i:
+                    shutil.rmtree(ckpt / "step-20", ignore_errors=True)
+                log = f"tp_{optimizer}_{'resumed' if i else 'first'}.log"
+                rc, text, seconds = _run(tp_cmd(mode, optimizer, ckpt), Path(tmp), log, out, 120)
+                losses = {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.naif]+)", text)}
+                printed = re.findall(r"weights fingerprint (\S+);", text)
+                want = f"resumed from {ckpt / 'step-10'}" if i else "from scratch"
+                ok = rc == 0 and want in text and 20 in losses and math.isfinite(losses[20]) and printed
+                runs.append(dict(exit=rc, seconds=round(seconds, 1), losses=losses,
+                                 fingerprint=printed[0] if printed else None))  # fmt: skip
+                found = "found" if want in text else "MISSING"
+                said = f"exit {rc}, {seconds:.0f} s; {want!r} {found}; loss at step 20; log {out / log}"
+                r.check(
+                    f"{optimizer}.{'resumed' if i else 'first'}",
+                    bool(ok),
+                    measured=losses.get(20),
+                    detail=said,
+                )
+                if not ok:
+                    break
+            r.measure(**{optimizer: runs})
+            if len(runs) == 2 and runs[1]["exit"] == 0:
+                a, b = runs[0], runs[1]
+                if mode == "cpu":  # gloo on CPU: bit for bit
+                    same = a["fingerprint"] == b["fingerprint"]
+                    bound = "the same weights fingerprint"
+                else:  # CUDA kernels need not be bitwise reproducible
+                    same = abs(a["losses"][20] - b["losses"][20]) <= 1e-3 * abs(a["losses"][20])
+                    bound = "last loss within 1e-3 relative"
+                pair = f"{a['fingerprint']} vs {b['fingerprint']}"
+                r.check(f"{optimizer}.exact_resume", same, measured=pair, bound=bound,
+                        detail="the resumed run against the one that did not stop")  # fmt: skip
+
+
 # the benchmarks' configurations the stage runs (hsdp.py names them at 4 ranks: 2x2 is 2 x W/2) and
 # each run's limit on GPUs (3x on CPU, see _run)
 BENCH = {
@@ -368,6 +420,13 @@ STAGES = [
         {"gpu": 150, "cpu": 510},
         "kill -9 of one rank in backward: the others exit, naming the collective",
         plan=lambda m: [_sh(kill_cmd(m, "OUT/kill_ranks", 1))],
+    ),
+    Stage(
+        "tp",
+        stage_tp,
+        {"gpu": 150, "cpu": 600},
+        "examples/train_tp.py on dp4 x tp2, AdamW and Muon, resumed exactly",
+        plan=lambda m: [_sh(tp_cmd(m, o, "CKPT")) for o in ("adamw", "muon")],
     ),
     Stage(
         "fsdp_bench",

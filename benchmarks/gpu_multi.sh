@@ -3,7 +3,8 @@
 # (benchmarks/_gpu_multi.py says what each stage checks):
 #   env, readme (the README's torchrun script at 2 and 8 ranks), resume (8 -> 4 -> 2 ranks),
 #   hsdp (2x4 equals 1x8), kill (kill -9 of a rank in backward: the others exit naming the
-#   collective), fsdp_bench (benchmarks/fsdp.py / hsdp.py --torchrun vs FSDP2 on NCCL);
+#   collective), tp (examples/train_tp.py on dp4 x tp2, AdamW and Muon, resumed exactly),
+#   fsdp_bench (benchmarks/fsdp.py / hsdp.py --torchrun vs FSDP2 on NCCL);
 # writes OUT/report.md and OUT/report.json (each stage's log beside them).
 #
 #   bash benchmarks/gpu_multi.sh [OUT]            # default OUT: benchmarks/results/gpu_multi
@@ -13,7 +14,7 @@
 # Python: $PYTHON, else .venv/bin/python, else python3. Exit status 0 when no stage failed.
 set -uo pipefail
 case "${1:-}" in
-  -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
 esac
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
