@@ -2,10 +2,13 @@
 world["tp"], vo.Shampoo on world["dp"]. With the TP cuts on the tile grid every tile of a full
 matrix lies inside one TP shard, so each TP rank's tiles of its shard are the full tensor's,
 computed once in the world by their data-parallel owners: the same numbers as the one-process
-reference on the unparallelised model fed the mean gradient. Cuts off the grid are refused."""
+reference on the unparallelised model fed the mean gradient (ZeRO-2, ZeRO-3, HSDP), also after a
+DCP or CheckpointManager round trip into dp2 x tp2 or a plain dp4 model. Cuts off the grid are
+refused."""
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _reference import mean_grad_reference
 from _shampoo_reference import ReferenceShampoo, tile_slices
 from test_fsdp import SHAMPOO
@@ -22,12 +25,14 @@ STEPS = 4  # roots refreshed at steps 2 and 4 (precondition_frequency=2)
 D = SHAMPOO["max_preconditioner_dim"]  # 8: every TP shard of the block (8 or 16 rows / columns) on the grid
 
 
-def reference(dp=2):
-    """One process, the unparallelised model, the reference Shampoo on the mean gradient over dp."""
+def reference(dp=2, dp_after=None):
+    """One process, the unparallelised model, the reference Shampoo on the mean gradient over
+    dp (over `dp_after` from step STEPS/2 on, if given)."""
     model = _build()
     opt = ReferenceShampoo(list(model.parameters()), **SHAMPOO)
     for t in range(STEPS):
-        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        n = dp if dp_after is None or t < STEPS // 2 else dp_after
+        mean_grad_reference(model.parameters(), n, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -38,15 +43,18 @@ def _roots_per_step() -> list[int]:
     return [2 * tiles if (t + 1) % SHAMPOO["precondition_frequency"] == 0 else 0 for t in range(STEPS)]
 
 
-def _train(zero3):
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def _train(shape, zero3):
+    """vo.Shampoo on a (replicate, shard, tp) root mesh of `shape`: the whole model after STEPS
+    and each step's roots computed on this rank."""
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp = world["dp_shard"] if shape[0] == 1 else world["dp_replicate", "dp_shard"]
     model = parallelize_module(_build(), world["tp"], PLAN)
     units = dict(shard_modules=[*(getattr(model, n) for n in PLAN), model]) if zero3 else {}
-    opt = vo.Shampoo(model.parameters(), mesh=world["dp"], **units, **SHAMPOO)
-    dp_rank = world["dp"].get_local_rank()
+    opt = vo.Shampoo(model.parameters(), mesh=dp, **units, **SHAMPOO)
+    replica, shard = world.get_coordinate()[:2]
     roots = []
     for t in range(STEPS):
-        _loss(model, *_batch(t, dp_rank)).backward()
+        _loss(model, *_batch(t, replica * shape[1] + shard)).backward()
         opt.step()
         opt.zero_grad()
         roots.append(opt.step_stats["roots"])
@@ -54,13 +62,74 @@ def _train(zero3):
     return _full(model.state_dict()), roots
 
 
-@pytest.mark.parametrize("zero3", [False, True], ids=["zero2", "zero3"])
-def test_dp2_tp2_shampoo_equals_one_process_each_tile_once(world, zero3):
+@pytest.mark.parametrize(
+    "shape, zero3", [((1, 2, 2), False), ((1, 2, 2), True), ((2, 1, 2), False)],
+    ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"],
+)  # fmt: skip
+def test_shampoo_under_tp_equals_one_process_each_tile_once(world, shape, zero3):
     want = reference()
-    results = world(4).run(_train, zero3)
+    results = world(4).run(_train, shape, zero3)
     for t, n in enumerate(_roots_per_step()):  # each tile's roots computed once in the world
         assert sum(roots[t] for _, roots in results) == n, (t, [roots for _, roots in results])
     for got, _ in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def _setup(dp, tp):
+    """The model at (dp, tp) (a plain one at tp=1) with vo.Shampoo, and this rank's dp rank."""
+    model = _build()
+    if tp == 1:
+        return model, vo.Shampoo(model.parameters(), **SHAMPOO), torch.distributed.get_rank()
+    world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(model, world["tp"], PLAN)
+    return model, vo.Shampoo(model.parameters(), mesh=world["dp"], **SHAMPOO), world["dp"].get_local_rank()
+
+
+def _steps(model, opt, dp_rank, steps):
+    for t in steps:
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _round_trip(path, kind, dp, tp):
+    """STEPS/2 steps at dp2 x tp2 (roots refreshed at the last), saved (`kind`: "dcp" or
+    "manager"), resumed at (dp, tp) for the rest; the whole model, and whether the full torch
+    format was refused by name."""
+    half = STEPS // 2
+    model, opt, dp_rank = _setup(2, 2)
+    _steps(model, opt, dp_rank, range(half))
+    try:
+        opt.state_dict()
+        refused = False
+    except NotImplementedError as e:
+        refused = "full torch format" in str(e)
+    if kind == "dcp":
+        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
+                 checkpoint_id=path)  # fmt: skip
+    else:
+        vo.CheckpointManager(path, model, opt).save(half)
+    torch.distributed.barrier()
+    model, opt, dp_rank = _setup(dp, tp)
+    if kind == "dcp":
+        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+        dcp.load(pieces, checkpoint_id=path)
+        opt.load_sharded_model_state_dict(pieces["model"])
+        opt.load_sharded_state_dict(pieces["optim"])
+    else:
+        assert vo.CheckpointManager(path, model, opt).load().step == half
+    _steps(model, opt, dp_rank, range(half, STEPS))
+    return _full(model.state_dict()), refused
+
+
+@pytest.mark.parametrize("kind", ["dcp", "manager"])
+@pytest.mark.parametrize("dp, tp", [(2, 2), (4, 1)], ids=["dp2xtp2", "dp4xtp1"])
+def test_saved_at_dp2_tp2_resumes_exactly(world, tmp_path, kind, dp, tp):
+    # each tile's factors and roots under the full tensor's tile keys: any layout on the grid reads them
+    want = reference(dp_after=dp)
+    for got, refused in world(4).run(_round_trip, str(tmp_path / "ckpt"), kind, dp, tp, timeout=120):
+        assert refused
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 

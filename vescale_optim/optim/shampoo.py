@@ -11,7 +11,7 @@ from ..owners.moves import Move
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
 from ..units.segment import FROZEN, Segment, StateSpec
-from ..units.tensor_parallel import local_shape
+from ..units.tensor_parallel import is_tp_sharded, local_shape
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel, label_params
 from ._shampoo_math import (
@@ -74,6 +74,15 @@ class Shampoo(ShardedOptimizer):
     Results are the same bits at every world size. Between steps a rank keeps only its state
     (`exp_avg`, the grafting state, masters, factors and roots: what `local_state_bytes()`
     counts); the update and the staging buffers of moved tiles live for one step.
+
+    Tensor parallelism: a DTensor parameter cut over TP (`Shard(0)` row blocks,
+    `Shard(1)` column blocks) is tiled on its TP rank's local shard, which must lie on the
+    tile grid of the full tensor (every shard's rows or columns starting a tile, its last
+    ending one or the matrix): then its tiles are the full tensor's (their keys the full
+    tensor's indices), each computed once in the world by an owner over the data-parallel
+    group, with no TP traffic. A cut off the grid, and a matrix replicated over TP next to
+    cut ones, are refused at construction by name. Checkpoints go through DCP's sharded
+    state dicts or `vo.CheckpointManager` (the full torch format is refused under TP).
 
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
@@ -260,6 +269,25 @@ class Shampoo(ShardedOptimizer):
         return sum(x.numel() for x in self._preconditioners())
 
     # --- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self, *, to_rank: int | None = None, cpu_offload: bool = False) -> dict:
+        self._refuse_full_format("state_dict")
+        return super().state_dict(to_rank=to_rank, cpu_offload=cpu_offload)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_full_format("load_state_dict")
+        super().load_state_dict(state_dict)
+
+    def _refuse_full_format(self, what: str) -> None:
+        """Under tensor parallelism each TP rank owns other tiles of a matrix (its tile keys are
+        the full tensor's): DCP's sharded state dicts and `vo.CheckpointManager` carry them, the
+        full torch format does not gather them over TP yet (refused by name, every rank alike)."""
+        if any(is_tp_sharded(p) for g in self.param_groups for p in g["params"]):
+            raise NotImplementedError(
+                f"Shampoo.{what}() (the full torch format) is not supported yet with tensor-parallel "
+                "parameters: use opt.sharded_state_dict() with torch.distributed.checkpoint, or "
+                "vo.CheckpointManager"
+            )
 
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:
         """Each tile's factors and roots, `L_i_j`, `R_i_j`, `L_inv_root_i_j` and
