@@ -7,6 +7,7 @@ DCP or CheckpointManager round trip into dp2 x tp2 or a plain dp4 model. Cuts of
 refused."""
 
 import pytest
+import test_sequence_parallel as sp
 import torch
 import torch.distributed.checkpoint as dcp
 from _reference import mean_grad_reference
@@ -162,3 +163,31 @@ def test_a_matrix_replicated_over_tp_next_to_cut_ones_is_refused_on_every_rank(w
     # every TP rank would compute its tiles again: not once in the world
     for got, same in world(4).run(_refused, D, True):
         assert got is not None and "'extra'" in got and "replicated over TP" in got and same, got
+
+
+def _sequence_parallel():
+    """vo.Shampoo on test_sequence_parallel's plan (SequenceParallel norms, Replicate DTensors
+    whose gradients arrive Partial): the whole model after its steps."""
+    world = init_device_mesh("cpu", (2, sp.TP), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(sp._build(), world["tp"], sp.PLAN)
+    opt = vo.Shampoo(model.parameters(), mesh=world["dp"], **SHAMPOO)
+    dp, tp = world["dp"].get_local_rank(), world["tp"].get_local_rank()
+    cut = slice(tp * sp.SEQ // sp.TP, (tp + 1) * sp.SEQ // sp.TP)  # this TP rank's sequence shard
+    for t in range(STEPS):
+        x, y = (z[:, cut] for z in sp._batch(t, dp))
+        (torch.nn.functional.mse_loss(model(x), y) / sp.TP).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full(model.state_dict())
+
+
+def test_sequence_parallel_norms_next_to_tp_matrices_equal_one_process(world):
+    model = sp._build()
+    opt = ReferenceShampoo(list(model.parameters()), **SHAMPOO)
+    loss = lambda r, t: torch.nn.functional.mse_loss(model(sp._batch(t, r)[0]), sp._batch(t, r)[1])  # noqa: E731
+    for t in range(STEPS):
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: loss(r, t).backward())
+        opt.step()
+    for got in world(4).run(_sequence_parallel):
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=k)
