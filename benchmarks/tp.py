@@ -2,7 +2,7 @@
 FSDP2 2-D with AdamW, and against the Muon integration users write today.
 
 Every configuration trains its own copy of the same seeded Llama-like stack (attention
-wq/wk/wv/wo and a SwiGLU MLP w1/w2/w3 per block, RMSNorm) under torch's TP plan on
+wq/wk/wv/wo and a SwiGLU MLP w1/w2/w3 per block, RMSNorm, a final RMSNorm) under torch's TP plan on
 world["tp"] (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2), on the same batches
 per data-parallel rank:
 
@@ -20,7 +20,9 @@ per data-parallel rank:
 Time: one step of each configuration in turn per round, the order rotating; `train` is
 forward + backward + `opt.step()` + `zero_grad` after a barrier, `step` is `opt.step()`; a
 number is the median over rounds of the slowest rank's, `x` the median of the per-round ratios
-to the peer (FSDP2 AdamW for ours AdamW, FSDP2 full_tensor Muon for ours Muon).
+to the peer (FSDP2 AdamW for ours AdamW, FSDP2 full_tensor Muon for ours Muon). `comm ms`:
+the time the training thread spent in collectives or waiting for them (`benchmarks._comm`;
+the TP all-reduces of forward and backward are the same for all four).
 `MB sent`: bytes a rank sends per train step (`benchmarks._comm`, the mean over ranks), and
 for ours the step's own count (`opt.step_stats["bytes_sent"]`). `NS GFLOP`: Newton–Schulz
 FLOPs per rank and step (`5 * (4a²b + 2a³)` for an `a x b` matrix, a <= b): ours from
@@ -144,10 +146,12 @@ class Both:
 class Trainer:
     def __init__(self, config: str, world, sizes: dict):
         torch.manual_seed(0)
-        self.model = nn.Sequential(*(Block(sizes["dim"], sizes["head"]) for _ in range(sizes["layers"])))
-        for block in self.model:
+        blocks = [Block(sizes["dim"], sizes["head"]) for _ in range(sizes["layers"])]
+        # the final norm gives the root unit parameters of its own, as a model's head and embedding do
+        self.model = nn.Sequential(*blocks, nn.RMSNorm(sizes["dim"]))
+        for block in blocks:
             parallelize_module(block, world["tp"], PLAN)
-        units = [*self.model, self.model]
+        units = [*blocks, self.model]
         cut = [p for p in self.model.parameters() if isinstance(p, DTensor)]
         norms = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
         self.ours = config.startswith("ours")
@@ -160,7 +164,7 @@ class Trainer:
         else:
             from torch.distributed.fsdp import fully_shard
 
-            for block in self.model:
+            for block in blocks:
                 fully_shard(block, mesh=world["dp"])
             fully_shard(self.model, mesh=world["dp"])
             if config == "FSDP2 AdamW":
@@ -176,10 +180,13 @@ class Trainer:
         """One train step: (train ms, opt.step() ms, loss)."""
         dist.barrier()
         start = time.perf_counter()
-        loss = F.mse_loss(self.model(x), y)
-        loss.backward()
+        with record_function("bench::fwd"):
+            loss = F.mse_loss(self.model(x), y)
+        with record_function("bench::bwd"):
+            loss.backward()
         mid = time.perf_counter()
-        self.opt.step()
+        with record_function("bench::step"):
+            self.opt.step()
         end = time.perf_counter()
         self.opt.zero_grad()
         done = time.perf_counter()
@@ -215,14 +222,19 @@ def _rank(rank: int, world_size: int, sizes: dict) -> dict:
     trainers = {c: Trainer(c, world, sizes) for c in CONFIGS}
     for tr in trainers.values():  # warm up
         tr.step(*pool[0])
-    out = {c: {"train": [], "step": [], "loss": [], "sent": [], "stats": [], "ns": 0} for c in CONFIGS}
+    out = {
+        c: {"train": [], "step": [], "loss": [], "sent": [], "comm": [], "stats": [], "ns": 0}
+        for c in CONFIGS
+    }
     for r in range(sizes["rounds"]):
         order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
         for c in order:
             tr = trainers[c]
             meter.take()
             train, step, loss = tr.step(*pool[r % 2])
-            sent = sum(meter.take()["sent"].values())
+            taken = meter.take()
+            sent = sum(taken["sent"].values())
+            out[c]["comm"].append(taken["exposed_s"] * 1e3)
             out[c]["train"].append(train)
             out[c]["step"].append(step)
             out[c]["loss"].append(loss)
@@ -247,14 +259,16 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
     rows = []
     for c in CONFIGS:
         peer = PEER.get(c)
+        top = max((r[c]["peak"] for r in per_rank), key=lambda p: p["bytes"])  # the rank that peaks highest
         row = {
             "config": c,
             "train ms": statistics.median(_slowest(per_rank, c, "train")),
             "step ms": statistics.median(_slowest(per_rank, c, "step")),
             "train x": _ratio(per_rank, c, peer, "train") if peer else None,
             "step x": _ratio(per_rank, c, peer, "step") if peer else None,
+            "comm ms": statistics.median(_slowest(per_rank, c, "comm")),
             "peak live MB": max(r[c]["peak"]["bytes"] for r in per_rank) / 2**20,
-            "peak at": max((r[c]["peak"] for r in per_rank), key=lambda p: p["bytes"])["where"],
+            "peak at": " / ".join(n[7:] if n.startswith("bench::") else n for n in top["where"][1:]),
             "MB sent": statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20,
             "stats MB": (
                 statistics.mean(statistics.mean(r[c]["stats"]) for r in per_rank) / 2**20
@@ -263,6 +277,7 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
             ),
             "NS GFLOP": max(r[c]["ns"] for r in per_rank) / 1e9,
             "last loss": per_rank[0][c]["loss"][-1],
+            "peak by": top["by"],  # bytes alive at the peak by who allocated them (JSON only)
         }
         if peer:
             row["peak live x"] = row["peak live MB"] / (
@@ -279,8 +294,8 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
     return rows, goals
 
 
-COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "peak live MB", "peak live x", "peak at",
-           "MB sent", "stats MB", "NS GFLOP", "last loss"]  # fmt: skip
+COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "comm ms", "peak live MB", "peak live x",
+           "peak at", "MB sent", "stats MB", "NS GFLOP", "last loss"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
