@@ -161,3 +161,32 @@ def test_meta_model_equals_model_built_normally(world, world_size):
         for k in want:
             assert torch.equal(got[k], want[k]), k
         assert peak == 0
+
+
+def test_blocks_under_a_root_without_parameters_are_freed_after_forward():
+    """`shard_modules=[*blocks, model]` where the model holds only the blocks (no unit of its
+    own): the blocks are not outermost, so each is freed after its forward (as FSDP2 does) and
+    gathered again in backward; training still equals torch.optim.AdamW."""
+    import vescale_optim as vo
+
+    def build():
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3)]
+        return torch.nn.Sequential(*blocks)
+
+    model, ref = build(), build()
+    opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[*model, model])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    assert len(opt.units) == 3
+    for t in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(t))
+        out = model(x).square().mean()
+        assert [u.full.data.untyped_storage().nbytes() for u in opt.units] == [0, 0, 0]
+        out.backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=k)

@@ -180,7 +180,7 @@ class Runtime:
             materialize(self.units, listed, config.param_init_fn)
         self.schedule = Schedule(
             self.units, modules, reshard_after_forward=config.reshard_after_forward,
-            backward_prefetch=config.backward_prefetch, on_grad=self._on_grad,
+            backward_prefetch=config.backward_prefetch, on_grad=self._on_grad, enclosing=self._listed,
         )  # fmt: skip
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.world, labels)
         self.model_state = ModelState(self.units, modules)
@@ -198,6 +198,7 @@ class Runtime:
         shard_modules = self.config.shard_modules
         if shard_modules is not None:
             unit_of, listed, names = assign_units(params, shard_modules)
+            self._listed = listed
             order = sorted(set(unit_of), key=unit_of.index)  # by first parameter: model order
             self.root = outermost(listed)
             members = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
@@ -208,7 +209,7 @@ class Runtime:
                     f"parameter {self.labels[id(p)]} is on the meta device; building a model there needs "
                     "shard_modules, whose modules' reset_parameters() initialise it"
                 )
-        self.root = None
+        self.root, self._listed = None, []
         keys = [(p.dtype, p.device) for p in params]
         members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}

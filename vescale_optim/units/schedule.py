@@ -83,7 +83,8 @@ class _Record:
 
 class Schedule:
     """Drives `units` through forward and backward; `modules[k]` is unit k's module, or
-    None for units without one (then nothing is ever freed, only gradients reduced).
+    None for units without one (then nothing is ever freed, only gradients reduced);
+    `enclosing`: every module listed in `shard_modules`, those left without a unit too.
 
     `on_grad` is called with each parameter whose gradient was accumulated.
     """
@@ -96,6 +97,7 @@ class Schedule:
         reshard_after_forward: bool = True,
         backward_prefetch: bool = True,
         on_grad: Callable[[torch.nn.Parameter], None] | None = None,
+        enclosing: Sequence[nn.Module] = (),
     ):
         self.units = list(units)
         self.reshard_after_forward = reshard_after_forward
@@ -106,7 +108,10 @@ class Schedule:
         self.reductions = ReductionPipeline(self.units)
         self._handles: list = []
         inner = {id(m): {id(c) for c in m.modules() if c is not m} for m in modules if m is not None}
-        self._outermost = set(inner) - set().union(*inner.values())
+        # a unit is outermost (kept gathered from forward to backward) only if no listed module
+        # holds it, one without parameters of its own (a root holding only blocks) included
+        around = {id(m): {id(c) for c in m.modules() if c is not m} for m in enclosing}
+        self._outermost = set(inner) - set().union(*inner.values(), *around.values())
         self._records: dict[int, _Record] = {}
         for unit, module in zip(self.units, modules):
             trainable = [(i, p) for i, p in enumerate(unit.params) if p.requires_grad]
