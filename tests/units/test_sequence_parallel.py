@@ -8,6 +8,7 @@ the matrices and AdamW on the norms) on the mean gradient."""
 import pytest
 import torch
 from _reference import mean_grad_reference
+from test_tensor_parallel import _batch, _build  # the same seeded norms and batches
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -77,21 +78,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _build():
-    torch.manual_seed(0)
-    model = Block()
-    with torch.no_grad():  # norms away from their init, so their gradients matter
-        for norm in (model.norm1, model.norm2):
-            norm.weight.uniform_(0.5, 1.5)
-        model.norm2.bias.uniform_(-0.1, 0.1)
-    return model
-
-
-def _batch(step, dp_rank):
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
-
-
 def _optimizers(model, muon):
     """torch's optimizers for the reference: AdamW on everything, or Muon on the matrices and
     AdamW on the norms."""
@@ -112,9 +98,9 @@ def _ours(model, muon, mesh, units):
 
 
 def reference(muon=False):
-    model = _build()
+    model = _build(Block)
     opts = _optimizers(model, muon)
-    loss = lambda r, t: torch.nn.functional.mse_loss(model(*_batch(t, r)[:1]), _batch(t, r)[1])  # noqa: E731
+    loss = lambda r, t: torch.nn.functional.mse_loss(model(*_batch(t, r, SEQ)[:1]), _batch(t, r, SEQ)[1])  # noqa: E731
     for t in range(STEPS):
         mean_grad_reference(model.parameters(), 2, lambda r, t=t: loss(r, t).backward())
         for opt in opts:
@@ -128,13 +114,13 @@ def _local(t):
 
 def _train(zero3, muon):
     world = init_device_mesh("cpu", (2, TP), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    model = parallelize_module(_build(Block), world["tp"], PLAN)
     units = dict(shard_modules=[model.attn, model.mlp, model]) if zero3 else {}
     opt = _ours(model, muon, world["dp"], units)
     dp, tp = world["dp"].get_local_rank(), world["tp"].get_local_rank()
     cut = slice(tp * SEQ // TP, (tp + 1) * SEQ // TP)  # this TP rank's sequence shard
     for t in range(STEPS):
-        x, y = (z[:, cut] for z in _batch(t, dp))
+        x, y = (z[:, cut] for z in _batch(t, dp, SEQ))
         # each TP rank's loss over its shard; their sum over TP is the whole mean squared error
         (torch.nn.functional.mse_loss(model(x), y) / TP).backward()
         opt.step()

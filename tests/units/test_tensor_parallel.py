@@ -44,9 +44,10 @@ class Block(nn.Module):
         return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
 
 
-def _build():
+def _build(block: type[nn.Module] | None = None):
+    """The seeded block (`block`, test_sequence_parallel's, has the same norms)."""
     torch.manual_seed(0)
-    model = Block()
+    model = (block or Block)()
     with torch.no_grad():  # norms away from their init, so their gradients matter
         for norm in (model.norm1, model.norm2):
             norm.weight.uniform_(0.5, 1.5)
@@ -54,9 +55,9 @@ def _build():
     return model
 
 
-def _batch(step, dp_rank):
+def _batch(step, dp_rank, seq=SEQ):
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
+    return torch.randn(BATCH, seq, DIM, generator=g), torch.randn(BATCH, seq, DIM, generator=g)
 
 
 def _loss(model, x, y):
