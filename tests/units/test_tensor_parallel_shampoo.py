@@ -165,16 +165,22 @@ def test_a_matrix_replicated_over_tp_next_to_cut_ones_is_refused_on_every_rank(w
         assert got is not None and "'extra'" in got and "replicated over TP" in got and same, got
 
 
+def _sp_pair(model, t, r):
+    """The output of `model` on test_sequence_parallel's batch of step `t`, rank `r`, and its target."""
+    x, y = sp._batch(t, r, sp.SEQ)
+    return model(x), y
+
+
 def _sequence_parallel():
     """vo.Shampoo on test_sequence_parallel's plan (SequenceParallel norms, Replicate DTensors
     whose gradients arrive Partial): the whole model after its steps."""
     world = init_device_mesh("cpu", (2, sp.TP), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(sp._build(), world["tp"], sp.PLAN)
+    model = parallelize_module(sp._build(sp.Block), world["tp"], sp.PLAN)
     opt = vo.Shampoo(model.parameters(), mesh=world["dp"], **SHAMPOO)
     dp, tp = world["dp"].get_local_rank(), world["tp"].get_local_rank()
     cut = slice(tp * sp.SEQ // sp.TP, (tp + 1) * sp.SEQ // sp.TP)  # this TP rank's sequence shard
     for t in range(STEPS):
-        x, y = (z[:, cut] for z in sp._batch(t, dp))
+        x, y = (z[:, cut] for z in sp._batch(t, dp, sp.SEQ))
         (torch.nn.functional.mse_loss(model(x), y) / sp.TP).backward()
         opt.step()
         opt.zero_grad()
@@ -182,9 +188,9 @@ def _sequence_parallel():
 
 
 def test_sequence_parallel_norms_next_to_tp_matrices_equal_one_process(world):
-    model = sp._build()
+    model = sp._build(sp.Block)
     opt = ReferenceShampoo(list(model.parameters()), **SHAMPOO)
-    loss = lambda r, t: torch.nn.functional.mse_loss(model(sp._batch(t, r)[0]), sp._batch(t, r)[1])  # noqa: E731
+    loss = lambda r, t: torch.nn.functional.mse_loss(*_sp_pair(model, t, r))  # noqa: E731
     for t in range(STEPS):
         mean_grad_reference(model.parameters(), 2, lambda r, t=t: loss(r, t).backward())
         opt.step()
