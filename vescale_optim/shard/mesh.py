@@ -59,12 +59,17 @@ class Topology:
 @dataclass(frozen=True)
 class Groups:
     """The groups an optimizer uses: `shard` for its units, `replicate` across replicas
-    (inactive with one), and `world` (every rank of the mesh) for work split over both."""
+    (inactive with one), and `world` (every rank of the mesh) for work split over both;
+    `root_world`, the default group, when the mesh is part of a larger root mesh (`world["dp"]`
+    next to `world["tp"]`): every rank there is, each of them building the optimizer, so checks
+    and random states that must be alike over the other dimensions (tensor parallelism) can be
+    exchanged even by a rank that holds nothing of them (None otherwise: `world` is all)."""
 
     shard: Comm
     replicate: Comm
     world: Comm
     topology: Topology
+    root_world: Comm | None = None
 
 
 def resolve(mesh=None, process_group=None) -> Groups:
@@ -81,9 +86,10 @@ def resolve(mesh=None, process_group=None) -> Groups:
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; expected 1 (shard) or 2 (replicate, shard)"
         )
+    root_world = Comm(None) if mesh.size() < handle.group_size() else None
     if mesh.ndim == 1:  # the whole world, or one dimension of a larger root mesh (world["dp"])
         shard = Comm(mesh.get_group(0))
-        return Groups(shard, Comm.alone(), shard, Topology.flat(shard))
+        return Groups(shard, Comm.alone(), shard, Topology.flat(shard), root_world)
     names = tuple(mesh.mesh_dim_names or DIM_NAMES)
     roles = tuple(next((r for r in DIM_NAMES if n == r or n.endswith("_" + r)), n) for n in names)
     if sorted(roles) != sorted(DIM_NAMES):
@@ -96,7 +102,7 @@ def resolve(mesh=None, process_group=None) -> Groups:
     shard, replicate = Comm(mesh.get_group(sdim)), Comm(mesh.get_group(rdim))
     at = {world.global_rank(r): r for r in range(world.world_size)}  # default-group rank -> world's
     ranks = tuple(tuple(at[int(r)] for r in row) for row in grid.tolist())
-    return Groups(shard, replicate, world, Topology(ranks, replicate.rank, shard.rank))
+    return Groups(shard, replicate, world, Topology(ranks, replicate.rank, shard.rank), root_world)
 
 
 def _group_of(grid):

@@ -13,6 +13,18 @@ so does any parameter that was not on the meta device. Every rank draws from ran
 random state (sent on the group's device), so they agree, and the result equals the
 model built normally under that state; the callers' own random states are left as they
 were. A parameter or buffer that nothing can initialise is a `ValueError` naming it.
+
+DTensor parameters (a model tensor-parallelised on the meta device, then handed to the
+optimizer) are initialised *whole*: while `init(module)` runs, each of the module's DTensor
+parameters is replaced by a plain parameter of its global shape on the units' device, which
+the initialisation fills from rank 0's random state as it would the unparallelised model;
+each rank then keeps its TP shard of it (its DTensor's local tensor, a view of the unit's
+buffer) and the DTensor takes its place again. So the values equal the model built normally
+under the same seed with the TP plan applied after, whatever the TP size. DTensor's own
+random ops would not give that: `nn.init` on a DTensor draws through DTensor's random-state
+tracker, whose values depend on the TP layout (on a CPU mesh each shard even draws as if it
+were the whole). The price is memory: one module's parameters whole at a time (one
+`nn.Linear`'s weight and bias), on top of the unit being initialised.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from torch import nn
 
 from ..shard.collectives import Comm, broadcast_
 from .assign import module_order
+from .tensor_parallel import is_dtensor, local, tp_slice
 from .unit import Unit
 
 
@@ -71,6 +84,16 @@ def _take_replaced_parameters(module: nn.Module, held: dict[str, nn.Parameter], 
         setattr(module, name, old)
 
 
+def _whole_stand_ins(module: nn.Module, device: torch.device) -> dict[str, nn.Parameter]:
+    """The module's DTensor parameters by name, each replaced in the module by a plain
+    parameter of its global shape on `device` for the initialisation to fill whole."""
+    dtensors = {n: p for n, p in module.named_parameters(recurse=False) if is_dtensor(p)}
+    for name, p in dtensors.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=device)
+        setattr(module, name, nn.Parameter(whole, requires_grad=p.requires_grad))
+    return dtensors
+
+
 def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.device) -> list:
     """The module's buffers `buffers` after its initialisation, as (name, tensor): one it
     replaced (`self.inv_freq = ...`, torchtitan's `freqs_cis`) is kept, moved to `device`."""
@@ -86,9 +109,12 @@ def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.devi
 
 
 def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
-                init: Callable[[nn.Module], None] | None = None) -> None:  # fmt: skip
+                init: Callable[[nn.Module], None] | None = None,
+                world: Comm | None = None) -> None:  # fmt: skip
     """Initialise every parameter of `units` (the units of `modules`) and every buffer of
-    `modules` that is on the meta device, by `init(module)` (default: `reset_parameters()`)."""
+    `modules` that is on the meta device, by `init(module)` (default: `reset_parameters()`),
+    from the random state of rank 0 of `world` (default: the units' world; every rank of a
+    dp x tp root mesh under tensor parallelism, so that TP peers draw alike)."""
     custom = init is not None
     init = init or _reset
     owner: dict[int, tuple[Unit, int]] = {}
@@ -117,7 +143,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     if not plan:
         return
     device = units[0].device
-    states = _rank0_rng_states(units[0].world, device)
+    states = _rank0_rng_states(world or units[0].world, device)
     done: set[int] = set()  # parameters initialised so far (by id)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.set_rng_state(states[0])
@@ -129,9 +155,12 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
             for b in buffers:
                 setattr(module, b, torch.empty_like(getattr(module, b), device=device))
             fresh = {id(unit.params[i]) for unit, i in mine} - done
-            kept = [(p, p.detach().clone()) for p in module.parameters(recurse=False) if id(p) not in fresh]
+            params = dict(module.named_parameters(recurse=False))
+            dtensors = _whole_stand_ins(module, device)  # initialised whole, then sliced (docstring)
+            kept = [(p, p.detach().clone()) for n, p in params.items()
+                    if id(p) not in fresh and n not in dtensors]  # fmt: skip
             # what the initialisation must write starts as NaN: one it skips is found below
-            blank = [(n, t) for n, t in module.named_parameters(recurse=False) if id(t) in fresh]
+            blank = [(n, getattr(module, n)) for n, p in params.items() if id(p) in fresh]
             blank += [(b, getattr(module, b)) for b in buffers]
             for _, t in blank:
                 if t.is_floating_point():
@@ -140,6 +169,10 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
             init(module)
             how = "param_init_fn" if custom else "reset_parameters()"
             _take_replaced_parameters(module, held, f"{names[id(module)]}.", how)
+            for n, p in dtensors.items():  # this rank's TP shard of a fresh one; the others untouched
+                if id(p) in fresh:
+                    local(p).copy_(tp_slice(p, held[n]))
+                setattr(module, n, p)
             blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
             for p, value in kept:
                 p.copy_(value)

@@ -136,7 +136,7 @@ class Runtime:
         refuse_dtensors(params, config, labels)  # before any collective, alike on every rank
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
-        self.topology = groups.topology
+        self.topology, self.root_world = groups.topology, groups.root_world
         # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
         self.tp = [Comm(g) for g in tp_groups(params)]
         problem = device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
@@ -177,7 +177,7 @@ class Runtime:
                 self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
         listed = [m for m in modules if m is not None]
         if needs_materializing(self.units, listed):
-            materialize(self.units, listed, config.param_init_fn)
+            materialize(self.units, listed, config.param_init_fn, self.root_world or self.world)
         self.schedule = Schedule(
             self.units, modules, reshard_after_forward=config.reshard_after_forward,
             backward_prefetch=config.backward_prefetch, on_grad=self._on_grad, enclosing=self._listed,

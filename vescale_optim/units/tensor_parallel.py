@@ -148,9 +148,6 @@ def refuse_dtensors(params: Sequence[torch.Tensor], config: ShardingConfig, labe
     problem = dtensor_problem(params, config.mesh, labels)
     if problem is not None:
         raise ValueError(problem)
-    meta = [labels[id(p)] for p in params if is_dtensor(p) and p.is_meta]
-    if meta:
-        raise NotImplementedError(f"DTensor parameters on the meta device ({meta[0]}) are not supported yet")
 
 
 def refuse_for(owner: str, params: Sequence[torch.Tensor], takes_dtensors: bool) -> None:

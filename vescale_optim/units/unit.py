@@ -130,13 +130,13 @@ class Unit:
         with torch.no_grad():
             for i, p in enumerate(params):
                 grad = local(p.grad)
-                if p.is_meta:  # a real parameter in its place (the same object for everyone holding it)
+                if p.is_meta and not is_dtensor(p):  # a real parameter in its place (the same object)
                     real = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
                                               requires_grad=p.requires_grad)  # fmt: skip
                     real.data = self.full.view(i)  # its own version counter, as for `.data` below
                     torch.utils.swap_tensors(p, real)
                 else:
-                    set_data(p, self.full.view(i))  # a DTensor's local tensor: see `tensor_parallel`
+                    set_data(p, self.full.view(i))  # a DTensor's local tensor (meta too): `tensor_parallel`
                 p.grad = None
                 if grad is not None:
                     self.grads.take(i, grad)

@@ -1,0 +1,149 @@
+"""A tensor-parallel model built on the meta device (4 gloo ranks): torch's TP plan applied to the
+meta model (DTensor parameters on the meta device), then vo.AdamW with a unit per projection on
+world["dp"], which materialises it. Each TP rank's shard equals that rank's shard of the
+unparallelised model built normally under rank 0's seed, at dp2 x tp2, dp1 x tp4 and dp4 x tp1
+(the values do not depend on the TP size), a rotary buffer too; a few steps later the model
+equals one process running torch.optim.AdamW on the mean gradient. A parameter that nothing
+initialises is named on every rank."""
+
+import pytest
+import torch
+from _reference import mean_grad_reference
+from test_tensor_parallel import ADAMW, DIM, HEAD, PLAN, STEPS, Block, _batch, _full, _placements
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+import vescale_optim as vo
+
+pytestmark = pytest.mark.slow
+
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding over `HEAD` features: a buffer its `reset_parameters()` computes
+    afresh and assigns (as torchtitan's `freqs_cis`), so on the meta device it waits for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(HEAD // 2))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD, 2, device=self.inv_freq.device).float() / HEAD)
+
+    def forward(self, x):  # [batch, heads, seq, HEAD]
+        angle = torch.arange(x.shape[-2], dtype=x.dtype)[:, None] * self.inv_freq[None]
+        cos, sin = angle.cos(), angle.sin()
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class RopeBlock(Block):
+    """test_tensor_parallel's Llama-like block with rotary queries and keys; every parameter and
+    buffer comes from its module's own initialisation (norms at ones and zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rope = Rotary()
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, t, -1, HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        att = torch.nn.functional.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
+        h = self.norm2(x)
+        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(dp, steps=STEPS):
+    """One process: the block built normally under seed 0 (the state then), and after `steps`
+    of torch.optim.AdamW on the mean gradient over `dp` ranks' batches."""
+    torch.manual_seed(0)
+    model = RopeBlock()
+    built = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for t in range(steps):
+        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        opt.step()
+    return built, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _meta_model(world, block=RopeBlock):
+    """`block` built on the meta device under this rank's own seed (rank 0's is the reference's),
+    then tensor-parallelised there: DTensor parameters on the meta device."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0 if rank == 0 else 100 + rank)
+    with torch.device("meta"):
+        model = block()
+    model = parallelize_module(model, world["tp"], PLAN)
+    assert isinstance(model.wq.weight, DTensor) and model.wq.weight.is_meta
+    return model
+
+
+def _train_meta(shape, steps=STEPS):
+    """dp x tp of `shape` from the meta device: the whole model state after construction and after
+    `steps` of vo.AdamW (ZeRO-3, a unit per projection and the root's)."""
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    model = _meta_model(world)
+    before = _placements(model)
+    units = [*(getattr(model, n) for n in PROJECTIONS), model]
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
+    assert _placements(model) == before  # DTensors with their TP placements, off the meta device
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    built = _full(model.state_dict())
+    dp_rank = world["dp"].get_local_rank()
+    for t in range(steps):
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert _placements(model) == before
+    return built, _full(model.state_dict())
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (4, 1)], ids=["dp2xtp2", "dp1xtp4", "dp4xtp1"])
+def test_meta_dtensors_equal_the_model_built_normally_then_one_process(world, shape):
+    want_built, want = reference(dp=shape[0])
+    assert "rope.inv_freq" in want_built
+    for built, got in world(4).run(_train_meta, shape):
+        assert built.keys() == want_built.keys()
+        for k in want_built:  # the same random draws, whole, whatever the TP size
+            assert torch.equal(built[k], want_built[k]), k
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+class Skips(nn.Linear):
+    """Its `reset_parameters()` leaves the weight alone."""
+
+    def reset_parameters(self):
+        pass
+
+
+def _uninitialised():
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    class Broken(RopeBlock):
+        def __init__(self):
+            super().__init__()
+            self.wk = Skips(DIM, DIM, bias=False)
+
+    model = _meta_model(world, Broken)
+    units = [*(getattr(model, n) for n in PROJECTIONS), model]
+    try:
+        vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_meta_dtensor_nothing_initialises_is_named_on_every_rank(world):
+    for got in world(4).run(_uninitialised, timeout=60):
+        assert got is not None and "wk.weight was not initialised by reset_parameters()" in got, got
