@@ -97,12 +97,14 @@ def _ours(model, muon, mesh, units):
     return vo.Muon(groups, mesh=mesh, **units, **MUON)
 
 
-def reference(muon=False):
+def reference(muon=False, clip=None):
     model = _build(Block)
     opts = _optimizers(model, muon)
     loss = lambda r, t: torch.nn.functional.mse_loss(model(*_batch(t, r, SEQ)[:1]), _batch(t, r, SEQ)[1])  # noqa: E731
     for t in range(STEPS):
         mean_grad_reference(model.parameters(), 2, lambda r, t=t: loss(r, t).backward())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for opt in opts:
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -112,7 +114,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _train(zero3, muon):
+def _train(zero3, muon, clip=None):
     world = init_device_mesh("cpu", (2, TP), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(_build(Block), world["tp"], PLAN)
     units = dict(shard_modules=[model.attn, model.mlp, model]) if zero3 else {}
@@ -123,6 +125,8 @@ def _train(zero3, muon):
         x, y = (z[:, cut] for z in _batch(t, dp, SEQ))
         # each TP rank's loss over its shard; their sum over TP is the whole mean squared error
         (torch.nn.functional.mse_loss(model(x), y) / TP).backward()
+        if clip is not None:  # torch's own: replicated norms (Partial grads summed over TP) count once
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     placements = {n: tuple(p.placements) for n, p in model.named_parameters() if n in NORMS}
@@ -133,11 +137,13 @@ def _train(zero3, muon):
 
 
 @pytest.mark.parametrize(
-    "zero3, muon", [(False, False), (True, False), (False, True)], ids=["adamw", "adamw-zero3", "muon"]
+    "zero3, muon, clip",
+    [(False, False, None), (True, False, 0.05), (False, True, None)],
+    ids=["adamw", "adamw-zero3-clipped", "muon"],
 )
-def test_sequence_parallel_norms_sum_over_tp_and_equal_one_process(world, zero3, muon):
-    want = reference(muon)
-    results = world(4).run(_train, zero3, muon)
+def test_sequence_parallel_norms_sum_over_tp_and_equal_one_process(world, zero3, muon, clip):
+    want = reference(muon, clip)
+    results = world(4).run(_train, zero3, muon, clip)
     for got, norms, placements in results:
         assert all(pl == (Replicate(),) for pl in placements.values()), placements
         for k in want:  # Muon's Newton-Schulz rounds as in tests/units/test_tensor_parallel_muon.py

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import vescale_optim as vo
+from vescale_optim.units import ReducedGrad
 
 pytestmark = pytest.mark.slow
 
@@ -64,19 +65,23 @@ def _loss(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def reference(dp=2, steps=STEPS, clip=None):
+def reference(dp=2, steps=STEPS, clip=None, clip_value=None, grads=False):
     """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
     dp ranks' batches (clipped to norm `clip`: then each step's norm before clipping too, as
-    `norm{t}`)."""
+    `norm{t}`; or to `clip_value`), and with `grads` the first step's mean gradients as `grad.{name}`."""
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    norms = {}
+    extra = {}
     for t in range(steps):
         mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        if t == 0 and grads:
+            extra.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
         if clip is not None:
-            norms[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            extra[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         opt.step()
-    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **norms}
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **extra}
 
 
 def _world():
@@ -138,7 +143,7 @@ def test_dp2_tp2_adamw_equals_fsdp2_step_for_step(world):
 
 
 def _local_views_and_state():
-    """The parameters' local tensors are the unit's memory; .grad is a DTensor of the same
+    """The parameters' local tensors are the unit's memory; .grad reads as a DTensor of the same
     placements; the state dicts round trip."""
     world = _world()
     model = parallelize_module(_build(), world["tp"], PLAN)
@@ -176,7 +181,8 @@ def test_local_tensors_are_views_and_state_dicts_round_trip(world):
             **{f"{n}.weight": (Shard(0),) for n in ("wq", "wk", "wv", "w1", "w3")},
             **{f"{n}.weight": (Shard(1),) for n in ("wo", "w2")},
         }
-        assert all(t is DTensor for t, _ in grads.values())
+        # not a DTensor instance: a ReducedGrad that reads as one (global shape, placements, to_local)
+        assert all(issubclass(t, ReducedGrad) for t, _ in grads.values())
         assert kinds["wq.weight"] == (Shard(0),) and kinds["w2.weight"] == (Shard(1),)
         assert kinds["norm1.weight"] is None  # not parallelised: a plain tensor, as without the optimizer
         assert same
@@ -234,6 +240,55 @@ def test_clip_grad_norm_sums_tp_shards_and_counts_replicated_parameters_once(wor
         for k in got[-1]:
             if k != "norm":
                 torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _torch_utils(shape, zero3, how, clip=0.05):
+    """torch's own gradient utilities on the TP model's gradients, as users call them: `how` is
+    "clip_grad_norm_" (torch.nn.utils.clip_grad_norm_), "titan" (torchtitan's way:
+    get_total_norm with foreach, then clip_grads_with_norm_) or "clip_grad_value_"; the first
+    step's `p.grad.full_tensor()` too. Gradients are DTensors' under TP (global shape,
+    placements) with their values in the optimizer's shards."""
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    projections = [getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    extra = dict(shard_modules=[*projections, model]) if zero3 else {}
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], **extra, **ADAMW)
+    dp_rank, out = world["dp"].get_local_rank(), {}
+    utils = torch.nn.utils
+    for t in range(STEPS):
+        _loss(model, *_batch(t, dp_rank)).backward()
+        if t == 0:
+            out.update({f"grad.{n}": p.grad.full_tensor() for n, p in model.named_parameters()})
+            w = model.wq.weight.grad
+            assert tuple(w.shape) == (DIM, DIM) and w.placements == (Shard(0),)
+            assert w.to_local().shape == (DIM // shape[1], DIM)
+        if how == "clip_grad_norm_":
+            out[f"norm{t}"] = utils.clip_grad_norm_(model.parameters(), clip, foreach=t % 2 == 1)
+        elif how == "titan":
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            out[f"norm{t}"] = utils.get_total_norm(grads, 2.0, False, True)
+            utils.clip_grads_with_norm_(model.parameters(), clip, out[f"norm{t}"], True)
+        else:
+            utils.clip_grad_value_(model.parameters(), 1e-3)
+        opt.step()
+        opt.zero_grad()
+    return {**out, **_full(model.state_dict())}
+
+
+@pytest.mark.parametrize(
+    "shape, zero3, how",
+    [((2, 2), False, "clip_grad_norm_"), ((2, 2), True, "titan"), ((1, 4), False, "clip_grad_norm_"),
+     ((2, 2), True, "clip_grad_value_")],
+)  # fmt: skip
+def test_torch_gradient_utilities_see_the_whole_model(world, shape, zero3, how):
+    """The norm torch's clipping computes is the whole model's (TP shards summed over TP, a
+    replicated parameter counted once), the same on every rank as one process's; the clipped
+    step and `p.grad.full_tensor()` equal one process's on the mean gradient."""
+    want = reference(dp=shape[0], clip=None if how == "clip_grad_value_" else 0.05,
+                     clip_value=1e-3 if how == "clip_grad_value_" else None, grads=True)  # fmt: skip
+    for got in world(4).run(_torch_utils, shape, zero3, how):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 # --- ZeRO-3: DTensor parameters sharded between uses ------------------------------------------

@@ -21,6 +21,7 @@ from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Handle, all_reduce_, all_to_all_, reduce_scatter_into_
 from .reduced_grad import ReducedGrad, Sharded
 from .tensor_parallel import like, local, local_shape, set_grad
+from .tp_grads import tp_places
 
 if TYPE_CHECKING:
     from .unit_view import UnitView
@@ -75,11 +76,16 @@ class GradBuffers:
         """What each `.grad` holds once reduced, in the parameters' compute dtype and device
         (called once the parameters are views of the unit's buffer)."""
         u = self.unit
-        made = (ReducedGrad._of(u, i, local_shape(p), p.dtype, p.device) for i, p in enumerate(u.params))
-        # a DTensor parameter's is a DTensor of its placements over the local placeholder
-        self.placeholders = [like(p, g) for p, g in zip(u.params, made)]
+        # a DTensor parameter's reads as its DTensor gradient (global shape, placements: `tp_grads`)
+        places = tp_places(u.params)
+        self.placeholders = [
+            ReducedGrad._of(u, i, tuple(p.shape) if tp else local_shape(p), p.dtype, p.device, tp)
+            for i, (p, tp) in enumerate(zip(u.params, places))
+        ]
         alone = not u.comm.active and not u.replicate.active
-        self.plain = alone and all(p.dtype == self._shard.dtype for p in u.params)
+        # with DTensor parameters the placeholders are kept in one process too: the norms of the
+        # plain parameters' ordinary tensors and of DTensors would not stack (torch's clipping)
+        self.plain = alone and all(p.dtype == self._shard.dtype and not tp for p, tp in zip(u.params, places))
 
     def placeholder(self, i: int) -> torch.Tensor:
         """What parameter `i`'s `.grad` holds once reduced: in one process (nothing to reduce)

@@ -20,6 +20,7 @@ class Pieces(Protocol):
     imports this module: naming it here would close an import circle)."""
 
     _comm: Comm
+    _across: Comm | None  # the tensor-parallel group whose shards add to the whole (None: none)
     dtype: torch.dtype
     device: torch.device
 
@@ -79,12 +80,15 @@ def _shell(cls: type, shape: Sequence[int], dtype: torch.dtype, device: torch.de
 class _Term:
     """One value still to be reduced over `comm`: this rank's `local` (0-dim float64), the
     reduction `op` ("sum", "max" or "min"), and `finish`, which makes the value from the
-    reduced one."""
+    reduced one; `across`, when the tensor is the shard of a tensor-parallel DTensor, the TP
+    group over which the reduced value is reduced again (a norm of a `Shard`-placed gradient
+    sums over its TP shards; a replicated one counts once: None)."""
 
     local: torch.Tensor
     op: str
     comm: Comm
     finish: Callable[[torch.Tensor], torch.Tensor]
+    across: Comm | None = None
 
 
 class Partial(torch.Tensor):
@@ -120,21 +124,26 @@ class Partial(torch.Tensor):
 
 
 def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
-    """The values of `partials`: one all-reduce per (group, reduction) for all their terms."""
-    groups: dict[tuple[int, str], list[_Term]] = {}
-    comms: dict[int, Comm] = {}
+    """The values of `partials`: one all-reduce per (group, TP group, reduction) for all their
+    terms (and one more over the TP group for the terms of tensor-parallel shards)."""
+    groups: dict[tuple[int, int, str], list[_Term]] = {}
     for p in partials:
         for item in p._items:
             if isinstance(item, _Term):
-                groups.setdefault((id(item.comm), item.op), []).append(item)
-                comms[id(item.comm)] = item.comm
+                groups.setdefault((id(item.comm), id(item.across), item.op), []).append(item)
     reduced: dict[int, torch.Tensor] = {}
-    for (key, op), terms in groups.items():
-        comm = comms[key]
-        wire = torch.stack([t.local.to(comm.device if comm.active else t.local.device) for t in terms])
+    for (_, _, op), terms in groups.items():
+        comm, across = terms[0].comm, terms[0].across
+        device = terms[0].local.device
+        if comm.active or across is not None:
+            device = comm.device if comm.active else across.device
+        wire = torch.stack([t.local.to(device) for t in terms])
         if op == "min":  # there is no MIN in this library's collectives: the max of the negation
             wire = wire.neg_()
-        all_reduce_(wire, comm, "sum" if op == "sum" else "max", what="a reduction of sharded gradients")
+        for group in (comm, across):
+            if group is not None:
+                all_reduce_(wire, group, "sum" if op == "sum" else "max",
+                            what="a reduction of sharded gradients")  # fmt: skip
         if op == "min":
             wire = wire.neg_()
         for k, t in enumerate(terms):
@@ -149,7 +158,7 @@ def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
 
 def _then(item: _Term | torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> _Term | torch.Tensor:
     if isinstance(item, _Term):
-        return _Term(item.local, item.op, item.comm, lambda r, g=item.finish: f(g(r)))
+        return _Term(item.local, item.op, item.comm, lambda r, g=item.finish: f(g(r)), item.across)
     return f(item)
 
 
@@ -212,8 +221,8 @@ def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Part
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.pow(1.0 / p).to(out_dtype)
 
-    return Partial._of([_Term(local.to(torch.float64).reshape(()), op, self._comm, finish)], (), out_dtype,
-                       self.device)  # fmt: skip
+    term = _Term(local.to(torch.float64).reshape(()), op, self._comm, finish, self._across)
+    return Partial._of([term], (), out_dtype, self.device)
 
 
 def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Partial:
@@ -262,7 +271,8 @@ def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Partial:
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.to(out_dtype)
 
-    return Partial._of([_Term(local.reshape(()), op, self._comm, finish)], shape, out_dtype, self.device)
+    return Partial._of([_Term(local.reshape(()), op, self._comm, finish, self._across)], shape, out_dtype,
+                       self.device)  # fmt: skip
 
 
 def _norm_call(func, args, kwargs) -> Partial:

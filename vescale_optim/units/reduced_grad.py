@@ -52,6 +52,7 @@ from .partial import (
     _stack,
     use_dispatch,
 )
+from .tp_grads import TPPlace
 
 if TYPE_CHECKING:
     from .unit_view import UnitView
@@ -125,11 +126,12 @@ class Sharded(torch.Tensor):
     _ranges: tuple[tuple[int, int], ...]
     _comm: Comm
     _local_values: torch.Tensor
+    _tp: TPPlace | None = None  # a tensor-parallel parameter's: the pieces are of its TP shard
 
     @staticmethod
     def _of(local: torch.Tensor, like: Sharded) -> Sharded:
         out = _shell(Sharded, like.shape, local.dtype, local.device)
-        out._ranges, out._comm, out._local_values = like._ranges, like._comm, local
+        out._ranges, out._comm, out._local_values, out._tp = like._ranges, like._comm, local, like._tp
         return out
 
     def local(self) -> torch.Tensor:
@@ -137,20 +139,48 @@ class Sharded(torch.Tensor):
         gradient)."""
         return self._local_values
 
+    @property
+    def _across(self) -> Comm | None:
+        return None if self._tp is None else self._tp.across
+
+    @property
+    def placements(self) -> tuple:
+        """A tensor-parallel gradient's DTensor placements (absent otherwise)."""
+        if self._tp is None:
+            raise AttributeError("placements: not the gradient of a DTensor parameter")
+        return tuple(self._tp.param.placements)
+
+    @property
+    def device_mesh(self):
+        """A tensor-parallel gradient's DTensor mesh (absent otherwise)."""
+        if self._tp is None:
+            raise AttributeError("device_mesh: not the gradient of a DTensor parameter")
+        return self._tp.param.device_mesh
+
+    def to_local(self) -> Sharded:
+        """A tensor-parallel gradient's TP shard (of its local shape, the same pieces), as
+        DTensor's `to_local()`; itself for any other."""
+        if self._tp is None:
+            return self
+        out = Sharded._of(self._local_values, self)
+        return _relabel(out, self._tp.local_shape)
+
     def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every rank, as an ordinary tensor (collective: an all-gather)."""
+        """The whole tensor on every rank, as an ordinary tensor (collective: an all-gather, and
+        for a tensor-parallel gradient one more over TP)."""
         local = self.local()
-        out = torch.empty(self.numel(), dtype=local.dtype, device=local.device)
+        numel = sum(hi - lo for lo, hi in self._ranges)
+        shape = self.shape if self._tp is None else self._tp.local_shape
         comm = self._comm
         if not comm.active:
-            out.copy_(local)
-            return out.view(self.shape)
-        from ..shard.spec import RaggedShard
+            gathered = local.clone()
+        else:
+            from ..shard.spec import RaggedShard
 
-        # the pieces as a RaggedShard of single elements: any split of the flat tensor
-        units = tuple(hi - lo for lo, hi in self._ranges)
-        gathered, _ = full_tensor(local, (self.numel(),), RaggedShard((0,), units), comm)
-        return gathered.view(self.shape)
+            # the pieces as a RaggedShard of single elements: any split of the flat tensor
+            units = tuple(hi - lo for lo, hi in self._ranges)
+            gathered, _ = full_tensor(local, (numel,), RaggedShard((0,), units), comm)
+        return gathered.view(shape) if self._tp is None else self._tp.whole(gathered.view(shape))
 
     def __repr__(self) -> str:
         what = f"shape={tuple(self.shape)}, dtype={self.dtype}"
@@ -186,15 +216,29 @@ class ReducedGrad(Sharded):
         """This rank's elements of the gradient, in the unit's shard (after any reduction)."""
         return self.local()
 
+    def to_local(self) -> ReducedGrad:
+        if self._tp is None:
+            return self
+        return ReducedGrad._of(self._unit, self._index, self._tp.local_shape, self.dtype, self.device)
+
     @staticmethod
-    def _of(unit: UnitView, i: int, shape, dtype, device) -> ReducedGrad:  # type: ignore[override]
+    def _of(unit: UnitView, i: int, shape, dtype, device,  # type: ignore[override]
+            tp: TPPlace | None = None) -> ReducedGrad:  # fmt: skip
+        """Parameter `i`'s placeholder, of `shape` (a DTensor parameter's global shape with `tp`)."""
         out = _shell(ReducedGrad, shape, dtype, device)
-        out._unit, out._index = unit, i
+        out._unit, out._index, out._tp = unit, i, tp
         offset = unit.layout.offsets[i]
         spans = (unit.layout.rank_range(i, r) for r in range(unit.comm.world_size))
         out._ranges = tuple((a - offset, b - offset) for a, b in spans)
         out._comm = unit.comm
         return out
+
+
+def _relabel(t: Sharded, shape: tuple[int, ...]) -> Sharded:
+    """`t`'s pieces as a tensor of `shape` with no tensor-parallel place (its TP shard alone)."""
+    out = _shell(Sharded, shape, t.dtype, t.device)
+    out._ranges, out._comm, out._local_values = t._ranges, t._comm, t._local_values
+    return out
 
 
 # --- dispatch --------------------------------------------------------------------------------
@@ -244,6 +288,8 @@ def _localize(value: Any, like: Sharded, func: Any) -> Any:
         except RuntimeError:
             raise _refuse(func, f" with a tensor of shape {tuple(value.shape)}, which does not broadcast "
                                 f"to the gradient's {tuple(like.shape)}") from None  # fmt: skip
+        if like._tp is not None:  # the whole tensor's elements of this rank's TP shard
+            full = like._tp.slice(full)
         return full.reshape(-1)[lo:hi]
     return value
 
@@ -312,7 +358,7 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
         probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
         if probe.dtype == self.dtype and probe.device == self.device:
             return self
-        return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device)
+        return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device, self._tp)
     if func in _CASTS and isinstance(self, Sharded):
         return Sharded._of(func(self.local(), *args[1:], **kwargs), self)
     if func in _CASTS and isinstance(self, Partial):
