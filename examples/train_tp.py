@@ -158,7 +158,8 @@ def main() -> None:
             x, y = batch(step, dp_rank, args, device)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
-            norm = opt.clip_grad_norm_(1.0)  # TP-cut norms summed over tp, replicated ones counted once
+            # torch's own clipping: the whole model's norm (TP shards summed over tp, plain ones once)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             sched.step()
