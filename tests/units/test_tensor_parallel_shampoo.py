@@ -3,8 +3,9 @@ world["tp"], vo.Shampoo on world["dp"]. With the TP cuts on the tile grid every 
 matrix lies inside one TP shard, so each TP rank's tiles of its shard are the full tensor's,
 computed once in the world by their data-parallel owners: the same numbers as the one-process
 reference on the unparallelised model fed the mean gradient (ZeRO-2, ZeRO-3, HSDP), also after a
-DCP or CheckpointManager round trip into dp2 x tp2 or a plain dp4 model. Cuts off the grid are
-refused."""
+DCP or CheckpointManager round trip into dp2 x tp2 or a plain dp4 model. Matrices replicated over
+TP (plain, or a Replicate DTensor) next to cut ones have their tiles computed once in the dp x tp
+world too. Cuts off the grid are refused."""
 
 import pytest
 import test_sequence_parallel as sp
@@ -15,7 +16,7 @@ from _shampoo_reference import ReferenceShampoo, tile_slices
 from test_fsdp import SHAMPOO
 from test_tensor_parallel import PLAN, _batch, _build, _full, _loss
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import parallelize_module
 
 import vescale_optim as vo
@@ -44,13 +45,29 @@ def _roots_per_step() -> list[int]:
     return [2 * tiles if (t + 1) % SHAMPOO["precondition_frequency"] == 0 else 0 for t in range(STEPS)]
 
 
-def _train(shape, zero3):
+# the MLP cut over TP; attention replicated over TP: wq, wk, wv plain, wo a Replicate DTensor
+MLP_PLAN = {name: style for name, style in PLAN.items() if name in ("w1", "w3", "w2")}
+
+
+def _parallelize(model, tp, plan):
+    """`model` under torch's TP `plan` on mesh `tp`; with MLP_PLAN, wo a Replicate DTensor."""
+    model = parallelize_module(model, tp, plan)
+    if plan is MLP_PLAN:
+        distribute_module(
+            model.wo, tp,
+            input_fn=lambda _, xs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()]) for x in xs),
+            output_fn=lambda _, out, mesh: out.to_local(),
+        )  # fmt: skip
+    return model
+
+
+def _train(shape, zero3, plan=PLAN):
     """vo.Shampoo on a (replicate, shard, tp) root mesh of `shape`: the whole model after STEPS
     and each step's roots computed on this rank."""
     world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp = world["dp_shard"] if shape[0] == 1 else world["dp_replicate", "dp_shard"]
-    model = parallelize_module(_build(), world["tp"], PLAN)
-    units = dict(shard_modules=[*(getattr(model, n) for n in PLAN), model]) if zero3 else {}
+    model = _parallelize(_build(), world["tp"], plan)
+    units = dict(shard_modules=[*(getattr(model, n) for n in plan), model]) if zero3 else {}
     opt = vo.Shampoo(model.parameters(), mesh=dp, **units, **SHAMPOO)
     replica, shard = world.get_coordinate()[:2]
     roots = []
@@ -59,14 +76,17 @@ def _train(shape, zero3):
         opt.step()
         opt.zero_grad()
         roots.append(opt.step_stats["roots"])
-    assert all(isinstance(getattr(model, n).weight, DTensor) for n in PLAN)
+    assert all(isinstance(getattr(model, n).weight, DTensor) for n in plan)
+    if plan is MLP_PLAN:
+        assert not isinstance(model.wq.weight, DTensor) and model.wo.weight.placements == (Replicate(),)
     return _full(model.state_dict()), roots
 
 
-@pytest.mark.parametrize(
-    "shape, zero3", [((1, 2, 2), False), ((1, 2, 2), True), ((2, 1, 2), False)],
-    ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"],
-)  # fmt: skip
+LAYOUTS = [((1, 2, 2), False), ((1, 2, 2), True), ((2, 1, 2), False)]
+IDS = ["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"]
+
+
+@pytest.mark.parametrize("shape, zero3", LAYOUTS, ids=IDS)
 def test_shampoo_under_tp_equals_one_process_each_tile_once(world, shape, zero3):
     want = reference()
     results = world(4).run(_train, shape, zero3)
@@ -135,16 +155,12 @@ def test_saved_at_dp2_tp2_resumes_exactly(world, tmp_path, kind, dp, tp):
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def _refused(block, plain):
+def _refused(block):
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = parallelize_module(_build(), world["tp"], PLAN)
     before = {n: p.to_local().clone() for n, p in model.named_parameters() if isinstance(p, DTensor)}
-    params = [
-        *model.named_parameters(),
-        *([("extra", torch.nn.Parameter(torch.ones(8, 8)))] if plain else []),
-    ]
     try:
-        vo.Shampoo(params, mesh=world["dp"], **{**SHAMPOO, "max_preconditioner_dim": block})
+        vo.Shampoo(model.named_parameters(), mesh=world["dp"], **{**SHAMPOO, "max_preconditioner_dim": block})
     except NotImplementedError as e:
         same = all(torch.equal(model.get_parameter(n).to_local(), v) for n, v in before.items())
         return str(e), same
@@ -154,15 +170,22 @@ def _refused(block, plain):
 @pytest.mark.parametrize("block", [16, 6])
 def test_a_tp_cut_off_the_tile_grid_is_refused_on_every_rank(world, block):
     # block 16: wq's 16 rows are one tile, cut in two by ColwiseParallel; block 6: 8-row shards
-    for got, same in world(4).run(_refused, block, False):
+    for got, same in world(4).run(_refused, block):
         assert got is not None and "'wq.weight'" in got and f"max_preconditioner_dim={block}" in got, got
         assert "TP shard shape (8, 16)" in got and same, got
 
 
-def test_a_matrix_replicated_over_tp_next_to_cut_ones_is_refused_on_every_rank(world):
-    # every TP rank would compute its tiles again: not once in the world
-    for got, same in world(4).run(_refused, D, True):
-        assert got is not None and "'extra'" in got and "replicated over TP" in got and same, got
+@pytest.mark.parametrize("shape, zero3", LAYOUTS, ids=IDS)
+def test_matrices_replicated_over_tp_next_to_cut_ones_equal_one_process_each_tile_once(world, shape, zero3):
+    # wq, wk, wv (plain) and wo (a Replicate DTensor): each of their tiles computed by one rank of
+    # the dp x tp world, its update on every TP rank's copy; the MLP's tiles in their TP shards
+    want = reference()
+    results = world(4).run(_train, shape, zero3, MLP_PLAN)
+    for t, n in enumerate(_roots_per_step()):
+        assert sum(roots[t] for _, roots in results) == n, (t, [roots for _, roots in results])
+    for got, _ in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 def _sp_pair(model, t, r):

@@ -130,23 +130,6 @@ def tp_tile_offset(p: torch.Tensor, max_dim: int, name: str) -> tuple[int, int]:
     return (start // max_dim, 0) if dim == 0 else (0, start // max_dim)
 
 
-def tp_replicated_matrix(params: list[torch.Tensor], labels: dict[int, str]) -> str | None:
-    """A matrix with tiles that every TP rank holds whole (a plain or Replicate parameter)
-    next to TP-cut ones, named: each TP rank would compute its tiles again, not once in the
-    world (not supported yet)."""
-    if not any(is_tp_sharded(p) for p in params):
-        return None
-    for p in params:
-        if p.requires_grad and not is_tp_sharded(p) and matrix_shape(local_shape(p)) is not None:
-            return (
-                f"Shampoo under tensor parallelism computes each tile once in the world; parameter "
-                f"{labels[id(p)]} is a matrix replicated over TP (a plain tensor or a Replicate DTensor), "
-                "whose tiles every TP rank would compute again: not supported yet; give it to another "
-                "optimizer (e.g. vo.AdamW) or cut it over TP"
-            )
-    return None
-
-
 CHANNELS = 3  # what travels to a tile's owner: gradient, mhat, grafting update
 
 

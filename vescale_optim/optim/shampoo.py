@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..owners.moves import Move
+from ..owners.moves import Move, run_moves
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
 from ..units.segment import FROZEN, Segment, StateSpec
@@ -24,7 +24,8 @@ from ._shampoo_math import (
     stripe_granule,
     tiles_of,
 )
-from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work, tp_replicated_matrix, tp_tile_offset
+from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work, tp_tile_offset
+from ._shampoo_tp import TPTiles, plan_tp_tiles
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
@@ -80,9 +81,13 @@ class Shampoo(ShardedOptimizer):
     tile grid of the full tensor (every shard's rows or columns starting a tile, its last
     ending one or the matrix): then its tiles are the full tensor's (their keys the full
     tensor's indices), each computed once in the world by an owner over the data-parallel
-    group, with no TP traffic. A cut off the grid, and a matrix replicated over TP next to
-    cut ones, are refused at construction by name. Checkpoints go through DCP's sharded
-    state dicts or `vo.CheckpointManager` (the full torch format is refused under TP).
+    group, with no TP traffic. A cut off the grid is refused at construction by name. A matrix
+    replicated over TP (a plain parameter or a Replicate DTensor) next to cut ones has the same
+    tiles on every TP rank: each is computed once in the dp x tp world (an owner over all its
+    ranks, balanced after the cut tiles) and its update reaches every TP rank's copy
+    (`_shampoo_tp`). Under TP `root_work`, `native_root_work`, `num_tiles` and `moved_tiles`
+    are the dp x tp world's (per rank of it, all its tiles). Checkpoints go through DCP's
+    sharded state dicts or `vo.CheckpointManager` (the full torch format is refused under TP).
 
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
@@ -141,13 +146,10 @@ class Shampoo(ShardedOptimizer):
 
     def _check_params(self, params: list[torch.Tensor]) -> None:
         """Under tensor parallelism every tile of the full tensor must lie inside one TP
-        shard, and no matrix be replicated over TP: refused by name on every rank (the
-        answer comes from global shapes and placements), before anything is laid out."""
+        shard: refused by name on every rank (the answer comes from global shapes and
+        placements), before anything is laid out."""
         super()._check_params(params)
         labels = label_params(self.param_groups)
-        problem = tp_replicated_matrix(params, labels)
-        if problem is not None:
-            raise NotImplementedError(problem)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -185,22 +187,47 @@ class Shampoo(ShardedOptimizer):
                     p[lo:hi].mul_(1 - lr * g["weight_decay"])
                 p[lo:hi].add_(update[lo:hi], alpha=-lr)
 
-        if not seg_tiles.tiles:
+        parts = [x for x in (seg_tiles, self._shared.get(id(seg))) if x is not None and x.tiles]
+        left = [len(parts)]  # the update is applied once every part has written its tiles'
+
+        def finish() -> None:
+            left[0] -= 1
+            if not left[0]:
+                apply()
+
+        if not parts:
             apply()
-            return None
-        steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in seg_tiles.tiles]
-        self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
-        return seg_tiles.step(g, steps, grads, mhat, update, apply)
+        move = None
+        for part in parts:
+            steps = [seg.steps[t.param] if seg.active[t.param] else 0 for t in part.tiles]
+            self._refreshed |= any(schedule(g, st)[1] for st in steps if st)
+            out = part.step(g, steps, grads, mhat, update, finish)
+            if part is seg_tiles:
+                move = out
+            elif out is not None:  # tiles replicated over TP travel over the dp x tp world
+                self._shared_moves.append(out)
+        return move
+
+    def _step_phase(self, segments: list[Segment]) -> list[Move]:
+        """The moves of tiles replicated over TP, over the dp x tp world (those over the
+        data-parallel group run after, in the base's step)."""
+        moves, self._shared_moves = self._shared_moves, []
+        if moves:
+            self._traffic(*run_moves(moves, self._tp.world.comm))
+        return []
+
+    def _parts(self) -> list[SegmentTiles]:
+        return [*self._tiles.values(), *self._shared.values()]
 
     def _before_update(self) -> None:
-        self._refreshed = False
-        for seg_tiles in self._tiles.values():
+        self._refreshed, self._shared_moves = False, []
+        for seg_tiles in self._parts():
             seg_tiles.kept = seg_tiles.roots = 0
 
     def _after_update(self) -> None:
-        kept = sum(seg_tiles.kept for seg_tiles in self._tiles.values())
-        self.step_stats["roots"] += sum(seg_tiles.roots for seg_tiles in self._tiles.values())
-        for seg_tiles in self._tiles.values():
+        kept = sum(seg_tiles.kept for seg_tiles in self._parts())
+        self.step_stats["roots"] += sum(seg_tiles.roots for seg_tiles in self._parts())
+        for seg_tiles in self._parts():
             seg_tiles.kept = 0  # a device count until read: not kept between steps
         if self._refreshed:
             self._count_kept_roots(kept)
@@ -209,7 +236,7 @@ class Shampoo(ShardedOptimizer):
         """Sum over ranks the roots kept this step (`local`: this rank's, a device count from
         `inverse_roots_`, or 0); one small all-reduce and one read on steps that refresh
         roots; count them in `kept_roots` and warn."""
-        world = self.runtime.world
+        world = self.runtime.world if self._tp is None else self._tp.world.comm
         kept = torch.zeros(1, device=world.device)
         if isinstance(local, torch.Tensor):
             kept += local.to(world.device)
@@ -228,27 +255,45 @@ class Shampoo(ShardedOptimizer):
 
     def _plan_tiles(self) -> None:
         """Declare every tile as owner work and take the owner layer's plan: one balance of
-        root work over the world; tiles whose owner lacks some of their rows travel."""
-        topo = self.runtime.topology
-        segs, tiles, work = [], [], []
+        root work over the world; tiles whose owner lacks some of their rows travel. Under
+        tensor parallelism the tiles of matrices replicated over TP are planned over the dp x
+        tp world after the others (`_shampoo_tp`), and `root_work` and the counts are the
+        world's."""
+        topo, shared = self.runtime.topology, bool(self.runtime.tp)
+        segs, cut, rep = [], [], []
         for seg in self.runtime.segments:
             d = seg.group["max_preconditioner_dim"]
             params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
             first = [tp_tile_offset(p, d, self._labels[id(p)]) for p in params]  # a TP shard's first tile
             found = [t for i, p in enumerate(params) for t in tiles_of(local_shape(p), d, i, first[i])]
-            held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in found]
+            mixed = [shared and not is_tp_sharded(params[t.param]) for t in found]  # computed once in dp x tp
             segs.append(seg)
-            tiles.append(found)
-            work.append(tile_work(found, held))
-        plan = plan_owners(work, topo, self.runtime.world.rank, slack=_SLACK, tolerate=_TOLERATE,
-                           channels=CHANNELS)  # fmt: skip
-        self.native_root_work = tuple(plan.home_loads)
-        self.root_work = tuple(plan.loads)
+            for kind, tiles in ((cut, [t for t, m in zip(found, mixed) if not m]),
+                                (rep, [t for t, m in zip(found, mixed) if m])):  # fmt: skip
+                held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in tiles]
+                kind.append((tiles, tile_work(tiles, held)))
+        plan = plan_owners([w for _, w in cut], topo, self.runtime.world.rank, slack=_SLACK,
+                           tolerate=_TOLERATE, channels=CHANNELS)  # fmt: skip
         self._tiles: dict[int, SegmentTiles] = {
-            id(seg): SegmentTiles(seg, found, moves) for seg, found, moves in zip(segs, tiles, plan.segments)
+            id(seg): SegmentTiles(seg, tiles, moves)
+            for seg, (tiles, _), moves in zip(segs, cut, plan.segments)
         }
-        self.num_tiles = len(plan.owners)
-        self.moved_tiles = plan.moved
+        self._shared: dict[int, SegmentTiles] = {}  # tiles replicated over TP, moved over the dp x tp world
+        self._shared_moves: list[Move] = []
+        self._position = {id(seg): i for i, seg in enumerate(segs)}
+        self._tp: TPTiles | None = None
+        if not shared:
+            self.native_root_work, self.root_work = tuple(plan.home_loads), tuple(plan.loads)
+            self.num_tiles, self.moved_tiles = len(plan.owners), plan.moved
+            return
+        tp = plan_tp_tiles(self.runtime, plan, [t for t, _ in cut], [t for t, _ in rep], [w for _, w in rep],
+                           _SLACK, _TOLERATE)  # fmt: skip
+        self._tp = tp
+        self._shared = {id(seg): SegmentTiles(seg, tiles, moves)
+                        for seg, (tiles, _), moves in zip(segs, rep, tp.shared) if tiles}  # fmt: skip
+        self._io.owned_world = tp.world.comm  # every tile's owner is a rank of the dp x tp world
+        self.native_root_work, self.root_work = tp.home_loads, tp.loads
+        self.num_tiles, self.moved_tiles = tp.tiles, tp.moved
 
     @staticmethod
     def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
@@ -260,7 +305,7 @@ class Shampoo(ShardedOptimizer):
         return (a, z) if z > a else (0, 0)
 
     def _preconditioners(self):
-        for seg_tiles in self._tiles.values():
+        for seg_tiles in self._parts():
             for g in seg_tiles.local + seg_tiles.remote:
                 yield from g.state.values()
 
@@ -291,16 +336,23 @@ class Shampoo(ShardedOptimizer):
 
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:
         """Each tile's factors and roots, `L_i_j`, `R_i_j`, `L_inv_root_i_j` and
-        `R_inv_root_i_j`, kept whole by the tile's owner."""
-        seg_tiles = self._tiles.get(id(seg))
+        `R_inv_root_i_j`, kept whole by the tile's owner; under tensor parallelism every tile
+        of the full tensor, from every TP rank, with its owner in the dp x tp world."""
         out: list[list[Owned]] = [[] for _ in seg.params]
-        if seg_tiles is None:  # during construction, before the tiles are planned
+        if getattr(self, "_position", None) is None:  # during construction, before the tiles are planned
             return out
-        for k, t in enumerate(seg_tiles.tiles):
-            mine = seg_tiles.factors(k) if k in seg_tiles.owned else None
-            for name, side in zip(FACTORS, (t.h, t.w, t.h, t.w)):
-                tensor = mine[name] if mine is not None else None
-                out[t.param].append(Owned(f"{name}_{t.key}", (side, side), seg_tiles.owners[k], tensor))
+        parts = [x for x in (self._tiles.get(id(seg)), self._shared.get(id(seg))) if x is not None]
+        if self._tp is None:
+            listed = [(t.param, t.key, t.h, t.w, parts[0].owners[k]) for k, t in enumerate(parts[0].tiles)]
+            me = self.runtime.world.rank
+        else:
+            listed, me = self._tp.owned[self._position[id(seg)]], self._tp.world.comm.rank
+        mine = {(x.tiles[k].param, x.tiles[k].key): x.factors(k) for x in parts for k in x.owned}
+        for param, key, h, w, owner in listed:
+            factors = mine[param, key] if owner == me else None
+            for name, side in zip(FACTORS, (h, w, h, w)):
+                tensor = factors[name] if factors is not None else None
+                out[param].append(Owned(f"{name}_{key}", (side, side), owner, tensor))
         return out
 
 
