@@ -227,6 +227,24 @@ def test_owners_given_or_placed_after_loads(world, items):
     assert plan.owners == traded and plan.loads == rank_loads(costs, traded, world)
 
 
+@given(st.integers(1, 3), st.integers(1, 3),
+       st.lists(st.tuples(st.integers(1, 20), st.integers(-1, 2), st.booleans()), max_size=30))  # fmt: skip
+def test_items_with_allowed_ranks_stay_among_them(groups, per_group, items):
+    """An item restricted to some ranks (an expert matrix: its EP rank's ranks) is owned by one of
+    them, home or not, and keeps the trades of equal cost inside its class; the rest go anywhere."""
+    world = groups * per_group
+    pools = [tuple(range(g * per_group, (g + 1) * per_group)) for g in range(groups)]
+    costs = [c for c, _, _ in items]
+    allowed = [None if g < 0 else pools[g % groups] for _, g, _ in items]
+    homes = [None if a is None or not h else a[-1] for (_, _, h), a in zip(items, allowed)]
+    owners = assign_owners(costs, world, homes, allowed=allowed)
+    traded = keep_homes(owners, list(zip(costs, allowed)), [() if h is None else (h,) for h in homes])
+    for o, t, a in zip(owners, traded, allowed):
+        assert a is None or (o in a and t in a)
+    free = assign_owners(costs, world, homes)  # with no restriction at all: the same as before
+    assert free == assign_owners(costs, world, homes, allowed=[None] * len(costs))
+
+
 def _round_trip(mesh, channels):
     """Each rank plans the same items and runs the moves; the owner negates what it receives
     (channel by channel summed); returns whether every piece came back right."""

@@ -1,8 +1,10 @@
 """Expert parallelism (dp2 x ep2 on 4 gloo ranks): a tiny MoE layer whose experts are one
 `[E, out, in]` parameter placed `distribute_tensor(w, world["ep"], [Shard(0)])`, each EP rank
 holding whole expert matrices; vo.Muon / vo.AdamW on world["dp"]. Each expert matrix is
-orthogonalized on its own EP rank's data-parallel group (no traffic over EP), the same numbers as
-one process running torch.optim.Muon (+ AdamW) on the unparallelised layer with the mean gradient."""
+orthogonalized on its own EP rank (no traffic over EP), the plain projection once in the world,
+the same numbers as one process running torch.optim.Muon (+ AdamW) on the unparallelised layer
+with the mean gradient. The tp2 x ep2 case (dp2 x tp2) puts the experts on the tp dimension next
+to a dense MLP cut by ColwiseParallel / RowwiseParallel (`TPMoE`)."""
 
 import pytest
 import torch
@@ -10,12 +12,13 @@ from _reference import mean_grad_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import vescale_optim as vo
 
 pytestmark = pytest.mark.slow
 
-E, TOKENS, IN, OUT, STEPS, EP = 4, 3, 6, 8, 3, 2
+E, TOKENS, IN, OUT, STEPS, EP, HID = 4, 3, 6, 8, 3, 2, 6
 MUON = dict(lr=0.02, weight_decay=0.1)
 ADAMW = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
 
@@ -111,31 +114,86 @@ def test_expert_stack_under_ep_equals_one_process(world, muon, zero3):
     want = reference(muon)
     results = world(4).run(_train, muon, zero3)
     for t in range(STEPS) if muon else ():
-        # each expert matrix once in the world (on its EP rank's dp group); the plain proj matrix,
-        # replicated over EP, once on every EP rank
-        assert sum(counts[t] for _, counts in results) == E + EP
+        # each expert matrix once in the world (on its EP rank's dp group), and the plain proj
+        # matrix, replicated over EP, once in the world too
+        assert sum(counts[t] for _, counts in results) == E + 1
     for got, _ in results:
         for k in want:
             atol = 2e-4 if muon else 1e-6
             torch.testing.assert_close(got[k], want[k], rtol=0 if muon else 1e-5, atol=atol, msg=k)
 
 
-def _experts_next_to_tp_matrices():
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+class TPMoE(nn.Module):
+    """The MoE layer next to a dense MLP (a shared expert: `up`, `down`) in a residual. Under TP
+    the experts are spread over the tp ranks (`distribute_tensor(w, world["tp"], [Shard(0)])`,
+    expert parallelism borrowing the TP dimension, as torchtitan does when EP and TP share ranks:
+    one TP mesh dimension is what the optimizer reads), `up` is ColwiseParallel and `down`
+    RowwiseParallel, and `moe.proj` stays plain (replicated over TP)."""
 
+    def __init__(self, tp=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.moe = MoE(tp)
+        self.up, self.down = nn.Linear(OUT, HID, bias=False), nn.Linear(HID, OUT, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(torch.randn(HID, OUT, generator=g) / OUT**0.5)
+            self.down.weight.copy_(torch.randn(OUT, HID, generator=g) / HID**0.5)
+        if tp is not None:
+            parallelize_module(self, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+    def forward(self, x):
+        h = self.moe(x)
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def _tp_reference():
+    model = TPMoE()
+    mats = [*model.moe.experts, model.moe.proj.weight, model.up.weight, model.down.weight]
+    opts = [torch.optim.Muon(mats, **MUON), torch.optim.AdamW([model.moe.proj.bias], **ADAMW)]
+    for t in range(STEPS):
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+        for opt in opts:
+            opt.step()
+    state = {"experts": torch.stack(list(model.moe.experts)), "proj": model.moe.proj.weight,
+             "up": model.up.weight, "down": model.down.weight}  # fmt: skip
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _tp_train(one_group, zero3):
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dense = parallelize_module(nn.Linear(IN, OUT, bias=False), world["tp"], ColwiseParallel())
-    experts = nn.Parameter(distribute_tensor(_weights()[0], world["tp"], [Shard(0)]))
-    try:
-        vo.Muon([{"params": [dense.weight]}, {"params": [experts]}], mesh=world["dp"])
-    except NotImplementedError as e:
-        return str(e)
-    return None
+    model = TPMoE(world["tp"])
+    mats = [model.moe.experts, model.moe.proj.weight, model.up.weight, model.down.weight]
+    adamw = {"params": [model.moe.proj.bias], "use_muon": False, **ADAMW}
+    groups = [{"params": mats}, adamw] if one_group else [*({"params": [p]} for p in mats), adamw]
+    units = dict(shard_modules=[model.moe, model]) if zero3 else {}
+    opt = vo.Muon(groups, mesh=world["dp"], **units, **MUON)
+    dp, counts = world["dp"].get_local_rank(), []
+    for t in range(STEPS):
+        _loss(model, t, dp).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(opt.step_stats["ns_matrices"])
+    with opt.gathered():
+        state = {"experts": model.moe.experts, "proj": model.moe.proj.weight, "up": model.up.weight,
+                 "down": model.down.weight}  # fmt: skip
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}
+        state = {k: v.clone() for k, v in state.items()}
+    return state, counts
 
 
-def test_expert_stacks_next_to_tp_cut_matrices_are_refused_on_every_rank(world):
-    for got in world(4).run(_experts_next_to_tp_matrices):
-        assert got is not None and "expert stacks" in got, got
+@pytest.mark.parametrize("one_group, zero3", [(False, False), (True, False), (True, True)],
+                         ids=["groups", "one-segment", "one-segment-zero3"])  # fmt: skip
+def test_expert_stacks_next_to_tp_cut_matrices_equal_one_process(world, one_group, zero3):
+    """tp2 x ep2 (experts on the tp ranks) next to Colwise/Rowwise matrices and a plain one, in
+    groups of their own or in one segment: each matrix once in the world (E experts, the plain
+    `proj`, the two full TP matrices), the experts owned on their own tp rank."""
+    want = _tp_reference()
+    results = world(4).run(_tp_train, one_group, zero3)
+    for t in range(STEPS):
+        assert sum(counts[t] for _, counts in results) == E + 3
+    for got, _ in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
 
 
 def _resumed():

@@ -176,12 +176,14 @@ def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: i
 
 
 def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostModel = H200,
-                  homes: Sequence[int | None] | None = None,
-                  whole: Sequence[bool] | None = None) -> MuonPlan:  # fmt: skip
+                  homes: Sequence[int | None] | None = None, whole: Sequence[bool] | None = None,
+                  allowed: Sequence[Sequence[int] | None] | None = None) -> MuonPlan:  # fmt: skip
     """`muon_plan` over matrices `(rows, cols, ns_steps)` (see the module's docstring); a matrix
-    marked in `whole` is never split (NorMuon's normalization needs all of it on one rank)."""
+    marked in `whole` is never split (NorMuon's normalization needs all of it on one rank); one
+    with `allowed` ranks (an expert matrix, on its EP rank's ranks) is whole and owned by one of them."""
     homes = list(homes) if homes is not None else [None] * len(dims)
-    whole = list(whole) if whole is not None else [False] * len(dims)
+    allowed = list(allowed) if allowed is not None else [None] * len(dims)
+    whole = [bool(w) or a is not None for w, a in zip(whole or [False] * len(dims), allowed)]
     costs = [ns_flops(r, c, s) for r, c, s in dims]
     mean = sum(costs) / world
     loads = [0.0] * world
@@ -202,7 +204,8 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
             for k, r in enumerate(groups[i]):
                 loads[r] += split.member_flops(k, dims[i][2])
     rest = [i for i in range(len(dims)) if owners[i] is None and i not in groups]
-    placed = assign_owners([costs[i] for i in rest], world, [homes[i] for i in rest], loads=loads)
+    placed = assign_owners([costs[i] for i in rest], world, [homes[i] for i in rest], loads=loads,
+                           allowed=[allowed[i] for i in rest])  # fmt: skip
     for i, o in zip(rest, placed):
         owners[i] = o
         loads[o] += costs[i]
@@ -213,7 +216,7 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
             received[r] += nbytes
             times[r] += seconds
     if groups:  # every matrix whole (LPT alone) is the plan when it finishes no later
-        whole = assign_owners(costs, world, homes)
+        whole = assign_owners(costs, world, homes, allowed=allowed)
         flat = [0.0] * world
         for c, o in zip(costs, whole):
             flat[o] += c

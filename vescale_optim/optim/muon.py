@@ -10,7 +10,6 @@ the dp x tp world by an owner of the same plan (whole, never split: `units.tp_pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,11 +17,10 @@ from torch.profiler import record_function
 
 from ..owners.balance import keep_homes, spread_homes
 from ..owners.moves import Move, run_moves
-from ..owners.plan import SegmentMoves, WorkItem, plan_owners
-from ..shard.redistribution import Piece
+from ..owners.plan import plan_owners
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import local_shape
-from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, refuse_tp_muon, tp_matrix, tp_pieces
+from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, refuse_tp_muon, tp_kind
 from . import lowbit
 from ._checks import check_betas, check_params_arg
 from ._muon_math import (
@@ -38,6 +36,7 @@ from ._muon_math import (
 )
 from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
 from ._muon_split import SplitStep
+from ._muon_work import SegmentWork, matrix_work
 from .muon_groups import check_blocks, check_muon_group
 from .state_dict import Owned
 
@@ -47,74 +46,6 @@ from .base import ShardedOptimizer
 
 _ADAMW_EPS = 1e-8
 _CHUNK = 1 << 20  # elements per element-wise call: bounds the temporaries of a step
-
-
-def segment_blocks(seg: Segment) -> list[tuple[int, int]]:
-    """`(param, block)` of each of the segment's matrices (`matrix_work`'s order): per parameter,
-    its blocks (`_muon_math.param_blocks`: a stack's matrices, `split_sizes` / `num_heads` rows)."""
-    return [
-        (i, b) for i, p in enumerate(seg.params) for b in range(len(group_blocks(tuple(p.shape), seg.group)))
-    ]
-
-
-def matrix_work(seg: Segment, ns_steps: int, cuts: list[TPMatrix | None] | None = None,
-                ) -> tuple[list[WorkItem], list[tuple[int, int]]]:  # fmt: skip
-    """The segment's matrices (its parameters' blocks) as work items, and their `(rows, cols)`.
-    A matrix's pieces lie in each shard rank's part of the segment (from `seg.rank_start(r)`);
-    its cost is its Newton–Schulz FLOPs; its home the one rank that holds it whole, if one does;
-    one cut over TP (`cuts[i]`) is its full matrix, with pieces from every TP shard."""
-    layout = seg.layout
-    shard = layout.shard_size
-    items, shapes = [], []
-    for i, p in enumerate(seg.params):
-        cut = cuts[i] if cuts else None
-        for at, rows, cols in group_blocks(local_shape(p), seg.group):
-            start, numel = layout.offsets[i] + at, rows * cols
-            first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
-            pieces = []
-            for r in range(first, last + 1):
-                lo, hi = max(start, r * shard), min(start + numel, (r + 1) * shard)
-                at = lo - r * shard - seg.rank_start(r)  # in rank r's part of the segment
-                pieces.append(Piece(r, len(items), at, lo - start, hi - start))
-            home = first if first == last else None
-            if cut is not None:  # the full matrix, from the TP shards of every tp rank
-                pieces, home, (rows, cols) = tp_pieces(pieces, cut, len(seg.counts)), None, tuple(p.shape)
-            items.append(WorkItem(tuple(pieces), ns_flops(rows, cols, ns_steps), home))
-            shapes.append((rows, cols))
-    return items, shapes
-
-
-@dataclass(frozen=True)
-class _SegmentWork:
-    """A Muon segment's moves, and this rank's matrices batched by shape: `(rows, cols) ->
-    offsets` in the local update (`held`: matrices it holds whole) or in the received buffer
-    (`arriving`), with the segment's matrix index of each (`held_ids`, `arriving_ids`: NorMuon's
-    state); `returned`: `(offset, in back, length)` of the results that come back."""
-
-    moves: SegmentMoves
-    held: dict[tuple[int, int], list[int]]
-    arriving: dict[tuple[int, int], list[int]]
-    returned: list[tuple[int, int, int]]
-    held_ids: dict[tuple[int, int], list[int]]
-    arriving_ids: dict[tuple[int, int], list[int]]
-    shapes: list[tuple[int, int]]  # per item, and its matrix index in the segment (`ids`)
-    ids: list[int]
-
-    @staticmethod
-    def of(moves: SegmentMoves, items: list[WorkItem], shapes: list[tuple[int, int]],
-           ids: list[int]) -> _SegmentWork:  # fmt: skip
-        held: dict[tuple[int, int], list[int]] = {}
-        arriving: dict[tuple[int, int], list[int]] = {}
-        held_ids: dict[tuple[int, int], list[int]] = {}
-        arriving_ids: dict[tuple[int, int], list[int]] = {}
-        for k in moves.local:
-            held.setdefault(shapes[k], []).append(next((p.offset for p in items[k].pieces), 0))
-            held_ids.setdefault(shapes[k], []).append(ids[k])
-        for k in moves.arriving:
-            arriving.setdefault(shapes[k], []).append(moves.received_at[k])
-            arriving_ids.setdefault(shapes[k], []).append(ids[k])
-        returned = [(p.offset, at, p.stop - p.start) for _, p, at in moves.returned]
-        return _SegmentWork(moves, held, arriving, returned, held_ids, arriving_ids, shapes, ids)
 
 
 class Muon(ShardedOptimizer):
@@ -187,49 +118,55 @@ class Muon(ShardedOptimizer):
         # so the step's total is balanced and each matrix is orthogonalized once.
         runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
-        cuts = [[tp_matrix(p) for p in seg.params] for seg in segs]
-        self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, cuts))  # None without TP
-        work = [matrix_work(seg, ns_steps_of(seg.group), cut) for seg, cut in zip(segs, cuts)]
-        dims = [(r, c, ns_steps_of(seg.group)) for seg, (_, shapes) in zip(segs, work) for r, c in shapes]
-        whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, (_, s) in zip(segs, work) for _ in s]
+        kinds = [[tp_kind(p) for p in seg.params] for seg in segs]
+        self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, kinds))  # None without TP
+        work = [matrix_work(sg, ns_steps_of(sg.group), kind, tp is not None) for sg, kind in zip(segs, kinds)]
+        dims = [(r, c, ns_steps_of(seg.group)) for seg, w in zip(segs, work) for r, c in w.shapes]
+        whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, w in zip(segs, work) for _ in w.shapes]
         rank = runtime.world.rank if tp is None else tp.comm.rank
         size = topo.world_size if tp is None else tp.comm.world_size
-        items = [item for seg_items, _ in work for item in seg_items]
+        items = [item for w in work for item in w.items]
         costs = [ns_flops(*d) for d in dims]
         # a matrix lying whole on one shard rank stays there when the balance allows (with
         # replicas, the matrices of a shard rank are dealt over its replicas)
         if tp is None:
             homes = spread_homes(costs, [it.home for it in items], topo.ranks)
             holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
-        else:
-            homes, holders = tp.homes(costs, [w for w, _ in work], cuts)
+            allowed, keys = None, costs
+        else:  # an expert matrix is owned on its own EP rank's ranks, and trades owners only there
+            tags = [tag for w in work for tag in w.tags]
+            (homes, holders), allowed = tp.homes(costs, items, tags), tp.allowed(tags)
+            keys = list(zip(costs, allowed))
         self.homes: list[int | None] = homes  # per matrix, the world rank holding it whole (or None)
-        self.plan: MuonPlan = plan_matrices(dims, size, cost_model, homes, whole_only)
+        self.plan: MuonPlan = plan_matrices(dims, size, cost_model, homes, whole_only, allowed)
         self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
-        owners = keep_homes(self.plan.owners, costs, holders)  # equal costs trade owners: loads stay
+        owners = keep_homes(self.plan.owners, keys, holders)  # equal costs trade owners: loads stay
         whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
-        self._blocks = [segment_blocks(seg) for seg in segs]  # per segment, (param, block) per matrix
+        self._blocks = [w.blocks for w in work]  # per segment, (param, block) per matrix
         self._variance: dict[tuple[int, int], lowbit.Kept] = {}  # NorMuon's v of the matrices owned here
         self._owners: list[list[int | None]] = []
-        for s, (seg, (seg_items, shapes)) in enumerate(zip(segs, work)):
-            keep = [k for k in range(len(seg_items)) if owners[pos + k] is not None]
-            whole.append(([seg_items[k] for k in keep], [shapes[k] for k in keep],
+        for s, (seg, w) in enumerate(zip(segs, work)):
+            keep = [k for k in range(len(w.items)) if owners[pos + k] is not None]
+            whole.append(([w.items[k] for k in keep], [w.shapes[k] for k in keep],
                           [owners[pos + k] for k in keep], keep))  # fmt: skip
-            self._owners.append(owners[pos : pos + len(seg_items)])
+            self._owners.append(owners[pos : pos + len(w.items)])
             for k in keep if seg.group["normuon"] else ():
-                if owners[pos + k] == runtime.world.rank:
+                if owners[pos + k] == rank:
                     codec, device = lowbit.codec_of(seg.tier), seg.local_params.device  # momentum's tier
-                    self._variance[s, k] = lowbit.Kept(codec, self.VARIANCE, shapes[k][0], device)
-            pos += len(seg_items)
-        if tp is None:
+                    self._variance[s, k] = lowbit.Kept(codec, self.VARIANCE, w.shapes[k][0], device)
+            pos += len(w.items)
+        if tp is None:  # one part per segment
             fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
-            planned = plan_owners([w[0] for w in whole], topo, rank, sources=sources, owners=fixed).segments
-        else:
-            planned = tp.moves([w[0] for w in whole], [w[2] for w in whole], [sg.counts for sg in segs], cuts)
-        self._work = {id(seg): _SegmentWork.of(moves, its, shs, ids)
-                      for seg, moves, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
-        self._cuts, self._segs, self._position = cuts, segs, {id(seg): s for s, seg in enumerate(segs)}
-        self._split = SplitStep(self.plan, segs, [w for w, _ in work], [s for _, s in work], topo,
+            moves = plan_owners([w[0] for w in whole], topo, rank, sources=sources, owners=fixed).segments
+            planned = [[(list(range(len(w[0]))), m)] for w, m in zip(whole, moves)]
+        else:  # a part per view of the dp x tp world a segment's matrices use
+            tags = [[work[s].tags[k] for k in w[3]] for s, w in enumerate(whole)]
+            planned = tp.moves([w[0] for w in whole], [w[2] for w in whole], [sg.counts for sg in segs], tags)
+        self._work = {id(seg): [SegmentWork.of(m, *([xs[k] for k in at] for xs in (its, shs, ids)))
+                                for at, m in parts]
+                      for seg, parts, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
+        self._cuts, self._segs, self._position = kinds, segs, {id(seg): s for s, seg in enumerate(segs)}
+        self._split = SplitStep(self.plan, segs, [w.items for w in work], [w.shapes for w in work], topo,
                                 runtime.world) if self.plan.groups else None  # fmt: skip
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
 
@@ -304,29 +241,40 @@ class Muon(ShardedOptimizer):
         updates, self._updates = self._updates, {}
         if self._split is not None and updates:
             self._run_split(updates)
-        moves = [self._move(self._segs[position], update) for position, update in updates.items()]
-        moves = [m for m in moves if m is not None]
+        moves = [m for position, update in updates.items() for m in self._move(self._segs[position], update)]
         if self._tp is None:
             return moves
         self._traffic(*run_moves(moves, self._tp.comm))  # over the dp x tp world
         return []
 
-    def _move(self, seg: Segment, update: torch.Tensor) -> Move | None:
-        """The segment's whole matrices to their owners and back, applied with the split ones."""
-        work = self._work[id(seg)]
-        return work.moves.move(
-            update, label="newton_schulz",
-            local=lambda: self._orthogonalize(work.held, seg, update, work.held_ids),
-            compute=lambda received: self._full(work, seg, received),
-            finish=lambda back: self._apply(seg, update, back, work.returned),
-        )  # fmt: skip
+    def _move(self, seg: Segment, update: torch.Tensor) -> list[Move]:
+        """The segment's whole matrices to their owners and back, one move per part (a view of
+        the dp x tp world), applied with the split ones once the last part is back: the parts
+        before it copy their results into `update` (a part with nothing to move finishes now)."""
+        parts, left = self._work[id(seg)], [len(self._work[id(seg)])]
 
-    def _full(self, work: _SegmentWork, seg: Segment, received: torch.Tensor) -> torch.Tensor:
+        def finish(work: SegmentWork, back: torch.Tensor) -> None:
+            left[0] -= 1
+            if left[0]:
+                for offset, at, n in work.returned:
+                    update[offset : offset + n].copy_(back[at : at + n])
+            else:
+                self._apply(seg, update, back, work.returned)
+
+        moves = [work.moves.move(
+            update, label="newton_schulz",
+            local=lambda work=work: self._orthogonalize(work.held, seg, update, work.held_ids),
+            compute=lambda received, work=work: self._full(work, seg, received),
+            finish=lambda back, work=work: finish(work, back),
+        ) for work in parts]  # fmt: skip
+        return [m for m in moves if m is not None]
+
+    def _full(self, work: SegmentWork, seg: Segment, received: torch.Tensor) -> torch.Tensor:
         """The arriving matrices orthogonalized; those cut over TP by columns made full first."""
         blocks, cuts = self._blocks[self._position[id(seg)]], self._cuts[self._position[id(seg)]]
         of = [cuts[blocks[i][0]] for i in work.ids]  # per item, its parameter's TP cut
         rowwise = [(work.moves.received_at[k], *work.shapes[k], of[k]) for k in work.moves.arriving
-                   if of[k] is not None and of[k].dim == 1]  # fmt: skip
+                   if isinstance(of[k], TPMatrix) and of[k].dim == 1]  # fmt: skip
         assemble(received, rowwise, back=False)
         self._orthogonalize(work.arriving, seg, received, work.arriving_ids)
         assemble(received, rowwise, back=True)

@@ -21,6 +21,7 @@ def assign_owners(
     slack: float = 0.05,
     tolerate: float | None = None,
     loads: Sequence[float] | None = None,
+    allowed: Sequence[Sequence[int] | None] | None = None,
 ) -> list[int]:
     """Greedy longest-processing-time assignment with home affinity, O(n log W).
 
@@ -32,29 +33,40 @@ def assign_owners(
     With `tolerate`, the same assignment with `slack=tolerate` is taken when it keeps every
     item at its home (moving costs traffic every step: tolerate more imbalance before moving
     anything than after). `loads`: what each rank carries already (work placed before these
-    items). Call it once over every item of a step: LPT balances only what it sees largest first.
+    items). `allowed[i]`: the ranks item i may go to (None: any; its home must be one of them),
+    e.g. an expert matrix kept on the ranks of its expert-parallel rank. Call it once over every
+    item of a step: LPT balances only what it sees largest first.
     """
     homes = list(homes) if homes is not None else [None] * len(costs)
+    allowed = list(allowed) if allowed is not None else [None] * len(costs)
     if tolerate is not None:
-        loose = assign_owners(costs, world_size, homes, tolerate, loads=loads)
+        loose = assign_owners(costs, world_size, homes, tolerate, loads=loads, allowed=allowed)
         if all(h is None or o == h for o, h in zip(loose, homes)):
             return loose
     load = [float(x) for x in loads] if loads is not None else [0.0] * world_size
     target = (1 + slack) * (sum(costs) + sum(load)) / max(world_size, 1)
-    heap = [(x, r) for r, x in enumerate(load)]
-    heapq.heapify(heap)  # (load, rank), with stale entries skipped
+    # one heap of (load, rank) per set of allowed ranks, stale entries skipped
+    pools = {None: list(range(world_size))} | {tuple(a): sorted(a) for a in allowed if a is not None}
+    heaps = {key: [(load[r], r) for r in ranks] for key, ranks in pools.items()}
+    member: dict[int, list[object]] = {}
+    for key, ranks in pools.items():
+        heapq.heapify(heaps[key])
+        for r in ranks:
+            member.setdefault(r, []).append(key)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        home = homes[i]
+        home, key = homes[i], None if allowed[i] is None else tuple(allowed[i])
         if home is not None and load[home] + costs[i] <= target:
             rank = home
         else:
+            heap = heaps[key]
             while heap[0][0] != load[heap[0][1]]:
                 heapq.heappop(heap)
             rank = heap[0][1]
         owners[i] = rank
         load[rank] += costs[i]
-        heapq.heappush(heap, (load[rank], rank))
+        for k in member[rank]:
+            heapq.heappush(heaps[k], (load[rank], rank))
     return owners
 
 

@@ -1,4 +1,4 @@
-"""Whole matrices of tensor-parallel parameters as owner work over the dp x tp world.
+"""Muon's matrices of tensor- and expert-parallel parameters as owner work over the dp x tp world.
 
 A matrix whose parameter is a DTensor sharded over TP (`Shard(0)`: row blocks, `Shard(1)`:
 column blocks) lies in T local shards, each laid out ragged over the data-parallel group. To
@@ -7,11 +7,16 @@ pieces from the ranks of the whole dp x tp world (`TPWorld.comm`, one group over
 the item's flat elements are the TP shards' local elements one shard after the other
 (`tp_pieces`), which is the full matrix itself for `Shard(0)` and a `[T, rows, cols / T]`
 stack for `Shard(1)`, which the owner turns into the full matrix and back (`to_full_`,
-`from_full_`).
+`from_full_`). An expert stack cut by whole matrices over the same mesh dimension (`Experts`:
+expert parallelism on the TP dimension, or on an ep dimension with no TP) holds other matrices
+on each tp rank: each is an item of its own tp rank's pieces (`expert_pieces`), owned by one of
+that tp rank's ranks (`TPWorld.allowed`), so it never crosses EP.
 
 The owner layer sees the dp x tp world as a `Topology` (`TPWorld.sharded`): a replica per
-data-parallel replica, a "shard rank" per (tp rank, dp shard), `t * shards + s`. A plain
-matrix (replicated over TP) sees it as `TPWorld.replicated`: each tp rank a replica of its own.
+data-parallel replica, a "shard rank" per (tp rank, dp shard), `t * shards + s`; TP-cut and
+expert matrices live there. A plain matrix (replicated over TP) sees it as `TPWorld.replicated`:
+each tp rank a replica of its own, so it too is computed once in the world. A segment holding
+both kinds moves each kind in a plan of its own view (`TPWorld.moves`: one part per view).
 """
 
 from __future__ import annotations
@@ -97,50 +102,101 @@ def from_full_(flat: torch.Tensor, rows: int, cols: int, cut: TPMatrix) -> None:
         flat.copy_(flat.view(rows, cut.size, cols // cut.size).transpose(0, 1).reshape(-1))
 
 
+SHARDED, REPLICATED = 0, 1  # the two views of the dp x tp world (`TPWorld.view`)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """An expert stack's cut over the TP (or EP) mesh dimension: `size` ranks, this rank's `index`,
+    each holding whole matrices (`is_expert_stack`) that are not the other ranks'."""
+
+    size: int
+    index: int
+
+
+def tp_kind(p: torch.Tensor) -> TPMatrix | Experts | None:
+    """How `p` lies over TP for Muon: cut (`tp_matrix`), an expert stack, or plain (None)."""
+    if not is_expert_stack(p):
+        return tp_matrix(p)
+    dim = next(d for d, pl in enumerate(p.placements) if pl.is_shard())
+    return Experts(p.device_mesh.size(dim), p.device_mesh.get_local_rank(dim))
+
+
+@dataclass(frozen=True)
+class TPItem:
+    """Where a work item lies in the dp x tp world: its `view` (SHARDED for a TP-cut or expert
+    matrix, REPLICATED for a plain one) and, for an expert matrix, the tp rank holding it (`tp`)."""
+
+    view: int
+    tp: int | None = None
+
+
+def expert_pieces(pieces: Sequence[Piece], t: int, shards: int) -> tuple[Piece, ...]:
+    """The pieces of tp rank `t`'s copy of a local matrix (dp shard ranks; the same layout on
+    every tp rank), as shard ranks `t * shards + rank` of the sharded view."""
+    return tuple(Piece(t * shards + p.rank, p.tensor, p.offset, p.start, p.stop) for p in pieces)
+
+
 @dataclass(frozen=True)
 class TPWorld:
-    """The dp x tp world: `comm` over all its ranks, `size` TP ranks, and the owner layer's two
-    views of it (`sharded` for matrices cut over TP, `replicated` for plain ones)."""
+    """The dp x tp world: `comm` over all its ranks, `size` TP ranks, this rank's tp `index`,
+    and the owner layer's two views of it (`sharded` for matrices cut over TP and expert
+    matrices, `replicated` for plain ones)."""
 
     comm: Comm
     size: int
+    index: int
     sharded: Topology
     replicated: Topology
 
-    def of(self, cuts: Sequence[TPMatrix | None]) -> Topology:
-        """The view of a segment's matrices (all cut over TP, or none: `muon_tp_world`)."""
-        return self.sharded if any(cuts) else self.replicated
+    def view(self, tag: TPItem) -> Topology:
+        return self.sharded if tag.view == SHARDED else self.replicated
 
     def homes(
-        self,
-        costs: Sequence[float],
-        work: Sequence[Sequence[WorkItem]],
-        cuts: Sequence[Sequence[TPMatrix | None]],
+        self, costs: Sequence[float], items: Sequence[WorkItem], tags: Sequence[TPItem]
     ) -> tuple[list[int | None], list[tuple[int, ...]]]:
         """Per item (every segment's, in order) the world rank to keep it at (`spread_homes` over
-        its segment's view) and the world ranks holding it whole."""
-        homes, holders, at = [], [], 0
-        for items, seg_cuts in zip(work, cuts):
-            ranks, n = self.of(seg_cuts).ranks, len(items)
-            homes += spread_homes(list(costs[at : at + n]), [it.home for it in items], ranks)
-            holders += [() if it.home is None else tuple(row[it.home] for row in ranks) for it in items]
-            at += n
+        its view, each view's items together) and the world ranks holding it whole."""
+        homes: list[int | None] = [None] * len(items)
+        for view in (SHARDED, REPLICATED):
+            at = [k for k, tag in enumerate(tags) if tag.view == view]
+            ranks = (self.sharded if view == SHARDED else self.replicated).ranks
+            for k, h in zip(at, spread_homes([costs[k] for k in at], [items[k].home for k in at], ranks)):
+                homes[k] = h
+        holders = [() if it.home is None else tuple(row[it.home] for row in self.view(tag).ranks)
+                   for it, tag in zip(items, tags)]  # fmt: skip
         return homes, holders
+
+    def allowed(self, tags: Sequence[TPItem]) -> list[tuple[int, ...] | None]:
+        """Per item the world ranks that may own it: an expert matrix's tp rank's (no EP traffic),
+        any for the rest (None)."""
+        shards = self.sharded.shards // self.size
+        mine = [tuple(sorted(row[t * shards + s] for row in self.sharded.ranks for s in range(shards)))
+                for t in range(self.size)]  # fmt: skip
+        return [None if tag.tp is None else mine[tag.tp] for tag in tags]
 
     def moves(
         self,
         work: Sequence[Sequence[WorkItem]],
         owners: Sequence[Sequence[int]],
         counts: Sequence[Sequence[int]],
-        cuts: Sequence[Sequence[TPMatrix | None]],
-    ) -> list[SegmentMoves]:
-        """Each segment's moves over its view of the world, from its in-place sources (a segment
-        cut over TP has the same source on every tp rank of a dp shard)."""
+        tags: Sequence[Sequence[TPItem]],
+    ) -> list[list[tuple[list[int], SegmentMoves]]]:
+        """Each segment's moves, one part per view its items use (the item indices and their
+        moves), from its in-place sources (the same source on every tp rank of a dp shard)."""
         out = []
-        for items, own, count, seg_cuts in zip(work, owners, counts, cuts):
-            topo = self.of(seg_cuts)
-            sources = [list(count) * (topo.shards // len(count))]
-            out.append(plan_owners([items], topo, self.comm.rank, sources=sources, owners=own).segments[0])
+        for items, own, count, seg_tags in zip(work, owners, counts, tags):
+            parts = []
+            for view in (SHARDED, REPLICATED):
+                at = [k for k, tag in enumerate(seg_tags) if tag.view == view]
+                if not at:
+                    continue
+                topo = self.sharded if view == SHARDED else self.replicated
+                sources = [list(count) * (topo.shards // len(count))]
+                plan = plan_owners([[items[k] for k in at]], topo, self.comm.rank, sources=sources,
+                                   owners=[own[k] for k in at])  # fmt: skip
+                parts.append((at, plan.segments[0]))
+            out.append(parts)
         return out
 
 
@@ -170,6 +226,7 @@ def tp_world(world: Comm, tp: Comm, topo: Topology, index: int) -> TPWorld:
     return TPWorld(
         comm,
         size,
+        index,
         Topology(sharded, topo.replica, index * shards + topo.shard),
         Topology(replicated, topo.replica * size + index, topo.shard),
     )
@@ -177,41 +234,40 @@ def tp_world(world: Comm, tp: Comm, topo: Topology, index: int) -> TPWorld:
 
 def refuse_tp_muon(params: list, defaults: dict) -> None:
     """What Muon does not orthogonalize under TP yet, refused by name before anything is built:
-    a matrix cut over TP (`tp_matrix`) in a group with `normuon`, `split_sizes` or `num_heads`."""
+    a matrix cut over TP (`tp_matrix`) in a group with `split_sizes` or `num_heads`, and NorMuon
+    in an optimizer holding one (its per-row state is kept by owners of the dp x tp world)."""
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    for gi, g in enumerate(groups):
-        group = {**defaults, **g}
-        ps = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
-        if not group.get("use_muon", True) or not any(tp_matrix(p) for p in ps):
-            continue
-        for key in ("normuon", "split_sizes", "num_heads"):
+    groups = [{**defaults, **g} for g in groups]
+    listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in groups]
+    cut = [g.get("use_muon", True) and any(tp_matrix(p) for p in ps) for g, ps in zip(groups, listed)]
+    for gi, group in enumerate(groups):
+        for key in ("normuon", "split_sizes", "num_heads") if cut[gi] else ():
             if group.get(key):
                 raise NotImplementedError(
                     f"param group {gi}: Muon with {key} is not supported yet for DTensor parameters cut "
                     "over tensor parallelism"
                 )
-
-
-def muon_tp_world(runtime, segs: Sequence, cuts: Sequence[Sequence[TPMatrix | None]]) -> TPWorld | None:
-    """The dp x tp world Muon's whole matrices travel over, when some Muon segment holds
-    matrices cut over TP (None otherwise: the data-parallel world, as without TP; expert stacks
-    are then orthogonalized on their own ranks, and plain matrices on every TP/EP rank). A
-    segment mixing them with plain matrices, and expert stacks next to them, are refused by
-    name (alike on every rank)."""
-    if not any(c for seg_cuts in cuts for c in seg_cuts):
-        return None
-    if any(is_expert_stack(p) for seg in segs for p in seg.params):
-        raise NotImplementedError(
-            "Muon holds expert stacks (3-D DTensors sharded on dim 0) next to matrices cut over tensor "
-            "parallelism; one of the two per optimizer is supported yet (AdamW takes both)"
-        )
-    for seg_cuts in cuts:
-        if any(seg_cuts) and not all(seg_cuts):
+        if any(cut) and group.get("use_muon", True) and group.get("normuon"):
             raise NotImplementedError(
-                "a Muon segment holds matrices cut over tensor parallelism next to plain ones; put the "
-                "plain matrices in a param group of their own (or parallelize them too)"
+                f"param group {gi}: Muon with normuon is not supported yet in an optimizer that holds "
+                f"DTensor matrices cut over tensor parallelism (param group {cut.index(True)})"
             )
-    index = next(c.index for seg_cuts in cuts for c in seg_cuts if c)
+
+
+def muon_tp_world(
+    runtime, segs: Sequence, kinds: Sequence[Sequence[TPMatrix | Experts | None]]
+) -> TPWorld | None:
+    """The dp x tp world Muon's whole matrices travel over (None: the data-parallel world, as
+    without TP): when some Muon segment holds matrices cut over TP, or expert stacks next to
+    plain matrices (each plain matrix then computed once in the world, not on every EP rank;
+    with NorMuon, whose state the data-parallel owners keep, they stay on every EP rank)."""
+    flat = [k for seg_kinds in kinds for k in seg_kinds]
+    cut = any(isinstance(k, TPMatrix) for k in flat)
+    experts = any(isinstance(k, Experts) for k in flat)
+    normuon = any(seg.group["normuon"] for seg in segs)
+    if not (cut or (experts and None in flat and not normuon)):
+        return None
+    index = next(k.index for k in flat if k is not None)
     return tp_world(runtime.world, runtime.tp[0], runtime.topology, index)
 
 
