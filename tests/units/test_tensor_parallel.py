@@ -434,12 +434,17 @@ def test_8bit_collectives_under_tp_stay_near_fp32(world, options):
 
 
 def _different_plans(case):
-    """Rank 0's plan differs from the others' (`case`): every rank must raise at construction."""
+    """Rank 0's plan differs from the others' (`case`): every rank must raise at construction
+    ("no plan": rank 0 holds a plain model, no DTensor at all, while its TP peer holds DTensors;
+    they keep their own chunks, src_data_rank=None, or torch's plan would wait for rank 0's)."""
     world = _world()
     plan, rank0 = dict(PLAN), torch.distributed.get_rank() == 0
     if rank0 and case == "colwise vs rowwise":
         plan["wq"] = RowwiseParallel()
-    model = parallelize_module(_build(), world["tp"], plan)
+    if case == "no plan":
+        model = _build() if rank0 else parallelize_module(_build(), world["tp"], plan, src_data_rank=None)
+    else:
+        model = parallelize_module(_build(), world["tp"], plan)
     if rank0 and case == "dtensor vs plain":  # wq a plain tensor of the same shape on rank 0 alone
         model.wq.weight = nn.Parameter(torch.zeros(DIM, DIM))
     try:
@@ -449,7 +454,15 @@ def _different_plans(case):
     return None
 
 
-@pytest.mark.parametrize("case", ["colwise vs rowwise", "dtensor vs plain"])
-def test_different_tp_plans_are_refused_on_every_rank(world, case):
-    for got in world(4).run(_different_plans, case, timeout=60):
-        assert got is not None and ("parallelize_module plan" in got or "different parameters" in got), got
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("colwise vs rowwise", "placements (Shard(dim=1))"),
+        ("dtensor vs plain", "as a plain tensor"),
+        ("no plan", "rank 0 holds no DTensor parameters, but its tensor-parallel peer rank 1 does"),
+    ],
+)
+def test_different_tp_plans_are_refused_on_every_rank(world, case, words):
+    got = world(4).run(_different_plans, case, timeout=60)  # a rank left waiting fails by the timeout
+    assert got[0] is not None and "parallelize_module plan" in got[0] and words in got[0], got
+    assert all(g == got[0] for g in got), got  # the same words on every rank

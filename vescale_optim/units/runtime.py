@@ -43,8 +43,8 @@ from .tensor_parallel import (
     refuse_dtensors,
     tp_groups,
     tp_norm_parts,
-    tp_plan_problem,
 )
+from .tp_plan import tp_plan_problem
 from .unit import LOW_PRECISION, Unit
 
 
@@ -145,7 +145,7 @@ class Runtime:
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, members, modules, names = problem or str(e), [], [], {}
         structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
-        problem = tp_plan_problem(params, self.tp, labels) or problem  # collective over TP: always
+        problem = tp_plan_problem(params, self.root_world, labels) or problem  # every rank: see tp_plan
         if agree is not None:
             agree(self.world, problem, structure)
         elif problem is not None:

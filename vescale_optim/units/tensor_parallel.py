@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard.collectives import all_gather_object
 from ..shard.flags import any_rank_flag
 from .config import ShardingConfig
 
@@ -296,31 +295,3 @@ def tp_description(p: torch.Tensor) -> tuple | None:
         return None
     mesh = p.device_mesh
     return tuple(p.shape), tuple(repr(pl) for pl in p.placements), tuple(mesh.mesh.shape)
-
-
-def tp_plan_problem(params: Sequence[torch.Tensor], tp: Sequence, labels: dict[int, str]) -> str | None:
-    """Why the ranks of this rank's tensor-parallel group `tp[0]` hold different TP plans, if they
-    do (the same answer on all of them; collective over TP): each parameter's `tp_description`,
-    exchanged once at construction. With the data-parallel check of the same descriptions, a
-    plan that differs anywhere is refused on every rank."""
-    if not tp:
-        return None
-    mine = [(labels[id(p)], tp_description(p)) for p in params]
-    for rank, theirs in enumerate(all_gather_object(mine, tp[0])):
-        if theirs == mine:
-            continue
-        for a, b in zip(mine, theirs):
-            if a != b:
-                return (
-                    f"tensor-parallel rank {rank} holds parameter {b[0]} as {_described(b[1])}, this rank "
-                    f"{a[0]} as {_described(a[1])}: every rank must apply the same parallelize_module plan"
-                )
-        return f"tensor-parallel rank {rank} passed {len(theirs)} parameters, this rank {len(mine)}"
-    return None
-
-
-def _described(description: tuple | None) -> str:
-    if description is None:
-        return "a plain tensor"
-    shape, placements, mesh = description
-    return f"a DTensor of shape {shape}, placements ({', '.join(placements)}) on a mesh of shape {mesh}"
