@@ -86,8 +86,11 @@ class Shampoo(ShardedOptimizer):
     tiles on every TP rank: each is computed once in the dp x tp world (an owner over all its
     ranks, balanced after the cut tiles) and its update reaches every TP rank's copy
     (`_shampoo_tp`). Under TP `root_work`, `native_root_work`, `num_tiles` and `moved_tiles`
-    are the dp x tp world's (per rank of it, all its tiles). Checkpoints go through DCP's
-    sharded state dicts or `vo.CheckpointManager` (the full torch format is refused under TP).
+    are the dp x tp world's (per rank of it, all its tiles). Checkpoints work in every format
+    under TP: DCP's sharded state dicts, `vo.CheckpointManager`, and torch's full format, whose
+    `state_dict()` holds, on every rank, each parameter's full state and every tile of the full
+    tensor keyed as in one process (gathered from its owner in the dp x tp world), and loads at
+    any layout whose TP cuts lie on the same tile grid.
 
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
@@ -314,25 +317,6 @@ class Shampoo(ShardedOptimizer):
         return sum(x.numel() for x in self._preconditioners())
 
     # --- checkpoints ------------------------------------------------------------------
-
-    def state_dict(self, *, to_rank: int | None = None, cpu_offload: bool = False) -> dict:
-        self._refuse_full_format("state_dict")
-        return super().state_dict(to_rank=to_rank, cpu_offload=cpu_offload)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._refuse_full_format("load_state_dict")
-        super().load_state_dict(state_dict)
-
-    def _refuse_full_format(self, what: str) -> None:
-        """Under tensor parallelism each TP rank owns other tiles of a matrix (its tile keys are
-        the full tensor's): DCP's sharded state dicts and `vo.CheckpointManager` carry them, the
-        full torch format does not gather them over TP yet (refused by name, every rank alike)."""
-        if any(is_tp_sharded(p) for g in self.param_groups for p in g["params"]):
-            raise NotImplementedError(
-                f"Shampoo.{what}() (the full torch format) is not supported yet with tensor-parallel "
-                "parameters: use opt.sharded_state_dict() with torch.distributed.checkpoint, or "
-                "vo.CheckpointManager"
-            )
 
     def _owned_state(self, seg: Segment) -> list[list[Owned]]:
         """Each tile's factors and roots, `L_i_j`, `R_i_j`, `L_inv_root_i_j` and

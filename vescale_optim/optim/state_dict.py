@@ -111,7 +111,8 @@ class StateIO:
     shape the state; `stepless(seg)` whether a segment's math ignores step counts (torch
     then saves none); `owned(seg)` the `Owned` tensors of each of its parameters (the
     same keys, shapes and owners on every rank); `comm` the shard group, `world` every
-    rank (owned tensors are gathered from it when there are `replicas`); `publish()`
+    rank (owned tensors are gathered from it when there are `replicas`), `owned_world` the
+    group whose ranks owners are when it is wider (Shampoo's dp x tp world under TP); `publish()`
     refreshes the parameters kept whole after the masters were loaded in place.
     """
 
@@ -130,7 +131,7 @@ class StateIO:
     ):
         self.segments, self.param_groups, self.structural = list(segments), param_groups, tuple(structural)
         self.comm, self.world, self.replicas = comm, world, replicas
-        self.stepless, self.owned, self.publish = stepless, owned, publish
+        self.stepless, self.owned, self.publish, self.owned_world = stepless, owned, publish, None
 
     # --- flat state under torch's names --------------------------------------------------
 
@@ -164,14 +165,15 @@ class StateIO:
         flat = [o for per_param in owned for o in per_param]
         if not flat:
             return {}
-        if self.replicas > 1:  # owned state lives once in the world: gather it from all of it
-            full_gather = Gather(self.world, None, gather.cpu_offload)
+        owners = self.owned_world or self.world
+        if self.replicas > 1 or owners is not self.world:  # owned state lives once: gather it from all
+            full_gather = Gather(owners, None, gather.cpu_offload)
         else:
             full_gather = gather
         world = full_gather.comm.world_size
         numels = [math.prod(o.shape) for o in flat]
         offsets, totals = owner_offsets(numels, [o.owner for o in flat], world)
-        mine = [o.values().reshape(-1) for o in flat if o.owner == self.world.rank]
+        mine = [o.values().reshape(-1) for o in flat if o.owner == owners.rank]
         like = seg.local_params
         local = torch.cat(mine) if mine else like.new_zeros(0)
         full = full_gather(local, totals)
@@ -212,10 +214,10 @@ class StateIO:
                     entry[name] = full[start : start + size].view(shape).clone()
                 entry.update({key: t for (j, key), t in extra.items() if j == i})
                 state[index] = entry
-                if is_dtensor(seg.params[i]):
-                    tp[index] = seg.params[i]
-        for index in sorted(tp):
-            state[index].update({n: tp_full(tp[index], v) for n, v in state[index].items() if n != "step"})
+                if is_dtensor(seg.params[i]):  # its shard's state made whole (owned state is already)
+                    tp[index] = seg.params[i], list(flat)
+        for index, (p, names) in sorted(tp.items()):
+            state[index].update({n: tp_full(p, state[index][n]) for n in names})
         for entry in state.values() if local is not gather and gather.cpu_offload else ():
             entry.update({k: v.cpu() for k, v in entry.items()})
         state_dict["state"] = state
