@@ -108,3 +108,85 @@ def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, 
     for got, _ in results:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
+
+
+# split_sizes / num_heads on TP-cut matrices: a ColwiseParallel shard holding whole heads (blocks)
+# orthogonalizes them where they lie (no TP traffic); a RowwiseParallel shard holds a column slice
+# of every block, made whole over TP by its owner. Reference: torch.optim.Muon on each block as a
+# parameter of its own.
+BLOCKS = {"wq": dict(num_heads=4), "wk": dict(num_heads=4), "wo": dict(num_heads=4),
+          "w1": dict(split_sizes=(16, 16)), "w2": dict(split_sizes=(4, 12))}  # fmt: skip
+
+
+def _sizes(name, rows):
+    spec = BLOCKS[name]
+    return (
+        list(spec["split_sizes"])
+        if "split_sizes" in spec
+        else [rows // spec["num_heads"]] * spec["num_heads"]
+    )
+
+
+def _blocked_reference(dp=2):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _build()
+        weights = {n: getattr(model, n).weight for n in BLOCKS}
+        sizes = {n: _sizes(n, w.shape[0]) for n, w in weights.items()}
+        blocks = {
+            n: [nn.Parameter(b.detach().clone()) for b in w.split(sizes[n])] for n, w in weights.items()
+        }
+        mats, vecs = _groups(model)
+        mats = [p for p in mats if all(p is not w for w in weights.values())]
+        muon = torch.optim.Muon(mats + [b for bs in blocks.values() for b in bs], **MUON)
+        adam = torch.optim.AdamW(vecs, betas=(0.9, 0.95), eps=1e-8, **ADAM)
+        for t in range(STEPS):
+            mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+            for n, w in weights.items():
+                for b, g in zip(blocks[n], w.grad.split(sizes[n])):
+                    b.grad = g.clone()
+            muon.step()
+            adam.step()
+            with torch.no_grad():
+                for n, w in weights.items():
+                    w.copy_(torch.cat(list(blocks[n])))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _blocked_train(blocks):
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(_build(), world["tp"], PLAN)
+    mats, vecs = _groups(model)
+    weights = {n: getattr(model, n).weight for n in blocks}
+    rest = [p for p in mats if all(p is not w for w in weights.values())]
+    groups = [{"params": rest}, *({"params": [w], **blocks[n]} for n, w in weights.items())]
+    try:
+        opt = vo.Muon([*groups, {"params": vecs, "use_muon": False, **ADAM}], mesh=world["dp"], **MUON)
+    except NotImplementedError as e:
+        return str(e), None
+    counts = []
+    for t in range(STEPS):
+        _loss(model, *_batch(t, world["dp"].get_local_rank())).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(opt.step_stats["ns_matrices"])
+    return _full(model.state_dict()), counts
+
+
+def test_blocks_of_tp_cut_matrices_equal_torch_muon_per_block(world):
+    want = _blocked_reference()
+    results = world(4).run(_blocked_train, BLOCKS)
+    n = sum(len(_sizes(name, getattr(_build(), name).weight.shape[0])) for name in BLOCKS) + 2  # + wv, w3
+    for t in range(STEPS):  # every block once in the world
+        assert sum(counts[t] for _, counts in results) == n
+    for got, _ in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
+
+
+def test_a_colwise_cut_through_a_block_is_refused_on_every_rank(world):
+    for got, counts in world(4).run(_blocked_train, {"w1": dict(split_sizes=(8, 24))}):
+        assert counts is None and "parameter #0 of shape (32, 16): its TP shard 0" in got, got

@@ -14,12 +14,78 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..owners.plan import SegmentMoves, WorkItem
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
 from ..units.tensor_parallel import local_shape
-from ..units.tp_pieces import REPLICATED, SHARDED, Experts, TPItem, TPMatrix, expert_pieces, tp_pieces
-from ._muon_math import group_blocks, ns_flops
+from ..units.tp_pieces import (
+    REPLICATED,
+    SHARDED,
+    Experts,
+    TPItem,
+    TPMatrix,
+    expert_pieces,
+    tp_matrix,
+    tp_pieces,
+)
+from ._muon_math import group_blocks, ns_flops, row_blocks
+
+
+def blocked(group: dict) -> bool:
+    return group.get("split_sizes") is not None or group.get("num_heads") is not None
+
+
+def tp_blocks(shape: tuple[int, int], group: dict, cut: TPMatrix, t: int) -> list[tuple[int, ...]] | None:
+    """The blocks (`split_sizes` / `num_heads` rows) of TP shard `t`'s local matrix, of a matrix of
+    `shape` cut as `cut` says: `(local offset, local rows, local cols, rows, cols)`, the last two the
+    block's shape in the full matrix. A `Shard(1)` cut holds a column slice of every block (each
+    made whole over TP by its owner); a `Shard(0)` cut holds whole blocks, or None when its rows
+    cut one."""
+    rows, cols = shape
+    sizes, out, top = row_blocks(rows, group.get("split_sizes"), group.get("num_heads")), [], 0
+    lo, hi = t * rows // cut.size, (t + 1) * rows // cut.size
+    for n in sizes:
+        a, z, top = top, top + n, top + n
+        if cut.dim == 1:
+            out.append((a * cols // cut.size, n, cols // cut.size, n, cols))
+        elif a < hi and z > lo:
+            if a < lo or z > hi:
+                return None
+            out.append(((a - lo) * cols, n, cols, n, cols))
+    return out
+
+
+def local_blocks(p, group: dict, kind: TPMatrix | Experts | None) -> list[tuple[int, ...]]:
+    """This rank's blocks of `p`'s local tensor as `tp_blocks` gives them (any parameter)."""
+    if isinstance(kind, TPMatrix) and blocked(group):
+        return tp_blocks(tuple(p.shape), group, kind, kind.index) or []
+    if isinstance(kind, TPMatrix):
+        return [(0, *local_shape(p), *p.shape)]
+    return [(at, r, c, r, c) for at, r, c in group_blocks(local_shape(p), group)]
+
+
+def refuse_tp_blocks(params: list, defaults: dict) -> None:
+    """A `Shard(0)` cut whose TP shards do not hold whole blocks of its group's `split_sizes` /
+    `num_heads`, refused by name before anything is built (every rank sees the same cuts)."""
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    for gi, group in enumerate({**defaults, **g} for g in groups):
+        names, ps = group.get("param_names"), group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for j, p in enumerate(ps if group.get("use_muon", True) and blocked(group) else ()):
+            kind = tp_matrix(p) if p.ndim == 2 else None
+            if not (isinstance(kind, TPMatrix) and kind.dim == 0):
+                continue
+            for t in range(kind.size):
+                if tp_blocks(tuple(p.shape), group, kind, t) is None:
+                    name = f"'{names[j]}' " if names else ""
+                    raise NotImplementedError(
+                        f"param group {gi}, parameter {name}#{j} of shape {tuple(p.shape)}: its TP shard {t} "
+                        f"(rows {t * p.shape[0] // kind.size} to {(t + 1) * p.shape[0] // kind.size}) cuts a "
+                        "block of split_sizes / num_heads; Muon orthogonalizes whole blocks under a Shard(0) "
+                        "cut only where each TP shard holds whole blocks"
+                    )
 
 
 @dataclass(frozen=True)
@@ -52,18 +118,33 @@ def matrix_work(seg: Segment, ns_steps: int, kinds: list[TPMatrix | Experts | No
         out.blocks.append(block)
         out.tags.append(tag)
 
+    def place(i: int, at: int, numel: int) -> tuple[list[Piece], int | None]:
+        """The pieces of parameter i's local elements `[at, at + numel)` and their home."""
+        start = layout.offsets[i] + at
+        first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
+        pieces = []
+        for r in range(first, last + 1):
+            lo, hi = max(start, r * shard), min(start + numel, (r + 1) * shard)
+            off = lo - r * shard - seg.rank_start(r)  # in rank r's part of the segment
+            pieces.append(Piece(r, 0, off, lo - start, hi - start))
+        return pieces, first if first == last else None
+
     for i, p in enumerate(seg.params):
         kind = kinds[i] if kinds and tp_world else None
+        if isinstance(kind, TPMatrix) and blocked(seg.group):  # blocks of the TP shards
+            for t in range(kind.size) if kind.dim == 0 else (None,):
+                shard_blocks = tp_blocks(tuple(p.shape), seg.group, kind, t or 0)
+                for b, (at, n, c, rows, cols) in enumerate(shard_blocks):
+                    pieces, home = place(i, at, n * c)
+                    if t is None:  # a column slice on every tp rank: the whole block from all of them
+                        add(tp_pieces(pieces, kind, shards), rows, cols, None, (i, b), TPItem(SHARDED))
+                    else:  # whole on tp rank t: orthogonalized there, as an expert matrix
+                        at_home = None if home is None else t * shards + home
+                        add(expert_pieces(pieces, t, shards), n, c, at_home, (i, b), TPItem(SHARDED, t))
+            continue
         local = []  # per block: its pieces, home and shape on this rank's layout
         for b, (at, rows, cols) in enumerate(group_blocks(local_shape(p), seg.group)):
-            start, numel = layout.offsets[i] + at, rows * cols
-            first, last = start // shard, (start + numel - 1) // shard  # shard ranks it spans
-            pieces = []
-            for r in range(first, last + 1):
-                lo, hi = max(start, r * shard), min(start + numel, (r + 1) * shard)
-                off = lo - r * shard - seg.rank_start(r)  # in rank r's part of the segment
-                pieces.append(Piece(r, 0, off, lo - start, hi - start))
-            local.append((b, pieces, first if first == last else None, rows, cols))
+            local.append((b, *place(i, at, rows * cols), rows, cols))
         if isinstance(kind, Experts):  # tp rank t's copy of each block, for every t
             for t in range(kind.size):
                 for b, pieces, home, rows, cols in local:

@@ -36,7 +36,7 @@ from ._muon_math import (
 )
 from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
 from ._muon_split import SplitStep
-from ._muon_work import SegmentWork, matrix_work
+from ._muon_work import SegmentWork, local_blocks, matrix_work, refuse_tp_blocks
 from .muon_groups import check_blocks, check_muon_group
 from .state_dict import Owned
 
@@ -108,6 +108,7 @@ class Muon(ShardedOptimizer):
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
         params = list(params)
         refuse_tp_muon(params, defaults)
+        refuse_tp_blocks(params, defaults)
         if params and isinstance(params[0], dict):
             # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
             # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
@@ -301,28 +302,23 @@ class Muon(ShardedOptimizer):
             shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
             runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
         else:
-            runs = self._block_runs(seg, lr)
+            runs = self._block_runs(seg, lr, self._cuts[self._position[id(seg)]])
         apply_(seg.local_params, runs, lr, g["weight_decay"], update, back, returned, _CHUNK)
 
     @staticmethod
-    def _block_runs(seg: Segment, lr: float) -> list[tuple[int, int, float]]:
+    def _block_runs(seg: Segment, lr: float, kinds: list) -> list[tuple[int, int, float]]:
         """`(lo, hi, adjusted_lr)` over the local pieces of the active parameters, cut where their
-        blocks meet: each block scaled by its own shape, as a parameter of that shape would be."""
+        blocks meet: each block scaled by its own (full) shape, as a parameter of that shape would be."""
         runs = []
         for i, p in enumerate(seg.params):
             (lo, hi), (start, stop) = seg.local_range(i), seg.tensor_range(i)
             if not seg.active[i] or hi <= lo:
                 continue
-            for at, rows, cols in group_blocks(tuple(p.shape), seg.group):
+            for at, rows, cols, full_rows, full_cols in local_blocks(p, seg.group, kinds[i]):
                 a, z = max(start, at), min(stop, at + rows * cols)
                 if a < z:
-                    runs.append(
-                        (
-                            lo + a - start,
-                            lo + z - start,
-                            adjusted_lr(lr, seg.group["adjust_lr_fn"], rows, cols),
-                        )
-                    )
+                    alr = adjusted_lr(lr, seg.group["adjust_lr_fn"], full_rows, full_cols)
+                    runs.append((lo + a - start, lo + z - start, alr))
         return runs
 
     def _orthogonalize(self, batches: dict[tuple[int, int], list[int]], seg: Segment, buf: torch.Tensor,

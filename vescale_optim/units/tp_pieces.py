@@ -234,19 +234,18 @@ def tp_world(world: Comm, tp: Comm, topo: Topology, index: int) -> TPWorld:
 
 def refuse_tp_muon(params: list, defaults: dict) -> None:
     """What Muon does not orthogonalize under TP yet, refused by name before anything is built:
-    a matrix cut over TP (`tp_matrix`) in a group with `split_sizes` or `num_heads`, and NorMuon
-    in an optimizer holding one (its per-row state is kept by owners of the dp x tp world)."""
+    NorMuon in an optimizer holding a matrix cut over TP (`tp_matrix`; its per-row state would be
+    kept by owners of the dp x tp world). Blocks of a cut matrix: `optim._muon_work.refuse_tp_blocks`."""
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
     groups = [{**defaults, **g} for g in groups]
     listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in groups]
     cut = [g.get("use_muon", True) and any(tp_matrix(p) for p in ps) for g, ps in zip(groups, listed)]
     for gi, group in enumerate(groups):
-        for key in ("normuon", "split_sizes", "num_heads") if cut[gi] else ():
-            if group.get(key):
-                raise NotImplementedError(
-                    f"param group {gi}: Muon with {key} is not supported yet for DTensor parameters cut "
-                    "over tensor parallelism"
-                )
+        if cut[gi] and group.get("normuon"):
+            raise NotImplementedError(
+                f"param group {gi}: Muon with normuon is not supported yet for DTensor parameters cut "
+                "over tensor parallelism"
+            )
         if any(cut) and group.get("use_muon", True) and group.get("normuon"):
             raise NotImplementedError(
                 f"param group {gi}: Muon with normuon is not supported yet in an optimizer that holds "
