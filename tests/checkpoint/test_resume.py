@@ -398,3 +398,23 @@ def test_a_staged_save_does_no_cuda_work_where_cuda_is_available(tmp_path, monke
         manager.save(1)
         manager.close()
         assert manager.steps() == [1]
+
+
+def test_a_muon_group_with_split_sizes_resumes(tmp_path):
+    """A group's `split_sizes` tuple comes back from the manifest's JSON as a list: still the
+    same group (it was refused as another `split_sizes`)."""
+
+    def muon():
+        torch.manual_seed(2)
+        model = torch.nn.Linear(8, 16, bias=False)
+        return model, vo.Muon([{"params": [model.weight], "split_sizes": (4, 12)}], lr=0.02, normuon=True)
+
+    model, opt = muon()
+    model.weight.grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    opt.step()
+    vo.CheckpointManager(tmp_path, model, opt).save(1)
+    again, opt_again = muon()
+    assert vo.CheckpointManager(tmp_path, again, opt_again).load().step == 1
+    assert torch.equal(again.weight, model.weight)
+    saved, loaded = opt.state_dict()["state"][0], opt_again.state_dict()["state"][0]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -30,6 +30,12 @@ def qualname(obj) -> str | None:
     return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _as_json(value):
+    """`value` as the manifest's JSON reads back (tuples as lists), so a param group's
+    `split_sizes=(4, 12)` compares equal to the `[4, 12]` a saved manifest holds."""
+    return json.loads(json.dumps(value))
+
+
 def describe(step: int, world_size: int, optimizer, scheduler, model: dict, stateful: list[str]) -> dict:
     """The manifest of a checkpoint of these objects at `step` (`model`: name -> shape)."""
     from ..version import __version__
@@ -42,8 +48,10 @@ def describe(step: int, world_size: int, optimizer, scheduler, model: dict, stat
         "vescale_optim": __version__,
         "optimizer": qualname(optimizer),
         "state_bits": optimizer.state_bits,
-        "groups": [{"params": len(g["params"]), **{k: g.get(k) for k in optimizer.structural_keys}}
-                   for g in optimizer.param_groups],  # fmt: skip
+        "groups": [
+            {"params": len(g["params"]), **{k: _as_json(g.get(k)) for k in optimizer.structural_keys}}
+            for g in optimizer.param_groups
+        ],
         "scheduler": qualname(scheduler),
         "model": {k: list(v) for k, v in model.items()},
         "stateful": sorted(stateful),
