@@ -233,3 +233,68 @@ def test_expert_stack_state_dict_resumes_exactly(world):
         half = len(got) // 2
         for want, have in zip(got[:half], got[half:]):
             torch.testing.assert_close(have, want, rtol=0, atol=0)
+
+
+def _normuon_reference():
+    """One process, the loop written out (test_muon_family's NorMuon) on each expert and on
+    `proj`, AdamW on the bias; the stack, `proj`, and the state under the one-process keys."""
+    from test_muon_family import normuon_reference
+
+    from vescale_optim.kernels import newton_schulz
+    from vescale_optim.optim._muon_math import adjusted_lr
+
+    model = MoE()
+    mats = [*model.experts, model.proj.weight]
+    adam = torch.optim.AdamW([model.proj.bias], **ADAMW)
+    buf, v = [torch.zeros_like(p) for p in mats], [torch.zeros(p.shape[0]) for p in mats]
+    for t in range(STEPS):
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+        with torch.no_grad():
+            for k, p in enumerate(mats):
+                buf[k].lerp_(p.grad, 0.05)
+                o, v[k] = normuon_reference(newton_schulz(p.grad.lerp(buf[k], 0.95), 5), v[k], 0.95)
+                p.mul_(1 - MUON["lr"] * MUON["weight_decay"]).add_(
+                    o.bfloat16(), alpha=-adjusted_lr(MUON["lr"], None, *p.shape)
+                )
+        adam.step()
+    state = {"experts": torch.stack(list(model.experts)), "proj": model.proj.weight}
+    experts = {"momentum_buffer": torch.stack(buf[:E]), **{f"variance_neuron_{e}": v[e] for e in range(E)}}
+    saved = {"experts": experts, "proj": {"momentum_buffer": buf[E], "variance_neuron": v[E]}}
+    return {k: x.detach().clone() for k, x in state.items()}, saved
+
+
+def _normuon_train():
+    world = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp", "ep"))
+    model = MoE(world["ep"])
+    groups = [{"params": [model.experts, model.proj.weight]},
+              {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+    opt = vo.Muon(groups, mesh=world["dp"], normuon=True, **MUON)
+    dp, counts = world["dp"].get_local_rank(), []
+    for t in range(STEPS):
+        _loss(model, t, dp).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(opt.step_stats["ns_matrices"])
+    saved = opt.state_dict()["state"]
+    state = {
+        "experts": model.experts.full_tensor().detach().clone(),
+        "proj": model.proj.weight.detach().clone(),
+    }
+    return state, counts, {"experts": saved[0], "proj": saved[1]}
+
+
+def test_normuon_expert_stack_next_to_a_plain_matrix_each_once(world):
+    """dp2 x ep2 with NorMuon: each expert on its EP rank, the plain `proj` once in the world
+    (E + 1 matrices a step over all ranks), equal to one process; opt.state_dict() holds the
+    whole stack's `variance_neuron_{e}` for every expert e, gathered from their owners."""
+    want, want_state = _normuon_reference()
+    results = world(4).run(_normuon_train)
+    for got, _, state in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
+        for name, entry in want_state.items():
+            assert set(state[name]) - {"step"} == set(entry), name
+            for key, x in entry.items():
+                torch.testing.assert_close(state[name][key], x, rtol=1e-3, atol=1e-6, msg=f"{name} {key}")
+    for t in range(STEPS):
+        assert sum(counts[t] for _, counts, _ in results) == E + 1

@@ -203,7 +203,8 @@ def _refused(case):
     elif case == "no mesh":
         make = lambda: vo.AdamW(model.parameters())  # noqa: E731
     elif case == "muon":
-        make = lambda: vo.Muon(model.parameters(), mesh=world["dp"], normuon=True)  # noqa: E731
+        groups = [{"params": [model.wq.weight], "split_sizes": (6, 10)}]  # ColwiseParallel cuts a block
+        make = lambda: vo.Muon(groups, mesh=world["dp"], normuon=True)  # noqa: E731
     else:
         make = lambda: vo.Shampoo(model.parameters(), mesh=world["dp"])  # noqa: E731
     wq = model.wq.weight.to_local().clone()
@@ -221,7 +222,7 @@ def _refused(case):
         ("unrelated mesh", "ValueError", "not orthogonal to the data-parallel mesh"),
         ("partial", "ValueError", "Partial placement"),
         ("no mesh", "ValueError", "pass the data-parallel mesh as mesh="),
-        ("muon", "NotImplementedError", "Muon with normuon is not supported yet for DTensor"),
+        ("muon", "NotImplementedError", "cuts a block of split_sizes / num_heads"),
         ("shampoo", "NotImplementedError", "Shampoo under tensor parallelism needs every tile"),
     ],
 )

@@ -118,8 +118,8 @@ BLOCKS = {"wq": dict(num_heads=4), "wk": dict(num_heads=4), "wo": dict(num_heads
           "w1": dict(split_sizes=(16, 16)), "w2": dict(split_sizes=(4, 12))}  # fmt: skip
 
 
-def _sizes(name, rows):
-    spec = BLOCKS[name]
+def _sizes(name, rows, blocks=BLOCKS):
+    spec = blocks[name]
     return (
         list(spec["split_sizes"])
         if "split_sizes" in spec
@@ -190,3 +190,172 @@ def test_blocks_of_tp_cut_matrices_equal_torch_muon_per_block(world):
 def test_a_colwise_cut_through_a_block_is_refused_on_every_rank(world):
     for got, counts in world(4).run(_blocked_train, {"w1": dict(split_sizes=(8, 24))}):
         assert counts is None and "parameter #0 of shape (32, 16): its TP shard 0" in got, got
+
+
+# NorMuon on TP-cut matrices: the owner holds the full matrix (a ColwiseParallel shard's whole heads,
+# a RowwiseParallel matrix's column blocks put side by side), so it keeps each matrix's per-row
+# second moment as without TP. Reference: the loop written out (test_muon_family's NorMuon) on the
+# unparallelised model, per block.
+NORMUON_BLOCKS = {"wq": dict(num_heads=4), "w2": dict(split_sizes=(4, 12))}  # Shard(0) heads, Shard(1) blocks
+BETA2 = 0.9
+BEFORE = 2  # steps before a checkpoint
+
+
+def _normuon_names(model):
+    """Matrix parameter names in the optimizer's order (plain groups first, then one per blocked
+    matrix), and the norms'."""
+    named = list(model.named_parameters())
+    mats = [n for n, p in named if p.ndim == 2 and n.split(".")[0] not in NORMUON_BLOCKS]
+    return mats + [f"{n}.weight" for n in NORMUON_BLOCKS], [n for n, p in named if p.ndim != 2]
+
+
+def _normuon_reference(steps=STEPS, dp_after=2):
+    """One process, one thread: torch's momentum, the library's Newton–Schulz (torch's), NorMuon from
+    the paper on each block (`normuon_reference`), AdamW on the norms; the parameters and the state
+    under the one-process keys (`momentum_buffer`, `variance_neuron`, `variance_neuron_{b}`). The
+    mean gradient is over 2 data-parallel ranks for BEFORE steps, then over `dp_after`."""
+    from test_muon_family import normuon_reference
+
+    from vescale_optim.kernels import newton_schulz
+    from vescale_optim.optim._muon_math import adjusted_lr
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _build()
+        params = dict(model.named_parameters())
+        mats, vecs = _normuon_names(model)
+        adam = torch.optim.AdamW([params[n] for n in vecs], betas=(0.9, 0.95), eps=1e-8, **ADAM)
+        sizes = {
+            f"{n}.weight": _sizes(n, params[f"{n}.weight"].shape[0], NORMUON_BLOCKS) for n in NORMUON_BLOCKS
+        }
+        buf = {n: torch.zeros_like(params[n]) for n in mats}
+        v = {n: [torch.zeros(r) for r in sizes.get(n, [params[n].shape[0]])] for n in mats}
+        for t in range(steps):
+            dp = 2 if t < BEFORE else dp_after
+            mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+            with torch.no_grad():
+                for n in mats:
+                    p, g = params[n], params[n].grad
+                    buf[n].lerp_(g, 0.05)
+                    u = g.lerp(buf[n], 0.95)
+                    rows = sizes.get(n, [p.shape[0]])
+                    for b, (block, ub) in enumerate(zip(p.split(rows), u.split(rows))):
+                        o, v[n][b] = normuon_reference(newton_schulz(ub, 5), v[n][b], BETA2)
+                        block.mul_(1 - MUON["lr"] * MUON["weight_decay"])
+                        block.add_(o.bfloat16(), alpha=-adjusted_lr(MUON["lr"], None, *ub.shape))
+            adam.step()
+        state = {}
+        for n in mats:
+            state[n, "momentum_buffer"] = buf[n]
+            keys = (
+                [f"variance_neuron_{b}" for b in range(len(v[n]))] if len(v[n]) > 1 else ["variance_neuron"]
+            )
+            state.update({(n, k): x for k, x in zip(keys, v[n])})
+        return {k: p.detach().clone() for k, p in model.state_dict().items()}, state
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _normuon_setup(dp, tp, weights=None):
+    """The model at (dp, tp) (a plain one at tp=1) with vo.Muon(normuon=True) on its matrices
+    (the blocked ones in groups of their own) and AdamW on the norms; and this rank's dp rank."""
+    model = _build()
+    if weights is not None:
+        model.load_state_dict(weights)
+    mesh = {}
+    if tp > 1:
+        world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model, mesh = parallelize_module(model, world["tp"], PLAN), dict(mesh=world["dp"])
+    params = dict(model.named_parameters())
+    mats, vecs = _normuon_names(model)
+    plain = [params[n] for n in mats[: -len(NORMUON_BLOCKS)]]
+    blocked = [{"params": [params[f"{n}.weight"]], **spec} for n, spec in NORMUON_BLOCKS.items()]
+    groups = [{"params": plain}, *blocked]
+    groups.append({"params": [params[n] for n in vecs], "use_muon": False, **ADAM})
+    opt = vo.Muon(groups, normuon=True, normuon_beta2=BETA2, **mesh, **MUON)
+    dp_rank = world["dp"].get_local_rank() if tp > 1 else torch.distributed.get_rank()
+    return model, opt, dp_rank
+
+
+def _normuon_steps(model, opt, dp_rank, steps):
+    counts = []
+    for t in steps:
+        _loss(model, *_batch(t, dp_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(opt.step_stats["ns_matrices"])
+    return counts
+
+
+def _normuon_train():
+    """dp2 x tp2: the parameters, each step's Newton–Schulz matrices on this rank, and
+    opt.state_dict()'s state by (name, key)."""
+    model, opt, dp_rank = _normuon_setup(2, 2)
+    counts = _normuon_steps(model, opt, dp_rank, range(STEPS))
+    names = _normuon_names(model)[0]  # the first parameters of the optimizer, in its order
+    saved = opt.state_dict()["state"]
+    state = {(n, k): x for i, n in enumerate(names) for k, x in saved[i].items() if k != "step"}
+    return _full(model.state_dict()), counts, state
+
+
+def test_normuon_under_tp_equals_one_process_each_matrix_once(world):
+    want, want_state = _normuon_reference()
+    results = world(4).run(_normuon_train)
+    blocks = len(_normuon_names(_build())[0]) - len(NORMUON_BLOCKS) + 4 + 2  # wq's 4 heads, w2's 2 blocks
+    for t in range(STEPS):  # every matrix (block) once in the world
+        assert sum(counts[t] for _, counts, _ in results) == blocks
+    for got, _, state in results:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)
+        assert set(state) == set(want_state)  # the one-process keys, full shapes
+        for key, x in want_state.items():
+            torch.testing.assert_close(state[key], x, rtol=1e-3, atol=1e-6, msg=str(key))
+
+
+def _normuon_round_trip(path, kind, dp, tp):
+    """NorMuon at dp2 x tp2 for BEFORE steps, saved (`kind`: "dcp", "full" or "manager"), resumed
+    at (dp, tp) for one step; the parameters, whole, and those of a run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, dp_rank = _normuon_setup(2, 2)
+    _normuon_steps(model, opt, dp_rank, range(BEFORE + 1))
+    straight = _full(model.state_dict())
+    model, opt, dp_rank = _normuon_setup(2, 2)
+    _normuon_steps(model, opt, dp_rank, range(BEFORE))
+    if kind == "dcp":
+        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
+                 checkpoint_id=path)  # fmt: skip
+    elif kind == "manager":
+        vo.CheckpointManager(path, model, opt).save(BEFORE)
+    else:
+        weights, saved = _full(model.state_dict()), opt.state_dict()
+    torch.distributed.barrier()
+    if kind == "full":
+        model, opt, dp_rank = _normuon_setup(dp, tp, weights)
+        opt.load_state_dict(saved)
+    else:
+        model, opt, dp_rank = _normuon_setup(dp, tp)
+    if kind == "dcp":
+        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+        dcp.load(pieces, checkpoint_id=path)
+        opt.load_sharded_model_state_dict(pieces["model"])
+        opt.load_sharded_state_dict(pieces["optim"])
+    elif kind == "manager":
+        assert vo.CheckpointManager(path, model, opt).load().step == BEFORE
+    _normuon_steps(model, opt, dp_rank, range(BEFORE, BEFORE + 1))
+    return _full(model.state_dict()), straight
+
+
+@pytest.mark.parametrize("kind, dp, tp", [("full", 2, 2), ("dcp", 2, 2), ("manager", 2, 2), ("full", 4, 1)],
+                         ids=["full", "dcp", "manager", "full-into-dp4xtp1"])  # fmt: skip
+def test_normuon_state_under_tp_resumes_exactly(world, tmp_path, kind, dp, tp):
+    """Saved at dp2 x tp2 and resumed there: bitwise the run that never stopped; resumed on the
+    plain model at dp4 (the one-process keys): the one-process reference."""
+    want = _normuon_reference(BEFORE + 1, dp_after=dp)[0] if tp == 1 else None
+    for got, straight in world(4).run(_normuon_round_trip, str(tmp_path / "ckpt"), kind, dp, tp, timeout=120):
+        for k in got:
+            if want is None:
+                torch.testing.assert_close(got[k], straight[k], rtol=0, atol=0, msg=k)
+            else:
+                torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-4, msg=k)

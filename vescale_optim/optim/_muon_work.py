@@ -91,7 +91,8 @@ def refuse_tp_blocks(params: list, defaults: dict) -> None:
 @dataclass(frozen=True)
 class MatrixWork:
     """A segment's matrices: per item its `WorkItem`, `(rows, cols)`, `(param, block)` (the
-    block of the local parameter it is) and, in the dp x tp world, its `TPItem` (else None)."""
+    block it is of the parameter's local tensor, or in the dp x tp world of the whole tensor: what
+    keys NorMuon's state) and, in the dp x tp world, its `TPItem` (else None)."""
 
     items: list[WorkItem]
     shapes: list[tuple[int, int]]
@@ -132,24 +133,27 @@ def matrix_work(seg: Segment, ns_steps: int, kinds: list[TPMatrix | Experts | No
     for i, p in enumerate(seg.params):
         kind = kinds[i] if kinds and tp_world else None
         if isinstance(kind, TPMatrix) and blocked(seg.group):  # blocks of the TP shards
+            first = 0  # the full matrix's index of a TP shard's first block
             for t in range(kind.size) if kind.dim == 0 else (None,):
                 shard_blocks = tp_blocks(tuple(p.shape), seg.group, kind, t or 0)
-                for b, (at, n, c, rows, cols) in enumerate(shard_blocks):
+                for b, (at, n, c, rows, cols) in enumerate(shard_blocks, start=first):
                     pieces, home = place(i, at, n * c)
                     if t is None:  # a column slice on every tp rank: the whole block from all of them
                         add(tp_pieces(pieces, kind, shards), rows, cols, None, (i, b), TPItem(SHARDED))
                     else:  # whole on tp rank t: orthogonalized there, as an expert matrix
                         at_home = None if home is None else t * shards + home
                         add(expert_pieces(pieces, t, shards), n, c, at_home, (i, b), TPItem(SHARDED, t))
+                first += len(shard_blocks)
             continue
         local = []  # per block: its pieces, home and shape on this rank's layout
         for b, (at, rows, cols) in enumerate(group_blocks(local_shape(p), seg.group)):
             local.append((b, *place(i, at, rows * cols), rows, cols))
-        if isinstance(kind, Experts):  # tp rank t's copy of each block, for every t
+        if isinstance(kind, Experts):  # tp rank t's copy of each block, for every t (the stack's t * n + b)
             for t in range(kind.size):
                 for b, pieces, home, rows, cols in local:
                     at_home = None if home is None else t * shards + home
-                    add(expert_pieces(pieces, t, shards), rows, cols, at_home, (i, b), TPItem(SHARDED, t))
+                    block = (i, t * len(local) + b)
+                    add(expert_pieces(pieces, t, shards), rows, cols, at_home, block, TPItem(SHARDED, t))
         elif isinstance(kind, TPMatrix):  # the full matrix, from the TP shards of every tp rank
             for b, pieces, _, _, _ in local:
                 add(tp_pieces(pieces, kind, shards), *tuple(p.shape), None, (i, b), TPItem(SHARDED))

@@ -20,7 +20,7 @@ from ..owners.moves import Move, run_moves
 from ..owners.plan import plan_owners
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import local_shape
-from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, refuse_tp_muon, tp_kind
+from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, tp_kind
 from . import lowbit
 from ._checks import check_betas, check_params_arg
 from ._muon_math import (
@@ -107,7 +107,6 @@ class Muon(ShardedOptimizer):
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
         params = list(params)
-        refuse_tp_muon(params, defaults)
         refuse_tp_blocks(params, defaults)
         if params and isinstance(params[0], dict):
             # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
@@ -121,6 +120,8 @@ class Muon(ShardedOptimizer):
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
         kinds = [[tp_kind(p) for p in seg.params] for seg in segs]
         self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, kinds))  # None without TP
+        if tp is not None:  # NorMuon's v is kept by owners anywhere in the dp x tp world
+            self._io.owned_world = tp.comm
         work = [matrix_work(sg, ns_steps_of(sg.group), kind, tp is not None) for sg, kind in zip(segs, kinds)]
         dims = [(r, c, ns_steps_of(seg.group)) for seg, w in zip(segs, work) for r, c in w.shapes]
         whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, w in zip(segs, work) for _ in w.shapes]
@@ -347,16 +348,18 @@ class Muon(ShardedOptimizer):
         """NorMuon's per-row second moment of each matrix, kept by the matrix's owner:
         `variance_neuron` (rows,) for a parameter of one matrix, `variance_neuron_{b}` for block `b`
         of one cut into several (a stack's matrices, `split_sizes`, `num_heads`); stored in the
-        tier of the matrix's momentum (8-bit: int8 codes of `sqrt(v)` and a scale per block)."""
+        tier of the matrix's momentum (8-bit: int8 codes of `sqrt(v)` and a scale per block). A
+        DTensor's blocks are the whole tensor's (every TP shard's, every expert), under the
+        one-process keys, with owners in the dp x tp world (`StateIO.owned_world`)."""
         out: list[list[Owned]] = [[] for _ in seg.params]
         position = getattr(self, "_position", {}).get(id(seg))
         if position is None or not seg.group["normuon"]:
             return out
         blocks, owners = self._blocks[position], self._owners[position]
-        counts = [sum(1 for i, _ in blocks if i == j) for j in range(len(seg.params))]
         for k, (i, b) in enumerate(blocks):
-            rows = group_blocks(tuple(seg.params[i].shape), seg.group)[b][1]
-            key = "variance_neuron" if counts[i] == 1 else f"variance_neuron_{b}"
+            whole = group_blocks(tuple(seg.params[i].shape), seg.group)  # a DTensor's: the whole tensor's
+            key = "variance_neuron" if len(whole) == 1 else f"variance_neuron_{b}"
+            rows = whole[b][1]
             kept = self._variance.get((position, k))
             tensor = None if kept is None else kept.buffer
             coded = None if kept is None or kept.codec.exact else kept

@@ -232,39 +232,19 @@ def tp_world(world: Comm, tp: Comm, topo: Topology, index: int) -> TPWorld:
     )
 
 
-def refuse_tp_muon(params: list, defaults: dict) -> None:
-    """What Muon does not orthogonalize under TP yet, refused by name before anything is built:
-    NorMuon in an optimizer holding a matrix cut over TP (`tp_matrix`; its per-row state would be
-    kept by owners of the dp x tp world). Blocks of a cut matrix: `optim._muon_work.refuse_tp_blocks`."""
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    groups = [{**defaults, **g} for g in groups]
-    listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in groups]
-    cut = [g.get("use_muon", True) and any(tp_matrix(p) for p in ps) for g, ps in zip(groups, listed)]
-    for gi, group in enumerate(groups):
-        if cut[gi] and group.get("normuon"):
-            raise NotImplementedError(
-                f"param group {gi}: Muon with normuon is not supported yet for DTensor parameters cut "
-                "over tensor parallelism"
-            )
-        if any(cut) and group.get("use_muon", True) and group.get("normuon"):
-            raise NotImplementedError(
-                f"param group {gi}: Muon with normuon is not supported yet in an optimizer that holds "
-                f"DTensor matrices cut over tensor parallelism (param group {cut.index(True)})"
-            )
-
-
 def muon_tp_world(
     runtime, segs: Sequence, kinds: Sequence[Sequence[TPMatrix | Experts | None]]
 ) -> TPWorld | None:
     """The dp x tp world Muon's whole matrices travel over (None: the data-parallel world, as
     without TP): when some Muon segment holds matrices cut over TP, or expert stacks next to
-    plain matrices (each plain matrix then computed once in the world, not on every EP rank;
-    with NorMuon, whose state the data-parallel owners keep, they stay on every EP rank)."""
+    plain matrices (each plain matrix then computed once in the world, not on every EP rank), or
+    expert stacks with NorMuon (whose state is then the whole stack's, kept by owners of the dp x
+    tp world, under the one-process keys)."""
     flat = [k for seg_kinds in kinds for k in seg_kinds]
     cut = any(isinstance(k, TPMatrix) for k in flat)
     experts = any(isinstance(k, Experts) for k in flat)
     normuon = any(seg.group["normuon"] for seg in segs)
-    if not (cut or (experts and None in flat and not normuon)):
+    if not (cut or (experts and (None in flat or normuon))):
         return None
     index = next(k.index for k in flat if k is not None)
     return tp_world(runtime.world, runtime.tp[0], runtime.topology, index)
