@@ -16,6 +16,10 @@ per data-parallel rank:
                      copies of the matrices on every rank, each rank then keeping its own shard
                      of the result (`redistribute` from Replicate, no communication);
                      `torch.optim.AdamW` on the norms
+* `TP alone AdamW` - the same TP model with no data parallelism at all (each dp rank steps
+                     `torch.optim.AdamW` on its own gradient): forward, backward and the TP
+                     all-reduces that the others pay alike. The train time above it is what
+                     data parallelism adds (`the data-parallel part`, printed after the goals)
 
 Time: one step of each configuration in turn per round, the order rotating; `train` is
 forward + backward + `opt.step()` + `zero_grad` after a barrier, `step` is `opt.step()`; a
@@ -65,7 +69,8 @@ from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, 
 
 PRELOAD = ["benchmarks.tp"]
 WORLD, TP = 4, 2
-CONFIGS = ["ours AdamW", "FSDP2 AdamW", "ours Muon", "FSDP2 full_tensor Muon"]
+CONFIGS = ["ours AdamW", "FSDP2 AdamW", "ours Muon", "FSDP2 full_tensor Muon", "TP alone AdamW"]
+FLOOR = "TP alone AdamW"  # no data-parallel synchronisation: what ours and FSDP2 both pay
 PEER = {"ours AdamW": "FSDP2 AdamW", "ours Muon": "FSDP2 full_tensor Muon"}
 MODEL = dict(dim=256, layers=4, head=32, batch=4, seq=64, rounds=7)
 QUICK = dict(dim=32, layers=2, head=8, batch=2, seq=8, rounds=3)
@@ -156,7 +161,12 @@ class Trainer:
         norms = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
         self.ours = config.startswith("ours")
         self.ns = 0  # Newton–Schulz FLOPs per rank and step, for the peers
-        if config == "ours AdamW":
+        if config == FLOOR:  # each dp rank steps its own gradient: the TP model's forward, backward and
+            # TP all-reduces with nothing data-parallel (its loss is not comparable: no averaging);
+            # torch's foreach AdamW takes DTensors and plain tensors in separate optimizers
+            self.opt = Both(torch.optim.AdamW(cut, foreach=True, **ADAMW),
+                            torch.optim.AdamW(norms, foreach=True, **ADAMW))  # fmt: skip
+        elif config == "ours AdamW":
             self.opt = vo.AdamW(self.model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
         elif config == "ours Muon":
             groups = [{"params": cut}, {"params": norms, "use_muon": False, **ADAMW}]
@@ -291,7 +301,18 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
         "peak live x": max(by["ours AdamW"]["peak live x"], by["ours Muon"]["peak live x"]),
     }
     goals = {k: {"goal": f"<= {GOALS[k]}", "measured": v, "met": v <= GOALS[k]} for k, v in measured.items()}
-    return rows, goals
+    return rows, goals, data_parallel_part(per_rank)
+
+
+def data_parallel_part(per_rank: list[dict]) -> dict:
+    """What data parallelism adds to the AdamW train step, ours and FSDP2's: the median over rounds
+    of the slowest rank's train time minus the TP-alone floor's in the same round (forward,
+    backward and the TP all-reduces, which both issue alike), and their ratio."""
+    floor = _slowest(per_rank, FLOOR, "train")
+    part = {c: statistics.median(a - f for a, f in zip(_slowest(per_rank, c, "train"), floor))
+            for c in ("ours AdamW", "FSDP2 AdamW")}  # fmt: skip
+    return {"floor ms": statistics.median(floor), "ours ms": part["ours AdamW"],
+            "FSDP2 ms": part["FSDP2 AdamW"], "x": part["ours AdamW"] / part["FSDP2 AdamW"]}  # fmt: skip
 
 
 COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "comm ms", "peak live MB", "peak live x",
@@ -308,16 +329,20 @@ def main(argv: list[str] | None = None) -> dict:
         sizes["rounds"] = args.rounds
     print(f"load average before: {load_average()}")
     per_rank = launch(_rank, WORLD, sizes, preload=PRELOAD)
-    rows, goals = summarize(per_rank)
+    rows, goals, dp_part = summarize(per_rank)
     print(f"dp{WORLD // TP} x tp{TP}, {sizes['layers']} blocks of width {sizes['dim']}, batch "
           f"{sizes['batch']}x{sizes['seq']} per dp rank; medians of {sizes['rounds']} rounds\n")  # fmt: skip
     print(table(rows, COLUMNS, floatfmt=".3g"))
     print(f"\n{FSDP2_ON_CPU}\n")
     for name, g in goals.items():
         print(f"goal {name} {g['goal']}: measured {g['measured']:.3f}, {'met' if g['met'] else 'NOT met'}")
+    part = dp_part
+    print(f"\nthe data-parallel part of the AdamW train step (train minus {FLOOR}'s {part['floor ms']:.0f} "
+          f"ms): ours {part['ours ms']:.0f} ms, FSDP2 {part['FSDP2 ms']:.0f} ms, "
+          f"{part['x']:.3f}x")  # fmt: skip
     print(f"\n{host_line(per_rank.threads)} (after the run)")
     payload = {"world": WORLD, "tp": TP, "sizes": sizes, "rows": rows, "goals": goals,
-               "env": environment(per_rank.threads)}  # fmt: skip
+               "data_parallel_part": dp_part, "env": environment(per_rank.threads)}  # fmt: skip
     path = save_json("tp_quick" if args.quick else "tp", payload)
     print(f"\nwrote {path}")
     return payload

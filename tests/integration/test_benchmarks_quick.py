@@ -211,6 +211,8 @@ def test_tp(tmp_path, capsys):
     assert rows["ours Muon"]["stats MB"] > 0
     assert set(out["goals"]) == set(tp.GOALS)
     assert all(isinstance(g["met"], bool) for g in out["goals"].values())
+    assert set(out["data_parallel_part"]) == {"floor ms", "ours ms", "FSDP2 ms", "x"}
     printed = capsys.readouterr().out
     assert "| config" in printed and "synchronously" in printed and "load average" in printed
+    assert "the data-parallel part of the AdamW train step" in printed
     _host(out, threads=4)
