@@ -39,8 +39,8 @@ from .segment import Segment
 from .step_agreement import GradTracker
 from .tensor_parallel import (
     any_over_tp,
+    dtensors_refused,
     local_numel,
-    refuse_dtensors,
     tp_groups,
     tp_norm_parts,
 )
@@ -133,13 +133,13 @@ class Runtime:
     ):
         self.config, self.labels, self._check, self._groups = config, labels, check, param_groups
         params = [p for g in param_groups for p in g["params"]]
-        refuse_dtensors(params, config, labels)  # before any collective, alike on every rank
+        refused = dtensors_refused(params, config, labels)  # raised after the agreement below
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology, self.root_world = groups.topology, groups.root_world
         # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
         self.tp = [Comm(g) for g in tp_groups(params)]
-        problem = device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
+        problem = refused or device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
         try:
             members, modules, names = self._plan(params)
         except ValueError as e:  # raised on every rank, once they have agreed

@@ -139,14 +139,16 @@ def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]
     return None
 
 
-def refuse_dtensors(params: Sequence[torch.Tensor], config: ShardingConfig, labels: dict[int, str]) -> None:
-    """DTensor parameters (tensor parallelism) the runtime cannot shard, refused by name; every
-    rank of one plan sees the same parameters, so every rank raises."""
+def dtensors_refused(
+    params: Sequence[torch.Tensor], config: ShardingConfig, labels: dict[int, str]
+) -> str | None:
+    """Why the runtime cannot shard this rank's DTensor parameters (tensor parallelism), if it
+    cannot; None without DTensors. Not raised here: the runtime raises it once every rank has
+    joined the construction's agreement, so a rank left out of the plan (no DTensors, or no
+    `mesh=` either) raises with its peers instead of waiting for them."""
     if not any(is_dtensor(p) for p in params):
-        return
-    problem = dtensor_problem(params, config.mesh, labels)
-    if problem is not None:
-        raise ValueError(problem)
+        return None
+    return dtensor_problem(params, config.mesh, labels)
 
 
 def refuse_for(owner: str, params: Sequence[torch.Tensor], takes_dtensors: bool) -> None:
