@@ -365,12 +365,20 @@ def _normuon_round_trip(path, kind, dp, tp):
     return _full(model.state_dict()), straight
 
 
-@pytest.mark.parametrize("kind, dp, tp", [("full", 2, 2), ("dcp", 2, 2), ("manager", 2, 2), ("full", 4, 1)],
-                         ids=["full", "dcp", "manager", "full-into-dp4xtp1"])  # fmt: skip
+RESUMES = [("full", 2, 2), ("dcp", 2, 2), ("manager", 2, 2)] + [
+    (kind, dp, tp) for dp, tp in ((4, 1), (1, 4)) for kind in ("full", "dcp", "manager")
+]
+
+
+RESUME_IDS = [k if (d, t) == (2, 2) else f"{k}-into-dp{d}xtp{t}" for k, d, t in RESUMES]
+
+
+@pytest.mark.parametrize("kind, dp, tp", RESUMES, ids=RESUME_IDS)
 def test_normuon_state_under_tp_resumes_exactly(world, tmp_path, kind, dp, tp):
     """Saved at dp2 x tp2 and resumed there: bitwise the run that never stopped; resumed on the
-    plain model at dp4 (the one-process keys): the one-process reference."""
-    want = _normuon_reference(BEFORE + 1, dp_after=dp)[0] if tp == 1 else None
+    plain model at dp4 or at dp1 x tp4 (v's blocks the whole tensor's, under the one-process keys):
+    the one-process reference that never stopped, on 2 ranks' batches and then on `dp`'s."""
+    want = None if (dp, tp) == (2, 2) else _normuon_reference(BEFORE + 1, dp_after=dp)[0]
     for got, straight in world(4).run(_normuon_round_trip, str(tmp_path / "ckpt"), kind, dp, tp, timeout=120):
         for k in got:
             if want is None:
