@@ -5,8 +5,8 @@ stopped (torch.optim.AdamW on the mean gradient of each step's data-parallel ran
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from _reference import mean_grad_reference
+from _resume import save_and_load
 from test_tensor_parallel import ADAMW, PLAN, _batch, _build, _loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -59,26 +59,7 @@ def _round_trip(path: str, kind: str, dp: int, tp: int) -> dict:
     (dp, tp), train AFTER steps; the final parameters, whole."""
     model, opt, dp_rank = _setup(2, 2)
     _steps(model, opt, dp_rank, range(BEFORE))
-    if kind == "dcp":
-        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
-                 checkpoint_id=path)  # fmt: skip
-    elif kind == "manager":
-        vo.CheckpointManager(path, model, opt).save(BEFORE)
-    else:
-        weights, saved = _full(model), opt.state_dict()
-    torch.distributed.barrier()
-    if kind == "full":
-        model, opt, dp_rank = _setup(dp, tp, weights)
-        opt.load_state_dict(saved)
-    else:
-        model, opt, dp_rank = _setup(dp, tp)
-    if kind == "dcp":
-        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
-        dcp.load(pieces, checkpoint_id=path)
-        opt.load_sharded_model_state_dict(pieces["model"])
-        opt.load_sharded_state_dict(pieces["optim"])
-    elif kind == "manager":
-        assert vo.CheckpointManager(path, model, opt).load().step == BEFORE
+    model, opt, dp_rank = save_and_load(kind, path, model, opt, BEFORE, _full, lambda w: _setup(dp, tp, w))
     _steps(model, opt, dp_rank, range(BEFORE, BEFORE + AFTER))
     return _full(model)
 

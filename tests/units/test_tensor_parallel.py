@@ -376,23 +376,48 @@ def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
 # --- skip_nonfinite, 8-bit state and 8-bit collectives under TP --------------------------------
 
 
-def _train_with(dp, options, steps=STEPS, poison=None, same_batch=False):
+# A block wide enough for 8-bit state: its 64 x 64 TP shards reach QUANT_MIN_NUMEL (4096) elements,
+# under which state stays in fp32 (the Llama block's shards are all smaller).
+WIDE, WIDE_HIDDEN = 64, 128
+WIDE_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.RMSNorm(WIDE)
+        self.up = nn.Linear(WIDE, WIDE_HIDDEN, bias=False)
+        self.down = nn.Linear(WIDE_HIDDEN, WIDE, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+def _train_with(dp, options, steps=STEPS, poison=None, same_batch=False, wide=False):
     """dp x tp2 (dp * 2 ranks) with vo.AdamW(**options): the model state after `steps` (whole),
-    and the optimizer's state dict. `poison=(step, rank)`: that global rank's local gradient of
-    wq holds a NaN at that step (its TP peer's does not). `same_batch`: every dp rank trains on
-    step t's batch of rank 0, so the mean gradient does not depend on dp."""
+    and the optimizer's state dict (with `wide`, of the Wide block, and the segments' tiers too).
+    `poison=(step, rank)`: that global rank's local gradient of wq holds a NaN at that step (its
+    TP peer's does not). `same_batch`: every dp rank trains on step t's batch of rank 0, so the
+    mean gradient does not depend on dp."""
     world = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    model = parallelize_module(Wide() if wide else _build(), world["tp"], WIDE_PLAN if wide else PLAN)
     opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW, **options)
     dp_rank = 0 if same_batch else world["dp"].get_local_rank()
     for t in range(steps):
         if poison is not None and poison == (t, torch.distributed.get_rank()):
             hook = model.wq.weight.register_hook(lambda g: g * float("nan"))
-        _loss(model, *_batch(t, dp_rank)).backward()
+        x, y = _batch(t, dp_rank)
+        if wide:
+            g = torch.Generator().manual_seed(1000 * t + dp_rank)
+            x, y = torch.randn(BATCH, SEQ, WIDE, generator=g), torch.randn(BATCH, SEQ, WIDE, generator=g)
+        _loss(model, x, y).backward()
         if poison is not None and poison == (t, torch.distributed.get_rank()):
             hook.remove()
         opt.step()
         opt.zero_grad()
+    if wide:
+        return _full(model.state_dict()), opt.state_dict(), [seg.tier for seg in opt.segments]
     return _full(model.state_dict()), opt.state_dict()
 
 
@@ -407,17 +432,20 @@ def test_skip_nonfinite_skips_on_every_tp_rank(world):
 
 def test_8bit_state_is_identical_at_any_dp_size_for_one_tp_size(world):
     options = dict(state_bits=8)
-    one = world(2).run(_train_with, 1, options, same_batch=True)
-    two = world(4).run(_train_with, 2, options, same_batch=True)
-    (model1, state1), (model2, state2) = one[0], two[0]
+    one = world(2).run(_train_with, 1, options, same_batch=True, wide=True)
+    two = world(4).run(_train_with, 2, options, same_batch=True, wide=True)
+    (model1, state1, tiers), (model2, state2, _) = one[0], two[0]
+    assert "q8" in tiers  # the projections' state in int8 blocks, not the fp32 tier of small tensors
     for k in model1:
         assert torch.equal(model1[k], model2[k]), k
     for i, entry in state1["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, state2["state"][i][name]), (i, name)
-    near = world(4).run(_train_with, 2, {}, same_batch=True)[0][0]
-    for k in near:  # and near the fp32 state's run
-        torch.testing.assert_close(model2[k], near[k], rtol=0, atol=5e-3, msg=k)
+    near = world(4).run(_train_with, 2, {}, same_batch=True, wide=True)[0][0]
+    for k in near:  # and near the fp32 state's run: Adam's update of a tiny gradient may flip with
+        # the int8 rounding (measured: at most 6.8e-3, lr 1e-2), the mean stays small (1.2e-4)
+        diff = (model2[k] - near[k]).abs()
+        assert diff.max() <= STEPS * ADAMW["lr"] and diff.mean() <= 1e-3, (k, diff.max(), diff.mean())
 
 
 @pytest.mark.parametrize("options", [dict(gather_bits=8), dict(reduce_bits=8)], ids=["gather8", "reduce8"])

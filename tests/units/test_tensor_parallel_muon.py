@@ -6,11 +6,12 @@ numbers as one process running torch.optim.Muon (+ AdamW for the norms) on the m
 import pytest
 import torch
 from _reference import mean_grad_reference
-from test_tensor_parallel import BATCH, PLAN, SEQ, _batch, _build, _full, _loss
+from _resume import save_and_load
+from test_tensor_parallel import BATCH, PLAN, SEQ, WIDE, WIDE_PLAN, Wide, _batch, _build, _full, _loss
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import vescale_optim as vo
 
@@ -334,33 +335,14 @@ def test_normuon_under_tp_equals_one_process_each_matrix_once(world, normuon_ref
 def _normuon_round_trip(path, kind, dp, tp):
     """NorMuon at dp2 x tp2 for BEFORE steps, saved (`kind`: "dcp", "full" or "manager"), resumed
     at (dp, tp) for one step; the parameters, whole, and those of a run that never stopped."""
-    import torch.distributed.checkpoint as dcp
 
     model, opt, dp_rank = _normuon_setup(2, 2)
     _normuon_steps(model, opt, dp_rank, range(BEFORE + 1))
     straight = _full(model.state_dict())
     model, opt, dp_rank = _normuon_setup(2, 2)
     _normuon_steps(model, opt, dp_rank, range(BEFORE))
-    if kind == "dcp":
-        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
-                 checkpoint_id=path)  # fmt: skip
-    elif kind == "manager":
-        vo.CheckpointManager(path, model, opt).save(BEFORE)
-    else:
-        weights, saved = _full(model.state_dict()), opt.state_dict()
-    torch.distributed.barrier()
-    if kind == "full":
-        model, opt, dp_rank = _normuon_setup(dp, tp, weights)
-        opt.load_state_dict(saved)
-    else:
-        model, opt, dp_rank = _normuon_setup(dp, tp)
-    if kind == "dcp":
-        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
-        dcp.load(pieces, checkpoint_id=path)
-        opt.load_sharded_model_state_dict(pieces["model"])
-        opt.load_sharded_state_dict(pieces["optim"])
-    elif kind == "manager":
-        assert vo.CheckpointManager(path, model, opt).load().step == BEFORE
+    model, opt, dp_rank = save_and_load(kind, path, model, opt, BEFORE, lambda m: _full(m.state_dict()),
+                                        lambda w: _normuon_setup(dp, tp, w))  # fmt: skip
     _normuon_steps(model, opt, dp_rank, range(BEFORE, BEFORE + 1))
     return _full(model.state_dict()), straight
 
@@ -389,22 +371,7 @@ def test_normuon_state_under_tp_resumes_exactly(world, tmp_path, kind, dp, tp):
 
 # 8-bit NorMuon under TP: the momentum's and v's int8 blocks lie in each TP shard (q8 from
 # QUANT_MIN_NUMEL elements of the local shard), so at one TP size they are bitwise the same at any
-# dp size, and near the fp32 state's run. An MLP wide enough for its 64 x 64 shards to reach q8.
-WIDE, WIDE_HIDDEN = 64, 128
-WIDE_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.norm = nn.RMSNorm(WIDE)
-        self.up = nn.Linear(WIDE, WIDE_HIDDEN, bias=False)
-        self.down = nn.Linear(WIDE_HIDDEN, WIDE, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
-
+# dp size, and near the fp32 state's run (test_tensor_parallel's Wide: 64 x 64 shards reach q8).
 
 def _wide_normuon(dp, state_bits):
     """dp x tp2, every dp rank on rank 0's batches (the mean gradient does not depend on dp):

@@ -11,8 +11,8 @@ bitwise at dp2 x tp2, dp4 x tp1 and dp1 x tp4. Cuts off the grid are refused."""
 import pytest
 import test_sequence_parallel as sp
 import torch
-import torch.distributed.checkpoint as dcp
 from _reference import mean_grad_reference
+from _resume import save_and_load
 from _shampoo_reference import ReferenceShampoo, tile_slices
 from test_fsdp import SHAMPOO
 from test_tensor_parallel import PLAN, _batch, _build, _full, _loss
@@ -126,20 +126,7 @@ def _round_trip(path, kind, dp, tp):
     half = STEPS // 2
     model, opt, dp_rank = _setup(2, 2)
     _steps(model, opt, dp_rank, range(half))
-    if kind == "dcp":
-        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
-                 checkpoint_id=path)  # fmt: skip
-    else:
-        vo.CheckpointManager(path, model, opt).save(half)
-    torch.distributed.barrier()
-    model, opt, dp_rank = _setup(dp, tp)
-    if kind == "dcp":
-        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
-        dcp.load(pieces, checkpoint_id=path)
-        opt.load_sharded_model_state_dict(pieces["model"])
-        opt.load_sharded_state_dict(pieces["optim"])
-    else:
-        assert vo.CheckpointManager(path, model, opt).load().step == half
+    model, opt, dp_rank = save_and_load(kind, path, model, opt, half, None, lambda _: _setup(dp, tp))
     _steps(model, opt, dp_rank, range(half, STEPS))
     return _full(model.state_dict())
 
