@@ -68,7 +68,7 @@ def _loss(model, step, dp_rank):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _train(model, opt, dp_rank) -> list[int]:
+def _steps(model, opt, dp_rank) -> list[int]:
     """STEPS steps on this dp rank's batches; each step's Newton–Schulz matrices on this rank."""
     counts = []
     for t in range(STEPS):
@@ -178,7 +178,7 @@ def _tp_train(one_group, zero3):
     groups = [{"params": mats}, adamw] if one_group else [*({"params": [p]} for p in mats), adamw]
     units = dict(shard_modules=[model.moe, model]) if zero3 else {}
     opt = vo.Muon(groups, mesh=world["dp"], **units, **MUON)
-    counts = _train(model, opt, world["dp"].get_local_rank())
+    counts = _steps(model, opt, world["dp"].get_local_rank())
     with opt.gathered():
         state = {"experts": model.moe.experts, "proj": model.moe.proj.weight, "up": model.up.weight,
                  "down": model.down.weight}  # fmt: skip
@@ -275,7 +275,7 @@ def _normuon_train():
     groups = [{"params": [model.experts, model.proj.weight]},
               {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
     opt = vo.Muon(groups, mesh=world["dp"], normuon=True, **MUON)
-    counts = _train(model, opt, world["dp"].get_local_rank())
+    counts = _steps(model, opt, world["dp"].get_local_rank())
     saved = opt.state_dict()["state"]
     state = {
         "experts": model.experts.full_tensor().detach().clone(),
