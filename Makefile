@@ -22,7 +22,7 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -q tests
 
-# the inner loop: everything but the tests marked slow (under 4 minutes on 2 cores)
+# the inner loop: everything but the tests marked slow (3 to 5 minutes on 2 cores)
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" tests
 

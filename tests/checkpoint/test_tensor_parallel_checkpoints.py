@@ -14,6 +14,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import vescale_optim as vo
 
+pytestmark = pytest.mark.slow  # 4-rank TP runs, as the other tensor-parallel modules
+
 BEFORE, AFTER = 2, 2  # steps before the save, steps after the resume
 LAYOUTS = [(2, 2), (4, 1), (1, 4)]  # (dp, tp) of the resumed run
 
