@@ -167,7 +167,7 @@ class Muon(ShardedOptimizer):
         self._work = {id(seg): [SegmentWork.of(m, *([xs[k] for k in at] for xs in (its, shs, ids)))
                                 for at, m in parts]
                       for seg, parts, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
-        self._cuts, self._segs, self._position = kinds, segs, {id(seg): s for s, seg in enumerate(segs)}
+        self._kinds, self._segs, self._position = kinds, segs, {id(seg): s for s, seg in enumerate(segs)}
         self._split = SplitStep(self.plan, segs, [w.items for w in work], [w.shapes for w in work], topo,
                                 runtime.world) if self.plan.groups else None  # fmt: skip
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
@@ -273,8 +273,8 @@ class Muon(ShardedOptimizer):
 
     def _full(self, work: SegmentWork, seg: Segment, received: torch.Tensor) -> torch.Tensor:
         """The arriving matrices orthogonalized; those cut over TP by columns made full first."""
-        blocks, cuts = self._blocks[self._position[id(seg)]], self._cuts[self._position[id(seg)]]
-        of = [cuts[blocks[i][0]] for i in work.ids]  # per item, its parameter's TP cut
+        blocks, kinds = self._blocks[self._position[id(seg)]], self._kinds[self._position[id(seg)]]
+        of = [kinds[blocks[i][0]] for i in work.ids]  # per item, how its parameter lies over TP
         rowwise = [(work.moves.received_at[k], *work.shapes[k], of[k]) for k in work.moves.arriving
                    if isinstance(of[k], TPMatrix) and of[k].dim == 1]  # fmt: skip
         assemble(received, rowwise, back=False)
@@ -303,7 +303,7 @@ class Muon(ShardedOptimizer):
             shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
             runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
         else:
-            runs = self._block_runs(seg, lr, self._cuts[self._position[id(seg)]])
+            runs = self._block_runs(seg, lr, self._kinds[self._position[id(seg)]])
         apply_(seg.local_params, runs, lr, g["weight_decay"], update, back, returned, _CHUNK)
 
     @staticmethod

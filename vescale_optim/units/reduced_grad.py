@@ -162,8 +162,7 @@ class Sharded(torch.Tensor):
         DTensor's `to_local()`; itself for any other."""
         if self._tp is None:
             return self
-        out = Sharded._of(self._local_values, self)
-        return _relabel(out, self._tp.local_shape)
+        return _relabel(self, self._tp.local_shape)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor on every rank, as an ordinary tensor (collective: an all-gather, and

@@ -39,7 +39,7 @@ from .segment import Segment
 from .step_agreement import GradTracker
 from .tensor_parallel import (
     any_over_tp,
-    dtensors_refused,
+    dtensor_problem,
     local_numel,
     tp_groups,
     tp_norm_parts,
@@ -133,7 +133,9 @@ class Runtime:
     ):
         self.config, self.labels, self._check, self._groups = config, labels, check, param_groups
         params = [p for g in param_groups for p in g["params"]]
-        refused = dtensors_refused(params, config, labels)  # raised after the agreement below
+        # raised after the agreement below, so a rank left out of the plan (no DTensors, or no
+        # mesh= either) raises with its peers instead of waiting for them
+        refused = dtensor_problem(params, config.mesh, labels)
         groups = resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology, self.root_world = groups.topology, groups.root_world

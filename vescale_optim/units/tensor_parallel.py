@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import torch
 
 from ..shard.flags import any_rank_flag
-from .config import ShardingConfig
 
 
 def is_dtensor(t: object) -> bool:
@@ -137,18 +136,6 @@ def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]
                 "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
             )
     return None
-
-
-def dtensors_refused(
-    params: Sequence[torch.Tensor], config: ShardingConfig, labels: dict[int, str]
-) -> str | None:
-    """Why the runtime cannot shard this rank's DTensor parameters (tensor parallelism), if it
-    cannot; None without DTensors. Not raised here: the runtime raises it once every rank has
-    joined the construction's agreement, so a rank left out of the plan (no DTensors, or no
-    `mesh=` either) raises with its peers instead of waiting for them."""
-    if not any(is_dtensor(p) for p in params):
-        return None
-    return dtensor_problem(params, config.mesh, labels)
 
 
 def refuse_for(owner: str, params: Sequence[torch.Tensor], takes_dtensors: bool) -> None:
