@@ -68,5 +68,8 @@ def is_first() -> bool:
 
 
 def leave() -> None:
+    """The group destroyed once every rank is here (a rank leaving while a peer still has
+    collectives in flight over it aborts in gloo's teardown)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
