@@ -12,7 +12,13 @@ from .shard import (
     plan_layout,
     set_collective_timeout,
 )
-from .units import NoSyncMismatchError, ReshardedParameterError, ShardedGradError, ShardingConfig
+from .units import (
+    NoSyncMismatchError,
+    ReshardedParameterError,
+    ShardedGradError,
+    ShardingConfig,
+    WrapperError,
+)
 from .version import __version__
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "ShardedOptimizer",
     "Shampoo",
     "ShardingConfig",
+    "WrapperError",
     "__version__",
     "init_distributed",
     "muon_param_groups",

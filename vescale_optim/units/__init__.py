@@ -8,6 +8,7 @@ from .runtime import Declaration, Runtime
 from .segment import Segment
 from .stand_in import ReshardedParameterError
 from .unit import State, Unit
+from .wrappers import WrapperError
 
 __all__ = [
     "Declaration",
@@ -22,4 +23,5 @@ __all__ = [
     "ShardingConfig",
     "State",
     "Unit",
+    "WrapperError",
 ]

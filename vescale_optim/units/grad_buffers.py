@@ -56,6 +56,20 @@ class _Reduction(Handle):
         self._second.wait()
 
 
+def _zero_as_torch(p: torch.Tensor, set_to_none: bool) -> None:
+    """`torch.optim.Optimizer.zero_grad`'s treatment of one `.grad` (a wrapper's)."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+        return
+    if p.grad.grad_fn is not None:
+        p.grad.detach_()
+    else:
+        p.grad.requires_grad_(False)
+    p.grad.zero_()
+
+
 class GradBuffers:
     """The gradients of `unit`'s parameters (see the module's docstring)."""
 
@@ -334,10 +348,30 @@ class GradBuffers:
         """Bytes the gradient shard holds now (0 while freed)."""
         return self._shard.untyped_storage().nbytes()
 
-    def clear(self, set_to_none: bool = True) -> None:
+    def take_averaged(self) -> list[bool]:
+        """Under DDP (ZeRO-1): each parameter's `.grad`, DDP's mean and whole on every rank, gives
+        this rank's piece of `shard` (a copy of `1/W` of the gradients, no communication);
+        `.grad` stays DDP's. Returns, per parameter, whether it has a gradient."""
+        u, shard, has = self.unit, self.shard, []
+        for i, p in enumerate(u.params):
+            g = local(p.grad)
+            has.append(g is not None)
+            start, stop = u.full.local_range(i)
+            if stop <= start:
+                continue
+            if g is None:
+                shard[start:stop].zero_()
+            else:
+                lo, hi = u.full.tensor_range(i)
+                shard[start:stop].copy_(g.reshape(-1)[lo:hi])
+        self.has_values = True
+        return has
+
+    def clear(self, set_to_none: bool = True, own_grads: bool = True) -> None:
         """Forget accumulated gradients: free the shard (`set_to_none`) or zero it, drop an
         unreduced buffer; every `.grad` becomes None, or with `set_to_none=False` a
-        `ReducedGrad` (now zero) where there was a gradient."""
+        `ReducedGrad` (now zero) where there was a gradient. `own_grads=False` (a wrapper's
+        `.grad`, DDP's): `.grad` is set to None or zeroed in place, as torch.optim does."""
         self.wait()
         if set_to_none:
             self._shard.untyped_storage().resize_(0)
@@ -348,7 +382,9 @@ class GradBuffers:
         if self.has_full:
             self.full.free()
         for i, p in enumerate(self.unit.params):
-            if set_to_none or p.grad is None:
+            if not own_grads:
+                _zero_as_torch(p, set_to_none)
+            elif set_to_none or p.grad is None:
                 p.grad = None
             elif p.requires_grad:
                 p.grad = self.placeholder(i)

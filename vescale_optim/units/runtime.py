@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from .grad_buffers import ring
 from .hyper import hyper_digest, hyper_mismatch
 from .materialize import materialize, needs_materializing
 from .model_state import ModelState, sharded_model_state
+from .ownership import claim, owned_elsewhere
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
@@ -46,6 +46,7 @@ from .tensor_parallel import (
 )
 from .tp_plan import tp_plan_problem
 from .unit import LOW_PRECISION, Unit
+from .wrappers import DDPGrads, first_step, watch
 
 
 @dataclass(frozen=True)
@@ -82,32 +83,6 @@ def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str])
     return None
 
 
-# id(parameter) -> (the parameter, the runtime whose sharded unit holds it), both weakly
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _owned_elsewhere(params: Sequence[torch.Tensor], labels: dict[int, str]) -> str | None:
-    """A parameter that a live runtime (another optimizer) keeps in a sharded unit, named."""
-    for p in params:
-        entry = _OWNERS.get(id(p))
-        if entry is not None and entry[0]() is p and entry[1]() is not None:
-            return (
-                f"parameter {labels[id(p)]} is already sharded by another vescale_optim optimizer "
-                "(shard_modules): its unit holds the parameter's values and its hooks stay on the model, "
-                "so a second one would shard a stand-in; give each parameter to one optimizer (param "
-                "groups may differ in lr, weight_decay, use_muon, ...; edit opt.param_groups to change "
-                "them), and to start over build the model anew and load a checkpoint into it"
-            )
-    return None
-
-
-def _claim(params: Sequence[torch.Tensor], runtime: Runtime) -> None:
-    owner = weakref.ref(runtime)
-    for p in params:
-        key = id(p)
-        _OWNERS[key] = (weakref.ref(p, lambda _, key=key: _OWNERS.pop(key, None)), owner)
-
-
 class Runtime:
     """The units of `param_groups` under `config`; `declare(p, group_index)` is the
     optimizer's `Declaration` of each parameter, `labels` names each parameter (by id) in
@@ -141,7 +116,7 @@ class Runtime:
         self.topology, self.root_world = groups.topology, groups.root_world
         # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
         self.tp = [Comm(g) for g in tp_groups(params)]
-        problem = refused or device_problem(params, self.comm, labels) or _owned_elsewhere(params, labels)
+        problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
         try:
             members, modules, names = self._plan(params)
         except ValueError as e:  # raised on every rank, once they have agreed
@@ -187,7 +162,16 @@ class Runtime:
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.world, labels)
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
-        _claim([p for u in self.units if u.sharded for p in u.params], self)
+        claim([p for u in self.units if u.sharded for p in u.params], self)
+        self.wrapper: DDPGrads | None = None  # who averages the gradients instead of us (`wrappers`)
+        watch(self)
+
+    def under_ddp(self, ddp: nn.Module) -> None:
+        """DistributedDataParallel `ddp` runs its forward: if it holds these parameters, it averages
+        their gradients from now on and this runtime takes ZeRO-1's part (`wrappers.DDPGrads`)."""
+        if self.wrapper is None and (taken := DDPGrads.of(self, ddp)) is not None:
+            self.schedule.remove()  # before any gradient: nothing of ours ever reaches `.grad`
+            self.wrapper = taken
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.tracker.mark(p)
@@ -245,10 +229,14 @@ class Runtime:
         parameters step (collective; once per step). Returns the bytes this rank sent."""
         if self._reduced:
             return 0
+        first_step(self)
         sent_before = sum(u.grads.sent_bytes for u in self.units)
         with record_function("vescale_optim.sync_grads"):
-            self.schedule.finish()
-            self.tracker.reattach()
+            if self.wrapper is not None:
+                self.wrapper.take()
+            else:
+                self.schedule.finish()
+                self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
                                          lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
             self.schedule.drain(pending)
@@ -265,7 +253,7 @@ class Runtime:
         self._reduced = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.tracker.zero_grad(set_to_none)
+        self.tracker.zero_grad(set_to_none, own_grads=self.wrapper is None)
         self._reduced = False
 
     def any_nonfinite(self) -> bool:
@@ -312,7 +300,7 @@ class Runtime:
                 "non-finite norm anyway, set `error_if_nonfinite=False`"
             )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in [*grads, *(self.wrapper.grads() if self.wrapper is not None else ())]:
             g.mul_(coef.to(g.dtype))
         return total
 

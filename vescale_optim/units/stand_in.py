@@ -34,6 +34,7 @@ local tensor as a stand-in of its own (shape and dtype read, values refused by n
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator
 
@@ -89,7 +90,10 @@ def _message(t: torch.Tensor, what: str) -> str:
         f"shards spread over the ranks, so {what} cannot read or write it here. Read whole values "
         "with model.state_dict(); read or write them inside `with opt.gathered():` (every rank "
         "enters it; in-place writes land in the shards); or call the root module, model(x), whose "
-        "hooks gather each unit (calling a child module directly skips the hooks of the units around it)"
+        "hooks gather each unit (calling a child module directly skips the hooks of the units around it). "
+        "A wrapper that needs whole parameters on every rank (DistributedDataParallel) cannot hold a "
+        "model whose optimizer has shard_modules=: drop shard_modules= (under DDP the optimizer shards "
+        "its state, ZeRO-1) or drop the wrapper"
     )
 
 
@@ -117,10 +121,29 @@ class _StandIn:
                 return t
             return _refuse(t, f"`.{func.__name__}()` (to {out.dtype} on {out.device}; cast it before)")
         if func is _T.detach:
+            if _wrapper_reading():
+                _refuse(t, "DistributedDataParallel's broadcast of the parameters")
             with revealed(t):
                 out = func(*args, **kwargs)
             return _named_like(t, out)
         return _refuse(t, f"`{resolve_name(func) or getattr(func, '__name__', func)}`")
+
+
+# modules of torch whose wrappers read every parameter whole when they are built (DDP's broadcast
+# of rank 0's parameters detaches each first, then writes it in C++, where no stand-in is asked)
+_WHOLE_READERS = ("torch.nn.parallel.distributed", "torch.distributed.utils")
+
+
+def _wrapper_reading(depth: int = 6) -> bool:
+    """Whether a wrapper's construction (DDP) is detaching the parameter, to write it outside Python."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") in _WHOLE_READERS:
+            return True
+    return False
 
 
 def _refuse(t: torch.Tensor, what: str):

@@ -41,11 +41,12 @@ class GradTracker:
         """Where small control tensors go (the units' device: NCCL needs them there)."""
         return self.units[0].device if self.units else torch.device("cpu")
 
-    def mark(self, p: torch.Tensor) -> None:
-        """`p`'s gradient was accumulated (the schedule's post-accumulate hook)."""
+    def mark(self, p: torch.Tensor, has: bool = True) -> None:
+        """`p`'s gradient was accumulated (the schedule's post-accumulate hook), or under DDP
+        whether it has one at the step (`has`)."""
         where = self.where.get(id(p))
         if where is not None:
-            where[0].mark(where[1])
+            where[0].mark(where[1], has)
 
     def problem(self) -> str | None:
         """Why this rank cannot step, as far as the runtime can tell (nothing is modified)."""
@@ -107,17 +108,19 @@ class GradTracker:
             pos += len(seg.params)
         return [u for u, f in zip(self.units, agreed[pos : pos + len(self.units)]) if f]
 
-    def reattach(self) -> None:
+    def reattach(self, grads: bool = True) -> None:
         """Bring what was set by hand into the units: a tensor assigned to `.data` (same
         dtype and shape) is written into the parameter's shard; one assigned to `.grad`
         replaces the parameter's gradient (and marks it); `.grad = None` unmarks it, as
-        torch then skips the parameter. Moved or cast parameters are left for `problem()`
-        to report."""
+        torch then skips the parameter (`grads=False`: `.grad` is a wrapper's, read as it is).
+        Moved or cast parameters are left for `problem()` to report."""
         for u in self.units:
             for i, p in enumerate(u.params):
                 if u.placement_problem(i) is not None:
                     continue
                 u.take_data(i)
+                if not grads:
+                    continue
                 g = p.grad
                 if g is None:
                     seg, j = self.where[id(p)]
@@ -126,13 +129,14 @@ class GradTracker:
                     u.grads.take(i, g)
                     self.mark(p)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, own_grads: bool = True) -> None:
         """Zero every gradient, as torch: `set_to_none=True` sets every `.grad` to None (a
         parameter that then gets no gradient takes no step); `set_to_none=False` keeps the
-        gradients that exist, zeroed (those parameters step with a zero gradient)."""
+        gradients that exist, zeroed (those parameters step with a zero gradient).
+        `own_grads=False`: `.grad` is a wrapper's (DDP's), zeroed as torch.optim zeroes it."""
         self.schedule.wait_reductions()
         for u in self.units:
-            u.grads.clear(set_to_none)
+            u.grads.clear(set_to_none, own_grads)
         if set_to_none:
             for seg in self.segments:
                 seg.clear_marks()
