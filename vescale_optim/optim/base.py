@@ -33,6 +33,7 @@ from . import _step_stats, lowbit
 from ._checks import check_params, check_same_on_every_rank
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .state_dict import Gather, Owned, StateIO
+from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -42,7 +43,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     forward and backward and freed after (ZeRO-3); without, parameters stay whole on every rank
     (ZeRO-2). Either way gradients are reduce-scattered during backward into each rank's shard.
     Without an initialised process group it is an ordinary single-process optimizer. The
-    sharding keywords are `ShardingConfig`'s."""
+    sharding keywords are `ShardingConfig`'s. `opt.state[p]` is this rank's piece of `p`'s state
+    under `state_dict()`'s names: the whole tensor where the rank holds all of it (always in one
+    process), else a 1-D view of its elements of the flattened tensor; fp32 state as views, bf16
+    and 8-bit state decoded into copies at each read (see `LocalState`)."""
+
+    state = StateAttribute()  # torch's `defaultdict(dict)` until the `LocalState` is built
 
     state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
     step_stat_names: tuple[str, ...] = ()  # the step statistics a subclass counts itself
@@ -84,6 +90,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
             publish=lambda: runtime.publish(),
         )  # fmt: skip
+        self.state = LocalState(runtime.segments, self._owned_state)
 
     def _declare(self, p: torch.Tensor, group: int) -> Declaration:
         """A parameter's granule, state tier and alignment, for the runtime's layout: its tier's codec
@@ -223,6 +230,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
         for seg in self.runtime.segments:
             seg.advance()
+        self.state.changed()
         changed = self.runtime.stepping()
         self.runtime.refresh(changed)
         with record_function("vescale_optim.update"):
@@ -334,11 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         A parameter that never stepped has no entry, as in torch. bf16/fp16 parameters
         also carry their fp32 master under `"master"`, a key torch.optim ignores."""
         gather = Gather(self.runtime.comm, to_rank, cpu_offload)
-        hook = self.register_state_dict_post_hook(lambda opt, sd: self._io.fill(sd, gather), prepend=True)
-        try:
-            return super().state_dict()
-        finally:
-            hook.remove()
+        return through_torch_state_dict(self, lambda sd: self._io.fill(sd, gather), super().state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch-format state (ours or torch's, any world size); refuses anything that
@@ -347,16 +351,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Runs inside `torch.optim.Optimizer.load_state_dict` (so its hooks fire and a load
         pre-hook may return a new dict): the loading is a pre-hook appended last, which
         sees the final dict and hands torch an empty `state` to install."""
-
-        def load(opt, final: dict) -> dict:
-            self._io.load(final)
-            return {**final, "state": {}}
-
-        hook = self.register_load_state_dict_pre_hook(load)
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            hook.remove()
+        through_torch_load(self, self._io.load, super().load_state_dict, state_dict)
 
     def validate_param_groups(self, saved: list[dict]) -> None:
         """Raise ValueError unless `saved` (a state dict's param groups) matches this
@@ -370,7 +365,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if groups is not None and getattr(self, "runtime", None) is not None:
             for g, new in zip(self.param_groups, groups):
                 g.update(new)
-            state = {k: v for k, v in state.items() if k != "param_groups"}
+            state = {k: v for k, v in state.items() if k not in ("param_groups", "state")}  # ours stays
         super().__setstate__(state)
 
     def sharded_state_dict(self) -> dict:
@@ -388,6 +383,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Finish a DCP load (collective): fp32 state and masters were filled in place;
         buffers DCP decoded into are encoded into the low-bit state and dropped."""
         self._io.load_sharded(state_dict)
+        self.state.changed()
 
     # --- memory -------------------------------------------------------------------------
 
@@ -396,8 +392,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return sum(t.numel() for t in self._local_state_tensors())
 
     def local_state_bytes(self) -> int:
-        """Bytes of every persistent tensor the optimizer holds on this rank besides the parameters
-        and gradients: state, fp32 masters of bf16/fp16 parameters, owned state (Shampoo's)."""
+        """Bytes of every persistent tensor the optimizer holds on this rank besides the parameters and
+        gradients: state, fp32 masters of bf16/fp16 parameters, owned state (Shampoo's), opt.state's steps."""
         return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
 
     def _local_state_tensors(self) -> Iterator[torch.Tensor]:
@@ -406,6 +402,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for per_param in self._owned_state(seg):
                 yield from (o.tensor for o in per_param if o.tensor is not None)
         yield from self.runtime.masters()
+        yield from self.state.held()  # the step counts `opt.state` shows, once read
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by unsharded
