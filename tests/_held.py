@@ -27,9 +27,9 @@ def held_tensor_bytes(opt) -> int:
             s = x.untyped_storage()
             if s.data_ptr() not in skip and s.nbytes():
                 storages[s.data_ptr()] = s.nbytes()
-        elif isinstance(x, dict):
-            todo.extend(x.keys())
-            todo.extend(x.values())
+        elif isinstance(x, dict):  # what the dict holds (`opt.state` decodes 8-bit state when read)
+            todo.extend(dict.keys(x))
+            todo.extend(dict.values(x))
         elif isinstance(x, list | tuple | set | frozenset):
             todo.extend(x)
         elif type(x).__module__.startswith("vescale_optim") and hasattr(x, "__dict__"):

@@ -182,8 +182,8 @@ def _bytes_held(root) -> int:
         elif isinstance(x, torch.Tensor):
             s = x.untyped_storage()
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
-        elif isinstance(x, dict):
-            todo += list(x.keys()) + list(x.values())
+        elif isinstance(x, dict):  # what the dict holds (reading `opt.state` would make its views)
+            todo += list(dict.keys(x)) + list(dict.values(x))
         elif isinstance(x, (list, tuple, set)):
             todo += list(x)
         elif x is root or type(x).__module__.startswith("vescale_optim"):

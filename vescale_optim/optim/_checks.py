@@ -166,3 +166,31 @@ def check_same_on_every_rank(
             f"rank {rank} passed {sum(s[0] == 'param' for s in sig)} parameters, rank 0 passed "
             f"{sum(s[0] == 'param' for s in sigs[0])}"
         )
+
+
+def replaced_params(param_groups: list[dict], built_over: list[list], name: str) -> str | None:
+    """Why the optimizer cannot step when its param groups hold other parameters than it was built
+    over (accelerate's `prepare` under FSDP2 swaps them for FSDP2's DTensors in place): it plans
+    its buffers, hooks and state at construction, so it would step the originals, no longer the
+    model's."""
+    for g, built in zip(param_groups, built_over):
+        if len(g["params"]) != len(built) or any(p is not q for p, q in zip(g["params"], built)):
+            return (
+                f"the {name}'s parameters were replaced after it was built (accelerate's prepare() swaps "
+                "them for FSDP2's DTensors); the optimizer plans its shards and state at construction, "
+                f"so build it over the wrapped model: model = accelerator.prepare(model), then "
+                f"opt = vo.{name}(model.parameters(), ...), then opt = accelerator.prepare(opt)"
+            )
+    return None
+
+
+def changed_structure(param_groups: list[dict], structure: list[dict]) -> str | None:
+    """A state-shaping key (`structure`: each group's at construction) changed since, named."""
+    for gi, (g, fixed) in enumerate(zip(param_groups, structure)):
+        for key, value in fixed.items():
+            if g.get(key) != value:
+                return (
+                    f"param group {gi}: '{key}' changed from {value!r} to {g.get(key)!r} after "
+                    "construction; it shapes the optimizer state, so it is fixed"
+                )
+    return None

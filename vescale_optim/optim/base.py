@@ -30,7 +30,7 @@ from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import local, refuse_for
 from ..units.unit import Unit
 from . import _step_stats, lowbit
-from ._checks import check_params, check_same_on_every_rank
+from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .state_dict import Gather, Owned, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
@@ -85,6 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for seg in runtime.segments:
             seg.set_state([] if seg.tier == FROZEN else self._state_specs(seg), lowbit.codec_of(seg.tier))
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
+        self._built_over = [list(g["params"]) for g in self.param_groups]  # `replaced_params`
         self._io = StateIO(
             runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.world,
             replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
@@ -178,18 +179,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return False
 
     def _step_problem(self) -> str | None:
-        """The optimizer's reason not to step: a state-shaping key or a hyperparameter changed."""
-        for gi, (g, fixed) in enumerate(zip(self.param_groups, self._structure)):
-            for key, value in fixed.items():
-                if g.get(key) != value:
-                    return (
-                        f"param group {gi}: '{key}' changed from {value!r} to {g.get(key)!r} after "
-                        "construction; it shapes the optimizer state, so it is fixed"
-                    )
-            problem = self._check_group(gi, g)
-            if problem:
-                return problem
-        return None
+        """The optimizer's reason not to step: its parameters replaced, a state-shaping key or a
+        hyperparameter changed."""
+        problem = replaced_params(self.param_groups, self._built_over, type(self).__name__)
+        problem = problem or changed_structure(self.param_groups, self._structure)
+        for gi, g in enumerate(self.param_groups):
+            problem = problem or self._check_group(gi, g)
+        return problem
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:

@@ -18,11 +18,14 @@ from torch.profiler import record_function
 from ..owners.balance import keep_homes, spread_homes
 from ..owners.moves import Move, run_moves
 from ..owners.plan import plan_owners
+from ..units.fsdp_shards import FsdpGrads
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import local_shape
 from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, tp_kind
 from . import lowbit
 from ._checks import check_betas, check_params_arg
+from ._muon_fsdp import FsdpMuon
+from ._muon_fsdp import refused as over_fsdp_refused
 from ._muon_math import (
     adjusted_lr,
     apply_,
@@ -118,6 +121,17 @@ class Muon(ShardedOptimizer):
         # so the step's total is balanced and each matrix is orthogonalized once.
         runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
+        self._segs, self._position, self._updates = segs, {id(seg): s for s, seg in enumerate(segs)}, {}
+        self._over_fsdp = None
+        if isinstance(runtime.wrapper, FsdpGrads):  # over FSDP2's shards: whole matrices to owners
+            problem = over_fsdp_refused(segs)
+            if problem is not None:
+                raise NotImplementedError(problem)
+            self._over_fsdp = FsdpMuon(segs, runtime.wrapper, runtime.world, cost_model)
+            self.plan, self.homes, self._split, self._variance = self._over_fsdp.plan, [], None, {}
+            self.ns_load = [float(x) for x in self.plan.loads]
+            self._work = {id(seg): [] for seg in segs}
+            return
         kinds = [[tp_kind(p) for p in seg.params] for seg in segs]
         self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, kinds))  # None without TP
         if tp is not None:  # NorMuon's v is kept by owners anywhere in the dp x tp world
@@ -241,6 +255,10 @@ class Muon(ShardedOptimizer):
         their groups, in place in the segments' updates), then each segment's move of its whole
         matrices to their owners (those held whole are orthogonalized and applied now)."""
         updates, self._updates = self._updates, {}
+        if self._over_fsdp is not None:
+            if updates:
+                self._over_fsdp.run(updates, self)
+            return []
         if self._split is not None and updates:
             self._run_split(updates)
         moves = [m for position, update in updates.items() for m in self._move(self._segs[position], update)]

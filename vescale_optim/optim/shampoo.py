@@ -10,6 +10,7 @@ import torch
 from ..owners.moves import Move, run_moves
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
+from ..units.fsdp_shards import FsdpGrads
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import is_tp_sharded, local_shape
 from ._checks import check_params_arg
@@ -123,6 +124,12 @@ class Shampoo(ShardedOptimizer):
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._refreshed = False
         super().__init__(params, defaults, sharding)
+        if isinstance(self.runtime.wrapper, FsdpGrads):  # every rank alike, after the agreement
+            raise NotImplementedError(
+                "vo.Shampoo does not run over FSDP2's shards yet (its tiles would span FSDP2's row "
+                "shards); leave the model unwrapped and pass shard_modules=, wrap it in DDP, or use "
+                "vo.AdamW / vo.Muon under FSDP2"
+            )
         self._plan_tiles()
 
     def add_param_group(self, param_group: dict) -> None:

@@ -222,6 +222,23 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool
     return handle
 
 
+def all_to_all_v_(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                  comm: Comm, async_op: bool = False, what: str | None = None) -> Handle:  # fmt: skip
+    """`in_splits[r]` elements of the flat `inp` (in rank order) to rank r, and `out_splits[r]` from
+    rank r into the flat `out` (one `all_to_all_single` with uneven splits, which gloo takes too)."""
+    if not comm.active:
+        return _local(lambda: out.copy_(inp), out, async_op)
+    desc = Op("all-to-all", what, inp, comm)
+    work = issue(desc, lambda: dist.all_to_all_single(
+        _movable(out), _movable(inp), _scale(out_splits, out), _scale(in_splits, inp), group=comm.group,
+        async_op=True,
+    ))  # fmt: skip
+    handle = Handle(work, op=desc)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
 def run_plan(
     plan: Plan,
     src: torch.Tensor,

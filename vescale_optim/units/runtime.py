@@ -28,6 +28,7 @@ from ..shard.layout import bucket_indices, plan_layout
 from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
+from .fsdp_shards import FsdpGrads, over_dtensors, shard_groups, shards_problem
 from .gathered import gathered
 from .grad_buffers import ring
 from .hyper import hyper_digest, hyper_mismatch
@@ -110,19 +111,21 @@ class Runtime:
         params = [p for g in param_groups for p in g["params"]]
         # raised after the agreement below, so a rank left out of the plan (no DTensors, or no
         # mesh= either) raises with its peers instead of waiting for them
-        refused = dtensor_problem(params, config.mesh, labels)
-        groups = resolve_mesh(config.mesh, config.process_group)
+        over = over_dtensors(params, config)  # FSDP2's shards: units of this rank alone (`fsdp_shards`)
+        refused = (shards_problem if over else dtensor_problem)(params, config, labels)
+        groups = shard_groups() if over else resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
         self.topology, self.root_world = groups.topology, groups.root_world
         # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
-        self.tp = [Comm(g) for g in tp_groups(params)]
+        self.tp = [] if over else [Comm(g) for g in tp_groups(params)]
         problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
         try:
             members, modules, names = self._plan(params)
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, members, modules, names = problem or str(e), [], [], {}
         structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
-        problem = tp_plan_problem(params, self.root_world, labels) or problem  # every rank: see tp_plan
+        if not over:  # every rank: see tp_plan
+            problem = tp_plan_problem(params, self.root_world, labels) or problem
         if agree is not None:
             agree(self.world, problem, structure)
         elif problem is not None:
@@ -146,6 +149,7 @@ class Runtime:
                 device=config.device, sync_params=config.sync_params, replicate=self.replicate,
                 world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
                 gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
+                external=over,
             )  # fmt: skip
             self.units.append(unit)
             for key in dict.fromkeys(keys):
@@ -163,7 +167,11 @@ class Runtime:
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
         claim([p for u in self.units if u.sharded for p in u.params], self)
-        self.wrapper: DDPGrads | None = None  # who averages the gradients instead of us (`wrappers`)
+        # who averages the gradients instead of us: DDP (`wrappers`) or FSDP2 (`fsdp_shards`)
+        self.wrapper: DDPGrads | FsdpGrads | None = None
+        if over:
+            self.schedule.remove()
+            self.wrapper = FsdpGrads.of(self.units, self.tracker, params, self.world, labels)
         watch(self)
 
     def under_ddp(self, ddp: nn.Module) -> None:
@@ -196,7 +204,10 @@ class Runtime:
                     "shard_modules, whose modules' reset_parameters() initialise it"
                 )
         self.root, self._listed = None, []
-        keys = [(p.dtype, p.device) for p in params]
+        # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
+        # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
+        group = {id(p): gi for gi, g in enumerate(self._groups) for p in g["params"]}
+        keys = [(p.dtype, p.device, group[id(p)]) for p in params]
         members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
 
@@ -287,8 +298,11 @@ class Runtime:
         inf, op = math.isinf(norm_type), "max" if math.isinf(norm_type) else "sum"
         # summed in float64, so that how parameters are grouped into units does not round it;
         # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
-        total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
-        all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")
+        if isinstance(self.wrapper, FsdpGrads):  # over the world, each element counted once
+            all_reduce_(total := self.wrapper.norm_parts(norm_type, self.device), self.world, op)
+        else:
+            total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
+            all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")
         if self.tp:
             all_reduce_(total[1:], self.tp[0], op, what="clip_grad_norm_'s norm over tensor parallelism")
         total = total.max() if inf else total.sum()
@@ -392,6 +406,8 @@ class Runtime:
             return root.state_dict()
 
     def sharded_model_state_dict(self, model: nn.Module | None = None) -> dict:
+        if isinstance(self.wrapper, FsdpGrads):
+            raise ValueError(FsdpGrads.MODEL_STATE)
         return sharded_model_state(self.units, self.param_names(model))
 
     @torch.no_grad()

@@ -92,13 +92,14 @@ def _ranks(mesh) -> set[int]:
     return {int(r) for r in mesh.mesh.reshape(-1).tolist()}
 
 
-def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]) -> str | None:
+def dtensor_problem(params: Sequence[torch.Tensor], config, labels: dict[int, str]) -> str | None:
     """Why the DTensor parameters among `params` cannot be sharded over the data-parallel
-    `mesh`, if they cannot (the same answer on every rank of a shared plan): a DTensor needs
+    `config.mesh`, if they cannot (the same answer on every rank of a shared plan): a DTensor needs
     `mesh=`, and its own mesh must be orthogonal to `mesh` in one root mesh (the two meet in
     this rank alone, as `world["tp"]` and `world["dp"]` do); placements must be `Shard` or
-    `Replicate` (a `Partial` parameter has no values of its own; strided shards are not read
-    yet)."""
+    `Replicate` (a `Partial` parameter has no values of its own; strided shards are FSDP2's, read
+    only over FSDP2's shards: `fsdp_shards`)."""
+    mesh = config.mesh
     for p in params:
         if not is_dtensor(p):
             continue
@@ -117,9 +118,10 @@ def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]
                 )
         if mesh is None:
             return (
-                f"parameter {name} is a DTensor (mesh {tuple(p.device_mesh.mesh_dim_names or ())}); pass the "
-                "data-parallel mesh as mesh= (e.g. mesh=world['dp'] for world = init_device_mesh(..., "
-                "mesh_dim_names=('dp', 'tp'))), as to fully_shard"
+                f"parameter {name} is a DTensor (mesh {tuple(p.device_mesh.mesh_dim_names or ())}) and "
+                "process_group= was given; with tensor parallelism pass the data-parallel mesh as mesh= "
+                "instead (e.g. mesh=world['dp'] for world = init_device_mesh(..., mesh_dim_names=('dp', "
+                "'tp'))), as to fully_shard; under FSDP2 pass neither (the optimizer runs over its shards)"
             )
         if p.device_mesh.device_type != mesh.device_type:
             return (
@@ -133,7 +135,10 @@ def dtensor_problem(params: Sequence[torch.Tensor], mesh, labels: dict[int, str]
                 f"(ranks {sorted(_ranks(p.device_mesh))}), "
                 f"which is not orthogonal to the data-parallel mesh= {mesh} (ranks {sorted(_ranks(mesh))}): "
                 "both must be dimensions of one root mesh, e.g. world['tp'] and world['dp'] of "
-                "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+                "init_device_mesh(..., mesh_dim_names=('dp', 'tp')). If FSDP2 (fully_shard) made these "
+                "DTensors, pass no mesh=: the two supported ways are to let FSDP2 shard the model and pass "
+                "its parameters with no mesh= (the optimizer runs over FSDP2's shards), or to leave the "
+                "model unwrapped and pass shard_modules="
             )
     return None
 
@@ -218,24 +223,34 @@ def tp_norm_parts(units: Sequence, norm_type: float, device: torch.device, split
 # --- where a TP rank's local shard sits in the whole (checkpoints) ---------------------------
 
 
+def box_at(shape: tuple[int, ...], placements, mesh_shape: Sequence[int], coordinate: Sequence[int]):
+    """`(origin, sizes)` of the shard at mesh `coordinate` of a DTensor of global `shape`: each
+    `Shard(d)` cuts dimension `d` as DTensor does, `torch.chunk`'s way (pieces of `ceil(n / size)`,
+    the last ones shorter or empty), nested in mesh-dimension order, except that FSDP2's strided
+    shard of a dimension (`_StridedShard`: TP cut that dimension first) applies after the others."""
+    origin, sizes = [0] * len(shape), list(shape)
+    strided = [type(pl).__name__ == "_StridedShard" for pl in placements]
+    for k in sorted(range(len(placements)), key=lambda k: strided[k]):
+        pl = placements[k]
+        if not (pl.is_shard() or strided[k]):  # (torch's strided shard is no `Shard`)
+            continue
+        d, n = pl.dim % len(shape), mesh_shape[k]
+        chunk = -(-sizes[d] // n)
+        start = min(coordinate[k] * chunk, sizes[d])
+        origin[d] += start
+        sizes[d] = min(start + chunk, sizes[d]) - start
+    return tuple(origin), tuple(sizes)
+
+
 def tp_box(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """`(global shape, origin)` of `p`'s local tensor: the whole tensor's shape and the offsets of
-    this rank's shard inside it (zeros for a plain parameter). A `Shard(d)` placement cuts
-    dimension `d` as DTensor does, `torch.chunk`'s way (pieces of `ceil(n / size)`, the last ones
-    shorter or empty), nested in mesh-dimension order; the result must give the local shape."""
+    this rank's shard inside it (zeros for a plain parameter; see `box_at`); the result must give
+    the local shape."""
     whole = tuple(p.shape)
     if not is_dtensor(p):
         return whole, (0,) * len(whole)
-    origin, sizes = [0] * len(whole), list(whole)
-    coordinate = p.device_mesh.get_coordinate()
-    for dim, pl in enumerate(p.placements):
-        if not pl.is_shard():
-            continue
-        d, n = pl.dim % len(whole), p.device_mesh.size(dim)
-        chunk = -(-sizes[d] // n)
-        start = min(coordinate[dim] * chunk, sizes[d])
-        origin[d] += start
-        sizes[d] = min(start + chunk, sizes[d]) - start
+    mesh = p.device_mesh
+    origin, sizes = box_at(whole, p.placements, tuple(mesh.mesh.shape), mesh.get_coordinate())
     if tuple(sizes) != local_shape(p):
         raise ValueError(
             f"a DTensor of shape {whole} and placements {tuple(p.placements)} holds a local tensor of "

@@ -28,6 +28,7 @@ from ..shard.buffer import FlatBuffer
 from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
 from ..shard.layout import Layout
 from . import stand_in
+from .fsdp_shards import copy_in, copy_out
 from .grad_buffers import GradBuffers, ring
 from .streams import streams_for
 from .tensor_parallel import is_dtensor, local, local_shape, set_data
@@ -63,7 +64,7 @@ class Unit:
     `sharded=False` keeps the unsharded parameters (ZeRO-2-like): `gather_after_step()`
     refreshes them, and nothing is freed. `param_dtype` is the dtype of the unsharded
     parameters (compute and all-gather); `reduce_dtype` that of the reduce-scatter.
-    `labels` name the parameters in errors.
+    `labels` name the parameters in errors. `external`: FSDP2 owns the parameters' memory (`fsdp_shards`).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class Unit:
         gather_bits: int | None = None,
         reduce_bits: int | None = None,
         comm_block: int = 256,
+        external: bool = False,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
@@ -94,7 +96,7 @@ class Unit:
                                                                for n, p in zip(names, params)]  # fmt: skip
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
         self.world = world or comm  # every rank: parameters start from world rank 0's
-        self.index, self.name, self.sharded = index, name, sharded
+        self.index, self.name, self.sharded, self.external = index, name, sharded, external
         self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
         # the wire codecs of the all-gathers and the gradient reductions (None: full precision)
         self.gather_codec = None if gather_bits is None else wire.codec(gather_bits, comm_block)
@@ -117,14 +119,18 @@ class Unit:
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.shard_dtype = shard_dtype_for(self.orig_dtype)
         self.full = FlatBuffer(layout, [local_shape(p) for p in params], comm.rank, self.compute_dtype,
-                               self.device)  # fmt: skip
+                               self.device, allocate=not external)  # fmt: skip
         self.shard = torch.zeros(layout.shard_size, dtype=self.shard_dtype, device=self.device)
+        self.grads = GradBuffers(self)
+        self.state = State.GATHERED
+        self.dtensors = [is_dtensor(p) for p in params]
+        if external:  # the shard: a copy of the parameters' local tensors (`copy_in`, each step);
+            copy_in(self)  # `.grad` stays FSDP2's, so no placeholders
+            return
         if not self._meta:
             self._take_initial_values(sync_params)
         if not sharded and self.shard_dtype == self.compute_dtype and self.gather_codec is None:
             self.shard = self.full.local  # the update writes the kept parameters in place
-        self.grads = GradBuffers(self)
-        self.state = State.GATHERED
         self._gather: Handle | None = None
         self._held = 0  # `hold()`: kept gathered (inside `opt.gathered()`) until `release()`
         with torch.no_grad():
@@ -144,7 +150,6 @@ class Unit:
         self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
         # a DTensor's local tensor stays a view of `full` for good: `free()` and `allocate()` keep
         # the storage object, so it is the gathered buffer whenever the unit is gathered
-        self.dtensors = [is_dtensor(p) for p in params]
         if sharded:
             for p, label in zip(params, self.labels):
                 stand_in.register(p, label)
@@ -289,7 +294,7 @@ class Unit:
         """A tensor assigned to parameter `i`'s `.data` (same dtype, device and shape) becomes
         its value: this rank's piece goes into the shard, and `.data` is the unit's again."""
         p = self.params[i]
-        if self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor: nothing to take
+        if self.external or self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor
             return
         if local(p).data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
             return
@@ -298,9 +303,12 @@ class Unit:
             set_data(p, self.stand_ins[i] if self.state is State.RESHARDED else self.views[i])
 
     def gather_after_step(self, async_op: bool = False) -> Handle | None:
-        """Unsharded units: refresh the kept parameters from every rank's updated shard."""
+        """Unsharded units: refresh the kept parameters from every rank's updated shard (an external
+        unit's: copied into the local tensors, the shard freed unless it is a master)."""
         if self.sharded:
             return None
+        if self.external:
+            return copy_out(self)
         with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
             return self._gather_into_full(async_op)
 
@@ -380,6 +388,8 @@ class Unit:
         kept parameter no longer equals its shard rounded to the parameter's dtype, it was
         written from outside (`model.load_state_dict`, `p.copy_`): take the parameter's value.
         (A mask the size of the shard, no host sync: the update is a `where`.)"""
+        if self.external:
+            return copy_in(self)
         if self.sharded or self.shard.data_ptr() == self.full.local.data_ptr():
             return
         self._take_changed()

@@ -58,7 +58,7 @@ def _unhook() -> None:
 def watch(runtime: Any) -> None:
     """Call `runtime.under_ddp(ddp)` at every DDP forward until `runtime`'s first step."""
     global _hook
-    _watching[runtime] = not runtime.comm.distributed
+    _watching[runtime] = not runtime.world.distributed
     if _hook is None:
         _hook = nn.modules.module.register_module_forward_pre_hook(_on_forward)
 

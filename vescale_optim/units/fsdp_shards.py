@@ -1,0 +1,296 @@
+"""Parameters another data-parallel layer shards: FSDP2's (`fully_shard`) DTensors.
+
+FSDP2 keeps each parameter as a DTensor whose local tensor is this rank's shard (`Shard(0)`
+rows, cut `torch.chunk`'s way; HSDP adds a `Replicate` dimension; with tensor parallelism the
+placements of its 2-D mesh) and reduce-scatters the gradients itself, into `.grad` (a DTensor
+of the same placements). The optimizer is then the optimizer over those shards and nothing
+more: its units lay out each parameter's local tensor over this rank alone, its state lives
+beside them, element-wise math runs on them, and math that needs a whole matrix (Muon) brings
+each matrix to one balanced owner in the world of the DTensors' mesh and sends every rank its
+piece back (`WholeMoves`). FSDP2 owns the parameters' memory (its all-gathers read it), so a
+unit never re-points it: it copies the local shards in before an update and back after it
+(`Unit(external=True)`), and reads `.grad` as FSDP2 left it (`FsdpGrads`).
+
+The optimizer takes this part when its parameters are DTensors and it is given no `mesh=` or
+`process_group=` (those say that the library itself is the data-parallel layer, over the
+DTensors' tensor-parallel shards). Every rank of the world must hold its shard of every
+parameter (the meshes span the world: FSDP2 over a part of it, as under pipeline stages, is
+refused). The layout is FSDP2's: the zero-copy gains of the ragged layout need the unwrapped
+path (`shard_modules=`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..shard.collectives import Comm, Handle, all_gather_object, all_to_all_v_
+from ..shard.mesh import Groups, Topology
+from .tensor_parallel import box_at, is_dtensor, local, local_shape
+
+TWO_WAYS = (
+    "let FSDP2 shard the model and pass its parameters with no mesh=, process_group= or shard_modules= "
+    "(the optimizer then runs over FSDP2's shards), or leave the model unwrapped and pass shard_modules= "
+    "(the optimizer is then the data-parallel layer, ZeRO-3)"
+)
+
+
+def over_dtensors(params: Sequence[torch.Tensor], config) -> bool:
+    """Whether the optimizer runs over shards another layer (FSDP2) keeps: DTensor parameters
+    with neither `mesh=` nor `process_group=` given."""
+    return config.mesh is None and config.process_group is None and any(is_dtensor(p) for p in params)
+
+
+def shards_problem(params: Sequence[torch.Tensor], config, labels: dict[int, str]) -> str | None:
+    """Why the optimizer cannot run over these DTensor shards, if it cannot (the same on every rank)."""
+    if config.shard_modules is not None:
+        return (
+            "the parameters are DTensors (FSDP2's fully_shard, or tensor parallelism) and shard_modules= "
+            f"was given: both would shard the same parameters. Either {TWO_WAYS}; with tensor parallelism "
+            "under this library's data parallelism, pass mesh=world['dp'] too"
+        )
+    for p in params:
+        name = labels[id(p)]
+        if not is_dtensor(p):
+            return (
+                f"parameter {name} is a plain tensor next to DTensor parameters (FSDP2's): the optimizer "
+                "runs over FSDP2's shards only when every parameter it is given is one; fully_shard the "
+                "root module too, or give this optimizer the sharded parameters only"
+            )
+        for pl in p.placements:
+            if pl.is_partial():
+                return (
+                    f"parameter {name} is a DTensor with a Partial placement {tuple(p.placements)}: a "
+                    "parameter must hold its values (Shard or Replicate)"
+                )
+        mesh = p.device_mesh
+        _, sizes = box_at(tuple(p.shape), p.placements, tuple(mesh.mesh.shape), mesh.get_coordinate())
+        if sizes != local_shape(p):
+            return (
+                f"parameter {name} has placements {tuple(p.placements)} whose local shard {local_shape(p)} "
+                f"is not the {sizes} torch.chunk's cut gives; the optimizer reads Shard, Replicate "
+                "and FSDP2's strided shards"
+            )
+    return None
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where one rank's local tensor lies in the whole: per dimension its first index and size."""
+
+    origin: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This box of `whole` (a view)."""
+        out = whole
+        for d, (o, n) in enumerate(zip(self.origin, self.sizes)):
+            out = out.narrow(d, o, n)
+        return out
+
+
+class ShardMap:
+    """Where every rank's shard of each parameter lies, over the whole world, learned in one
+    exchange at construction. FSDP2's mesh of a parameter may be a slice of the world: next to
+    tensor parallelism, a parameter TP leaves whole lives on each tp rank's dp mesh, identical
+    copies on parallel meshes; the meshes of every rank together must cover the world (else
+    `problem` says why, the same on every rank)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], world: Comm, labels: dict[int, str]):
+        every = all_gather_object([p.device_mesh.mesh.tolist() for p in params], world)
+        self.boxes: list[dict[int, Box]] = []  # per parameter, every rank's box
+        self.senders: list[set[int]] = []  # per parameter, the ranks sending one copy of each element
+        self.replication: list[int] = []  # per parameter, how many ranks hold each element
+        self.problem: str | None = None
+        for k, p in enumerate(params):
+            distinct = {str(r[k]): torch.tensor(r[k]) for r in every}.values()
+            grids = sorted(distinct, key=lambda g: int(g.min()))
+            self._place(p, grids)
+            covered = sorted(self.boxes[-1])
+            if covered != list(range(world.world_size)) and self.problem is None:
+                self.problem = (
+                    f"parameter {labels[id(p)]} is a DTensor whose meshes cover ranks {covered} of a world "
+                    f"of {world.world_size}: the optimizer runs over FSDP2's shards only when every rank "
+                    "holds a shard of every parameter (FSDP2 over part of the world, as under pipeline "
+                    "stages, is not supported yet); with tensor parallelism under this library's data "
+                    "parallelism, pass mesh=world['dp'] instead"
+                )
+
+    def _place(self, p: torch.Tensor, grids: list[torch.Tensor]) -> None:
+        """Every rank's box of `p` on its mesh `grids` (copies of one another), and who sends: on the
+        first mesh, the first replica along each `Replicate` dimension, with a non-empty box."""
+        held, senders, shape = {}, set(), tuple(p.shape)
+        for g, grid in enumerate(grids):
+            for row in torch.cartesian_prod(*(torch.arange(n) for n in grid.shape)).reshape(-1, grid.ndim):
+                c = tuple(int(x) for x in row)
+                rank, box = int(grid[c]), Box(*box_at(shape, p.placements, tuple(grid.shape), c))
+                held[rank] = box
+                first = all(x == 0 for x, pl in zip(c, p.placements) if pl.is_replicate())
+                if g == 0 and first and box.numel:
+                    senders.add(rank)
+        copies = math.prod(n for n, pl in zip(grids[0].shape, p.placements) if pl.is_replicate())
+        self.boxes.append(held)
+        self.senders.append(senders)
+        self.replication.append(len(grids) * copies)
+
+
+class WholeMoves:
+    """Brings parameters' tensors (laid out like their local shards) whole to owners and back:
+    `gather` sends every piece of tensor k to `owners[k]` in one all-to-all and returns the whole
+    tensors this rank owns; `scatter` sends each rank its piece of them in another. The plan is
+    fixed at construction (shapes and placements only), so nothing waits on the host."""
+
+    def __init__(self, params: Sequence[torch.Tensor], owners: Sequence[int], comm: Comm,
+                 boxes: Sequence[dict[int, Box]], senders: Sequence[set[int]]):  # fmt: skip
+        self.params, self.owners, self.comm = list(params), list(owners), comm
+        self.boxes, self.senders = list(boxes), list(senders)
+        me, world = comm.rank, comm.world_size
+        self.mine = [k for k, o in enumerate(self.owners) if o == me]
+        # gather: to owner o, this rank's pieces of the tensors o owns (if it sends them)
+        self.gather_out = [[k for k, o in enumerate(self.owners) if o == r and me in self.senders[k]]
+                           for r in range(world)]  # fmt: skip
+        self.gather_in = [[k for k in self.mine if r in self.senders[k] and self.boxes[k][r].numel]
+                          for r in range(world)]  # fmt: skip
+        # scatter: from owner o, this rank's piece of each tensor o owns
+        self.scatter_in = [[k for k, o in enumerate(self.owners) if o == r and self.boxes[k][me].numel]
+                           for r in range(world)]  # fmt: skip
+        self.scatter_out = [[k for k in self.mine if self.boxes[k][r].numel] for r in range(world)]
+
+    def _count(self, plan: list[list[int]], theirs: bool) -> list[int]:
+        """Elements per rank of `plan` (tensor indices per rank): of that rank's boxes (`theirs`)
+        or of this rank's."""
+        me = self.comm.rank
+        return [sum(self.boxes[k][r if theirs else me].numel for k in ks) for r, ks in enumerate(plan)]
+
+    def gather(self, pieces: Sequence[torch.Tensor], what: str) -> dict[int, torch.Tensor]:
+        """`pieces[k]`: this rank's piece of tensor k (its local shape). The whole tensors this rank
+        owns, by k."""
+        like = pieces[0]
+        send = [pieces[k].reshape(-1) for ks in self.gather_out for k in ks]
+        inp = torch.cat(send) if send else like.new_empty(0)
+        in_splits, out_splits = self._count(self.gather_out, False), self._count(self.gather_in, True)
+        out = like.new_empty(sum(out_splits))
+        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+        wholes = {k: like.new_empty(tuple(self.params[k].shape)) for k in self.mine}
+        at = 0
+        for r, ks in enumerate(self.gather_in):
+            for k in ks:
+                box = self.boxes[k][r]
+                box.of(wholes[k]).copy_(out[at : at + box.numel].view(box.sizes))
+                at += box.numel
+        return wholes
+
+    def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str) -> list:
+        """Each rank's piece of the whole tensors (`wholes`, by k, on their owners) back: per
+        tensor k, this rank's piece in its local shape (None where it holds none)."""
+        ranks = enumerate(self.scatter_out)
+        send = [self.boxes[k][r].of(wholes[k]).reshape(-1) for r, ks in ranks for k in ks]
+        inp = torch.cat(send) if send else like.new_empty(0)
+        in_splits, out_splits = self._count(self.scatter_out, True), self._count(self.scatter_in, False)
+        out = like.new_empty(sum(out_splits))
+        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+        pieces: list[torch.Tensor | None] = [None] * len(self.params)
+        at, me = 0, self.comm.rank
+        for ks in self.scatter_in:
+            for k in ks:
+                box = self.boxes[k][me]
+                pieces[k] = out[at : at + box.numel].view(box.sizes)
+                at += box.numel
+        return pieces
+
+
+@torch.no_grad()
+def copy_in(unit) -> None:
+    """An external unit's shard from its parameters' local tensors (their memory is another
+    layer's, which may have written them: a loaded model state dict): a shard of the parameters'
+    own dtype takes them all; an fp32 master those that differ from it rounded."""
+    master = unit.shard_dtype != unit.orig_dtype
+    for i, p in enumerate(unit.params):
+        start, stop = unit.full.local_range(i)
+        value, piece = local(p).reshape(-1), unit.shard[start:stop]
+        if master:
+            torch.where(piece.to(value.dtype) != value, value.to(piece.dtype), piece, out=piece)
+        else:
+            piece.copy_(value)
+
+
+@torch.no_grad()
+def copy_out(unit) -> Handle:
+    """The updated shard into the parameters' local tensors (FSDP2 gathers from them)."""
+    for i, p in enumerate(unit.params):
+        start, stop = unit.full.local_range(i)
+        local(p).view(-1).copy_(unit.shard[start:stop])
+    return Handle()
+
+
+def shard_groups() -> Groups:
+    """The groups of a runtime over FSDP2's shards: its units lay out this rank's local tensors
+    alone; agreements and the owners of whole matrices span the world (the default group)."""
+    alone = Comm.alone()
+    return Groups(alone, alone, Comm(None), Topology.flat(alone))
+
+
+class FsdpGrads:
+    """A runtime's gradients over FSDP2's shards: `.grad` is FSDP2's reduced DTensor gradient."""
+
+    MODEL_STATE = (
+        "under FSDP2 the model's parameters are FSDP2's DTensors: save and load them with "
+        "torch.distributed.checkpoint.state_dict.get_model_state_dict / set_model_state_dict"
+    )
+
+    def __init__(self, units, tracker, shards: ShardMap, params: Sequence[torch.Tensor]):
+        self.units, self.tracker, self.shards = list(units), tracker, shards
+        self.index = {id(p): k for k, p in enumerate(params)}  # the map's parameter order
+
+    @classmethod
+    def of(cls, units, tracker, params: Sequence[torch.Tensor], world: Comm, labels: dict[int, str]):
+        """Over `params`' shards in `world` (collective: the meshes' exchange); ValueError on every
+        rank where they do not cover it."""
+        shards = ShardMap(params, world, labels)
+        if shards.problem is not None:
+            raise ValueError(shards.problem)
+        return cls(units, tracker, shards, params)
+
+    def where(self, p: torch.Tensor) -> tuple[dict[int, Box], set[int]]:
+        """Every rank's box of `p` and the ranks that send it whole to an owner (`WholeMoves`)."""
+        k = self.index[id(p)]
+        return self.shards.boxes[k], self.shards.senders[k]
+
+    def take(self) -> None:
+        """Each parameter's local gradient into the unit's gradient shard (a copy of the rank's
+        shard, no communication); a parameter steps iff it has a gradient, as in torch."""
+        for u in self.units:
+            for i, has in enumerate(u.grads.take_averaged()):
+                self.tracker.mark(u.params[i], has)
+        self.tracker.reattach(grads=False)
+
+    def grads(self) -> Iterator[torch.Tensor]:
+        """FSDP2's local gradients (clipping scales them too, as torch's clipping leaves them)."""
+        return (local(p.grad) for u in self.units for p in u.params if p.grad is not None)
+
+    def norm_parts(self, norm_type: float, device: torch.device) -> torch.Tensor:
+        """This rank's part of the whole gradient's norm in float64: `sum |g|^p` over its shards,
+        each divided by how many ranks hold the same elements (so the world's sum counts every
+        element once; the max for the inf norm)."""
+        inf, total = math.isinf(norm_type), torch.zeros(1, dtype=torch.float64, device=device)
+        for u in self.units:
+            if not u.grads.shard_bytes:
+                continue
+            for i, p in enumerate(u.params):
+                start, stop = u.full.local_range(i)
+                if stop <= start:
+                    continue
+                g = u.grads.shard[start:stop]
+                if inf:
+                    total = torch.maximum(total, g.abs().max().to(torch.float64))
+                else:
+                    part = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
+                    total += part / self.shards.replication[self.index[id(p)]]
+        return total
