@@ -10,11 +10,13 @@ import torch
 from ..owners.moves import Move, run_moves
 from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
-from ..units.fsdp_shards import FsdpGrads
+from ..units.config import ShardingConfig
+from ..units.fsdp_shards import FsdpGrads, over_dtensors
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import is_tp_sharded, local_shape
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel, label_params
+from ._shampoo_fsdp import FsdpShampoo
 from ._shampoo_math import (
     Tile,
     bias_correction,
@@ -93,6 +95,15 @@ class Shampoo(ShardedOptimizer):
     tensor keyed as in one process (gathered from its owner in the dp x tp world), and loads at
     any layout whose TP cuts lie on the same tile grid.
 
+    Over FSDP2's shards (its `fully_shard` DTensors, given no `mesh=` or `process_group=`; HSDP and
+    FSDP2 over TP too, whatever the cuts): the element-wise part runs on FSDP2's local pieces; each
+    matrix's gradient (with mhat and the grafting update on steps that precondition) travels whole
+    to one owner, balanced over the world by its tiles' root work, which keeps every tile's factors
+    and roots and sends each rank its piece of the update (`_shampoo_fsdp`): each tile computed
+    once, the one-process numbers. `moved_tiles` counts the tiles of matrices their owner does not
+    hold whole; `native_root_work` puts a matrix at the rank holding most of it. torch's full
+    `state_dict()` is the one-process format on every rank, as under TP.
+
     `state_dict()` per parameter: `step`, `exp_avg` (full shape), `exp_avg_sq` (adam) or
     `sum` (adagrad), and per tile `(i, j)`: `L_i_j`, `R_i_j`, `L_inv_root_i_j`, `R_inv_root_i_j`.
     """
@@ -123,13 +134,8 @@ class Shampoo(ShardedOptimizer):
         check_params_arg(params)
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._refreshed = False
-        super().__init__(params, defaults, sharding)
-        if isinstance(self.runtime.wrapper, FsdpGrads):  # every rank alike, after the agreement
-            raise NotImplementedError(
-                "vo.Shampoo does not run over FSDP2's shards yet (its tiles would span FSDP2's row "
-                "shards); leave the model unwrapped and pass shard_modules=, wrap it in DDP, or use "
-                "vo.AdamW / vo.Muon under FSDP2"
-            )
+        self._config = ShardingConfig.of(type(self).__name__, sharding)  # read by `_check_params`
+        super().__init__(params, defaults, self._config)
         self._plan_tiles()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -157,8 +163,11 @@ class Shampoo(ShardedOptimizer):
     def _check_params(self, params: list[torch.Tensor]) -> None:
         """Under tensor parallelism every tile of the full tensor must lie inside one TP
         shard: refused by name on every rank (the answer comes from global shapes and
-        placements), before anything is laid out."""
+        placements), before anything is laid out. Over FSDP2's shards no cut needs to be on the
+        grid: whole matrices go to their owners."""
         super()._check_params(params)
+        if over_dtensors(params, self._config):  # over FSDP2's shards: whole matrices (`_shampoo_fsdp`)
+            return
         labels = label_params(self.param_groups)
         for group in self.param_groups:
             for p in group["params"]:
@@ -173,7 +182,7 @@ class Shampoo(ShardedOptimizer):
         return [_EXP_AVG, second] if second else [_EXP_AVG]
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        g, seg_tiles = seg.group, self._tiles[id(seg)]
+        g = seg.group
         second_spec = _SECOND.get(g["grafting"])
         exp_avg = seg.moment(_EXP_AVG.name)
         second = seg.moment(second_spec.name) if second_spec else None
@@ -197,6 +206,10 @@ class Shampoo(ShardedOptimizer):
                     p[lo:hi].mul_(1 - lr * g["weight_decay"])
                 p[lo:hi].add_(update[lo:hi], alpha=-lr)
 
+        if self._fsdp is not None:  # the matrices whole at their owners, every segment's at once
+            self._refreshed |= self._fsdp.stage(seg, grads, mhat, update, apply)
+            return None
+        seg_tiles = self._tiles[id(seg)]
         parts = [x for x in (seg_tiles, self._shared.get(id(seg))) if x is not None and x.tiles]
         left = [len(parts)]  # the update is applied once every part has written its tiles'
 
@@ -220,14 +233,20 @@ class Shampoo(ShardedOptimizer):
 
     def _step_phase(self, segments: list[Segment]) -> list[Move]:
         """The moves of tiles replicated over TP, over the dp x tp world (those over the
-        data-parallel group run after, in the base's step)."""
+        data-parallel group run after, in the base's step); over FSDP2's shards, every matrix's
+        exchange with its owner and the updates applied."""
+        if self._fsdp is not None:
+            self._fsdp.run()
+            return []
         moves, self._shared_moves = self._shared_moves, []
         if moves:
             self._traffic(*run_moves(moves, self._tp.world.comm))
         return []
 
-    def _parts(self) -> list[SegmentTiles]:
-        return [*self._tiles.values(), *self._shared.values()]
+    def _parts(self) -> list[SegmentTiles | FsdpShampoo]:
+        """Who holds tiles on this rank: per segment its tiles (and under TP those replicated over
+        it), or over FSDP2's shards the owner of whole matrices."""
+        return [*self._tiles.values(), *self._shared.values(), *([self._fsdp] if self._fsdp else [])]
 
     def _before_update(self) -> None:
         self._refreshed, self._shared_moves = False, []
@@ -269,6 +288,9 @@ class Shampoo(ShardedOptimizer):
         tensor parallelism the tiles of matrices replicated over TP are planned over the dp x
         tp world after the others (`_shampoo_tp`), and `root_work` and the counts are the
         world's."""
+        self._fsdp: FsdpShampoo | None = None
+        if isinstance(self.runtime.wrapper, FsdpGrads):
+            return self._plan_over_fsdp()
         topo, shared = self.runtime.topology, bool(self.runtime.tp)
         segs, cut, rep = [], [], []
         for seg in self.runtime.segments:
@@ -305,6 +327,17 @@ class Shampoo(ShardedOptimizer):
         self.native_root_work, self.root_work = tp.home_loads, tp.loads
         self.num_tiles, self.moved_tiles = tp.tiles, tp.moved
 
+    def _plan_over_fsdp(self) -> None:
+        """Over FSDP2's shards, whole matrices at owners balanced by their tiles' root work over the
+        world (`_shampoo_fsdp`); no tile of the other layouts."""
+        runtime = self.runtime
+        segs = [seg for seg in runtime.segments if seg.tier != FROZEN]
+        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.world)
+        self._tiles, self._shared, self._shared_moves, self._tp = {}, {}, [], None
+        self._position = {id(seg): i for i, seg in enumerate(segs)}
+        self.native_root_work, self.root_work = tuple(self._fsdp.home_loads), tuple(self._fsdp.loads)
+        self.num_tiles, self.moved_tiles = self._fsdp.num_tiles, self._fsdp.moved_tiles
+
     @staticmethod
     def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
         """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
@@ -332,6 +365,8 @@ class Shampoo(ShardedOptimizer):
         out: list[list[Owned]] = [[] for _ in seg.params]
         if getattr(self, "_position", None) is None:  # during construction, before the tiles are planned
             return out
+        if self._fsdp is not None:
+            return self._fsdp.owned(seg)
         parts = [x for x in (self._tiles.get(id(seg)), self._shared.get(id(seg))) if x is not None]
         if self._tp is None:
             listed = [(t.param, t.key, t.h, t.w, parts[0].owners[k]) for k, t in enumerate(parts[0].tiles)]

@@ -110,9 +110,9 @@ class StateIO:
     `param_groups` is the optimizer's own list; `structural` the param-group keys that
     shape the state; `stepless(seg)` whether a segment's math ignores step counts (torch
     then saves none); `owned(seg)` the `Owned` tensors of each of its parameters (the
-    same keys, shapes and owners on every rank); `comm` the shard group, `world` every
-    rank (owned tensors are gathered from it when there are `replicas`), `owned_world` the
-    group whose ranks owners are when it is wider (Shampoo's dp x tp world under TP); `publish()`
+    same keys, shapes and owners on every rank); `comm` the shard group, `world` every rank
+    (owned tensors are gathered from it when it is wider: `replicas`, FSDP2's shards), `owned_world`
+    the group whose ranks owners are when wider still (Shampoo's dp x tp world under TP); `publish()`
     refreshes the parameters kept whole after the masters were loaded in place.
     """
 
@@ -166,7 +166,7 @@ class StateIO:
         if not flat:
             return {}
         owners = self.owned_world or self.world
-        if self.replicas > 1 or owners is not self.world:  # owned state lives once: gather it from all
+        if self.replicas > 1 or owners is not gather.comm:  # owned state lives once: gather it from all
             full_gather = Gather(owners, None, gather.cpu_offload)
         else:
             full_gather = gather
