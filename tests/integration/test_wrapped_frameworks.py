@@ -1,0 +1,112 @@
+"""The library's optimizers inside the data-parallel wrappers of the frameworks users run, on 2
+gloo ranks launched as users launch them (test_frameworks.py runs the same frameworks in one
+process): HF Trainer and an accelerate loop under torch.distributed.run, a Lightning Trainer with
+strategy="ddp" started as a plain script. DistributedDataParallel averages the gradients and the
+optimizer shards only its state (ZeRO-1), so each run must end where the same launch with
+torch.optim ends. The launch scripts are in wrapped/; each rank trains on rows of its own.
+
+Not here: accelerate's FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), which accelerate
+leaves unused on CPU, wrapping the model in DistributedDataParallel instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # make test-fast leaves it out
+
+ROOT = Path(__file__).resolve().parents[2]
+WRAPPED = Path(__file__).resolve().parent / "wrapped"
+# --standalone: torchrun's rendezvous takes a free port of its own (Lightning's, MASTER_PORT, is ours)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+TIMEOUT = 240
+# AdamW, and Muon too: vo.Muon orthogonalizes each whole matrix with torch.optim.Muon's bf16
+# operations, and both sides run them on one thread each, so the matrices came out bitwise equal
+# and the biases (AdamW) within 4e-9 in the accelerate runs here (not the 2e-3 floor against a
+# one-thread reference of other tests)
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], cwd: Path) -> str:
+    """Run `cmd` in its own session (on timeout the session is killed: launcher and ranks); a
+    failure shows the tail of its output, stderr included."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])  # this tree's
+    to = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, **to, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{out[-6000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """`launch(script, *args)`: rank 0's result of one 2-rank run of wrapped/`script`, cached, so
+    each torch reference runs once for the variants compared with it."""
+    root = tmp_path_factory.mktemp("wrapped")
+    done: dict[tuple, dict] = {}
+
+    def run(script: str, *args: str) -> dict:
+        if (script, *args) not in done:
+            out = root / f"{len(done)}.pt"
+            launcher = [sys.executable] if script.startswith("lightning") else TORCHRUN  # Lightning: its own
+            said = _run([*launcher, str(WRAPPED / script), *args, "--out", str(out)], root)
+            done[(script, *args)] = {**torch.load(out), "output": said}
+        return done[(script, *args)]
+
+    return run
+
+
+def _same(got: dict, want: dict, sharded_over: int | None = 2) -> None:
+    """`got` (the library's run) ended where `want` (torch's) did, its state sharded over both ranks."""
+    assert got["sharded_over"] == sharded_over, got["sharded_over"]
+    assert len(got["params"]) == len(want["params"])
+    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, i=i: f"parameter {i}: {m}")
+    if want["grad_norms"] is not None:
+        assert max(want["grad_norms"]) > 0.5  # clipping acted
+        torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]), **TOL)
+
+
+@pytest.mark.parametrize("built", ["after", "before"])
+def test_hf_trainer_under_torchrun_trains_like_torch_adamw(launch, built):
+    """vo.AdamW built after TrainingArguments (the process group exists) or before it (none yet)."""
+    want = launch("hf_trainer.py", "--opt", "torch")
+    got = launch("hf_trainer.py", "--opt", "vo_adamw", "--built", built)
+    # built before the process group: one process's optimizer (DDP averages), said once at its first step
+    _same(got, want, sharded_over=2 if built == "after" else 1)
+    unbound = "built before torch.distributed's process group existed"
+    assert (unbound in got["output"]) == (built == "before"), got["output"][-3000:]
+
+
+# torch.optim under gradient_as_bucket_view=True ends bitwise where it ends without: one reference
+@pytest.mark.parametrize("wrap", ["ddp", "bucket_view"])
+@pytest.mark.parametrize("opt, torch_opt", [("vo_adamw", "torch"), ("vo_muon", "torch_muon")])
+def test_accelerate_loop_under_torchrun_trains_like_torch(launch, opt, torch_opt, wrap):
+    want = launch("accelerate_loop.py", "--opt", torch_opt)
+    _same(launch("accelerate_loop.py", "--opt", opt, "--wrap", wrap), want)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "bucket_view"])
+def test_lightning_ddp_trains_like_torch_adamw(launch, wrap):
+    want = launch("lightning_ddp.py", "--opt", "torch")
+    _same(launch("lightning_ddp.py", "--opt", "vo_adamw", "--wrap", wrap), want)
