@@ -17,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _tiny_gpt import batch, build, loss_fn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -118,15 +120,17 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(kind: str, layout: str, ours: bool, **kwargs):
-    """`STEPS` clipped steps; the whole parameters, clip norms, the steps' stats and what we traced."""
+def _train(kind: str, layout: str, ours: bool, torch_clip: bool = False, **kwargs):
+    """`STEPS` clipped steps (the library's runs by `opt.clip_grad_norm_`, or with `torch_clip` by
+    torch's clipping of FSDP2's gradients); the whole parameters, clip norms, the steps' stats and
+    what we traced."""
     model, dp_rank = _wrapped(layout)
     opt = _optimizer(kind, model, ours, **kwargs)
     norms, stats, trace = [], [], []
     for t in range(STEPS):
         loss_fn(model, *batch(t, dp_rank)).backward()
         with traced(trace):
-            if ours:
+            if ours and not torch_clip:
                 norms.append(float(opt.clip_grad_norm_(0.5)))
             else:
                 norms.append(_torch_clip(model, 0.5))
@@ -136,8 +140,8 @@ def _train(kind: str, layout: str, ours: bool, **kwargs):
     return _full(model), norms, stats, trace
 
 
-def _both(kind: str, layout: str):
-    return _train(kind, layout, ours=True), _train(kind, layout, ours=False)
+def _both(kind: str, layout: str, torch_clip: bool = False):
+    return _train(kind, layout, ours=True, torch_clip=torch_clip), _train(kind, layout, ours=False)
 
 
 def _assert_close(got: dict, want: dict, atol: float) -> None:
@@ -161,6 +165,12 @@ def test_over_fsdp2_trains_like_torch(world, kind, layout):
     if kind == "muon":  # each matrix once in the whole world, each step
         per_step = [sum(got[2][t]["ns_matrices"] for got, _ in results) for t in range(STEPS)]
         assert per_step == [MATRICES] * STEPS
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_torch_clipping_of_fsdp2_gradients_is_what_the_step_takes(world, kind):
+    for got, want in world(2).run(_both, kind, "1-D W=2", True, timeout=120):
+        _assert_close(got[0], want[0], TOL[kind])
 
 
 def _eight_bit(layout: str):
@@ -241,6 +251,46 @@ def _swapped() -> None:
         g["params"] = [after[before[id(p)]] for p in g["params"]]
     loss_fn(model, *batch(0, dist.get_rank())).backward()
     opt.step()
+
+
+def _through_dcp(kind: str, layout: str, path: str, api: str):
+    """Steps 0-1, the optimizer saved through DCP (its own sharded state dict, or torch's
+    `get_optimizer_state_dict` as torchtitan saves it), a fresh model and optimizer loading it,
+    step 2: the run that never stopped, bitwise."""
+    model, dp_rank = _wrapped(layout)
+    opt = _optimizer(kind, model, True)
+    _steps(model, opt, dp_rank, range(STEPS - 1))
+    if api == "ours":
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    else:
+        dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _steps(model, opt, dp_rank, range(STEPS - 1, STEPS))
+    never_stopped = _full(model)
+    model, dp_rank = _wrapped(layout)
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(params[k])
+    opt = _optimizer(kind, model, True)
+    if api == "ours":
+        sd = opt.sharded_state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        opt.load_sharded_state_dict(sd)
+    else:
+        sd = get_optimizer_state_dict(model, opt)
+        dcp.load(sd, checkpoint_id=path)
+        set_optimizer_state_dict(model, opt, sd)
+    _steps(model, opt, dp_rank, range(STEPS - 1, STEPS))
+    return _full(model), never_stopped
+
+
+@pytest.mark.parametrize("api", ["ours", "torch's"])
+@pytest.mark.parametrize("kind, layout", [("adamw", "HSDP 2x2"), ("muon", "1-D W=3")])
+def test_dcp_round_trip_continues_bitwise(world, tmp_path, kind, layout, api):
+    path = str(tmp_path / "opt")
+    for got, want in world(LAYOUTS[layout][0]).run(_through_dcp, kind, layout, path, api, timeout=120):
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
 
 
 def _refusal(case: str) -> str:
