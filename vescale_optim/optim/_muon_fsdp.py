@@ -50,8 +50,15 @@ class FsdpMuon:
         for c, o in zip(costs, owners):
             loads[o] += c
         per_matrix = [o for o, (n, _, _) in zip(owners, self.views) for _ in range(n)]
-        self.plan = MuonPlan(per_matrix, {}, {}, loads, [0.0] * world.world_size,
-                             [x / cost_model.flops for x in loads], cost_model)  # fmt: skip
+        self.plan = MuonPlan(
+            per_matrix,
+            {},
+            {},
+            loads,
+            [0.0] * world.world_size,
+            [x / cost_model.flops for x in loads],
+            cost_model,
+        )
 
     def run(self, updates: dict[int, torch.Tensor], muon) -> None:
         """This step's updates (segment position -> flat `U` of its local pieces) orthogonalized
@@ -63,8 +70,10 @@ class FsdpMuon:
             shape = tuple(seg.params[i].to_local().shape)
             pieces.append(update[lo:hi].view(shape) if update is not None else None)
         like = next(p for p in pieces if p is not None)
-        pieces = [p if p is not None else like.new_zeros(tuple(self.segs[s].params[i].to_local().shape))
-                  for p, (s, i) in zip(pieces, self.where)]  # fmt: skip
+        pieces = [
+            p if p is not None else like.new_zeros(tuple(self.segs[s].params[i].to_local().shape))
+            for p, (s, i) in zip(pieces, self.where)
+        ]
         wholes = self.moves.gather(pieces, "Muon's updates to their owners")
         for k, whole in wholes.items():
             s, i = self.where[k]

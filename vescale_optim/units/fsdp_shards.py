@@ -147,20 +147,29 @@ class WholeMoves:
     tensors this rank owns; `scatter` sends each rank its piece of them in another. The plan is
     fixed at construction (shapes and placements only), so nothing waits on the host."""
 
-    def __init__(self, params: Sequence[torch.Tensor], owners: Sequence[int], comm: Comm,
-                 boxes: Sequence[dict[int, Box]], senders: Sequence[set[int]]):  # fmt: skip
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        owners: Sequence[int],
+        comm: Comm,
+        boxes: Sequence[dict[int, Box]],
+        senders: Sequence[set[int]],
+    ):
         self.params, self.owners, self.comm = list(params), list(owners), comm
         self.boxes, self.senders = list(boxes), list(senders)
         me, world = comm.rank, comm.world_size
         self.mine = [k for k, o in enumerate(self.owners) if o == me]
         # gather: to owner o, this rank's pieces of the tensors o owns (if it sends them)
-        self.gather_out = [[k for k, o in enumerate(self.owners) if o == r and me in self.senders[k]]
-                           for r in range(world)]  # fmt: skip
-        self.gather_in = [[k for k in self.mine if r in self.senders[k] and self.boxes[k][r].numel]
-                          for r in range(world)]  # fmt: skip
+        self.gather_out = [
+            [k for k, o in enumerate(self.owners) if o == r and me in self.senders[k]] for r in range(world)
+        ]
+        self.gather_in = [
+            [k for k in self.mine if r in self.senders[k] and self.boxes[k][r].numel] for r in range(world)
+        ]
         # scatter: from owner o, this rank's piece of each tensor o owns
-        self.scatter_in = [[k for k, o in enumerate(self.owners) if o == r and self.boxes[k][me].numel]
-                           for r in range(world)]  # fmt: skip
+        self.scatter_in = [
+            [k for k, o in enumerate(self.owners) if o == r and self.boxes[k][me].numel] for r in range(world)
+        ]
         self.scatter_out = [[k for k in self.mine if self.boxes[k][r].numel] for r in range(world)]
 
     def _count(self, plan: list[list[int]], theirs: bool) -> list[int]:
