@@ -22,7 +22,7 @@ path (`shard_modules=`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ import torch
 from ..shard.collectives import Comm, Handle, all_gather_object, all_to_all_v_
 from ..shard.mesh import Groups, Topology
 from .tensor_parallel import box_at, is_dtensor, local, local_shape
+from .wrappers import WrappedGrads
 
 TWO_WAYS = (
     "let FSDP2 shard the model and pass its parameters with no mesh=, process_group= or shard_modules= "
@@ -246,7 +247,7 @@ def shard_groups() -> Groups:
     return Groups(alone, alone, Comm(None), Topology.flat(alone))
 
 
-class FsdpGrads:
+class FsdpGrads(WrappedGrads):
     """A runtime's gradients over FSDP2's shards: `.grad` is FSDP2's reduced DTensor gradient."""
 
     MODEL_STATE = (
@@ -255,7 +256,8 @@ class FsdpGrads:
     )
 
     def __init__(self, units, tracker, shards: ShardMap, params: Sequence[torch.Tensor]):
-        self.units, self.tracker, self.shards = list(units), tracker, shards
+        super().__init__(units, tracker)
+        self.shards = shards
         self.index = {id(p): k for k, p in enumerate(params)}  # the map's parameter order
 
     @classmethod
@@ -271,18 +273,6 @@ class FsdpGrads:
         """Every rank's box of `p` and the ranks that send it whole to an owner (`WholeMoves`)."""
         k = self.index[id(p)]
         return self.shards.boxes[k], self.shards.senders[k]
-
-    def take(self) -> None:
-        """Each parameter's local gradient into the unit's gradient shard (a copy of the rank's
-        shard, no communication); a parameter steps iff it has a gradient, as in torch."""
-        for u in self.units:
-            for i, has in enumerate(u.grads.take_averaged()):
-                self.tracker.mark(u.params[i], has)
-        self.tracker.reattach(grads=False)
-
-    def grads(self) -> Iterator[torch.Tensor]:
-        """FSDP2's local gradients (clipping scales them too, as torch's clipping leaves them)."""
-        return (local(p.grad) for u in self.units for p in u.params if p.grad is not None)
 
     def norm_parts(self, norm_type: float, device: torch.device) -> torch.Tensor:
         """This rank's part of the whole gradient's norm in float64: `sum |g|^p` over its shards,

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..shard.handle import group_size, initialized
+from .tensor_parallel import local
 
 
 class WrapperError(RuntimeError):
@@ -83,11 +84,28 @@ def first_step(runtime: Any) -> None:
         )
 
 
-class DDPGrads:
-    """A runtime's gradients under DDP (ZeRO-1): DDP's mean `.grad`, whole on every rank."""
+class WrappedGrads:
+    """A runtime's gradients when a wrapper reduced them (DDP's whole mean, or FSDP2's shards):
+    `.grad` is the wrapper's, read at the step, and never one of the runtime's placeholders."""
 
     def __init__(self, units, tracker):
         self.units, self.tracker = list(units), tracker
+
+    def take(self) -> None:
+        """This rank's pieces of every `.grad` into the gradient shards (a copy, no communication);
+        a parameter steps iff it has a gradient, as in torch."""
+        for u in self.units:
+            for i, has in enumerate(u.grads.take_averaged()):
+                self.tracker.mark(u.params[i], has)
+        self.tracker.reattach(grads=False)
+
+    def grads(self) -> Iterator[torch.Tensor]:
+        """The wrapper's gradients, local tensors (clipping scales them too, as torch's leaves them)."""
+        return (local(p.grad) for u in self.units for p in u.params if p.grad is not None)
+
+
+class DDPGrads(WrappedGrads):
+    """A runtime's gradients under DDP (ZeRO-1): DDP's mean `.grad`, whole on every rank."""
 
     @classmethod
     def of(cls, runtime: Any, ddp: nn.Module) -> DDPGrads | None:
@@ -107,18 +125,6 @@ class DDPGrads:
         if problem is not None:
             raise WrapperError(problem)
         return cls(runtime.units, runtime.tracker)
-
-    def take(self) -> None:
-        """This rank's pieces of every `.grad` into the gradient shards (a copy of `1/W` of the
-        gradients, no communication); a parameter steps iff it has a gradient, as in torch."""
-        for u in self.units:
-            for i, has in enumerate(u.grads.take_averaged()):
-                self.tracker.mark(u.params[i], has)
-        self.tracker.reattach(grads=False)
-
-    def grads(self) -> Iterator[torch.Tensor]:
-        """DDP's `.grad`s (clipping scales them too, as torch's clipping leaves them)."""
-        return (p.grad for u in self.units for p in u.params if p.grad is not None)
 
 
 def _ddp_problem(sharded: bool, ours: dict[int, str], theirs: set[int]) -> str | None:
