@@ -127,7 +127,7 @@ def test_readme_torchrun_script_runs_on_two_ranks(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_readme_hsdp_script_runs_as_two_replicas_of_two_shards(tmp_path):
-    found = blocks_with("init_device_mesh")
+    found = blocks_with("init_device_mesh", '"replicate"')
     assert len(found) == 1, f"README.md and docs/ show one HSDP script: {[name for name, _ in found]}"
     script = tmp_path / "hsdp.py"
     script.write_text(found[0][1])

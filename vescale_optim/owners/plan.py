@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from ..shard.mesh import Topology
 from ..shard.redistribution import (
@@ -123,7 +124,8 @@ class SegmentMoves:
         `back`, and `finish(back)` applies them. When nothing travels, `local()` and `finish`
         run now and there is no `Move` (every rank agrees: the plan is the same everywhere)."""
         if self.gather is None:
-            local()
+            with record_function(f"vescale_optim.{label}"):  # the label of the work, moved or not
+                local()
             finish(src.new_empty(0))
             return None
         back = src.new_empty(self.back_numel if returns else 0)

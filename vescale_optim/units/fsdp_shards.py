@@ -57,9 +57,10 @@ def shards_problem(params: Sequence[torch.Tensor], config, labels: dict[int, str
         name = labels[id(p)]
         if not is_dtensor(p):
             return (
-                f"parameter {name} is a plain tensor next to DTensor parameters (FSDP2's): the optimizer "
-                "runs over FSDP2's shards only when every parameter it is given is one; fully_shard the "
-                "root module too, or give this optimizer the sharded parameters only"
+                f"parameter {name} is a plain tensor next to DTensor parameters, and no mesh= was given: "
+                "with tensor parallelism under this library's data parallelism, pass the data-parallel "
+                "mesh as mesh= (e.g. mesh=world['dp']); over FSDP2's shards every parameter is one of "
+                "FSDP2's DTensors (fully_shard the root module too)"
             )
         for pl in p.placements:
             if pl.is_partial():
@@ -110,9 +111,11 @@ class ShardMap:
         self.senders: list[set[int]] = []  # per parameter, the ranks sending one copy of each element
         self.replication: list[int] = []  # per parameter, how many ranks hold each element
         self.problem: str | None = None
+        self.meshes: list[list[torch.Tensor]] = []  # per parameter, its distinct meshes (rank grids)
         for k, p in enumerate(params):
             distinct = {str(r[k]): torch.tensor(r[k]) for r in every}.values()
             grids = sorted(distinct, key=lambda g: int(g.min()))
+            self.meshes.append(grids)
             self._place(p, grids)
             covered = sorted(self.boxes[-1])
             if covered != list(range(world.world_size)) and self.problem is None:
@@ -121,8 +124,16 @@ class ShardMap:
                     f"of {world.world_size}: the optimizer runs over FSDP2's shards only when every rank "
                     "holds a shard of every parameter (FSDP2 over part of the world, as under pipeline "
                     "stages, is not supported yet); with tensor parallelism under this library's data "
-                    "parallelism, pass mesh=world['dp'] instead"
+                    "parallelism, pass the data-parallel mesh as mesh= (mesh=world['dp']) instead"
                 )
+        # FSDP2's mesh spans the world (its copies on parallel meshes are of parameters TP left whole);
+        # tensor-parallel meshes alone (mesh= forgotten) would leave the data-parallel mean to nobody
+        if self.problem is None and params and not any(len(g) == 1 for g in self.meshes):
+            self.problem = (
+                f"no parameter's mesh spans the world of {world.world_size} ranks, as FSDP2's does: these "
+                "DTensors are tensor-parallel, and nothing averages their gradients over data parallelism; "
+                "pass the data-parallel mesh as mesh= (mesh=world['dp']), or fully_shard the model first"
+            )
 
     def _place(self, p: torch.Tensor, grids: list[torch.Tensor]) -> None:
         """Every rank's box of `p` on its mesh `grids` (copies of one another), and who sends: on the

@@ -12,8 +12,11 @@ The optimizer sees parameters, not the module, and is often built before DDP wra
 program order and before any gradient of DDP's exists, is DDP's forward: a global module forward
 pre-hook (torch's public `register_module_forward_pre_hook`) sees it, and every runtime that
 holds parameters of that DDP switches there, on every rank alike (no timing, no collective).
-The hook is installed while some runtime has not taken its first step and removed after, so a
-model pays for it one step at most (a model DDP wraps after the first step is not seen).
+The hook is installed with the first runtime and stays: it is one `isinstance` check, which
+`torch.compile` folds away where it inlines a module call (no graph break, and nothing it guards
+on ever changes, so no recompilation); in eager mode it costs about a microsecond per module call
+(measured on CPU: 151 calls took 492 us instead of 333). A model DDP wraps at any point is seen,
+as long as no gradient of the runtime's own is pending then.
 """
 
 from __future__ import annotations
@@ -36,44 +39,39 @@ class WrapperError(RuntimeError):
     the supported ways)."""
 
 
+_runtimes: weakref.WeakSet = weakref.WeakSet()  # every live runtime, told of DDP's forwards
 # runtime -> whether it was built with no process group to join, until its first step
-_watching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_hook = None  # the global forward pre-hook's handle while some runtime watches
+_built_alone: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_hook = None  # the global forward pre-hook, installed with the first runtime
 
 
 def _on_forward(module: nn.Module, args) -> None:
-    if isinstance(module, DistributedDataParallel):
-        for runtime in list(_watching):
-            runtime.under_ddp(module)
-    if not _watching:  # the runtimes still watching were freed before their first step
-        _unhook()
+    if isinstance(module, DistributedDataParallel):  # (folded away where torch.compile inlines a call)
+        _ddp_forward(module)
 
 
-def _unhook() -> None:
-    global _hook
-    if _hook is not None:
-        _hook.remove()
-        _hook = None
+@torch.compiler.disable
+def _ddp_forward(ddp: nn.Module) -> None:
+    for runtime in list(_runtimes):
+        if runtime.wrapper is None and any(id(p) in runtime.tracker.where for p in ddp.parameters()):
+            runtime.under_ddp(ddp)
 
 
 def watch(runtime: Any) -> None:
-    """Call `runtime.under_ddp(ddp)` at every DDP forward until `runtime`'s first step."""
+    """Call `runtime.under_ddp(ddp)` at every forward of a DDP holding some of its parameters."""
     global _hook
-    _watching[runtime] = not runtime.world.distributed
+    _runtimes.add(runtime)
+    _built_alone[runtime] = not runtime.world.distributed
     if _hook is None:
         _hook = nn.modules.module.register_module_forward_pre_hook(_on_forward)
 
 
 def first_step(runtime: Any) -> None:
-    """`runtime`'s first step settles it: it stops watching (the hook goes with the last one),
-    and a process group created after it (HF's `TrainingArguments` creates one) is named once,
-    with the fix: it is not joined later."""
-    if runtime not in _watching:
+    """At `runtime`'s first step, a process group created after it (HF's `TrainingArguments` creates
+    one) is named once, with the fix: it is not joined later."""
+    if not _built_alone.pop(runtime, False):
         return
-    built_alone = _watching.pop(runtime)
-    if not _watching:
-        _unhook()
-    if built_alone and initialized() and group_size() > 1:
+    if initialized() and group_size() > 1:
         how = "DDP averages the gradients, but " if runtime.wrapper is not None else ""
         warnings.warn(
             f"this optimizer was built before torch.distributed's process group existed, so it runs as one "
