@@ -311,6 +311,21 @@ def _refusal(case: str) -> str:
     return "no error"
 
 
+def _tp_without_mesh() -> str:
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(nn.Sequential(nn.Linear(8, 8)), world["tp"], {"0": ColwiseParallel()})
+    try:
+        vo.AdamW(model.parameters())  # every parameter a DTensor of TP alone: mesh= forgotten
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tensor_parallel_dtensors_without_mesh_are_not_taken_for_fsdp2(world):
+    for message in world(4).run(_tp_without_mesh, timeout=60):
+        assert "pass the data-parallel mesh as mesh=" in message, message
+
+
 @pytest.mark.parametrize(
     "case, words",
     [
