@@ -1,7 +1,9 @@
-"""`benchmarks/wrappers.py --quick` end to end (a tiny GPT under DDP, 2 gloo ranks): its JSON holds
-every field, and the goals a quick run can check hold: the optimizer state per rank against
-torch's, the Newton-Schulz FLOPs of the busiest rank, each matrix once in the world, the same
-parameters as torch's after the first step and the same loss after training."""
+"""`benchmarks/wrappers.py --quick` end to end (a tiny GPT under DDP and under FSDP2, 2 gloo ranks):
+its JSON holds every field, and the goals a quick run can check hold: the optimizer state per rank
+against torch's, the Newton-Schulz FLOPs of the busiest rank, each matrix once in the world, the
+same parameters as torch's after the first step and the same loss after training, and over FSDP2
+the peak bytes against the full_tensor() peer's (not the step time: a quick run's times say
+nothing)."""
 
 from __future__ import annotations
 
@@ -84,4 +86,20 @@ def test_trained_like_torch(run):
         assert r["max|Δ| 1st"] <= 1e-5
     assert _rows(run)["AdamW"]["max|Δ|"] <= 1e-5  # a quick run's few steps: not yet drifted apart
     goals = run[0]["goals"]
-    assert all(ok for k, ok in goals.items() if "Muon: state per rank" not in k), goals
+    timeless = {k: ok for k, ok in goals.items() if "Muon: state per rank" not in k and "step time" not in k}
+    assert all(timeless.values()), goals
+
+
+@pytest.mark.timeout(120)
+def test_the_fsdp2_section_holds_every_field_and_its_goals(run):
+    from benchmarks.wrappers import FSDP2_COLUMNS
+
+    out, saved, printed = run
+    (row,) = saved["fsdp2"]["rows"]
+    for c in FSDP2_COLUMNS:
+        assert isinstance(row[c], int | float) and math.isfinite(row[c]), (c, row[c])
+    assert row["peak MB ours"] > 0 and row["peak MB torch"] > 0 and len(row["peak MB by rank"]) == 2
+    assert row["step MB sent ours"] > 0  # the moves of whole matrices are counted in step_stats
+    assert sum(row["matrices by rank"]) == row["matrices"] and row["peak x"] <= 1.0
+    assert "## FSDP2" in printed and "synchronous" in printed.split("## FSDP2")[1]
+    assert sum("over FSDP2" in k for k in out["goals"]) == 7

@@ -5,8 +5,10 @@ strategy="ddp" started as a plain script. DistributedDataParallel averages the g
 optimizer shards only its state (ZeRO-1), so each run must end where the same launch with
 torch.optim ends. The launch scripts are in wrapped/; each rank trains on rows of its own.
 
-Not here: accelerate's FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), which accelerate
-leaves unused on CPU, wrapping the model in DistributedDataParallel instead."""
+accelerate's FSDP2 plugin too: its prepare(model, opt) builds the optimizer's FSDP2 layout by
+swapping the optimizer's parameters for FSDP2's DTensors in place, which the library follows
+before its first step (the launch script sets the distributed type accelerate takes on a GPU
+only). FSDP2 averages the gradients and the optimizer steps FSDP2's shards."""
 
 from __future__ import annotations
 
@@ -104,6 +106,17 @@ def test_hf_trainer_under_torchrun_trains_like_torch_adamw(launch, built):
 def test_accelerate_loop_under_torchrun_trains_like_torch(launch, opt, torch_opt, wrap):
     want = launch("accelerate_loop.py", "--opt", torch_opt)
     _same(launch("accelerate_loop.py", "--opt", opt, "--wrap", wrap), want)
+
+
+def test_accelerate_fsdp2_plugin_trains_like_torch(launch):
+    """AdamW against torch.optim.AdamW under the same FSDP2 launch. Muon against torch.optim.Muon
+    under DDP: torch's Muon on FSDP2's shards would orthogonalize each rank's rows apart (not
+    Muon), while the library's brings each matrix whole to one owner, so it must end where
+    whole-matrix Muon does (FSDP2 and DDP average the same two gradients)."""
+    _same(launch("accelerate_loop.py", "--opt", "vo_adamw", "--wrap", "fsdp2"),
+          launch("accelerate_loop.py", "--opt", "torch", "--wrap", "fsdp2"))  # fmt: skip
+    _same(launch("accelerate_loop.py", "--opt", "vo_muon", "--wrap", "fsdp2"),
+          launch("accelerate_loop.py", "--opt", "torch_muon"))  # fmt: skip
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "bucket_view"])

@@ -1,5 +1,6 @@
-"""Over FSDP2's shards: the optimizer of a model `fully_shard` wrapped (torchtitan's and
-accelerate's order: wrap, then build the optimizer over `model.parameters()`).
+"""Over FSDP2's shards: the optimizer of a model `fully_shard` wrapped (torchtitan's order: wrap,
+then build the optimizer over `model.parameters()`; accelerate's, the optimizer built first and
+its parameters swapped for FSDP2's, is followed before the first step).
 
 Each case trains the same model twice under the same FSDP2 layout, on the same data: once with
 the library's optimizer and once with torch's, the way its users run it under FSDP2:
@@ -62,8 +63,13 @@ def _wrapped(layout: str, dim: int = 16) -> tuple[nn.Module, int]:
     return model, dp_rank
 
 
+def _is_matrix(name: str, p: torch.Tensor) -> bool:
+    """Whether the parameter `name` goes to Muon (`_split`)."""
+    return p.ndim == 2 and "embed" not in name and "head" not in name
+
+
 def _split(model: nn.Module) -> tuple[list, list]:
-    mats = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "head" not in n]
+    mats = [p for n, p in model.named_parameters() if _is_matrix(n, p)]
     return mats, [p for p in model.parameters() if all(p is not m for m in mats)]
 
 
@@ -165,6 +171,12 @@ def test_over_fsdp2_trains_like_torch(world, kind, layout):
     if kind == "muon":  # each matrix once in the whole world, each step
         per_step = [sum(got[2][t]["ns_matrices"] for got, _ in results) for t in range(STEPS)]
         assert per_step == [MATRICES] * STEPS
+        # the moves' bytes are counted: what one rank sends another receives, and no matrix travels
+        # more than to its owner and back (fp32 updates)
+        whole = 4 * sum(v.numel() for k, v in results[0][0][0].items() if _is_matrix(k, v))
+        for t in range(STEPS):
+            sent, received = (sum(r[2][t][k] for r, _ in results) for k in ("bytes_sent", "bytes_received"))
+            assert 0 < sent == received <= 2 * whole, (sent, received, whole)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
@@ -237,20 +249,50 @@ def test_state_dict_round_trip_continues_bitwise(world, kind):
         assert shapes and all(set(s.values()) <= set(whole) for s in shapes.values()), shapes
 
 
-def _swapped() -> None:
+def _swapped(kind: str, stepped_first: bool):
     """accelerate's `prepare(model, opt)` under FSDP2: the optimizer built over the plain model,
-    then its param groups' parameters swapped in place for FSDP2's DTensors."""
+    then its param groups' parameters swapped in place for FSDP2's DTensors (before its first
+    step, or with `stepped_first` after one step over the plain model); then a backward whose
+    gradients `zero_grad()` drops, and `STEPS` steps. The whole parameters, this rank's state
+    bytes, and the same of the optimizer built over the wrapped model."""
     model = build()
-    opt = vo.AdamW(model.parameters())
+    opt = _optimizer(kind, model, True)
+    if stepped_first:
+        loss_fn(model, *batch(0, dist.get_rank())).backward()
+        opt.step()
     before = {id(p): n for n, p in model.named_parameters()}
+    mesh = init_device_mesh("cpu", (2,))
     for layer in model.layers:
-        fully_shard(layer, mesh=init_device_mesh("cpu", (2,)))
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     after = dict(model.named_parameters())
     for g in opt.param_groups:
         g["params"] = [after[before[id(p)]] for p in g["params"]]
-    loss_fn(model, *batch(0, dist.get_rank())).backward()
-    opt.step()
+    try:
+        loss_fn(model, *batch(STEPS, dist.get_rank())).backward()  # dropped by zero_grad
+        opt.zero_grad()
+        _steps(model, opt, dist.get_rank(), range(STEPS))
+    except RuntimeError as e:
+        return str(e)
+    wrapped, _ = _wrapped("1-D W=2")
+    built_after = _optimizer(kind, wrapped, True)
+    _steps(wrapped, built_after, dist.get_rank(), range(STEPS))
+    return (_full(model), opt.local_state_bytes()), (_full(wrapped), built_after.local_state_bytes())
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_parameters_swapped_for_fsdp2_before_the_first_step_are_followed(world, kind):
+    """accelerate's FSDP2 prepare: the optimizer lays itself out anew over the DTensors and trains
+    bitwise as if built over the wrapped model, holding no more state."""
+    for (got, got_bytes), (want, want_bytes) in world(2).run(_swapped, kind, False, timeout=120):
+        assert got_bytes == want_bytes
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+def test_parameters_swapped_after_a_step_are_refused_by_name(world):
+    for message in world(2).run(_swapped, "adamw", True, timeout=60):
+        assert "parameters were replaced after it was built, once it had stepped" in message, message
 
 
 def _through_dcp(kind: str, layout: str, path: str, api: str):
@@ -296,9 +338,7 @@ def test_dcp_round_trip_continues_bitwise(world, tmp_path, kind, layout, api):
 def _refusal(case: str) -> str:
     model, _ = _wrapped("1-D W=2")
     try:
-        if case == "swapped":
-            _swapped()
-        elif case == "shard_modules":
+        if case == "shard_modules":
             vo.AdamW(model.parameters(), shard_modules=[*model.layers, model])
         elif case == "mesh":
             vo.AdamW(model.parameters(), mesh=init_device_mesh("cpu", (2,)))
@@ -333,7 +373,6 @@ def test_tensor_parallel_dtensors_without_mesh_are_not_taken_for_fsdp2(world):
         ("mesh", "If FSDP2 (fully_shard) made these DTensors, pass no mesh="),
         ("normuon", "does not run over FSDP2's shards yet"),
         ("model state", "get_model_state_dict"),
-        ("swapped", "model = accelerator.prepare(model), then opt = vo.AdamW(model.parameters()"),
     ],
 )
 def test_what_cannot_work_over_fsdp2_is_refused_by_name(world, case, words):

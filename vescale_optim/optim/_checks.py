@@ -170,16 +170,16 @@ def check_same_on_every_rank(
 
 def replaced_params(param_groups: list[dict], built_over: list[list], name: str) -> str | None:
     """Why the optimizer cannot step when its param groups hold other parameters than it was built
-    over (accelerate's `prepare` under FSDP2 swaps them for FSDP2's DTensors in place): it plans
-    its buffers, hooks and state at construction, so it would step the originals, no longer the
-    model's."""
+    over and it cannot follow (`ShardedOptimizer._follow_swapped`: only before its first step,
+    and without shard_modules): its state, or its units' values, belong to the old ones."""
     for g, built in zip(param_groups, built_over):
         if len(g["params"]) != len(built) or any(p is not q for p, q in zip(g["params"], built)):
             return (
-                f"the {name}'s parameters were replaced after it was built (accelerate's prepare() swaps "
-                "them for FSDP2's DTensors); the optimizer plans its shards and state at construction, "
-                f"so build it over the wrapped model: model = accelerator.prepare(model), then "
-                f"opt = vo.{name}(model.parameters(), ...), then opt = accelerator.prepare(opt)"
+                f"the {name}'s parameters were replaced after it was built, once it had stepped or loaded "
+                "state, or with shard_modules= (whose units hold the old parameters' values): its state "
+                "belongs to the parameters it was built over. It follows a swap made before its first step "
+                "(accelerate's prepare(model, opt) under FSDP2 makes one); otherwise build it over the "
+                "parameters it is to step"
             )
     return None
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..owners.plan import SegmentMoves, WorkItem
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
@@ -66,13 +64,11 @@ def local_blocks(p, group: dict, kind: TPMatrix | Experts | None) -> list[tuple[
     return [(at, r, c, r, c) for at, r, c in group_blocks(local_shape(p), group)]
 
 
-def refuse_tp_blocks(params: list, defaults: dict) -> None:
+def refuse_tp_blocks(param_groups: list[dict]) -> None:
     """A `Shard(0)` cut whose TP shards do not hold whole blocks of its group's `split_sizes` /
     `num_heads`, refused by name before anything is built (every rank sees the same cuts)."""
-    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    for gi, group in enumerate({**defaults, **g} for g in groups):
+    for gi, group in enumerate(param_groups):
         names, ps = group.get("param_names"), group["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         for j, p in enumerate(ps if group.get("use_muon", True) and blocked(group) else ()):
             kind = tp_matrix(p) if p.ndim == 2 else None
             if not (isinstance(kind, TPMatrix) and kind.dim == 0):

@@ -138,6 +138,10 @@ class FsdpShampoo:
         for *_, apply in staged.values():
             apply()
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes this rank has sent to other ranks and received from them so far (both exchanges)."""
+        return tuple(a + b for a, b in zip(self.inputs.traffic, self.gradients.traffic))
+
     def _steps(self, staged: dict[int, Staged], k: int) -> int:
         """Matrix k's step count this step (0: it takes none)."""
         s, i = self.where[k]

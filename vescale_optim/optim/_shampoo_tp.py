@@ -1,7 +1,7 @@
 """Shampoo's tiles under tensor parallelism, seen from the dp x tp world (`units.tp_pieces`).
 
 A matrix cut over TP on the tile grid holds other tiles of the full tensor on each TP rank:
-each TP rank plans its own over the data-parallel group (`Shampoo._plan_tiles`), with no TP
+each TP rank plans its own over the data-parallel group (`Shampoo._plan_work`), with no TP
 traffic. A matrix replicated over TP (a plain parameter, or a Replicate DTensor) holds the same
 tiles on every TP rank: they are owner work over the whole dp x tp world in its `replicated`
 view (each tp rank a replica of its own, `TPWorld.replicated`), so each is computed once in the

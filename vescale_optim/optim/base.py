@@ -23,20 +23,21 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from ..owners.moves import Move, run_moves
+from ..owners.moves import run_moves
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
-from ..units.segment import FROZEN, Segment, StateSpec
+from ..units.segment import FROZEN, Segment
 from ..units.tensor_parallel import local, refuse_for
 from ..units.unit import Unit
 from . import _step_stats, lowbit
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
-from .state_dict import Gather, Owned, StateIO
+from .declarations import Declarations
+from .state_dict import Gather, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(Declarations, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
     With `shard_modules`, each listed module is a unit whose parameters are gathered before its
@@ -50,11 +51,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     state = StateAttribute()  # torch's `defaultdict(dict)` until the `LocalState` is built
 
-    state_bits = 32  # storage of element-wise state; subclasses may take it as an argument
-    step_stat_names: tuple[str, ...] = ()  # the step statistics a subclass counts itself
-    structural_keys: tuple[str, ...] = ()  # param-group keys that shape the state: fixed after construction
-    takes_dtensors = False  # whether its math is exact on DTensor parameters' local shards (element-wise)
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _step_stats.register(cls.step_stat_names)
@@ -67,6 +63,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = sharding.skip_nonfinite
         self.skipped_steps = 0
         self.step_stats = _step_stats.fresh()
+        self._sharding = sharding
+        self._used = False  # stepped or loaded state: its parameters are fixed from then on
+        self._build()
+
+    def _build(self) -> None:
+        """Lay out the param groups' parameters (the runtime: units, hooks, state), then the
+        subclass's plan (`_plan_work`). Runs at construction, and again if the parameters are swapped
+        before the first step (`_follow_swapped`)."""
         all_params = [p for g in self.param_groups for p in g["params"]]
         try:  # a problem only this rank has is raised on every rank, once they have agreed
             self._check_params(all_params)
@@ -79,19 +83,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def agree(world, problem: str | None, structure: list) -> None:
             check_same_on_every_rank(self.param_groups, world, local or problem, structure)
 
-        runtime = Runtime(self.param_groups, sharding, self._declare, self._labels, self._step_problem, agree)
+        runtime = Runtime(
+            self.param_groups, self._sharding, self._declare, self._labels, self._step_problem, agree
+        )
         self.runtime = runtime
         self._sent_until = runtime.collective_bytes()  # at the end of the last step
         for seg in runtime.segments:
             seg.set_state([] if seg.tier == FROZEN else self._state_specs(seg), lowbit.codec_of(seg.tier))
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
-        self._built_over = [list(g["params"]) for g in self.param_groups]  # `replaced_params`
+        self._built_over = [list(g["params"]) for g in self.param_groups]  # `_follow_swapped`
         self._io = StateIO(
             runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.world,
             replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
             publish=lambda: runtime.publish(),
         )  # fmt: skip
         self.state = LocalState(runtime.segments, self._owned_state)
+        self._plan_work()
+
+    def _swapped(self) -> bool:
+        """Whether the param groups hold other parameters than the optimizer was built over."""
+        return replaced_params(self.param_groups, self._built_over, type(self).__name__) is not None
+
+    def _follow_swapped(self) -> None:
+        """accelerate's `prepare(model, opt)` under FSDP2 builds the optimizer over the plain model,
+        then swaps its param groups' parameters for FSDP2's DTensors in place, on every rank alike.
+        Before the first step (and before any state was loaded) nothing of the old layout matters:
+        it is dropped and the optimizer is laid out anew over the parameters it now holds, on every
+        rank at the same collective call (step, clipping, the state dicts). Afterwards the state
+        belongs to the old parameters: the step refuses by name (`_step_problem`)."""
+        if self._used or not self._swapped() or any(u.sharded for u in self.runtime.units):
+            return
+        self.runtime.release()
+        StateAttribute.forget(self)
+        self._build()
 
     def _declare(self, p: torch.Tensor, group: int) -> Declaration:
         """A parameter's granule, state tier and alignment, for the runtime's layout: its tier's codec
@@ -103,50 +127,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         granule = codec.granule(p, self._granule(p, self.param_groups[group]))
         return Declaration(granule, codec.tier, align=codec.align)
 
-    # --- what a subclass declares ---------------------------------------------------------
-
-    def _granule(self, p: torch.Tensor, group: dict) -> int:
-        """Elements per layout granule: rank boundaries inside `p` fall on multiples of this."""
-        return 1
-
-    def _state_specs(self, seg: Segment) -> list[StateSpec]:
-        """The element-wise state tensors kept for a segment, under torch's names."""
-        return []
-
-    def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
-        """Update the active ranges (`seg.runs()`) of `seg.local_params` (and state) from the
-        averaged local `grads`; math that needs whole matrices or tiles returns a `Move`
-        that runs with every other segment's (see `owners.moves`)."""
-        raise NotImplementedError
-
-    def _owned_state(self, seg: Segment) -> list[list[Owned]]:
-        """Per parameter of `seg`, the state tensors it keeps whole on one rank (none here)."""
-        return [[] for _ in seg.params]
-
-    def _stepless(self, seg: Segment) -> bool:
-        """Whether the segment's math ignores the step count (torch then keeps none)."""
-        return False
-
-    def _check_group(self, gi: int, group: dict) -> str | None:
-        """A problem with a param group's current hyperparameters, checked at every step."""
-        return None
-
     def _check_params(self, params: list[torch.Tensor]) -> None:
         """Refuse what cannot be sharded (subclasses add their own conditions); a ValueError
         is raised on every rank, whichever rank found it."""
         check_params(params)
         refuse_for(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
-
-    def _before_update(self) -> None:
-        """Called once per step before the segments are updated (per-step counters)."""
-
-    def _step_phase(self, segments: list[Segment]) -> list[Move]:
-        """Once a step, after every stepping segment's `_update` (`segments`, in model order, agreed),
-        before the moves: work spanning segments (Muon's split Newton–Schulz); returns more moves."""
-        return []
-
-    def _after_update(self) -> None:
-        """Called once per step after every segment's update and move finished."""
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -191,6 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Finish averaging gradients over ranks into each rank's shards and agree which
         parameters step (collective; once per step, `step()` calls it)."""
+        self._follow_swapped()
         if self.runtime.gradients_reduced:
             return
         self.step_stats = _step_stats.fresh()
@@ -215,6 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.reduce_gradients()
+        self._used = True
         self.runtime.step_taken()
         if self.skip_nonfinite and self.runtime.any_nonfinite():
             self.skipped_steps += 1
@@ -258,6 +245,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Gradients live in the units' shards once reduce-scattered, where a parameter's
         `.grad` is a `ReducedGrad` placeholder; zeroing zeroes the shards."""
+        if self._swapped():  # not laid out over them (yet: `_follow_swapped`): their `.grad` as torch
+            torch.optim.Optimizer.zero_grad(self, set_to_none)
+            return
         self.runtime.zero_grad(set_to_none)
 
     @contextlib.contextmanager
@@ -337,6 +327,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         A parameter that never stepped has no entry, as in torch. bf16/fp16 parameters
         also carry their fp32 master under `"master"`, a key torch.optim ignores."""
+        self._follow_swapped()
         gather = Gather(self.runtime.comm, to_rank, cpu_offload)
         return through_torch_state_dict(self, lambda sd: self._io.fill(sd, gather), super().state_dict)
 
@@ -347,6 +338,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Runs inside `torch.optim.Optimizer.load_state_dict` (so its hooks fire and a load
         pre-hook may return a new dict): the loading is a pre-hook appended last, which
         sees the final dict and hands torch an empty `state` to install."""
+        self._follow_swapped()
+        self._used = self._used or bool(state_dict.get("state"))  # accelerate loads an empty one
         through_torch_load(self, self._io.load, super().load_state_dict, state_dict)
 
     def validate_param_groups(self, saved: list[dict]) -> None:
@@ -373,11 +366,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state is decoded chunk by chunk only while DCP writes it. The param groups'
         hyperparameters ride along (a scheduler's learning rates come back). Not collective
         itself."""
+        self._follow_swapped()
         return self._io.sharded()
 
     def load_sharded_state_dict(self, state_dict: dict) -> None:
         """Finish a DCP load (collective): fp32 state and masters were filled in place;
         buffers DCP decoded into are encoded into the low-bit state and dropped."""
+        self._follow_swapped()
+        self._used = True
         self._io.load_sharded(state_dict)
         self.state.changed()
 

@@ -110,15 +110,18 @@ class Muon(ShardedOptimizer):
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
         params = list(params)
-        refuse_tp_blocks(params, defaults)
         if params and isinstance(params[0], dict):
             # AdamW groups take `betas` (kept out of the defaults, so that schedulers cycle
             # `momentum` as for torch.optim.Muon) and AdamW's eps of 1e-8, not Newton–Schulz's.
             adamw = {"eps": _ADAMW_EPS, "betas": betas, "normuon": False}  # NorMuon is Muon's alone
             params = [g if g.get("use_muon", True) else {**adamw, **g} for g in params]
-        super().__init__(params, defaults, sharding)
-        # One plan over every matrix of the step and every rank of the world (replicas too),
-        # so the step's total is balanced and each matrix is orthogonalized once.
+        self._cost_model = cost_model
+        super().__init__(params, defaults, sharding)  # plans the matrices (`_plan_work`)
+
+    def _plan_work(self) -> None:
+        """One plan over every matrix of the step and every rank of the world (replicas too), so
+        the step's total is balanced and each matrix is orthogonalized once."""
+        cost_model = self._cost_model
         runtime, topo = self.runtime, self.runtime.topology
         segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
         self._segs, self._position, self._updates = segs, {id(seg): s for s, seg in enumerate(segs)}, {}
@@ -194,6 +197,7 @@ class Muon(ShardedOptimizer):
             raise ValueError(f"param group {len(self.param_groups) - 1}: {e}") from None
 
     def _check_params(self, params):
+        refuse_tp_blocks(self.param_groups)  # before anything is laid out, on every rank alike
         super()._check_params(params)
         for gi, g in enumerate(self.param_groups):
             if not g.get("use_muon", True):
@@ -257,7 +261,9 @@ class Muon(ShardedOptimizer):
         updates, self._updates = self._updates, {}
         if self._over_fsdp is not None:
             if updates:
+                before = list(self._over_fsdp.moves.traffic)
                 self._over_fsdp.run(updates, self)
+                self._traffic(*(now - was for now, was in zip(self._over_fsdp.moves.traffic, before)))
             return []
         if self._split is not None and updates:
             self._run_split(updates)

@@ -135,8 +135,7 @@ class Shampoo(ShardedOptimizer):
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
         self._refreshed = False
         self._config = ShardingConfig.of(type(self).__name__, sharding)  # read by `_check_params`
-        super().__init__(params, defaults, self._config)
-        self._plan_tiles()
+        super().__init__(params, defaults, self._config)  # plans the tiles (`_plan_work`)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -236,7 +235,9 @@ class Shampoo(ShardedOptimizer):
         data-parallel group run after, in the base's step); over FSDP2's shards, every matrix's
         exchange with its owner and the updates applied."""
         if self._fsdp is not None:
+            before = self._fsdp.traffic()
             self._fsdp.run()
+            self._traffic(*(now - was for now, was in zip(self._fsdp.traffic(), before)))
             return []
         moves, self._shared_moves = self._shared_moves, []
         if moves:
@@ -282,7 +283,7 @@ class Shampoo(ShardedOptimizer):
 
     # --- tile placement -------------------------------------------------------------
 
-    def _plan_tiles(self) -> None:
+    def _plan_work(self) -> None:
         """Declare every tile as owner work and take the owner layer's plan: one balance of
         root work over the world; tiles whose owner lacks some of their rows travel. Under
         tensor parallelism the tiles of matrices replicated over TP are planned over the dp x

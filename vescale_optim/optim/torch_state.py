@@ -251,6 +251,12 @@ class StateAttribute:
         else:
             opt.__dict__["_early_state"] = value
 
+    @staticmethod
+    def forget(opt: Any) -> None:
+        """Drop `opt`'s `LocalState` before it is laid out anew over swapped parameters (it held no
+        state yet), so that the new layout's can be assigned."""
+        opt.__dict__.pop("_local_state", None)
+
 
 # --- torch's state-dict machinery, with the sharded state ---------------------------------------
 

@@ -198,6 +198,13 @@ def _search(orders, sizes, granules, world_size: int, align: int, lo: int, hi: i
     return best
 
 
+def whole_blocks(granule: int, block: int, numel: int) -> int:
+    """A granule that also keeps quantization blocks whole: a multiple of both; a tensor
+    it does not divide stays whole on one rank (its partial last block uncut too)."""
+    both = math.lcm(granule, block)
+    return both if numel % both == 0 else max(numel, 1)
+
+
 def plan_layout(
     sizes: Sequence[int],
     granules: Sequence[int],

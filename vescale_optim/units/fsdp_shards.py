@@ -157,7 +157,8 @@ class WholeMoves:
     """Brings parameters' tensors (laid out like their local shards) whole to owners and back:
     `gather` sends every piece of tensor k to `owners[k]` in one all-to-all and returns the whole
     tensors this rank owns; `scatter` sends each rank its piece of them in another. The plan is
-    fixed at construction (shapes and placements only), so nothing waits on the host."""
+    fixed at construction (shapes and placements only), so nothing waits on the host. `traffic`:
+    the bytes this rank has sent to other ranks and received from them so far."""
 
     def __init__(
         self,
@@ -183,6 +184,15 @@ class WholeMoves:
             [k for k, o in enumerate(self.owners) if o == r and self.boxes[k][me].numel] for r in range(world)
         ]
         self.scatter_out = [[k for k in self.mine if self.boxes[k][r].numel] for r in range(world)]
+        self.traffic = [0, 0]  # bytes sent to and received from other ranks
+
+    def _exchange(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str
+    ):
+        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+        me, size = self.comm.rank, inp.element_size()
+        self.traffic[0] += size * (sum(in_splits) - in_splits[me])
+        self.traffic[1] += size * (sum(out_splits) - out_splits[me])
 
     def _count(self, plan: list[list[int]], theirs: bool) -> list[int]:
         """Elements per rank of `plan` (tensor indices per rank): of that rank's boxes (`theirs`)
@@ -198,7 +208,7 @@ class WholeMoves:
         inp = torch.cat(send) if send else like.new_empty(0)
         in_splits, out_splits = self._count(self.gather_out, False), self._count(self.gather_in, True)
         out = like.new_empty(sum(out_splits))
-        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+        self._exchange(out, inp, out_splits, in_splits, what)
         wholes = {k: like.new_empty(tuple(self.params[k].shape)) for k in self.mine}
         at = 0
         for r, ks in enumerate(self.gather_in):
@@ -216,7 +226,7 @@ class WholeMoves:
         inp = torch.cat(send) if send else like.new_empty(0)
         in_splits, out_splits = self._count(self.scatter_out, True), self._count(self.scatter_in, False)
         out = like.new_empty(sum(out_splits))
-        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+        self._exchange(out, inp, out_splits, in_splits, what)
         pieces: list[torch.Tensor | None] = [None] * len(self.params)
         at, me = 0, self.comm.rank
         for ks in self.scatter_in:

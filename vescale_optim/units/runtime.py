@@ -24,7 +24,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..shard.collectives import Comm, all_reduce_
-from ..shard.layout import bucket_indices, plan_layout
+from ..shard.layout import bucket_indices, plan_layout, whole_blocks
 from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
@@ -47,7 +47,7 @@ from .tensor_parallel import (
 )
 from .tp_plan import tp_plan_problem
 from .unit import LOW_PRECISION, Unit
-from .wrappers import DDPGrads, first_step, watch
+from .wrappers import DDPGrads, first_step, unwatch, watch
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,6 @@ class Declaration:
     granule: int
     tier: str
     align: int = 1
-
-
-def _whole_blocks(granule: int, block: int, numel: int) -> int:
-    """A granule that also keeps quantization blocks whole: a multiple of both; a tensor
-    it does not divide stays whole on one rank (its partial last block uncut too)."""
-    both = math.lcm(granule, block)
-    return both if numel % both == 0 else max(numel, 1)
 
 
 def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> str | None:
@@ -140,7 +133,7 @@ class Runtime:
             keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
             block = config.quantized_block or 1  # wire codecs: no cut inside a block either
             aligns = [math.lcm(config.align, d.align, block) for d in declared]
-            granules = [_whole_blocks(d.granule, block, local_numel(p)) for p, d in zip(ps, declared)]
+            granules = [whole_blocks(d.granule, block, local_numel(p)) for p, d in zip(ps, declared)]
             layout = plan_layout([local_numel(p) for p in ps], granules, self.comm.world_size,
                                  math.lcm(config.align, block), aligns=aligns, segments=keys)  # fmt: skip
             unit = Unit(
@@ -180,6 +173,11 @@ class Runtime:
         if self.wrapper is None and (taken := DDPGrads.of(self, ddp)) is not None:
             self.schedule.remove()  # before any gradient: nothing of ours ever reaches `.grad`
             self.wrapper = taken
+
+    def release(self) -> None:
+        """Let go of the parameters (units keeping them whole) for a new layout: hooks off, DDP unwatched."""
+        self.schedule.remove()
+        unwatch(self)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.tracker.mark(p)

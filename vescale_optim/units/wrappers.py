@@ -66,6 +66,12 @@ def watch(runtime: Any) -> None:
         _hook = nn.modules.module.register_module_forward_pre_hook(_on_forward)
 
 
+def unwatch(runtime: Any) -> None:
+    """`runtime` no longer takes part (its optimizer was laid out anew)."""
+    _runtimes.discard(runtime)
+    _built_alone.pop(runtime, None)
+
+
 def first_step(runtime: Any) -> None:
     """At `runtime`'s first step, a process group created after it (HF's `TrainingArguments` creates
     one) is named once, with the fix: it is not joined later."""

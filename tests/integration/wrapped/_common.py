@@ -61,12 +61,27 @@ def parser(opts: list[str] = OPTS) -> argparse.ArgumentParser:
 
 
 def save(path: str, params: list[torch.Tensor], grad_norms: list[float] | None = None, opt=None) -> None:
-    """Rank 0's result; `sharded_over`: the ranks the library's optimizer `opt` shards its state
-    over (None for torch's), so that a run that fell back to one process cannot pass for sharded."""
-    inner = getattr(opt, "optimizer", opt)  # accelerate's wrapper holds the optimizer
-    sharded_over = getattr(inner, "world_size", None) if hasattr(inner, "runtime") else None
-    result = {"params": [p.clone() for p in params], "grad_norms": grad_norms, "sharded_over": sharded_over}
-    torch.save(result, path)
+    """Rank 0's result, written by rank 0 (every rank calls this: it is collective), with
+    `sharded_over(opt)`."""
+    over = sharded_over(getattr(opt, "optimizer", opt))  # accelerate's wrapper holds the optimizer
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        result = {"params": [p.clone() for p in params], "grad_norms": grad_norms, "sharded_over": over}
+        torch.save(result, path)
+
+
+def sharded_over(opt) -> int | None:
+    """How many ranks hold a part of the library's optimizer `opt`'s state, where the parts add up to
+    the full state once (1 where each rank holds all of it; None for torch's optimizers): so that a
+    run that fell back to one process cannot pass for sharded. Collective."""
+    if not hasattr(opt, "local_state_numel"):
+        return None
+    full = opt.state_dict()["state"].values()
+    full = sum(t.numel() for st in full for t in st.values() if isinstance(t, torch.Tensor) and t.ndim > 0)
+    ps = [p for g in opt.param_groups for p in g["params"] if p in opt.state]
+    held = sum(t.numel() for p in ps for t in opt.state[p].values() if t.ndim > 0)  # this rank's pieces
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, held)
+    return sum(n > 0 for n in parts) if sum(parts) == full else 1
 
 
 def leave() -> None:

@@ -62,8 +62,7 @@ def main() -> None:
     assert trainer.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    if trainer.is_world_process_zero():
-        save(a.out, [q.detach() for q in model.parameters()], norms, opt)
+    save(a.out, [q.detach() for q in model.parameters()], norms, opt)
     leave()
 
 

@@ -42,8 +42,7 @@ def main() -> None:
     )  # fmt: skip
     trainer.fit(module, loader)
     assert trainer.world_size == 2 and trainer.global_step == STEPS, (trainer.world_size, trainer.global_step)
-    if trainer.is_global_zero:
-        save(a.out, [q.detach() for q in module.parameters()], opt=trainer.optimizers[0])
+    save(a.out, [q.detach() for q in module.parameters()], opt=trainer.optimizers[0])
     leave()
 
 
