@@ -1,12 +1,12 @@
 """Measuring helpers the training benchmarks share: RSS, timers, medians, machine load.
 
-    live_malloc()                       # glibc: large blocks by mmap, so RSS follows live tensors
-    base = status_kb("VmRSS"); reset_peak(); ...; status_kb("VmHWM")   # peak RSS since the reset
-    t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
-    median_of_max(per_rank_times)       # median over steps of the slowest rank's time
-    load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
-    window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
-    matmul_flops(prof)                  # FLOPs of the matrix products a profile saw
+live_malloc()                       # glibc: large blocks by mmap, so RSS follows live tensors
+base = status_kb("VmRSS"); reset_peak(); ...; status_kb("VmHWM")   # peak RSS since the reset
+t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
+median_of_max(per_rank_times)       # median over steps of the slowest rank's time
+load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
+window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
+matmul_flops(prof)                  # FLOPs of the matrix products a profile saw
 """
 
 from __future__ import annotations
@@ -119,3 +119,16 @@ def matmul_flops(prof) -> int:
         return any(c.name in PRODUCTS or calls_product(c) for c in e.cpu_children)
 
     return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))
+
+
+def peak_bytes(prof) -> int:
+    """The most bytes allocated at once above where a finished `torch.profiler.profile(...,
+    profile_memory=True)` started: its allocations (each operator's own) and frees in time order,
+    added up. A temporary an operator frees before it returns is not seen, on either side of a
+    comparison measured this way."""
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    held = peak = 0
+    for e in events:
+        held += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak

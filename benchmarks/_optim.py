@@ -7,6 +7,7 @@ the two training set-ups they compare.
     torch.optim.Muon(hidden, **MUON); torch.optim.AdamW(rest, **MUON_ADAMW)
     opt = ours(model, "Muon", shard_modules=[*model.blocks, model], mesh=mesh)
     opt = fsdp2(model, "Muon", mesh=mesh)        # fully_shard per block and the root + torch.optim
+    opt = FullTensorMuon(model)                  # over FSDP2: torchtitan's whole-matrix torch.optim.Muon
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import nn
 
 import vescale_optim as vo
 
-__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "Steps", "fsdp2", "muon_groups", "muon_names", "ours"]
+__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "FullTensorMuon", "Steps", "fsdp2", "fully_shard_gpt"]
+__all__ += ["muon_groups", "muon_names", "ours"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
@@ -59,17 +61,22 @@ def ours(model: nn.Module, family: str, **kwargs):
     return vo.Muon(muon_groups(model), **kwargs)
 
 
-def fsdp2(model: nn.Module, family: str, mesh=None):
+def fully_shard_gpt(model: nn.Module, mesh=None) -> nn.Module:
     """FSDP2's `fully_shard` on every block (resharded after forward), then on the root (kept
-    gathered from forward to backward, as our outermost unit), over `mesh` (2-D: HSDP); then
-    `torch.optim.AdamW`, or `torch.optim.Muon` on the hidden matrices and `torch.optim.AdamW`
-    on the rest, on the DTensor parameters."""
+    gathered from forward to backward, as our outermost unit), over `mesh` (2-D: HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
-    hidden = muon_names(model)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp2(model: nn.Module, family: str, mesh=None):
+    """`fully_shard_gpt`, then `torch.optim.AdamW`, or `torch.optim.Muon` on the hidden matrices and
+    `torch.optim.AdamW` on the rest, on the DTensor parameters."""
+    hidden = muon_names(model)
+    fully_shard_gpt(model, mesh)
     if family == "AdamW":
         return torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
     named = dict(model.named_parameters())  # DTensors now
@@ -77,3 +84,44 @@ def fsdp2(model: nn.Module, family: str, mesh=None):
         torch.optim.Muon([p for n, p in named.items() if n in hidden], **MUON),
         torch.optim.AdamW([p for n, p in named.items() if n not in hidden], foreach=True, **MUON_ADAMW),
     )
+
+
+class FullTensorMuon(Steps):
+    """torchtitan's Muon over FSDP2 (`fully_shard_gpt` done): every rank keeps each hidden matrix
+    whole (`full_tensor()` at construction) with `torch.optim.Muon` over those copies, and
+    `torch.optim.AdamW` on the other DTensor parameters. A step all-gathers each matrix's gradient,
+    orthogonalizes every matrix on every rank, and writes each rank's rows back into its shard."""
+
+    def __init__(self, model: nn.Module):
+        hidden = muon_names(model)
+        named = dict(model.named_parameters())
+        self.shards = [p for n, p in named.items() if n in hidden]
+        self.whole = [nn.Parameter(p.full_tensor()) for p in self.shards]
+        rest = [p for n, p in named.items() if n not in hidden]
+        adamw = torch.optim.AdamW(rest, foreach=True, **MUON_ADAMW)
+        super().__init__(torch.optim.Muon(self.whole, **MUON), adamw)
+
+    @torch.no_grad()
+    def step(self):
+        from torch.distributed.tensor import distribute_tensor
+
+        for w, p in zip(self.whole, self.shards):
+            w.grad = None if p.grad is None else p.grad.full_tensor()
+        super().step()
+        for w, p in zip(self.whole, self.shards):
+            rows = distribute_tensor(w.detach(), p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(rows.to_local())
+
+    def zero_grad(self):
+        super().zero_grad()
+        for p in self.shards:  # FSDP2's gradients of the matrices, which no torch optimizer holds
+            p.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of both optimizers' state (Muon's whole momentum, AdamW's on the shards)."""
+        values = [v for o in self.opts for s in o.state.values() for v in s.values()]
+        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+    def held_bytes(self) -> int:
+        """Every persistent tensor it keeps: its state and the whole matrices."""
+        return self.state_bytes() + sum(w.numel() * w.element_size() for w in self.whole)

@@ -62,8 +62,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
-from benchmarks._measure import slowest, window_seconds  # noqa: E402
-from benchmarks._optim import ADAMW, MUON, MUON_ADAMW, Steps, muon_names, ours  # noqa: E402
+from benchmarks._measure import peak_bytes, slowest, window_seconds  # noqa: E402
+from benchmarks._optim import (  # noqa: E402
+    ADAMW,
+    MUON,
+    MUON_ADAMW,
+    FullTensorMuon,
+    Steps,
+    fully_shard_gpt,
+    muon_names,
+    ours,
+)
 from benchmarks._report import environment, host_line, require_finite, save_json, table  # noqa: E402
 from benchmarks._train import batches  # noqa: E402
 from benchmarks._verdict import LOSS_TOL  # noqa: E402
@@ -304,6 +313,187 @@ def ddp_section(worlds: list[int], shape: dict, warmup: int, rounds: int) -> dic
     return {"rows": rows, "threads": threads, "goals": _goals("Goals (DDP):", _ddp_goals(rows))}
 
 
+# ====================================================================== FSDP2
+
+
+STEP_GOAL, PEAK_GOAL = 0.5, 1.0  # ours over the full_tensor() peer: step time, peak bytes
+
+
+class _OverFSDP2:
+    """One Muon configuration on this rank: its own seeded GPT under FSDP2 (`fully_shard_gpt`), then
+    ours over FSDP2's shards or torchtitan's whole-matrix `torch.optim.Muon` (`FullTensorMuon`); the
+    seconds of each recorded `opt.step()`, and in the profiled one the bytes held at its start and
+    its peak."""
+
+    def __init__(self, mine: bool, shape: dict):
+        self.mine = mine
+        self.model = fully_shard_gpt(_model(shape))
+        self.opt = ours(self.model, "Muon") if mine else FullTensorMuon(self.model)
+        self.step_s: list[float] = []
+        self.losses: list[float] = []
+        self.held = self.peak = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool, profiled: bool = False) -> None:
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        self.losses.append(loss.item())
+        dist.barrier()
+        if profiled:
+            self.held = self._held_bytes()
+        watch = profile(activities=[ProfilerActivity.CPU], profile_memory=True) if profiled else nullcontext()
+        with watch as prof:
+            t0 = time.perf_counter()
+            self.opt.step()
+            seconds = time.perf_counter() - t0
+        if record:
+            self.step_s.append(seconds)
+        if profiled:
+            self.peak = self.held + peak_bytes(prof)
+        self.opt.zero_grad()
+
+    def _held_bytes(self) -> int:
+        """Bytes held as the step starts: FSDP2's shards of the parameters and of their gradients
+        (alike on both sides), and every persistent tensor of the optimizer's (ours: all that
+        `memory_stats()` counts; the peer's: its state and whole matrices)."""
+        model = [p.to_local() for p in self.model.parameters()]
+        model += [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        own = sum(self.opt.memory_stats().values()) if self.mine else self.opt.held_bytes()
+        return sum(t.numel() * t.element_size() for t in model) + own
+
+    def stats(self) -> dict:
+        out = {"step_s": self.step_s, "losses": self.losses, "held": self.held, "peak": self.peak}
+        if not self.mine:
+            return {**out, "state_bytes": self.opt.state_bytes()}
+        stats = {k: self.opt.step_stats[k] for k in ("ns_flops", "ns_matrices", "bytes_sent")}
+        return {**out, "state_bytes": self.opt.local_state_bytes(), **stats}
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters of an FSDP2 model (collective)."""
+    return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+def _fsdp2_rank(rank: int, world: int, shape: dict, warmup: int, rounds: int) -> dict:
+    """Both configurations on this rank, interleaved (warm-up, timed rounds, one profiled round);
+    then each one's stats, per round the max |Δ| between ours' whole parameters and the peer's,
+    and how far training moved the peer's."""
+    configs = [_OverFSDP2(mine, shape) for mine in (False, True)]
+    init = _full(configs[0].model)
+    pool = batches(shape, rank, world)
+    total, diff = warmup + rounds + 1, []
+    for s in _rounds(total, rank, f"FSDP2 W={world}"):
+        k = s % len(configs)
+        for c in configs[k:] + configs[:k]:
+            c.step(*pool[s % len(pool)], record=warmup <= s < total - 1, profiled=s == total - 1)
+        diff.append(_fsdp2_diff(*configs))
+    moved = max((p - init[n]).abs().max().item() for n, p in _full(configs[0].model).items())
+    return {"configs": {c.mine: c.stats() for c in configs}, "max_diff": diff, "moved": moved}
+
+
+def _fsdp2_diff(peer: _OverFSDP2, mine: _OverFSDP2) -> float:
+    theirs = _full(peer.model)
+    return max((p - theirs[n]).abs().max().item() for n, p in _full(mine.model).items())
+
+
+def _fsdp2_rows(world: int, per_rank: list[dict], matrices: list[tuple[int, int]]) -> list[dict]:
+    theirs, mine = ([r["configs"][m] for r in per_rank] for m in (False, True))
+    slow_theirs, slow_mine = (slowest([r["step_s"] for r in res]) for res in (theirs, mine))
+    row = {"W": world, "optimizer": "Muon"}
+    row["step ms ours"] = 1e3 * statistics.median(slow_mine)
+    row["step ms torch"] = 1e3 * statistics.median(slow_theirs)
+    row["step x"] = statistics.median(m / t for m, t in zip(slow_mine, slow_theirs))
+    peaks = [max(r["peak"] for r in res) for res in (mine, theirs)]
+    row["peak MB ours"], row["peak MB torch"] = peaks[0] / 2**20, peaks[1] / 2**20
+    row["peak x"] = peaks[0] / peaks[1]
+    row["peak MB by rank"] = [r["peak"] / 2**20 for r in mine]
+    state = [max(r["state_bytes"] for r in res) for res in (mine, theirs)]
+    row["state MB ours"], row["state MB torch"] = state[0] / 2**20, state[1] / 2**20
+    row["state x"], row["state goal x"] = state[0] / state[1], STATE_SLACK / world
+    row["step MB sent ours"] = max(r["bytes_sent"] for r in mine) / 2**20
+    every = sum(ns_flops(r, c, MUON["ns_steps"]) for r, c in matrices)
+    by_rank = [r["ns_flops"] for r in mine]
+    row["NS GFLOP ours"], row["NS GFLOP torch"] = max(by_rank) / 1e9, every / 1e9
+    row["NS goal GFLOP"] = _ns_goal(matrices, world, MUON["ns_steps"]) / 1e9
+    row["NS GFLOP by rank"], row["NS sum / torch"] = [f / 1e9 for f in by_rank], sum(by_rank) / every
+    row["matrices"], row["matrices by rank"] = len(matrices), [r["ns_matrices"] for r in mine]
+    diffs = [max(d) for d in zip(*(r["max_diff"] for r in per_rank))]
+    row["max|Δ| 1st"], row["max|Δ|"], row["max|Δ| by round"] = diffs[0], diffs[-1], diffs
+    row["Δ/moved"] = diffs[-1] / max(r["moved"] for r in per_rank)
+    last = [statistics.mean(r["losses"][-1] for r in res) for res in (mine, theirs)]
+    row["loss last"], row["|Δ loss|"] = last[0], abs(last[0] - last[1]) / abs(last[1])
+    return [row]
+
+
+def _fsdp2_goals(rows: list[dict]) -> dict[str, bool]:
+    goals = {}
+    for r in rows:
+        at = f"W={r['W']} Muon over FSDP2"
+        step, peak, state, goal = r["step x"], r["peak x"], r["state x"], r["state goal x"]
+        goals[f"{at}: step time <= {STEP_GOAL}x the full_tensor() peer's ({step:.3f})"] = step <= STEP_GOAL
+        goals[f"{at}: peak bytes <= {PEAK_GOAL}x the peer's ({peak:.3f})"] = peak <= PEAK_GOAL
+        goals[f"{at}: state per rank <= {STATE_SLACK}/W of the peer's ({state:.4f} <= {goal:.4f})"] = (
+            state <= goal
+        )
+        n, busiest, most = r["matrices"], r["NS GFLOP ours"], r["NS goal GFLOP"]
+        largest = f"the {math.ceil(n / r['W'])} largest matrices'"
+        goals[f"{at}: NS FLOPs on the busiest rank <= {largest} ({busiest:.4g} <= {most:.4g} GFLOP)"] = (
+            busiest <= most
+        )
+        once = sum(r["matrices by rank"])
+        goals[f"{at}: each matrix orthogonalized once in the world ({once} of {n})"] = (
+            once == n and math.isclose(r["NS sum / torch"], 1, rel_tol=1e-9)
+        )
+        diff, loss, tol = r["max|Δ| 1st"], r["|Δ loss|"], LOSS_TOL["Muon"]
+        goals[f"{at}: the same parameters as the peer's after one step (max |Δ| {diff:.2g} <= {SAME:g})"] = (
+            diff <= SAME
+        )
+        goals[f"{at}: the same loss as the peer's after training (relative |Δ| {loss:.2g} <= {tol:g})"] = (
+            loss <= tol
+        )
+    return goals
+
+
+FSDP2_COLUMNS = ["W", "step ms ours", "step ms torch", "step x", "peak MB ours", "peak MB torch", "peak x"]
+FSDP2_COLUMNS += ["state MB ours", "state MB torch", "state x", "step MB sent ours", "NS GFLOP ours"]
+FSDP2_COLUMNS += ["NS GFLOP torch", "NS goal GFLOP", "max|Δ| 1st", "max|Δ|", "|Δ loss|"]
+
+FSDP2_NOTE = (
+    "The peer is torchtitan's Muon over FSDP2: every rank keeps each hidden matrix whole "
+    "(`full_tensor()`), all-gathers its gradient at the step, runs `torch.optim.Muon` on every matrix and "
+    "writes its own rows back; the rest is `torch.optim.AdamW` on FSDP2's shards. Ours: `vo.Muon` over the "
+    "same shards, each matrix whole on one owner (two all-to-alls). `step x`: median over rounds of ours' "
+    f"`opt.step()` over the peer's in the same round, the slowest rank's each (goal <= {STEP_GOAL}). On CPU "
+    "gloo's collectives are synchronous, FSDP2's as well as both optimizers' (FSDP2 overlaps its own only "
+    "with CUDA streams): all inside the timed step, so a CPU step ratio is not what a GPU shows. "
+    "`peak MB`: on the rank that holds most, the bytes held as the step starts (FSDP2's parameter and "
+    "gradient shards, alike on both sides, and every persistent tensor of the optimizer's: ours "
+    "`memory_stats()`, which counts its copy of the local shards; the peer's state and whole matrices) "
+    "plus the most the step allocates above that (the profiler's memory events; goal `peak x` <= "
+    f"{PEAK_GOAL}). `state x`: ours' optimizer state on its busiest rank over the peer's (goal "
+    f"{STATE_SLACK}/W). "
+    "`NS GFLOP`: Newton-Schulz work per step on the busiest rank (the peer: every matrix, on every rank); "
+    "`max|Δ|`: the largest difference of a whole parameter after the first step (`1st`) and after training."
+)
+
+
+def fsdp2_section(worlds: list[int], shape: dict, warmup: int, rounds: int) -> dict:
+    """FSDP2 + the full_tensor() peer against FSDP2 + ours (Muon) at each world size: rows and goals."""
+    matrices, rows, threads = _hidden_matrices(shape), [], {}
+    for world in worlds:
+        t0 = time.perf_counter()
+        per_rank = launch(_fsdp2_rank, world, shape, warmup, rounds, preload=PRELOAD)
+        print(f"# FSDP2 W={world}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        rows += _fsdp2_rows(world, per_rank, matrices)
+        threads[world] = per_rank.threads
+    require_finite(rows, FSDP2_COLUMNS[1:])
+    peer = "torchtitan's full_tensor() + torch.optim.Muon"
+    print(f"\n## FSDP2: vo.Muon against {peer}; {warmup} warm-up + {rounds} timed rounds\n")
+    print(f"{host_line(threads[worlds[-1]])}\n")
+    print(table(rows, FSDP2_COLUMNS, floatfmt=".4g"))
+    print(f"\n{FSDP2_NOTE}")
+    return {"rows": rows, "threads": threads, "goals": _goals("Goals (FSDP2):", _fsdp2_goals(rows))}
+
+
 # ====================================================================== main
 
 
@@ -322,7 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = dict(world_sizes=args.world_sizes, shape=shape, warmup=args.warmup, rounds=args.rounds)
     out.update(adamw=ADAMW, muon=MUON, muon_adamw=MUON_ADAMW)
     out["ddp"] = ddp_section(args.world_sizes, shape, args.warmup, args.rounds)
-    out["goals"] = dict(out["ddp"]["goals"])
+    out["fsdp2"] = fsdp2_section(args.world_sizes, shape, args.warmup, args.rounds)
+    out["goals"] = {**out["ddp"]["goals"], **out["fsdp2"]["goals"]}
     out["env"] = environment(out["ddp"]["threads"][args.world_sizes[-1]])
     path = save_json("wrappers_quick" if args.quick else "wrappers", out)
     print(f"total {time.perf_counter() - t0:.0f} s; wrote {path}", file=sys.stderr)
