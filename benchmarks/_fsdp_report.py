@@ -6,8 +6,8 @@ from benchmarks._measure import load_average
 from benchmarks._report import FSDP2_ON_CPU, host_line, pyplot, save_png, table
 from benchmarks._verdict import verdict
 
-TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "fwd ms", "bwd ms",
-        "zero_grad ms", "stand-in ms", "stand-in % fwd",
+TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "update % step",
+        "fwd ms", "bwd ms", "zero_grad ms", "stand-in ms", "stand-in % fwd",
         "exposed comm ms", "MB sent", "copies", "own slice copies", "c10d copies",
         "compute copies"]  # fmt: skip
 MEMORY = ["config", "peak live MB", "peak live x", "at step start MB", "peak at", "peak RSS MB",

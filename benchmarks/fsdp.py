@@ -27,8 +27,10 @@ Time (one world per model, all configurations in it, one step each in turn with 
 rotating, so load on the machine hits them alike): every step starts after a barrier and is
 timed per rank: `fwd` (`model.loss`), `bwd`, `step` (`opt.step()`), `zero_grad`; `train` is
 their sum; `update` is `step` less the communication exposed in it (ours agrees there which
-parameters step: one small all-reduce, which also absorbs the ranks' skew). A number is the
-median over steps of the slowest rank's; a ratio is the median of the per-step ratios.
+parameters step: one small all-reduce, which also absorbs the ranks' skew); `update % step`
+is its share of `step`, the guard on the step's own per-parameter work (a regression there
+shows as a share rising while communication stays). A number is the median over steps of
+the slowest rank's; a ratio is the median of the per-step ratios.
 `stand-in ms` is what ours spend per step turning sharded parameters into their stand-ins
 between uses and back (a class assignment per parameter and gather, the profiler's
 `vescale::stand_ins[unit]` regions in one more step of rank 0, which also hold pointing
@@ -126,8 +128,9 @@ QUICK = {
 }
 PRELOAD = ["benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
 REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
-NOT_ON_CUDA = ("_update", "update ms", "exposed comm ms", "exposed/phase ms", "copies", "own slice copies",
-               "c10d copies", "compute copies", "copy events")  # row keys with no meaning there  # fmt: skip
+# row keys with no meaning there
+NOT_ON_CUDA = ("_update", "update ms", "update % step", "exposed comm ms", "exposed/phase ms", "copies",
+               "own slice copies", "c10d copies", "compute copies", "copy events")  # fmt: skip
 # innermost frames of ours that are the optimizers' math, not communication (kernels/packed.py,
 # the 8-bit wire format, is communication)
 MATH_CODE = ("optim/", "kernels/newton_schulz.py", "kernels/quant.py")
@@ -319,6 +322,8 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> di
            "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
            "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
     row["train ms"] = ms(row["_train"])
+    # the guard on the step's own work: what share of opt.step() is the update (not communication)
+    row["update % step"] = 100 * row["update ms"] / row["step ms"] if row["step ms"] else 0.0
     row["stand-in ms"] = 1e3 * (r0.get("stand_ins_s") or 0.0)  # rank 0's profiled step (fwd and bwd)
     row["stand-in % fwd"] = 100 * row["stand-in ms"] / row["fwd ms"] if row["fwd ms"] else 0.0
     if r0.get("device") == "cuda":  # see the docstring: no exposed comm, update nor copies there

@@ -21,6 +21,7 @@ from ..shard.collectives import Comm
 from ..shard.flags import any_rank, any_rank_flag
 from .schedule import Schedule
 from .segment import FROZEN, Segment
+from .stand_in import revealed_all
 from .unit import Unit
 
 DIGEST_BITS = 32  # of the hyperparameters' hash, checked at every step
@@ -57,10 +58,10 @@ class GradTracker:
                 "finish the forward (and its backward) before stepping"
             )
         for u in self.units:
-            for i in range(len(u.params)):
-                moved = u.placement_problem(i)
-                if moved is not None:
-                    return moved
+            with revealed_all(u.params):
+                moved = next(filter(None, map(u.placement_problem, range(len(u.params)))), None)
+            if moved is not None:
+                return moved
         for seg in self.segments:
             if seg.tier != FROZEN:
                 continue
@@ -115,19 +116,23 @@ class GradTracker:
         torch then skips the parameter (`grads=False`: `.grad` is a wrapper's, read as it is).
         Moved or cast parameters are left for `problem()` to report."""
         for u in self.units:
-            for i, p in enumerate(u.params):
-                if u.placement_problem(i) is not None:
-                    continue
-                u.take_data(i)
-                if not grads:
-                    continue
-                g = p.grad
-                if g is None:
-                    seg, j = self.where[id(p)]
-                    seg.mark(j, False)
-                elif not u.grads.is_reduced(i) and not u.grads.is_live(i) and g.device == u.device:
-                    u.grads.take(i, g)
-                    self.mark(p)
+            with revealed_all(u.params):  # metadata read as is, with no stand-in dispatch per read
+                self._reattach_unit(u, grads)
+
+    def _reattach_unit(self, u: Unit, grads: bool) -> None:
+        for i, p in enumerate(u.params):
+            if u.placement_problem(i) is not None:
+                continue
+            u.take_data(i)
+            if not grads:
+                continue
+            g = p.grad
+            if g is None:
+                seg, j = self.where[id(p)]
+                seg.mark(j, False)
+            elif not u.grads.is_reduced(i) and not u.grads.is_live(i) and g.device == u.device:
+                u.grads.take(i, g)
+                self.mark(p)
 
     def zero_grad(self, set_to_none: bool = True, own_grads: bool = True) -> None:
         """Zero every gradient, as torch: `set_to_none=True` sets every `.grad` to None (a
