@@ -240,3 +240,92 @@ def test_hsdp_2x2_with_split_matrices_equals_one_process(world):
     for got, split in world(4).run(_hsdp, (2, 2), timeout=120):
         assert split >= 1
         _assert_equal(got, want, TOL["muon"])
+
+
+# --- a process group smaller than the world: its split groups made by all of its ranks --------------
+
+
+def _emulated_split(real_new_group):
+    """torch's `split_group` as its contract says, on gloo (which cannot split): every rank of
+    the parent calls with the same disjoint splits (parent ranks) and gets its own group, or
+    None. Built from local new_groups every rank of the parent makes, one each."""
+
+    def split_group(parent_pg=None, split_ranks=None, **_):
+        size, me = dist.get_world_size(parent_pg), dist.get_rank(parent_pg)
+        splits = [sorted(g) for g in split_ranks]
+        covered, mine = {r for g in splits for r in g}, None
+        for g in splits + [[r] for r in range(size) if r not in covered]:
+            ranks = [dist.get_global_rank(parent_pg, r) for r in g]
+            made = real_new_group(ranks, use_local_synchronization=True)
+            if me in g and g in splits:  # a rank in no split gets None
+                mine = made
+        return mine
+
+    return split_group
+
+
+def _on_three_of_four(bound):
+    """vo.Muon over ranks 1, 2 and 3 of a world of 4 (rank 0 outside, as another pipeline
+    stage), its plan splitting matrices. Every rank records the group-creation calls it makes
+    (torch's `new_group` and `split_group`); with `bound` the library takes its path for a
+    device-bound world (torch's split of the parent), emulated on gloo. Returns the calls, and
+    on the group's ranks the plan's groups (global ranks) and the parameters after training."""
+    from unittest import mock
+
+    from vescale_optim.shard import groups
+
+    rank, sub = dist.get_rank(), dist.new_group([1, 2, 3])
+    calls, real_new, real_split = [], dist.new_group, _emulated_split(dist.new_group)
+
+    def new_group(ranks=None, **kw):
+        calls.append(("new_group", tuple(ranks), kw.get("use_local_synchronization", False)))
+        return real_new(ranks, **kw)
+
+    def split_group(parent_pg=None, split_ranks=None, **kw):
+        calls.append(("split_group", parent_pg is sub, tuple(tuple(g) for g in split_ranks)))
+        return real_split(parent_pg, split_ranks, **kw)
+
+    with (
+        mock.patch.object(dist, "new_group", new_group),
+        mock.patch.object(dist, "split_group", split_group),
+        mock.patch.object(groups, "_splits", lambda _: bound),
+    ):
+        if rank == 0:
+            return calls, None, None
+        me, params = dist.get_rank(sub), _params()
+        muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
+        opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
+                      cost_model=FREE_COMM, process_group=sub)  # fmt: skip
+        for t in range(STEPS):
+            for i, p in enumerate(params):
+                p.grad = _grad(p.shape, t, me, i)
+            opt.step()
+    made = sorted({tuple(r + 1 for r in g) for g in opt.plan.groups.values()})
+    return calls, made, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["new_group", "split_group"])
+def test_split_groups_of_a_smaller_world_are_made_by_all_of_its_ranks(world, bound):
+    """The groups a 3-rank process_group= splits its matrices over, in a world of 4, are made by
+    all three of its ranks in one order, never by their members alone (on a device-bound world
+    NCCL's split needs every rank of the parent: members alone would hang), and rank 0, outside
+    it, makes none; the parameters end where torch.optim.Muon ends."""
+    results = world(4).run(_on_three_of_four, bound, timeout=60)
+    want = _reference(3)
+    assert results[0][0] == []  # outside the group: no call
+    calls, made = results[1][0], results[1][1]
+    assert len(made) >= 2 and set(made[0]) & set(made[1])  # overlapping groups (wrap-around)
+    for rank in (2, 3):  # the same calls in one order on every rank of the group
+        assert results[rank][0] == calls and results[rank][1] == made
+    if bound:
+        assert calls and all(kind == "split_group" and of_sub for kind, of_sub, _ in calls)
+        splits = [g for _, _, layer in calls for g in layer]
+        assert all(len({r for g in layer for r in g}) == sum(map(len, layer)) for _, _, layer in calls)
+        assert sorted(tuple(r + 1 for r in g) for g in splits) == made  # parent ranks, one split each
+    else:
+        assert calls and all(kind == "new_group" and local for kind, _, local in calls)
+        assert all(set(ranks) <= {1, 2, 3} for _, ranks, _ in calls)
+        assert set(made) <= {ranks for _, ranks, _ in calls}
+    for rank in (1, 2, 3):
+        for got, ref in zip(results[rank][2], want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)

@@ -115,3 +115,44 @@ def test_muon_on_a_subgroup_equals_torch(world):
     for res in results[1:]:
         for got, ref in zip(res, want):
             torch.testing.assert_close(got, ref, rtol=0, atol=2e-4)
+
+
+# --- groups made from a subgroup by all of its ranks (shard.groups) ----------------------------
+
+
+def _split_of_subgroup():
+    from vescale_optim.shard.groups import split_groups
+
+    sub = dist.new_group([1, 2, 3])
+    if dist.get_rank() == 0:
+        return None
+    me = dist.get_rank(sub)
+    wanted = [(0, 1), (1, 2), (0, 2), (0, 1, 2), (1,)]  # overlapping: three layers and more
+    mine = split_groups(sub, wanted)
+    sums = {}
+    for members, group in mine.items():  # each group works and holds its members, in order
+        t = torch.tensor([float(10 ** dist.get_rank())])
+        dist.all_reduce(t, group=group)
+        sums[members] = (t.item(), dist.get_rank(group), dist.get_world_size(group))
+    errors = []
+    for bad in ([(1, 0)], [()], [(0, 3)], [(0, 0)]):
+        try:
+            split_groups(sub, bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return me, sums, errors
+
+
+def test_split_groups_of_a_subgroup_hold_their_members(world):
+    """`split_groups` over ranks 1, 2, 3 of a world of 4 (rank 0 outside, making no call): each
+    rank gets exactly the wanted groups it is in, of overlapping ones too, each a working group
+    whose ranks keep the parent's order; malformed groups raise ValueError on every rank."""
+    results = world(4).run(_split_of_subgroup, timeout=60)
+    assert results[0] is None
+    wanted = [(0, 1), (1, 2), (0, 2), (0, 1, 2), (1,)]
+    for me, sums, errors in results[1:]:
+        assert sorted(sums) == sorted(g for g in wanted if me in g)
+        for members, (total, rank, size) in sums.items():
+            assert total == sum(10.0 ** (r + 1) for r in members)  # global rank = sub rank + 1
+            assert (rank, size) == (members.index(me), len(members))
+        assert len(errors) == 4 and all("distinct, ascending" in e for e in errors)

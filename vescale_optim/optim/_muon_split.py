@@ -4,8 +4,9 @@ Newton–Schulz (`_split_ns`), the results back into the segments' update buffer
 Each member's block (its rows of M) is a work item of the owner layer with its member as
 owner, so one staged gather plan over the world brings every block to its member (a block a
 member holds whole stays in place) and one scatter plan brings the results back to every holder
-of every replica. The process groups, one per distinct set of members, are created once, at
-construction, by every rank in the same order. All of it runs once a step, in the step's phase
+of every replica. The process groups, one per distinct set of members, are made once, at
+construction, from the optimizer's group by all of its ranks in the same order (`shard.groups`:
+never by the members alone). All of it runs once a step, in the step's phase
 across segments (`vo.Muon._step_phase`: every Muon segment has its momentum, no update has been
 applied yet), so every rank issues the same world collectives at the same point. Everything a step needs to
 know of where blocks lie and go is planned once, at construction (`SplitStep`); a step only
@@ -21,7 +22,7 @@ import torch
 
 from ..owners.plan import WorkItem, plan_owners
 from ..shard.collectives import Comm, run_plan
-from ..shard.handle import group_size, new_group
+from ..shard.groups import split_groups
 from ..shard.mesh import Topology
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
@@ -30,22 +31,12 @@ from ._split_ns import Job, run_split
 
 
 def _groups(plan: MuonPlan, world: Comm) -> dict[tuple[int, ...], Comm]:
-    """A process group per distinct set of members (world ranks), created by every rank of
-    the world in one order; the `Comm`s of those this rank is in."""
+    """A process group per distinct set of members (world ranks), made from the optimizer's
+    group by all of its ranks in one order (`shard.groups`); the `Comm`s of those this rank is in."""
     if not world.active:
         return {}
-    everyone = world.world_size == group_size()  # else only members may create a group
-    mine = {}
-    for members in sorted(set(plan.groups.values())):
-        ranks = [world.global_rank(r) for r in members]
-        if ranks != sorted(ranks):
-            raise RuntimeError(f"world ranks {members} are not in the order of their global ranks {ranks}")
-        if not everyone and world.rank not in members:
-            continue
-        group = new_group(ranks, use_local_synchronization=not everyone)
-        if world.rank in members:
-            mine[members] = Comm(group)
-    return mine
+    made = split_groups(world.group, sorted(set(plan.groups.values())))
+    return {members: Comm(group) for members, group in made.items()}
 
 
 @dataclass(frozen=True)

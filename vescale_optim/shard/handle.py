@@ -8,8 +8,9 @@ torch.distributed):
 - collectives on tensors: `issue(op, call)`, where `call` makes the asynchronous
   `torch.distributed` call (`shard.collectives` builds them; nothing else does);
 - calls on Python objects: `all_gather_object` (synchronous);
-- groups: `new_group`, and the queries `initialized`, `group_rank`, `group_size`,
-  `group_backend`, `global_rank` and `default_group`.
+- groups: `new_group` and `split_group` (called by `shard.groups`, which makes every group
+  of part of a world), and the queries `initialized`, `group_rank`, `group_size`,
+  `group_backend`, `global_rank`, `default_group` and `bound_device`.
 
 What other modules may still name, and why it is not a call through a back door: the types
 `ProcessGroup` and `DeviceMesh` (isinstance checks and annotations); DCP
@@ -358,12 +359,27 @@ def default_group() -> ProcessGroup:
     return dist.group.WORLD
 
 
-def new_group(ranks: Sequence[int] | None = None, **options) -> ProcessGroup:
-    """A new process group of `ranks` (every rank when None); `options` as torch's
-    `new_group` takes them (`backend`, `timeout`, `use_local_synchronization`). Every rank
-    of the world makes the same calls in one order, or with `use_local_synchronization`
-    only the members. Not a collective on tensors: not traced."""
-    return dist.new_group(None if ranks is None else list(ranks), **options)
+def bound_device() -> torch.device | None:
+    """The device the default group is bound to (`init_process_group(device_id=...)`, as
+    `vo.init_distributed` binds it), or None."""
+    return getattr(default_group(), "bound_device_id", None)
+
+
+def new_group(ranks: Sequence[int] | None = None, **options) -> ProcessGroup | None:
+    """A new process group of `ranks` (every rank when None; None on a rank outside them);
+    `options` as torch's `new_group` takes them (`backend`, `timeout`,
+    `use_local_synchronization`). Every rank of the world makes the same calls in one order
+    (`shard.groups` says how a group of part of a world is made). Not a collective on
+    tensors: not traced."""
+    group = dist.new_group(None if ranks is None else list(ranks), **options)
+    return group if isinstance(group, ProcessGroup) else None
+
+
+def split_group(parent: ProcessGroup, ranks: Sequence[Sequence[int]]) -> ProcessGroup | None:
+    """torch's `split_group`: groups of `parent`'s ranks `ranks` (lists of group ranks,
+    disjoint) split from its communicator, every rank of `parent` taking part; this rank's
+    group, or None on a rank in none of them."""
+    return dist.split_group(parent_pg=parent, split_ranks=[list(g) for g in ranks])
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None = None, op: Op | None = None) -> list:

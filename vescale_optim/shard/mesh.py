@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from . import handle
 from .collectives import Comm
+from .groups import split_groups
 
 DIM_NAMES = ("replicate", "shard")
 
@@ -107,10 +108,10 @@ def resolve(mesh=None, process_group=None) -> Groups:
 
 def _group_of(grid):
     """A process group of the ranks of a 2-D mesh that is part of a larger root mesh (HSDP next
-    to tensor parallelism: `world["dp_replicate", "dp_shard"]`), made by its members alone (each
-    data-parallel slice its own; torch's mesh names no group over two of its dimensions). The
-    ranks first check, in one exchange over the world, that their slices tile it (each rank in
-    exactly one), so a mesh over part of the world alone is refused on every rank."""
+    to tensor parallelism: `world["dp_replicate", "dp_shard"]`; torch's mesh names no group over
+    two of its dimensions). The ranks first check, in one exchange over the world, that their
+    slices tile it (each rank in exactly one), so a mesh over part of the world alone is refused
+    on every rank; then every rank makes every slice's group from the world (`groups`)."""
     ranks = sorted(int(r) for r in grid.reshape(-1).tolist())
     me = handle.group_rank()
     slices = handle.all_gather_object(ranks if me in ranks else None)
@@ -121,4 +122,4 @@ def _group_of(grid):
             "the ranks' meshes do not tile the world: a 2-D mesh covers every rank, or is the "
             "data-parallel part of one root mesh (world['dp_replicate', 'dp_shard'] next to world['tp'])"
         )
-    return handle.new_group(ranks, use_local_synchronization=True)
+    return split_groups(None, sorted({tuple(s) for s in slices}))[tuple(ranks)]
