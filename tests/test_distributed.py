@@ -40,6 +40,35 @@ def test_without_a_launch_it_starts_nothing(monkeypatch):
     assert vo.init_distributed() == want  # nothing was started: nothing to refuse
 
 
+@pytest.mark.parametrize(("local_rank", "visible", "want"), [(3, 1, 0), (5, 4, 1), (2, 8, 2)])
+def test_the_nccl_device_is_local_rank_modulo_the_visible_gpus(monkeypatch, local_rank, visible, want):
+    """A launcher that shows each process only its own GPUs (SLURM's --gpus-per-task=1: local
+    rank 3 sees one, cuda:0) still numbers LOCAL_RANK 0, 1, ...: init_distributed takes
+    LOCAL_RANK modulo the visible devices (made current and bound to the group), and the group
+    device check of shard/comm asks for that same device. CUDA and the group are stood in for."""
+    import vescale_optim.distributed as vd
+    from vescale_optim.shard.comm import _group_device
+
+    made = {}
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", str(local_rank))):
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(vd, "_joined", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.setdefault("current", d))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.update(backend=backend, **kw))
+    device = vo.init_distributed()
+    assert device == torch.device("cuda", want) == made["current"] == made["device_id"]
+    assert made["backend"] == "nccl"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: want)
+    assert _group_device(None, "nccl") == torch.device("cuda", want)
+    if visible > 1:  # another current device would share a GPU with another rank
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: (want + 1) % visible)
+        with pytest.raises(RuntimeError, match=rf"set_device\({want}\)"):
+            _group_device(None, "nccl")
+
+
 def test_a_second_group_is_refused(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

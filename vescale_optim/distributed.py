@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from .shard import handle, set_collective_timeout
+from .shard.comm import local_cuda_index
 
 __all__ = ["init_distributed"]
 
@@ -119,8 +120,9 @@ def init_distributed(
     """Join the process group of a torchrun (or other env://) launch; this process's device.
 
     `backend`: None picks NCCL when CUDA is available, gloo otherwise. With NCCL the device
-    is `cuda:LOCAL_RANK`, made current (`torch.cuda.set_device`) and bound to the group
-    (`device_id`, which initialises NCCL eagerly); with gloo it is the CPU. `timeout`
+    is `cuda:LOCAL_RANK` (modulo the GPUs this process sees: a launcher may show each
+    process only its own, SLURM's `--gpus-per-task=1`), made current (`torch.cuda.set_device`)
+    and bound to the group (`device_id`, which initialises NCCL eagerly); with gloo it is the CPU. `timeout`
     (seconds or a `timedelta`) is the process group's (None: torch's default for the
     backend) and bounds the meeting of the ranks too. `collective_timeout`, when given, is
     passed to `vescale_optim.set_collective_timeout` (on NCCL it makes waits block the host:
@@ -153,7 +155,7 @@ def init_distributed(
     if "nccl" in backend.lower():
         if not torch.cuda.is_available():
             raise RuntimeError(f"init_distributed: backend {backend!r} needs CUDA, which is not available")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_cuda_index() or 0)  # LOCAL_RANK modulo the visible GPUs
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across attempts

@@ -80,14 +80,27 @@ def _group_device(group: ProcessGroup | None, backend: str) -> torch.device:
                 f"torch.cuda.set_device({bound.index}) before init_process_group"
             )
         return bound
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and int(local) != current and int(local) < torch.cuda.device_count():
+    local = local_cuda_index()
+    if local is not None and local != current:
         raise RuntimeError(
-            f"this process is local rank {local} but its current CUDA device is cuda:{current}, so it "
-            "would share that GPU with another rank; call torch.cuda.set_device(int(os.environ"
-            "['LOCAL_RANK'])) before init_process_group (or pass device_id= to it)"
+            f"this process is local rank {os.environ['LOCAL_RANK']} (cuda:{local} of the "
+            f"{torch.cuda.device_count()} it sees) but its current CUDA device is cuda:{current}, so it "
+            f"would share that GPU with another rank; call torch.cuda.set_device({local}) before "
+            "init_process_group (or pass device_id= to it; vo.init_distributed does both)"
         )
     return torch.device("cuda", current)
+
+
+def local_cuda_index() -> int | None:
+    """The CUDA device (an ordinal among those this process sees) its launcher's `LOCAL_RANK`
+    names: LOCAL_RANK modulo the visible devices, since a launcher that shows each process
+    only its own GPUs (SLURM's `--gpus-per-task=1`, `CUDA_VISIBLE_DEVICES` per rank) still
+    numbers the processes of a node 0, 1, ... past them. None without LOCAL_RANK or a
+    visible CUDA device."""
+    local, visible = os.environ.get("LOCAL_RANK"), torch.cuda.device_count()
+    if local is None or visible == 0:
+        return None
+    return int(local) % visible
 
 
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
