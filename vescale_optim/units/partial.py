@@ -124,29 +124,39 @@ class Partial(torch.Tensor):
 
 
 def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
-    """The values of `partials`: one all-reduce per (group, TP group, reduction) for all their
-    terms (and one more over the TP group for the terms of tensor-parallel shards)."""
-    groups: dict[tuple[int, int, str], list[_Term]] = {}
+    """The values of `partials`: for all their terms of one process group and reduction, one
+    all-reduce over that group, then one over each TP group for the terms of its tensor-parallel
+    shards (laid side by side in the wire, so each is a slice). Groups are told apart by the
+    process group they stand for, not by the `Comm` objects (each unit builds its own): the
+    whole model's norm under TP is two all-reduces whatever its number of units."""
+    groups: dict[tuple, list[_Term]] = {}
     for p in partials:
         for item in p._items:
             if isinstance(item, _Term):
-                groups.setdefault((id(item.comm), id(item.across), item.op), []).append(item)
+                groups.setdefault((_group_key(item.comm), item.op), []).append(item)
     reduced: dict[int, torch.Tensor] = {}
-    for (_, _, op), terms in groups.items():
-        comm, across = terms[0].comm, terms[0].across
+    for (_, op), terms in groups.items():
+        tp: dict[tuple, list[_Term]] = {}  # the terms of TP shards, by TP group
+        for t in terms:
+            if t.across is not None:
+                tp.setdefault(_group_key(t.across), []).append(t)
+        ordered = [t for t in terms if t.across is None] + [t for ts in tp.values() for t in ts]
+        comm, kind = terms[0].comm, "sum" if op == "sum" else "max"
         device = terms[0].local.device
-        if comm.active or across is not None:
-            device = comm.device if comm.active else across.device
-        wire = torch.stack([t.local.to(device) for t in terms])
+        if comm.active or tp:
+            device = comm.device if comm.active else next(iter(tp.values()))[0].across.device
+        wire = torch.stack([t.local.to(device) for t in ordered])
         if op == "min":  # there is no MIN in this library's collectives: the max of the negation
             wire = wire.neg_()
-        for group in (comm, across):
-            if group is not None:
-                all_reduce_(wire, group, "sum" if op == "sum" else "max",
-                            what="a reduction of sharded gradients")  # fmt: skip
+        what = "a reduction of sharded gradients"
+        all_reduce_(wire, comm, kind, what=what)
+        start = len(ordered) - sum(len(ts) for ts in tp.values())
+        for ts in tp.values():  # a contiguous slice: reduced in place
+            all_reduce_(wire[start : start + len(ts)], ts[0].across, kind, what=what)
+            start += len(ts)
         if op == "min":
             wire = wire.neg_()
-        for k, t in enumerate(terms):
+        for k, t in enumerate(ordered):
             reduced[id(t)] = wire[k]
     values = []
     for p in partials:
@@ -154,6 +164,12 @@ def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
         items = [v.to(p.dtype).to(p.device) for v in items]
         values.append(items[0].reshape(p.shape) if p.dim() == 0 else torch.stack(items).reshape(p.shape))
     return values
+
+
+def _group_key(comm: Comm) -> tuple:
+    """The process group `comm` stands for (the default group when its group is None; no
+    group at all when it talks to no one), alike for every `Comm` of that group."""
+    return comm.distributed, id(comm.group)
 
 
 def _then(item: _Term | torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> _Term | torch.Tensor:
