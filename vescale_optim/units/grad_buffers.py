@@ -109,9 +109,13 @@ class GradBuffers:
         start, stop = self.unit.full.local_range(i)
         return like(self.unit.params[i], self.shard[start:stop].view(self.unit.full.shapes[i]))
 
+    def _local_grad(self, i: int) -> torch.Tensor | None:
+        g = self.unit.params[i].grad  # (read per parameter per step: the DTensor flag is known)
+        return local(g) if self.unit.dtensors[i] else g
+
     def is_reduced(self, i: int) -> bool:
         """Whether parameter `i`'s `.grad` is its reduced gradient (`placeholder(i)`)."""
-        g = local(self.unit.params[i].grad)
+        g = self._local_grad(i)
         if isinstance(g, ReducedGrad):
             return True
         if g is None or not self.plain or type(g) is not torch.Tensor or g.dtype != self._shard.dtype:
@@ -139,7 +143,7 @@ class GradBuffers:
 
     def is_live(self, i: int) -> bool:
         """Whether parameter `i`'s `.grad` is its view of the unreduced buffer."""
-        g = local(self.unit.params[i].grad)
+        g = self._local_grad(i)
         return g is not None and self.has_full and g.data_ptr() == self.full.view(i).data_ptr()
 
     def drop(self, i: int) -> None:

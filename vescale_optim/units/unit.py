@@ -276,15 +276,16 @@ class Unit:
     def holds_stand_in(self, i: int) -> bool:
         if self.dtensors[i]:
             return self.state is State.RESHARDED
-        return local(self.params[i]).data_ptr() == self.stand_ins[i].data_ptr()
+        return self.params[i].data_ptr() == self.stand_ins[i].data_ptr()
 
     def placement_problem(self, i: int) -> str | None:
         """Why parameter `i` no longer fits its unit (moved or cast after construction), if it does not."""
         p, shape = self.params[i], self.full.shapes[i]
-        if p.dtype == self.compute_dtype and p.device == self.device and local_shape(p) == shape:
+        here = local_shape(p) if self.dtensors[i] else p.shape  # (per parameter per step: the flag is known)
+        if p.dtype == self.compute_dtype and p.device == self.device and here == shape:
             return None
         return (
-            f"parameter {self.labels[i]} is now {p.dtype} on {p.device}, shape {local_shape(p)}, but the "
+            f"parameter {self.labels[i]} is now {p.dtype} on {p.device}, shape {tuple(here)}, but the "
             f"optimizer holds it as {self.compute_dtype} on {self.device}: it was moved or cast after the "
             "optimizer was built (model.double(), .half(), .to(...)); move the model first, then build "
             "the optimizer"
@@ -296,7 +297,8 @@ class Unit:
         p = self.params[i]
         if self.external or self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor
             return
-        if local(p).data_ptr() == self.views[i].data_ptr() or self.holds_stand_in(i):
+        ptr = p.data_ptr()  # (not a DTensor: returned above)
+        if ptr == self.views[i].data_ptr() or ptr == self.stand_ins[i].data_ptr():
             return
         with stand_in.revealed(p):
             self.write_param(i, local(p).detach())
@@ -379,8 +381,8 @@ class Unit:
     def bump_versions(self) -> None:
         """The parameters' values changed outside autograd (a step, a write-back): a graph
         saved before refuses its backward, as torch's version counter does for in-place writes."""
-        for p in self.params:
-            with stand_in.revealed(p):
+        with stand_in.revealed_all(self.params):
+            for p in self.params:
                 increment_version(p)
 
     def refresh_shard(self) -> None:
