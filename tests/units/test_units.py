@@ -180,6 +180,7 @@ def test_blocks_under_a_root_without_parameters_are_freed_after_forward():
     """`shard_modules=[*blocks, model]` where the model holds only the blocks (no unit of its
     own): the blocks are not outermost, so each is freed after its forward (as FSDP2 does) and
     gathered again in backward; training still equals torch.optim.AdamW."""
+
     def build():
         torch.manual_seed(0)
         blocks = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(3)]
