@@ -22,14 +22,20 @@ polls completion; a wait is an order, on CUDA a stream waiting for another):
   allocates its gradient buffer only once the reduce-scatter in flight has freed its
   own: two unit-sized buffers at most.
 
-The schedule's state is a `Round`: `IDLE` from one step to the first forward or backward
-event after it, `RUNNING` while a round's forwards and backwards run, `ENDED` once every
-unit expected to reduce (the trainable units without a module, and those whose module
-ran forward towards a loss) has, and every reduction was waited for, so that `step()`
-finds the gradients complete. The next event after `ENDED` opens a new round; `finish()`
-(before the step) reduces what the round did not, in a fixed order, and returns to `IDLE`.
-Each unit's place in the round is its `_Record`; the schedule changes a unit only through
-the unit's methods.
+Each backward frees and reduces a unit once (its *visit*, `visits.Record`): a module's unit
+when the backward of every call of one forward is done, a watched unit when its gradients are
+complete. Several forwards before their backwards, backwards in any order, a graph backwarded
+twice (`retain_graph=True`): each backward gathers what it needs again and adds its reduced
+gradients to the shard, so `.grad` is torch's gradient over the backwards, averaged over ranks.
+
+The schedule's state is a `Round`, roughly one backward: `IDLE` from one step to the first
+forward or backward event after it, `RUNNING` while a round's forwards and backwards run,
+`ENDED` once every unit expected to reduce (the trainable units without a module, and those
+whose module ran forward towards a loss or backward in it) has, and every reduction was
+waited for, so that `step()` finds the gradients complete. The next event after `ENDED` opens
+a new round, as does a watched unit complete again (a backward the last round did not
+finish); `finish()` (before the step) reduces what the round did not, in a fixed order, and
+returns to `IDLE`. The schedule changes a unit only through the unit's methods.
 """
 
 from __future__ import annotations
@@ -37,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,6 +54,7 @@ from .reduced_grad import ReducedGrad
 from .reduction import ReductionPipeline
 from .static_order import StaticOrder
 from .unit import Unit
+from .visits import Record
 
 
 class Round(enum.Enum):
@@ -57,28 +63,6 @@ class Round(enum.Enum):
     IDLE = "idle"
     RUNNING = "running"
     ENDED = "ended"
-
-
-@dataclass
-class _Record:
-    """What the schedule knows of one unit: its module, whether that module encloses other
-    units' and whether the unit has trainable parameters (fixed), and where the unit is
-    in the current round (reset when a round opens)."""
-
-    module: nn.Module | None
-    encloses: bool
-    trainable: bool
-    arrivals: Arrivals | None = None  # counts its gradients when no module hook tells
-    in_forward: bool = False
-    in_backward: bool = False
-    forward_calls: int = 0  # forwards towards a backward whose backward has not ended
-    ran: bool = False  # its forward ran towards a backward in this round
-    complete: bool = False  # (no module) its gradients arrived; it may reduce in order
-
-    def reset(self) -> None:
-        self.in_backward, self.forward_calls, self.ran, self.complete = False, 0, False, False
-        if self.arrivals is not None:
-            self.arrivals.reset()
 
 
 class Schedule:
@@ -112,12 +96,17 @@ class Schedule:
         # holds it, one without parameters of its own (a root holding only blocks) included
         around = {id(m): {id(c) for c in m.modules() if c is not m} for m in enclosing}
         self._outermost = set(inner) - set().union(*inner.values(), *around.values())
-        self._records: dict[int, _Record] = {}
+        # a forward of a top listed module is a pass: its units' calls are backwarded together
+        self._tops = (set(inner) | set(around)) - set().union(*inner.values(), *around.values())
+        self._pass = 0
+        for m in {id(m): m for m in enclosing if id(m) in self._tops and id(m) not in inner}.values():
+            self._handles.append(m.register_forward_pre_hook(torch.compiler.disable(self._new_pass)))
+        self._records: dict[int, Record] = {}
         for unit, module in zip(self.units, modules):
             trainable = [(i, p) for i, p in enumerate(unit.params) if p.requires_grad]
             # its backward wraps other units': its gradients arrive before and after theirs
             encloses = module is not None and bool(inner[id(module)] & inner.keys())
-            self._records[unit.index] = _Record(module, encloses, bool(trainable))
+            self._records[unit.index] = Record(module, encloses, bool(trainable))
             for i, p in trainable:
                 self._handles.append(p.register_hook(self._on_grad(unit, i)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_accumulated(unit)))
@@ -133,11 +122,14 @@ class Schedule:
             if self._rec(unit).trainable:
                 self._watch(unit)
 
+    def _new_pass(self, *_) -> None:
+        self._pass += 1
+
     @property
     def backward_prefetch(self) -> bool:
         return self.prefetch.backward_prefetch
 
-    def _rec(self, unit: Unit) -> _Record:
+    def _rec(self, unit: Unit) -> Record:
         return self._records[unit.index]
 
     # --- the round ------------------------------------------------------------------
@@ -147,7 +139,7 @@ class Schedule:
         if self.round is Round.ENDED:
             self.reductions.new_round()
             for rec in self._records.values():
-                rec.reset()
+                rec.new_round()
         self.round = Round.RUNNING
 
     def _backward_event(self) -> None:
@@ -211,9 +203,13 @@ class Schedule:
 
     def _on_complete(self, unit: Unit) -> None:
         """A unit without module hooks has all its gradients: reduce those now due in the
-        static order (never out of order)."""
+        static order (never out of order). Complete again in the same round, it is in a
+        backward that round did not see the end of: a new round (its static order) opens."""
+        if unit.index in self.reductions.reduced:
+            self.round = Round.ENDED
+            self._open()
         rec = self._rec(unit)
-        rec.complete, rec.in_backward = True, False
+        rec.complete, rec.depth = True, 0
         for u in self.static.due(unit, self._waiting, self._complete, self._trainable):
             self._reduce(u)
 
@@ -233,10 +229,9 @@ class Schedule:
         return self._rec(unit).trainable
 
     def _reduce(self, unit: Unit) -> None:
-        """`unit`'s gradients are done for this round: reduce-scatter them (unless under
-        `no_sync()`), one in flight; the last expected ends the round."""
-        if unit.index in self.reductions.reduced:
-            return
+        """`unit`'s gradients of this backward are done: reduce-scatter them (unless under
+        `no_sync()`; added to what its shard holds), one in flight; the last expected ends
+        the round."""
         self.reductions.reduced.add(unit.index)
         rec = self._rec(unit)
         rec.complete = False
@@ -273,12 +268,14 @@ class Schedule:
         self._sync_checked = False
         if self.round is Round.RUNNING:
             for unit in self.static.rest(self.units):
-                self._reduce(unit)
+                if unit.index not in self.reductions.reduced:
+                    self._reduce(unit)
             self.round = Round.ENDED
         self.wait_reductions()
         for unit in self.units:
             if not self._rec(unit).in_forward:
                 unit.reshard()
+            self._rec(unit).forget()
         if self.static.units and not self.static.settled:
             self.static.settle(self.units[0].world)
         self.round = Round.ENDED
@@ -310,6 +307,8 @@ class Schedule:
                 return None
             if torch.is_grad_enabled():
                 self._sync_checked = False  # a forward towards the next backward
+            if id(module) in self._tops:
+                self._new_pass()
             rec.in_forward = True
             with torch.profiler.record_function(f"vescale::pre_forward[{unit.name}]"):
                 unit.wait_unshard()
@@ -325,11 +324,12 @@ class Schedule:
                 if rec.trainable and rec.arrivals is None:  # no post-backward trigger: watch its gradients
                     self._watch(unit)
                 return args, kwargs
-            rec.forward_calls += 1
+            pass_id = self._pass
+            rec.call_counted(pass_id)
             flat: list[torch.Tensor] = []
             map_tensors(lambda t: flat.append(t) or t, (args, kwargs))
             wanted = [t for t in flat if t.requires_grad]
-            out = PostBackward.apply(lambda: self._on_post_backward(unit), *wanted)
+            out = PostBackward.apply(lambda: self._on_post_backward(unit, pass_id), *wanted)
             passed = iter((out,) if isinstance(out, torch.Tensor) else out)
             return map_tensors(lambda t: next(passed) if t.requires_grad else t, (args, kwargs))
 
@@ -346,7 +346,8 @@ class Schedule:
             backward_comes = torch.is_grad_enabled() and bool(outputs)
             if backward_comes:
                 rec.ran = True
-                register_multi_grad_hook(outputs, lambda grads: self._on_pre_backward(unit), mode="any")
+                starts = lambda grads, pass_id=self._pass: self._on_pre_backward(unit, pass_id)  # noqa: E731
+                register_multi_grad_hook(outputs, starts, mode="any")
             outermost = id(module) in self._outermost
             if not backward_comes or (self.reshard_after_forward and not outermost):
                 unit.reshard()
@@ -355,26 +356,31 @@ class Schedule:
 
         return hook
 
-    def _on_pre_backward(self, unit: Unit) -> None:
+    def _on_pre_backward(self, unit: Unit, pass_id: int) -> None:
+        """A backward of one of the unit's calls (of forward `pass_id`) starts: gather it
+        (again, if an earlier backward freed it)."""
         self._open()
         self._backward_event()
         rec = self._rec(unit)
-        rec.in_backward = True
+        rec.backward_starts(pass_id)
         with torch.profiler.record_function(f"vescale::pre_backward[{unit.name}]"):
             self._flush_deferred()
             unit.wait_unshard()
             if self.prefetch.backward_starts(unit, rec.encloses):
                 self._advance()
 
-    def _on_post_backward(self, unit: Unit) -> None:
+    def _on_post_backward(self, unit: Unit, pass_id: int) -> None:
+        """A call's backward is done: once the last call of its forward in this backward is,
+        free the unit (unless another call's backward still runs) and reduce its gradients
+        (a watched unit reduces in the static order instead)."""
         rec = self._rec(unit)
-        rec.forward_calls -= 1
-        if rec.forward_calls > 0:
+        if not rec.backward_done(pass_id):
             return
         with torch.profiler.record_function(f"vescale::post_backward[{unit.name}]"):
-            rec.in_backward = False
-            unit.reshard()
-            self._reduce(unit)
+            if not rec.in_backward:
+                unit.reshard()
+            if rec.arrivals is None:
+                self._reduce(unit)
 
     # --- control ----------------------------------------------------------------------
 
