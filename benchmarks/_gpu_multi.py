@@ -24,6 +24,10 @@ is its wrapper. Stages, each in its own process under its own time limit, report
     bash benchmarks/gpu_multi.sh --cpu [OUT]      # rehearsal: gloo CPU ranks under torchrun, 2 ranks
     bash benchmarks/gpu_multi.sh --dry-run [OUT]  # print the stages
 
+A stage that starts more ranks than GPUs are visible is skipped by name ("needs 8 GPUs, 1
+visible"); when no stage fits, the script refuses to start (exit status 2, saying why) rather than
+crash every rank past the visible GPUs on an invalid device ordinal.
+
 With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 vs 1x2 (hsdp),
 2 (kill), dp1 x tp2 (tp) and 2 with `--quick` sizes (fsdp_bench).
 """
@@ -31,6 +35,7 @@ With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -55,6 +60,10 @@ RANKS = {  # by mode: the README script's rank counts, the resume chain, the HSD
     "gpu": dict(readme=[2, 8], resume=[8, 4, 2], hsdp=(8, 4), kill=8, tp=8, bench=8),
     "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2, tp=2, bench=2),
 }
+# the most ranks each stage starts at once: on a GPU, one GPU each (NCCL puts no two ranks on one)
+NEEDS = {"env": lambda r: 0, "readme": lambda r: max(r["readme"]), "resume": lambda r: max(r["resume"]),
+         "hsdp": lambda r: r["hsdp"][0], "kill": lambda r: r["kill"], "tp": lambda r: r["tp"],
+         "fsdp_bench": lambda r: r["bench"]}  # fmt: skip
 KILL_TIMEOUT = 20  # seconds: the library's bound on a wait in the kill stage (the group's is 30 s more)
 SMALL = ["--dim", "64", "--layers", "4", "--batch-size", "8", "--seq-len", "32", "--log-every", "10"]
 COLLECTIVE = re.compile(
@@ -438,6 +447,36 @@ STAGES = [
 ]
 
 
+def visible_gpus() -> int:
+    """How many GPUs this launch sees (CUDA_VISIBLE_DEVICES and the launcher's binding honoured),
+    asked in a process of its own so that this one makes no CUDA context."""
+    ask = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    proc = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True)
+    return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
+
+
+def fitting(stages: list[Stage], gpus: int) -> tuple[list[Stage], str | None]:
+    """`stages` with those needing more GPUs than `gpus` refused by name (skipped, with the count),
+    or, when no stage that starts ranks fits, the words of a refusal to run at all (a rank past the
+    visible GPUs would die on an invalid device ordinal)."""
+    out, fits = [], []
+    for s in stages:
+        need = NEEDS[s.name](RANKS["gpu"])
+        if need > gpus:
+            s = dataclasses.replace(s, refused=f"needs {need} GPUs, {gpus} visible")
+        elif need:
+            fits.append(s.name)
+        out.append(s)
+    if any(NEEDS[s.name](RANKS["gpu"]) for s in stages) and not fits:
+        counts = {s.name: NEEDS[s.name](RANKS["gpu"]) for s in stages}
+        needs = ", ".join(f"{name} {n}" for name, n in counts.items() if n)
+        return out, (
+            f"gpu_multi needs a GPU per rank ({needs}), and {gpus} GPU(s) are visible: run "
+            "benchmarks/gpu_check.sh on one GPU, or --cpu to rehearse with gloo CPU ranks"
+        )
+    return out, None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -471,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(stages, mode, out, command, args.budget)
         return 0
     notes = [f"python {sys.executable}", f"rank counts: {RANKS[mode]}"]
+    if mode == "gpu":
+        stages, refusal = fitting(stages, visible_gpus())
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 2
     return run_all(
         stages, mode=mode, out=out, title="Multi-GPU check", budget=args.budget, command=command, notes=notes
     )

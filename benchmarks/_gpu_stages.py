@@ -126,6 +126,54 @@ class Stage:
     what: str
     env: dict[str, str] = field(default_factory=dict)
     plan: Callable[[str], list[str]] | None = None  # what it runs, by mode, for --dry-run
+    warm: bool = False  # launches Triton kernels: waits for the set-up's `Warmup` first (if any)
+    refused: str | None = None  # why this machine cannot run it (too few GPUs): skipped, not run
+
+
+class Warmup:
+    """A set-up command run in the background beside the first stages, under its own limit: Triton's
+    kernel cache filled (`python -m vescale_optim.kernels.aot --warm`) while the library's own checks
+    run, so that the stages marked `warm` (many processes launching the same kernels: the tests
+    under pytest -n 8) load compiled kernels instead of compiling them each. `wait` is called before
+    such a stage; its result is reported as the run's first entry, `warm`."""
+
+    def __init__(self, cmd: Sequence[str], *, limit: float, log: Path, env: dict[str, str]):
+        self.cmd, self.limit, self.log = list(cmd), limit, log
+        self.start = time.monotonic()
+        self.entry: dict | None = None
+        log.write_text("$ " + " ".join(self.cmd) + "\n")
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                         start_new_session=True)  # fmt: skip
+
+    def wait(self, left: float) -> dict:
+        """Wait for it (at most its limit, and `left` seconds of the run); its report entry."""
+        if self.entry is not None:
+            return self.entry
+        waited = time.monotonic()
+        timeout = max(0.0, min(self.limit - (waited - self.start), left))
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        _end_session(self.proc)
+        result = Result("warm")
+        said = _tail(self.log, 1)
+        result.check("finished", rc == 0, measured=f"exit {rc}" if rc is not None else "out of time",
+                     bound=f"{self.limit:.0f} s", detail=said)  # fmt: skip
+        self.entry = result.to_dict() | {"seconds": round(time.monotonic() - self.start, 1),
+                                         "waited_s": round(time.monotonic() - waited, 1),
+                                         "limit_s": self.limit, "log": self.log.name}  # fmt: skip
+        print(f"== warm-up done after {self.entry['seconds']} s (the run waited {self.entry['waited_s']} s): "
+              f"{said}", flush=True)  # fmt: skip
+        return self.entry
+
+
+def _cache_entries() -> int | None:
+    """How many kernels Triton's cache (`TRITON_CACHE_DIR`, when set) holds: a stage that adds
+    some compiled them itself."""
+    where = os.environ.get("TRITON_CACHE_DIR")
+    return len(os.listdir(where)) if where and os.path.isdir(where) else None
 
 
 def child_env(mode: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -244,35 +292,52 @@ def run_all(
     command: Callable[[Stage], list[str]],
     notes: Sequence[str] = (),
     setup: float = 0,
+    warmup: Warmup | None = None,
 ) -> int:
     """Run every stage in its own process (`command(stage)`), print each as it ends, write the
     report. Every stage gets its own limit, cut to what is left of `budget` seconds less
-    `setup` (kept for the caller's own work); a stage with under 5 s left is skipped.
+    `setup` (kept for the caller's own work); a stage with under 5 s left is skipped. A stage
+    marked `warm` first waits for `warmup` (started by the caller; reported first). Once no
+    warm-up runs beside it, each entry counts the kernels its stage added to Triton's cache
+    (`compiled_kernels`: what it compiled cold).
     Returns 0 when no stage failed."""
     out.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
+    start = warmup.start if warmup is not None else time.monotonic()
     results = []
     print(
         f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}", flush=True
     )
     for i, s in enumerate(stages, 1):
         left = budget - setup - (time.monotonic() - start)
+        if s.warm and warmup is not None and warmup.entry is None:
+            _print_stage(warmup.wait(left))
+            left = budget - setup - (time.monotonic() - start)
         limit = min(s.limits[mode], left)
         log = out / f"{s.name}.log"
         log.write_text("")
         (out / f"{s.name}.json").unlink(missing_ok=True)
         print(f"== [{i:2d}/{len(stages)}] {s.name} (limit {limit:.0f} s): {s.what}", flush=True)
-        if left < 5:
+        if s.refused:
+            entry = Result(s.name)
+            entry.skip("stage", s.refused)
+            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0}
+        elif left < 5:
             entry = Result(s.name)
             entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
             entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0, "budget_spent": True}
         else:
             env = child_env(mode, {**s.env, "GPU_CHECK_STAGE_LIMIT_S": f"{limit:.0f}"})
+            # (while the warm-up still fills the cache, what a stage added is not its own)
+            cached = _cache_entries() if warmup is None or warmup.entry is not None else None
             rc, seconds = run_process(command(s), limit=limit, log=log, env=env)
             entry = _collect(s, out, rc, seconds, limit, log, cut=limit < s.limits[mode])
+            if cached is not None:
+                entry["compiled_kernels"] = (_cache_entries() or 0) - cached
         entry["log"] = log.name
         results.append(entry)
         _print_stage(entry)
+    if warmup is not None:
+        results.insert(0, warmup.wait(budget - (time.monotonic() - start)))
     total = time.monotonic() - start
     report = {
         "title": title,
@@ -361,10 +426,13 @@ def markdown(report: dict) -> str:
         "",
     ]
     md += [f"- {n}" for n in report["notes"]]
-    md += ["", "| stage | status | seconds | limit s | reason |", "|---|---|---:|---:|---|"]
+    md += ["", "| stage | status | seconds | limit s | kernels compiled | reason |"]
+    md += ["|---|---|---:|---:|---:|---|"]
     for r in report["stages"]:
         reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")
-        md.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {r['limit_s']} | {reason[:300]} |")
+        compiled = r.get("compiled_kernels", "")
+        cells = [r["stage"], r["status"], r["seconds"], r["limit_s"], compiled, reason[:300]]
+        md.append("| " + " | ".join(map(str, cells)) + " |")
     for r in report["stages"]:
         md += ["", f"## {r['stage']}: {r['status']}", ""]
         md += [f"- {check_line(c)}" for c in r["checks"]]

@@ -41,6 +41,14 @@ throughput, `kernels` only with `--kernels`):
     python benchmarks/gpu_check.py --dry-run [OUT]      # print the stages, their limits and the total
     python benchmarks/gpu_check.py --stages zero3 nan   # some stages only (still within --budget)
 
+Set-up starts a warm-up beside the first stages (`start_warmup`): Triton's cache
+(`OUT/triton_cache`, or TRITON_CACHE_DIR) is filled with every kernel the dispatcher can launch,
+compiled once on the host's cores; the stages that launch many kernels in fresh processes (nan,
+batch_invariance, large_shapes, tests under pytest -n 8, steps, kernels) wait for it, and each
+stage's `compiled_kernels` (report and summary) counts what it still compiled cold. No GPU has run
+this yet: the limits are estimates (a process with CUDA and NCCL up in ~5 s, then the stage's
+work); the report's seconds per stage are what the next revision of `STAGES` takes.
+
 With `--cpu` every stage runs at small sizes (world-1 gloo groups, the Triton interpreter);
 checks that need CUDA are `skipped`, by name, with the reason, after running as much of their
 stage as a CPU allows. The exit status is 0 when no stage failed, 2 without a CUDA device.
@@ -74,12 +82,25 @@ from benchmarks._gpu_library import (  # noqa: E402
 )
 from benchmarks._gpu_numerics import stage_batch_invariance, stage_large_shapes, stage_nan  # noqa: E402
 from benchmarks._gpu_overlap import analyse_overlap, stage_overlap, stage_overlap_selftest  # noqa: E402
-from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_stage_here  # noqa: E402
+from benchmarks._gpu_stages import (  # noqa: E402
+    ROOT,
+    Result,
+    Stage,
+    Warmup,
+    child_env,
+    dry_run,
+    run_all,
+    run_stage_here,
+)
 
 __all__ = ["STAGES", "analyse_overlap", "main"]
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check"
 SETUP_S = 15  # the script's own start, the CUDA check and the packing of the results
+# Triton's cache warmed in the background (`start_warmup`): 318 kernels for one architecture took
+# 29 s on 2 loaded CPU cores (`python -m vescale_optim.kernels.aot --warm --arch 90`), a few seconds
+# on a GPU host's 16; the first stage that needs it comes after ~3 minutes of the library's checks
+WARM_S = 120
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
 TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py"]
 # the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
@@ -320,22 +341,25 @@ def _plans() -> dict:
 # In the order they run, by the evidence they give: the library's own checks first, the tests,
 # then the kernels' throughput (`kernels`, mostly torch.compile, only with --kernels).
 STAGES = [
-    Stage("env", stage_env, _limits(15), "GPU, driver, torch, CUDA, NCCL, Triton; the library from here"),
+    Stage("env", stage_env, _limits(10), "GPU, driver, torch, CUDA, NCCL, Triton; the library from here"),
     Stage("single_gpu", stage_single_gpu, _limits(30), "ZeRO-3 with no process group, stand-ins delayed"),
-    Stage("zero3", stage_zero3, _limits(40), "ZeRO-3/ZeRO-2, forced world-1 group, vs torch.optim", FORCE),
-    Stage("delay", stage_delay, _limits(25), "every collective delayed: ZeRO-3 bit-identical", FORCE),
+    Stage("zero3", stage_zero3, _limits(35), "ZeRO-3/ZeRO-2, forced world-1 group, vs torch.optim", FORCE),
+    Stage("delay", stage_delay, _limits(22), "every collective delayed: ZeRO-3 bit-identical", FORCE),
     Stage("syncs", stage_syncs, _limits(30), "host syncs in backward (0) and step() (<= 1)", FORCE),
     Stage("overlap_selftest", stage_overlap_selftest, _limits(10, 60), "the overlap analyser on fake traces"),
-    Stage("overlap", stage_overlap, _limits(40), "AG(k-1) beside k's backward; slow AG hidden", FORCE),
+    Stage("overlap", stage_overlap, _limits(35), "AG(k-1) beside k's backward; slow AG hidden", FORCE),
     Stage("meta", stage_meta, _limits(15), "meta-device init equals one built normally", FORCE),
     Stage("memory", stage_memory, _limits(20), "peak allocated of ZeRO-3 vs memory_stats()", FORCE),
-    Stage("checkpoint", stage_checkpoint, _limits(25), "CheckpointManager sync and async resumes", FORCE),
-    Stage("nan", stage_nan, _limits(15), "NaN/Inf through the 8-bit kernels: Triton vs torch"),
-    Stage("batch_invariance", stage_batch_invariance, _limits(15), "Shampoo tiles, newton_schulz: 1 vs 8"),
-    Stage("large_shapes", stage_large_shapes, _limits(45), "large newton_schulz, > 2^31 quantize"),
-    Stage("tests", stage_tests, _limits(60, 400), "pytest -n 8 of the kernel and stand-in tests, compiled"),
-    Stage("steps", stage_steps, _limits(20), "world-1 optimizer steps vs torch.optim (kernels.py)"),
-    Stage("kernels", stage_kernels, _limits(130), "Triton vs torch vs torch.compile (kernels.py)"),
+    Stage("checkpoint", stage_checkpoint, _limits(23), "CheckpointManager sync and async resumes", FORCE),
+    Stage("nan", stage_nan, _limits(22), "NaN/Inf through the 8-bit kernels: Triton vs torch", warm=True),
+    Stage("batch_invariance", stage_batch_invariance, _limits(22), "Shampoo tiles, newton_schulz: 1 vs 8",
+          warm=True),
+    Stage("large_shapes", stage_large_shapes, _limits(40), "large newton_schulz, > 2^31 quantize", warm=True),
+    Stage("tests", stage_tests, _limits(75, 400), "pytest -n 8 of the kernel and stand-in tests, compiled",
+          warm=True),
+    Stage("steps", stage_steps, _limits(16), "world-1 optimizer steps vs torch.optim (kernels.py)",
+          warm=True),
+    Stage("kernels", stage_kernels, _limits(130), "Triton vs torch vs torch.compile (kernels.py)", warm=True),
 ]
 OPTIONAL = {"kernels"}  # run only when asked for (--kernels, or named in --stages)
 for _s in STAGES:
@@ -354,12 +378,13 @@ def summary(report: dict, limit: int = SUMMARY_BYTES) -> str:
         f"{report['host']['hostname']}, {report['seconds']} s of {report['budget_s']:.0f} s; "
         + "; ".join(report.get("notes", [])[:1]),
         "",
-        "| stage | status | s | reason |",
-        "|---|---|---:|---|",
+        "| stage | status | s | compiled | reason |",
+        "|---|---|---:|---:|---|",
     ]
     for r in report["stages"]:
         reason = (r["reason"] or "").replace("|", "/").replace("\n", " ")[:140]
-        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {reason} |")
+        compiled = r.get("compiled_kernels", "")
+        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {compiled} | {reason} |")
     env = next((r for r in report["stages"] if r["stage"] == "env"), None)
     if env:
         m = env["measurements"]
@@ -402,6 +427,17 @@ def pack(out: Path) -> Path:
     return archive
 
 
+def start_warmup(out: Path, arch: str) -> Warmup:
+    """Triton's cache (`OUT/triton_cache`, unless TRITON_CACHE_DIR is set) filled for this GPU in
+    the background while the first stages run: every kernel the dispatcher can launch, compiled
+    once on the host's cores (`python -m vescale_optim.kernels.aot --warm`), so that the stages
+    marked `warm` (8 pytest workers, the numerics stages) load them instead of each compiling."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(out / "triton_cache"))
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "vescale_optim.kernels.aot", "--warm", "--arch", arch]
+    return Warmup(cmd, limit=WARM_S, log=out / "warm.log", env=child_env("gpu"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -432,22 +468,25 @@ def main(argv: list[str] | None = None) -> int:
     script = str(Path(__file__).resolve())
     command = lambda s: [sys.executable, script, "--stage", s.name, "--mode", mode, str(out)]  # noqa: E731
     if args.dry_run:
+        if mode == "gpu":
+            print(f"[warm] (background, limit {WARM_S} s) Triton's cache filled: python -m "
+                  "vescale_optim.kernels.aot --warm --arch <this GPU's>; stages marked warm wait for it")
         dry_run(stages, mode, out, command, budget, setup=SETUP_S)
         return 0
+    warmup = None
     if mode == "gpu":
-        proc = subprocess.run(
-            [sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
-            capture_output=True,
-        )
+        ask = "import torch; print(''.join(map(str, torch.cuda.get_device_capability())))"
+        proc = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True)
         if proc.returncode != 0:
             print(
                 f"no CUDA device visible to {sys.executable}; use --cpu to rehearse the stages on CPU",
                 file=sys.stderr,
             )
             return 2
+        warmup = start_warmup(out, proc.stdout.strip())
     notes = [f"python {sys.executable}", f"every stage in its own process; limits cut to the {mode} budget"]
     rc = run_all(stages, mode=mode, out=out, title="GPU check", budget=budget, command=command, notes=notes,
-                 setup=SETUP_S)  # fmt: skip
+                 setup=SETUP_S, warmup=warmup)  # fmt: skip
     text = summary(json.loads((out / "report.json").read_text()))
     (out / "summary.md").write_text(text)
     archive = pack(out)

@@ -85,7 +85,8 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     proc = _bash(SCRIPT, "--dry-run", *cpu, str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     heads = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert heads == [f"[{s}]" for s in STAGES] + ["[report]"]
+    warm = ["[warm]"] if mode == "gpu" else []  # Triton's cache, filled in the background
+    assert heads == warm + [f"[{s}]" for s in STAGES] + ["[report]"]
     text = proc.stdout
     interpret = "TRITON_INTERPRET=0" if mode == "gpu" else "TRITON_INTERPRET=1"
     assert (
@@ -96,7 +97,8 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     )
     assert ("-n 8 -p benchmarks._pytest_live" in text) == (mode == "gpu")
     assert "VESCALE_OPTIM_FORCE_COLLECTIVES=1" in text
-    limits = [int(line.split("(limit ")[1].split()[0]) for line in text.splitlines() if "(limit " in line]
+    limits = [int(line.split("(limit ")[1].split()[0]) for line in text.splitlines() if line.startswith("[")
+              and "(limit " in line]  # fmt: skip
     assert len(limits) == len(STAGES) and all(lim > 0 for lim in limits)
     total = int(text.split("stage limits add up to ")[1].split()[0])
     assert total == sum(limits) + gpu_check.SETUP_S
@@ -104,7 +106,7 @@ def test_dry_run_names_every_stage(tmp_path, mode):
         assert total <= gpu_check.BUDGET_S["gpu"] <= 420
     kernels = _bash(SCRIPT, "--dry-run", "--kernels", *cpu, str(tmp_path / "out")).stdout
     heads = [line.split()[0] for line in kernels.splitlines() if line.startswith("[")]
-    assert heads == [f"[{s}]" for s in STAGES + OPTIONAL] + ["[report]"]
+    assert heads == warm + [f"[{s}]" for s in STAGES + OPTIONAL] + ["[report]"]
     assert "--no-compile" in kernels if mode == "cpu" else "--no-compile" not in kernels
     assert not (tmp_path / "out").exists()
 
@@ -246,6 +248,35 @@ def test_a_stage_that_hangs_or_crashes_is_failed_and_the_next_runs(tmp_path, cap
     assert printed.index("hangs") < printed.index("crashes") < printed.index("good")
 
 
+def test_a_warm_up_runs_beside_the_first_stages_and_the_warm_ones_wait_for_it(tmp_path, monkeypatch):
+    """gpu_check's set-up fills Triton's cache in the background (`Warmup`): a stage not marked
+    `warm` runs meanwhile, one marked `warm` starts only once it is done, the warm-up is reported
+    first, and a stage's `compiled_kernels` counts the cache entries it added itself."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    fill = f"import time, os; time.sleep(3); [os.mkdir(os.path.join({str(cache)!r}, w)) for w in 'abc']"
+    warmup = stages.Warmup([sys.executable, "-c", fill], limit=30, log=tmp_path / "warm.log",
+                           env=stages.child_env("cpu"))  # fmt: skip
+    seen = tmp_path / "seen"
+    codes = {  # each writes what it saw of the cache; the warm one compiles 2 kernels of its own
+        "early": f"import os; open({f'{seen}.early'!r}, 'w').write(str(len(os.listdir({str(cache)!r}))))",
+        "late": f"import os; open({str(seen) + '.late'!r}, 'w').write(str(len(os.listdir({str(cache)!r}))));"
+        f"[os.mkdir(os.path.join({str(cache)!r}, f'k{{i}}')) for i in range(2)]",
+    }
+    fakes = [stages.Stage(n, lambda r, **kw: None, {"cpu": 30, "gpu": 30}, n, plan=lambda m, c=c: [c],
+                          warm=n == "late") for n, c in codes.items()]  # fmt: skip
+    stages.run_all(fakes, mode="cpu", out=tmp_path, title="t", budget=120, warmup=warmup,
+                   command=lambda s: [sys.executable, "-c", s.plan("cpu")[0]])  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["stage"] for r in report["stages"]] == ["warm", "early", "late"]
+    assert report["stages"][0]["status"] == "passed" and report["stages"][0]["seconds"] >= 3
+    assert (tmp_path / "seen.early").read_text() == "0" and (tmp_path / "seen.late").read_text() == "3"
+    late = report["stages"][2]
+    assert late["compiled_kernels"] == 2 and "compiled_kernels" not in report["stages"][1]
+    assert "| warm |" in (tmp_path / "report.md").read_text()
+
+
 def _x(name, ts, dur, cat, tid=1, **args):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid, "args": args}
 
@@ -322,6 +353,22 @@ def test_multi_dry_run_names_every_stage(tmp_path):
         for script in ("fsdp.py", "hsdp.py"):
             assert any(f"--nproc-per-node {n} " in line and f"{script} --torchrun" in line for line in runs)
     assert not (tmp_path / "out").exists()
+
+
+def test_multi_refuses_by_name_with_too_few_gpus(tmp_path):
+    """On fewer GPUs than a stage starts ranks, the stage is refused by name; with none that fits
+    (one GPU, or none here) the script does not start a rank at all."""
+    from benchmarks import _gpu_multi as multi
+
+    stages, refusal = multi.fitting(multi.STAGES, 1)
+    assert "needs a GPU per rank" in refusal and "1 GPU(s) are visible" in refusal
+    assert "gpu_check.sh" in refusal
+    assert {s.name: s.refused for s in stages}["tp"] == "needs 8 GPUs, 1 visible"
+    stages, refusal = multi.fitting(multi.STAGES, 8)
+    assert refusal is None and not any(s.refused for s in stages)
+    proc = _bash(MULTI, str(tmp_path / "out"))  # this machine: no GPU
+    assert proc.returncode == 2 and "0 GPU(s) are visible" in proc.stderr, proc.stdout + proc.stderr
+    assert not (tmp_path / "out" / "report.json").exists()
 
 
 @pytest.mark.timeout(600)

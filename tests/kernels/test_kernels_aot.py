@@ -184,6 +184,35 @@ def test_check_fails_when_stages_overflow_shared_memory(tmp_path):
         assert any("shared memory" in p for p in r["problems"]), r
 
 
+WARM = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    from vescale_optim.kernels import _ns_triton, aot
+
+    x = torch.empty(512, 512, dtype=torch.bfloat16, device="meta")
+    _, plan = _ns_triton.newton_schulz_launches(x, 1, (3.4445, -4.775, 2.0315), 1e-7)
+    case_list = [aot.Case("newton_schulz", "512", ln) for ln in plan if isinstance(ln, aot.Launch)]
+    counts = []
+    for _ in range(2):
+        assert aot.warm([90], case_list, jobs=1) == []
+        counts.append(len(os.listdir(os.environ["TRITON_CACHE_DIR"])))
+    print(len(case_list), *counts)
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_warming_fills_tritons_cache_once(tmp_path):
+    """`aot --warm` (gpu_check's set-up) compiles through Triton's cache: the kernels land in
+    TRITON_CACHE_DIR, and warming again finds them there (the same keys a launch looks up)."""
+    proc = subprocess.run([sys.executable, "-c", WARM], env=_env(tmp_path), capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches, first, second = map(int, proc.stdout.split()[-3:])
+    assert launches >= 2 and first >= 2 and second == first
+
+
 PTXAS_LOG = """\
 ptxas info    : Compiling entry function '_poly_kernel' for 'sm_90a'
 ptxas info    : Function properties for _poly_kernel
@@ -232,3 +261,5 @@ def test_tensor_core_instructions_are_recognised():
 def test_build_refuses_the_interpreter(tmp_path):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         aot.build(tmp_path)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        aot.warm([90])

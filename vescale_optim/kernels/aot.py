@@ -1,6 +1,7 @@
 """Ahead-of-time build of every Triton kernel for A100 (sm_80) and H100/H200 (sm_90), no GPU needed.
 
     python -m vescale_optim.kernels.aot --out DIR [--arch 80 90] [--jobs N]
+    python -m vescale_optim.kernels.aot --warm --arch 90   # only fill Triton's cache (see `warm`)
 
 The launchers plan each launch before running it (``*_launch`` in ``_ns_triton`` and
 ``_quant_triton``, the packed wire format's kernels included); here the same planning
@@ -271,6 +272,33 @@ def _compile(job: _Job) -> dict:
     return record
 
 
+def _warm_one(job: _Job) -> str | None:
+    """Compile ``job`` as a launch would, through Triton's cache; what failed, if it did."""
+    try:
+        src = ASTSource(_kernel_fn(job.kernel), job.signature, job.constexprs, job.attrs)
+        triton.compile(src, target=GPUTarget("cuda", job.arch, 32), options=job.options)
+    except Exception as e:
+        return f"{job.kernel} {_config_text(job.config)}: {type(e).__name__}: {e}".splitlines()[0][:300]
+    return None
+
+
+def warm(archs: Sequence[int], case_list: Sequence[Case] | None = None, jobs: int | None = None) -> list[str]:
+    """Fill Triton's kernel cache (``TRITON_CACHE_DIR``, else Triton's default) with every kernel of
+    ``case_list`` for ``archs``, compiled from the same source, signature, attributes, options and
+    target a launch derives, so that a later launch finds it there instead of compiling (a GPU's
+    first minute: each process of a test run would otherwise compile the same kernels). Nothing is
+    written besides the cache. Returns what failed to compile."""
+    if INTERPRET:
+        raise RuntimeError("warming Triton's cache compiles kernels: run it without TRITON_INTERPRET=1")
+    with tempfile.TemporaryDirectory() as tmp:
+        todo = _plan(archs, list(cases() if case_list is None else case_list), Path(tmp))
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    if workers == 1:
+        return [f for f in map(_warm_one, todo) if f]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return [f for f in pool.map(_warm_one, todo, chunksize=4) if f]
+
+
 def _ptxas_log(job: _Job) -> str:
     """``ptxas -v`` on the written PTX with Triton's flags, if Triton did not print its own."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -340,11 +368,22 @@ def markdown(records: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None, case_list: Sequence[Case] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vescale_optim.kernels.aot",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for report.json and the PTX")
+    parser.add_argument("--out", type=Path, help="directory for report.json and the PTX (not with --warm)")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
+    parser.add_argument("--warm", action="store_true",
+                        help="only fill Triton's cache (TRITON_CACHE_DIR) for --arch: no PTX, no report")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.warm:
+        failed = warm(args.arch, case_list, args.jobs)
+        print(*failed, sep="\n")
+        where = os.environ.get("TRITON_CACHE_DIR") or "Triton's default cache"
+        print(f"Triton's cache ({where}) warmed for {', '.join(f'sm_{a}' for a in args.arch)} in "
+              f"{time.perf_counter() - start:.0f} s; {len(failed)} kernels failed to compile")
+        return 1 if failed else 0
+    if args.out is None:
+        parser.error("--out is required (or --warm)")
     records = build(args.out, args.arch, case_list, args.jobs)
     print(markdown(records))
     bad = [r for r in records if r["problems"]]
