@@ -378,3 +378,59 @@ def test_tensor_parallel_dtensors_without_mesh_are_not_taken_for_fsdp2(world):
 def test_what_cannot_work_over_fsdp2_is_refused_by_name(world, case, words):
     for message in world(2).run(_refusal, case, timeout=60):
         assert words in message, message
+
+
+def _written_between_steps(kind: str, ours: bool):
+    """`STEPS` clipped steps over FSDP2 W=2, the embedding halved in place between steps 1 and 2
+    (as a loaded model state dict writes FSDP2's memory): the whole parameters, per step whether
+    the step left FSDP2's (clipped) gradients as they were, and ours' `memory_stats()` after each
+    step (its gradients not yet zeroed) with FSDP2's local parameters."""
+    model, dp_rank = _wrapped("1-D W=2")
+    opt = _optimizer(kind, model, ours)
+    untouched, stats = [], []
+    for t in range(STEPS):
+        if t == 2:
+            with torch.no_grad():
+                model.embed.weight.to_local().mul_(0.5)
+        loss_fn(model, *batch(t, dp_rank)).backward()
+        opt.clip_grad_norm_(0.5) if ours else _torch_clip(model, 0.5)
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        opt.step()
+        untouched.append(all(torch.equal(g, p.grad.to_local()) for g, p in zip(grads, model.parameters())))
+        if ours:
+            stats.append(opt.memory_stats())
+        opt.zero_grad()
+    local = [p.to_local() for p in model.parameters()]
+    return _full(model), untouched, stats, local
+
+
+def _borrowing(kind: str, own: int):
+    """Ours with every FSDP2 local shard of `own` elements or more in a unit of its own
+    (`fsdp_shards.OWN_UNIT_NUMEL`), and torch's run (`_written_between_steps`)."""
+    from vescale_optim.units import fsdp_shards
+
+    kept, fsdp_shards.OWN_UNIT_NUMEL = fsdp_shards.OWN_UNIT_NUMEL, own
+    try:
+        return _written_between_steps(kind, True), _written_between_steps(kind, False)
+    finally:
+        fsdp_shards.OWN_UNIT_NUMEL = kept
+
+
+@pytest.mark.parametrize("own", [1, 1 << 30])
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_large_fsdp2_shards_are_updated_in_fsdp2s_memory(world, kind, own):
+    """A local shard in a unit of its own is FSDP2's memory itself (no copy of the parameter, none
+    of its gradient): trains as torch does, takes a value written between steps, leaves FSDP2's
+    gradients as they were, and `memory_stats()` counts the copies the optimizer does keep (of the
+    shards too small to be borrowed, here those whose length the alignment of 16 would pad)."""
+    for (got, untouched, stats, local), (want, _, _, _) in world(2).run(_borrowing, kind, own, timeout=120):
+        _assert_close(got, want, TOL[kind])
+        assert all(untouched)
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        everything = nbytes(local)
+        copied = nbytes(t for t in local if own > 1 << 20 or t.numel() % 16)
+        for s in stats:  # (at most 16 elements of alignment padding per parameter on top)
+            assert copied <= s["parameters"] < copied + 4 * 16 * len(local), (s, copied)
+            assert copied <= s["gradients"] < copied + 4 * 16 * len(local), (s, copied)
+        if own == 1:
+            assert copied < everything / 2

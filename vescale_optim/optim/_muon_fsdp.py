@@ -87,11 +87,11 @@ class FsdpMuon:
             muon.orthogonalized += count
             muon.step_stats["ns_matrices"] += count
             muon.step_stats["ns_flops"] += count * ns_flops(rows, cols, steps)
-        back = self.moves.scatter(wholes, like, "Muon's orthogonalized pieces back")
-        for s, update in updates.items():
-            seg, returned = self.segs[s], torch.empty_like(update)
+        back, starts = self.moves.scatter_flat(wholes, like, "Muon's orthogonalized pieces back")
+        for s, update in updates.items():  # each piece applied from where it arrived (no copy)
+            seg, returned = self.segs[s], []
             for k, (t, i) in enumerate(self.where):
                 lo, hi = seg.local_range(i)
-                if t == s and back[k] is not None and hi > lo:
-                    returned[lo:hi].copy_(back[k].reshape(-1))
-            muon._apply(seg, update, returned, [(0, 0, update.numel())])
+                if t == s and starts[k] is not None and hi > lo:
+                    returned.append((lo, starts[k], hi - lo))
+            muon._apply(seg, update, back, sorted(returned))

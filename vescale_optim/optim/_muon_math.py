@@ -137,7 +137,10 @@ def momentum_(buf: torch.Tensor, grad: torch.Tensor, runs: Sequence[Run], moment
     for lo, hi in chunks(runs, chunk):
         m, g = buf[lo:hi], grad[lo:hi]
         m.lerp_(g, 1 - momentum)
-        update[lo:hi].copy_(g.lerp(m, momentum) if nesterov else m)
+        if nesterov:  # computed in fp32, rounded once into the bf16 update: no fp32 temporary
+            torch.lerp(g, m, momentum, out=update[lo:hi])
+        else:
+            update[lo:hi].copy_(m)
     return update
 
 

@@ -221,27 +221,65 @@ class WholeMoves:
     def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str) -> list:
         """Each rank's piece of the whole tensors (`wholes`, by k, on their owners) back: per
         tensor k, this rank's piece in its local shape (None where it holds none)."""
+        out, at = self.scatter_flat(wholes, like, what)
+        me = self.comm.rank
+        return [None if a is None else out[a : a + self.boxes[k][me].numel].view(self.boxes[k][me].sizes)
+                for k, a in enumerate(at)]  # fmt: skip
+
+    def scatter_flat(self, wholes: dict[int, torch.Tensor], like: torch.Tensor,
+                     what: str) -> tuple[torch.Tensor, list[int | None]]:  # fmt: skip
+        """`scatter`'s pieces as they arrived: one flat tensor, and per tensor k where its
+        piece starts in it (None where this rank holds none)."""
         ranks = enumerate(self.scatter_out)
         send = [self.boxes[k][r].of(wholes[k]).reshape(-1) for r, ks in ranks for k in ks]
         inp = torch.cat(send) if send else like.new_empty(0)
         in_splits, out_splits = self._count(self.scatter_out, True), self._count(self.scatter_in, False)
         out = like.new_empty(sum(out_splits))
         self._exchange(out, inp, out_splits, in_splits, what)
-        pieces: list[torch.Tensor | None] = [None] * len(self.params)
+        starts: list[int | None] = [None] * len(self.params)
         at, me = 0, self.comm.rank
         for ks in self.scatter_in:
             for k in ks:
-                box = self.boxes[k][me]
-                pieces[k] = out[at : at + box.numel].view(box.sizes)
-                at += box.numel
-        return pieces
+                starts[k] = at
+                at += self.boxes[k][me].numel
+        return out, starts
+
+
+OWN_UNIT_NUMEL = 1 << 16  # a local shard this large gets a unit of its own, the shard its memory
+
+
+def own_unit(p: torch.Tensor, align: int) -> bool:
+    """Whether FSDP2's parameter `p` gets a unit of its own whose shard is its local tensor
+    (`copy_in`): one that needs no fp32 master, contiguous, of a length the layout's alignment
+    leaves unpadded, and large enough that three passes over it (a copy in, a copy out, a copy
+    of the gradient) cost more than a unit's own fixed work (a call per segment and step)."""
+    value = local(p)
+    return (p.dtype not in (torch.bfloat16, torch.float16) and value.is_contiguous()
+            and value.numel() >= OWN_UNIT_NUMEL and value.numel() % align == 0)  # fmt: skip
+
+
+def flat_alias(t: torch.Tensor | None, dtype: torch.dtype, numel: int, device: torch.device):
+    """`t` flat, where a shard of `dtype`, `numel` elements on `device` can be it (a view), else None."""
+    if t is None or t.dtype != dtype or t.numel() != numel or t.device != device or not t.is_contiguous():
+        return None
+    return t.view(-1)
 
 
 @torch.no_grad()
 def copy_in(unit) -> None:
     """An external unit's shard from its parameters' local tensors (their memory is another
-    layer's, which may have written them: a loaded model state dict): a shard of the parameters'
-    own dtype takes them all; an fp32 master those that differ from it rounded."""
+    layer's, which may have written them: a loaded model state dict). A unit of one parameter
+    whose local tensor can be the shard borrows it (`unit.borrowed`: the update then writes
+    FSDP2's memory itself, with no copy either way; taken anew each time, so memory FSDP2
+    re-points is followed). Otherwise the unit keeps a shard of its own: one of the parameters'
+    dtype takes them all; an fp32 master those that differ from it rounded."""
+    alias = flat_alias(local(unit.params[0]), unit.shard_dtype, unit.layout.shard_size, unit.device)
+    if len(unit.params) == 1 and alias is not None:
+        unit.shard, unit.borrowed = alias, True
+        return
+    if unit.borrowed or unit.shard.numel() != unit.layout.shard_size:  # (at construction: not yet)
+        unit.shard = torch.zeros(unit.layout.shard_size, dtype=unit.shard_dtype, device=unit.device)
+        unit.borrowed = False
     master = unit.shard_dtype != unit.orig_dtype
     for i, p in enumerate(unit.params):
         start, stop = unit.full.local_range(i)
@@ -254,8 +292,9 @@ def copy_in(unit) -> None:
 
 @torch.no_grad()
 def copy_out(unit) -> Handle:
-    """The updated shard into the parameters' local tensors (FSDP2 gathers from them)."""
-    for i, p in enumerate(unit.params):
+    """The updated shard into the parameters' local tensors (FSDP2 gathers from them; nothing
+    to copy where the shard is that memory)."""
+    for i, p in enumerate(unit.params if not unit.borrowed else ()):
         start, stop = unit.full.local_range(i)
         local(p).view(-1).copy_(unit.shard[start:stop])
     return Handle()
@@ -289,6 +328,17 @@ class FsdpGrads(WrappedGrads):
         if shards.problem is not None:
             raise ValueError(shards.problem)
         return cls(units, tracker, shards, params)
+
+    def take_unit(self, u) -> list[bool]:
+        """As `WrappedGrads.take_unit`; a unit of one parameter borrows its local gradient, where
+        it can, as the gradient shard itself (no copy: `GradBuffers.borrow`)."""
+        grad = local(u.params[0].grad) if len(u.params) == 1 else None
+        alias = flat_alias(grad, u.shard_dtype, u.layout.shard_size, u.device)
+        u.grads.borrow(alias)
+        if alias is None:
+            return super().take_unit(u)
+        u.grads.has_values = True
+        return [True]
 
     def where(self, p: torch.Tensor) -> tuple[dict[int, Box], set[int]]:
         """Every rank's box of `p` and the ranks that send it whole to an owner (`WholeMoves`)."""

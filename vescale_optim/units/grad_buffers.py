@@ -85,6 +85,7 @@ class GradBuffers:
         self._reduction: _Reduction | None = None  # the reduction writing `shard`, until waited
         self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's reductions so far (as many received)
+        self._borrowed: torch.Tensor | None = None  # a wrapper's gradient as the shard (`borrow`)
 
     def make_placeholders(self) -> None:
         """What each `.grad` holds once reduced, in the parameters' compute dtype and device
@@ -339,37 +340,39 @@ class GradBuffers:
 
     @property
     def shard(self) -> torch.Tensor:
-        """This rank's averaged-gradient shard. `clear()` frees its memory, as torch's
-        `zero_grad(set_to_none=True)` frees gradients; it comes back zero when next used."""
+        """This rank's averaged-gradient shard: a wrapper's gradient where `borrow`ed, else memory
+        of its own, which `clear()` frees, as torch's `zero_grad(set_to_none=True)` frees
+        gradients; it comes back zero when next used."""
+        return self._borrowed if self._borrowed is not None else self.own_shard()
+
+    def own_shard(self, gaps_only: bool = False) -> torch.Tensor:
+        """The shard's own memory, zeroed if it was freed (`gaps_only`: only where no parameter's
+        piece lies, for a caller that writes every piece)."""
         storage = self._shard.untyped_storage()
-        if storage.nbytes() == 0 and self._shard.numel():
-            storage.resize_(self._shard.numel() * self._shard.element_size())
-            self._shard.zero_()
+        if storage.nbytes() or not self._shard.numel():
+            return self._shard
+        storage.resize_(self._shard.numel() * self._shard.element_size())
+        u, at = self.unit, 0
+        for start, stop in sorted(u.full.local_range(i) for i in range(len(u.params))) if gaps_only else ():
+            self._shard[at : max(at, start)].zero_()
+            at = max(at, stop)
+        self._shard[at:].zero_()
         return self._shard
 
     @property
     def shard_bytes(self) -> int:
-        """Bytes the gradient shard holds now (0 while freed)."""
-        return self._shard.untyped_storage().nbytes()
+        """Bytes the gradient shard holds now (0 while freed; a borrowed one's are the wrapper's)."""
+        b = self._borrowed
+        return b.numel() * b.element_size() if b is not None else self._shard.untyped_storage().nbytes()
 
-    def take_averaged(self) -> list[bool]:
-        """Under DDP (ZeRO-1): each parameter's `.grad`, DDP's mean and whole on every rank, gives
-        this rank's piece of `shard` (a copy of `1/W` of the gradients, no communication);
-        `.grad` stays DDP's. Returns, per parameter, whether it has a gradient."""
-        u, shard, has = self.unit, self.shard, []
-        for i, p in enumerate(u.params):
-            g = local(p.grad)
-            has.append(g is not None)
-            start, stop = u.full.local_range(i)
-            if stop <= start:
-                continue
-            if g is None:
-                shard[start:stop].zero_()
-            else:
-                lo, hi = u.full.tensor_range(i)
-                shard[start:stop].copy_(g.reshape(-1)[lo:hi])
-        self.has_values = True
-        return has
+    @property
+    def borrowed(self) -> bool:
+        return self._borrowed is not None
+
+    def borrow(self, grad: torch.Tensor | None) -> None:
+        """`grad` (flat, the shard's dtype and length: FSDP2's local gradient of the unit's one
+        parameter) is the shard until `clear()` (None: its own memory). A step only reads it."""
+        self._borrowed = grad
 
     def clear(self, set_to_none: bool = True, own_grads: bool = True) -> None:
         """Forget accumulated gradients: free the shard (`set_to_none`) or zero it, drop an
@@ -377,6 +380,7 @@ class GradBuffers:
         `ReducedGrad` (now zero) where there was a gradient. `own_grads=False` (a wrapper's
         `.grad`, DDP's): `.grad` is set to None or zeroed in place, as torch.optim does."""
         self.wait()
+        self._borrowed = None  # (the wrapper's gradient: never freed or zeroed here)
         if set_to_none:
             self._shard.untyped_storage().resize_(0)
         elif self.shard_bytes:

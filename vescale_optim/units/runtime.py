@@ -28,7 +28,7 @@ from ..shard.layout import bucket_indices, plan_layout, whole_blocks
 from ..shard.mesh import resolve as resolve_mesh
 from .assign import assign_units, outermost
 from .config import ShardingConfig
-from .fsdp_shards import FsdpGrads, over_dtensors, shard_groups, shards_problem
+from .fsdp_shards import FsdpGrads, over_dtensors, own_unit, shard_groups, shards_problem
 from .gathered import gathered
 from .grad_buffers import ring
 from .hyper import hyper_digest, hyper_mismatch
@@ -113,7 +113,7 @@ class Runtime:
         self.tp = [] if over else [Comm(g) for g in tp_groups(params)]
         problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
         try:
-            members, modules, names = self._plan(params)
+            members, modules, names = self._plan(params, over)
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, members, modules, names = problem or str(e), [], [], {}
         structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
@@ -184,9 +184,9 @@ class Runtime:
 
     # --- planning ----------------------------------------------------------------------------
 
-    def _plan(self, params: list[torch.Tensor]):
+    def _plan(self, params: list[torch.Tensor], over: bool):
         """Which parameters (by index) form each unit, each unit's module (or None), and a
-        name for each parameter."""
+        name for each parameter (`over` FSDP2's shards, a large one alone: `own_unit`)."""
         shard_modules = self.config.shard_modules
         if shard_modules is not None:
             unit_of, listed, names = assign_units(params, shard_modules)
@@ -205,7 +205,8 @@ class Runtime:
         # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
         # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
         group = {id(p): gi for gi, g in enumerate(self._groups) for p in g["params"]}
-        keys = [(p.dtype, p.device, group[id(p)]) for p in params]
+        keys = [i if over and own_unit(p, self.config.align) else (p.dtype, p.device, group[id(p)])
+                for i, p in enumerate(params)]  # fmt: skip
         members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
 
@@ -292,7 +293,7 @@ class Runtime:
         the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
         self.reduce_gradients()
         norm_type = float(norm_type)
-        grads = [u.grads.shard for u in self.units if u.grads.shard_bytes]
+        grads = [u.grads.shard for u in self.units if u.grads.shard_bytes and not u.grads.borrowed]
         inf, op = math.isinf(norm_type), "max" if math.isinf(norm_type) else "sum"
         # summed in float64, so that how parameters are grouped into units does not round it;
         # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
@@ -368,11 +369,12 @@ class Runtime:
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         params = grads = unsharded = 0
         for u in self.units:
-            if u.sharded:
-                params += 0 if u.orig_dtype in LOW_PRECISION else nbytes(u.shard)
+            if u.sharded or u.external:  # external: a copy of FSDP2's shards, none where they are borrowed
+                params += 0 if u.orig_dtype in LOW_PRECISION or u.borrowed else nbytes(u.shard)
             else:
                 params += u.full.nbytes
-            grads += u.grads.shard_bytes + (nbytes(u.grads.unsynced) if u.grads.unsynced is not None else 0)
+            grads += 0 if u.grads.borrowed else u.grads.shard_bytes
+            grads += nbytes(u.grads.unsynced) if u.grads.unsynced is not None else 0
             unsharded += u.transient_bytes()
         return {"parameters": params, "gradients": grads, "unsharded": unsharded}
 

@@ -120,13 +120,12 @@ class Unit:
         self.shard_dtype = shard_dtype_for(self.orig_dtype)
         self.full = FlatBuffer(layout, [local_shape(p) for p in params], comm.rank, self.compute_dtype,
                                self.device, allocate=not external)  # fmt: skip
-        self.shard = torch.zeros(layout.shard_size, dtype=self.shard_dtype, device=self.device)
-        self.grads = GradBuffers(self)
-        self.state = State.GATHERED
+        size = 0 if external else layout.shard_size  # external: FSDP2's local tensor, or a copy (`copy_in`)
+        self.shard = torch.zeros(size, dtype=self.shard_dtype, device=self.device)
+        self.grads, self.state, self.borrowed = GradBuffers(self), State.GATHERED, False
         self.dtensors = [is_dtensor(p) for p in params]
-        if external:  # the shard: a copy of the parameters' local tensors (`copy_in`, each step);
-            copy_in(self)  # `.grad` stays FSDP2's, so no placeholders
-            return
+        if external:  # `.grad` stays FSDP2's, so no placeholders
+            return copy_in(self)
         if not self._meta:
             self._take_initial_values(sync_params)
         if not sharded and self.shard_dtype == self.compute_dtype and self.gather_codec is None:
@@ -410,8 +409,7 @@ class Unit:
     # --- accounting ------------------------------------------------------------------
 
     def transient_bytes(self) -> int:
-        """Unsharded buffers alive now (sharded parameters while gathered, gradients, and
-        the gradients being reduce-scattered)."""
+        """Unsharded buffers alive now (sharded parameters while gathered, gradients being reduced)."""
         return (self.full.nbytes if self.sharded else 0) + self.grads.transient_bytes()
 
     def __repr__(self) -> str:

@@ -99,9 +99,27 @@ class WrappedGrads:
         """This rank's pieces of every `.grad` into the gradient shards (a copy, no communication);
         a parameter steps iff it has a gradient, as in torch."""
         for u in self.units:
-            for i, has in enumerate(u.grads.take_averaged()):
+            for i, has in enumerate(self.take_unit(u)):
                 self.tracker.mark(u.params[i], has)
         self.tracker.reattach(grads=False)
+
+    def take_unit(self, u) -> list[bool]:
+        """Each parameter's `.grad` of unit `u`, the wrapper's mean, gives this rank's piece of the
+        gradient shard (a copy; `.grad` stays the wrapper's). Per parameter, whether it has one."""
+        shard, has = u.grads.own_shard(gaps_only=True), []
+        for i, p in enumerate(u.params):
+            g = local(p.grad)
+            has.append(g is not None)
+            start, stop = u.full.local_range(i)
+            if stop <= start:
+                continue
+            if g is None:
+                shard[start:stop].zero_()
+            else:
+                lo, hi = u.full.tensor_range(i)
+                shard[start:stop].copy_(g.reshape(-1)[lo:hi])
+        u.grads.has_values = True
+        return has
 
     def grads(self) -> Iterator[torch.Tensor]:
         """The wrapper's gradients, local tensors (clipping scales them too, as torch's leaves them)."""
