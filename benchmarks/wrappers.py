@@ -40,6 +40,7 @@ apart (here by ~1e-5 with AdamW, a few 1e-3 with Muon) while training alike.
     python benchmarks/wrappers.py                    # W = 2 and 4, a 21 M GPT (~1 min on 2 CPU cores)
     python benchmarks/wrappers.py --quick            # tiny model, W = 2, 2 rounds
     python benchmarks/wrappers.py --world-sizes 2 4 8 --rounds 9
+    python benchmarks/wrappers.py --sections fsdp2 --world-sizes 2   # one comparison only
 """
 
 from __future__ import annotations
@@ -467,7 +468,8 @@ FSDP2_NOTE = (
     "with CUDA streams): all inside the timed step, so a CPU step ratio is not what a GPU shows. "
     "`peak MB`: on the rank that holds most, the bytes held as the step starts (FSDP2's parameter and "
     "gradient shards, alike on both sides, and every persistent tensor of the optimizer's: ours "
-    "`memory_stats()`, which counts its copy of the local shards; the peer's state and whole matrices) "
+    "`memory_stats()`, which counts its copies of the local shards it does not use in place (a large "
+    "shard's unit updates FSDP2's memory itself); the peer's state and whole matrices) "
     "plus the most the step allocates above that (the profiler's memory events; goal `peak x` <= "
     f"{PEAK_GOAL}). `state x`: ours' optimizer state on its busiest rank over the peer's (goal "
     f"{STATE_SLACK}/W). "
@@ -496,6 +498,8 @@ def fsdp2_section(worlds: list[int], shape: dict, warmup: int, rounds: int) -> d
 
 # ====================================================================== main
 
+SECTIONS = {"ddp": ddp_section, "fsdp2": fsdp2_section}
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -503,6 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds (median over these)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny model, W = 2, 2 rounds")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="which comparisons to run (default: both)")  # fmt: skip
     args = ap.parse_args(argv)
     shape = QUICK if args.quick else FULL
     if args.quick:
@@ -511,10 +517,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     out: dict = dict(world_sizes=args.world_sizes, shape=shape, warmup=args.warmup, rounds=args.rounds)
     out.update(adamw=ADAMW, muon=MUON, muon_adamw=MUON_ADAMW)
-    out["ddp"] = ddp_section(args.world_sizes, shape, args.warmup, args.rounds)
-    out["fsdp2"] = fsdp2_section(args.world_sizes, shape, args.warmup, args.rounds)
-    out["goals"] = {**out["ddp"]["goals"], **out["fsdp2"]["goals"]}
-    out["env"] = environment(out["ddp"]["threads"][args.world_sizes[-1]])
+    for name in args.sections:
+        out[name] = SECTIONS[name](args.world_sizes, shape, args.warmup, args.rounds)
+    out["goals"] = {k: v for name in args.sections for k, v in out[name]["goals"].items()}
+    out["env"] = environment(out[args.sections[0]]["threads"][args.world_sizes[-1]])
     path = save_json("wrappers_quick" if args.quick else "wrappers", out)
     print(f"total {time.perf_counter() - t0:.0f} s; wrote {path}", file=sys.stderr)
     return out
