@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.newton_schulz import newton_schulz
 from ..owners.balance import assign_owners
 from ..units.fsdp_shards import WholeMoves
 from ..units.segment import Segment
-from ._muon_math import matrix_view, ns_flops, ns_steps_of, orthogonalize_
+from ..units.tensor_parallel import local_shape
+from ._muon_math import adjusted_lr, matrix_view, ns_flops, ns_steps_of
 from ._muon_plan import CostModel, MuonPlan
 
 
@@ -62,18 +64,16 @@ class FsdpMuon:
 
     def run(self, updates: dict[int, torch.Tensor], muon) -> None:
         """This step's updates (segment position -> flat `U` of its local pieces) orthogonalized
-        whole by their owners and applied (`muon._apply`); counts the owner's work in its stats."""
+        whole by their owners and applied to the local pieces; counts the owner's work in its stats."""
         pieces = []
         for s, i in self.where:
             seg, update = self.segs[s], updates.get(s)
             lo, hi = seg.local_range(i)
-            shape = tuple(seg.params[i].to_local().shape)
+            shape = local_shape(seg.params[i])
             pieces.append(update[lo:hi].view(shape) if update is not None else None)
         like = next(p for p in pieces if p is not None)
-        pieces = [
-            p if p is not None else like.new_zeros(tuple(self.segs[s].params[i].to_local().shape))
-            for p, (s, i) in zip(pieces, self.where)
-        ]
+        pieces = [p if p is not None else like.new_zeros(local_shape(self.segs[s].params[i]))
+                  for p, (s, i) in zip(pieces, self.where)]  # fmt: skip
         wholes = self.moves.gather(pieces, "Muon's updates to their owners")
         for k, whole in wholes.items():
             s, i = self.where[k]
@@ -82,16 +82,19 @@ class FsdpMuon:
                 continue
             count, rows, cols = self.views[k]
             group, steps = seg.group, ns_steps_of(seg.group)
-            matrices = list(whole.view(count, rows, cols).unbind(0))
-            orthogonalize_(matrices, steps, group["ns_coefficients"], group["eps"], muon.ns_backend)
+            matrices = whole.view(count, rows, cols) if count > 1 else whole.view(rows, cols)
+            out = newton_schulz(matrices, steps, group["ns_coefficients"], group["eps"], muon.ns_backend)
+            wholes[k] = out.reshape(whole.shape)  # (the result, not copied back: the pieces go from it)
             muon.orthogonalized += count
             muon.step_stats["ns_matrices"] += count
             muon.step_stats["ns_flops"] += count * ns_flops(rows, cols, steps)
-        back, starts = self.moves.scatter_flat(wholes, like, "Muon's orthogonalized pieces back")
-        for s, update in updates.items():  # each piece applied from where it arrived (no copy)
-            seg, returned = self.segs[s], []
-            for k, (t, i) in enumerate(self.where):
-                lo, hi = seg.local_range(i)
-                if t == s and starts[k] is not None and hi > lo:
-                    returned.append((lo, starts[k], hi - lo))
-            muon._apply(seg, update, back, sorted(returned))
+        back = self.moves.scatter(wholes, like, "Muon's orthogonalized pieces back")
+        for k, (s, i) in enumerate(self.where):
+            seg, (lo, hi) = self.segs[s], self.segs[s].local_range(i)
+            if s not in updates or not seg.active[i] or back[k] is None or hi <= lo:
+                continue
+            g, lr = seg.group, float(seg.group["lr"])
+            alr = adjusted_lr(lr, g["adjust_lr_fn"], *self.views[k][1:])
+            # torch.optim.Muon's two in-place steps, on this rank's piece (FSDP2's memory where borrowed)
+            piece = seg.local_params[lo:hi].view(back[k].shape)
+            piece.mul_(1 - lr * g["weight_decay"]).add_(back[k], alpha=-alr)

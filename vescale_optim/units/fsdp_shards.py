@@ -196,16 +196,24 @@ class WholeMoves:
 
     def _count(self, plan: list[list[int]], theirs: bool) -> list[int]:
         """Elements per rank of `plan` (tensor indices per rank): of that rank's boxes (`theirs`)
-        or of this rank's."""
+        or of this rank's; none to this rank itself (its own pieces are copied, not sent)."""
         me = self.comm.rank
-        return [sum(self.boxes[k][r if theirs else me].numel for k in ks) for r, ks in enumerate(plan)]
+        return [0 if r == me else sum(self.boxes[k][r if theirs else me].numel for k in ks)
+                for r, ks in enumerate(plan)]  # fmt: skip
+
+    def _packed(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """`parts` (any strides) one after another in one flat tensor: each copied once."""
+        out, at = like.new_empty(sum(t.numel() for t in parts)), 0
+        for t in parts:
+            out[at : at + t.numel()].view(t.shape).copy_(t)
+            at += t.numel()
+        return out
 
     def gather(self, pieces: Sequence[torch.Tensor], what: str) -> dict[int, torch.Tensor]:
         """`pieces[k]`: this rank's piece of tensor k (its local shape). The whole tensors this rank
         owns, by k."""
-        like = pieces[0]
-        send = [pieces[k].reshape(-1) for ks in self.gather_out for k in ks]
-        inp = torch.cat(send) if send else like.new_empty(0)
+        like, me = pieces[0], self.comm.rank
+        inp = self._packed([pieces[k] for r, ks in enumerate(self.gather_out) if r != me for k in ks], like)
         in_splits, out_splits = self._count(self.gather_out, False), self._count(self.gather_in, True)
         out = like.new_empty(sum(out_splits))
         self._exchange(out, inp, out_splits, in_splits, what)
@@ -214,35 +222,28 @@ class WholeMoves:
         for r, ks in enumerate(self.gather_in):
             for k in ks:
                 box = self.boxes[k][r]
-                box.of(wholes[k]).copy_(out[at : at + box.numel].view(box.sizes))
-                at += box.numel
+                box.of(wholes[k]).copy_(pieces[k] if r == me else out[at : at + box.numel].view(box.sizes))
+                at += 0 if r == me else box.numel
         return wholes
 
     def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str) -> list:
         """Each rank's piece of the whole tensors (`wholes`, by k, on their owners) back: per
-        tensor k, this rank's piece in its local shape (None where it holds none)."""
-        out, at = self.scatter_flat(wholes, like, what)
+        tensor k, this rank's piece in its local shape (None where it holds none; a view of
+        `wholes[k]` where this rank owns k)."""
         me = self.comm.rank
-        return [None if a is None else out[a : a + self.boxes[k][me].numel].view(self.boxes[k][me].sizes)
-                for k, a in enumerate(at)]  # fmt: skip
-
-    def scatter_flat(self, wholes: dict[int, torch.Tensor], like: torch.Tensor,
-                     what: str) -> tuple[torch.Tensor, list[int | None]]:  # fmt: skip
-        """`scatter`'s pieces as they arrived: one flat tensor, and per tensor k where its
-        piece starts in it (None where this rank holds none)."""
         ranks = enumerate(self.scatter_out)
-        send = [self.boxes[k][r].of(wholes[k]).reshape(-1) for r, ks in ranks for k in ks]
-        inp = torch.cat(send) if send else like.new_empty(0)
+        inp = self._packed([self.boxes[k][r].of(wholes[k]) for r, ks in ranks if r != me for k in ks], like)
         in_splits, out_splits = self._count(self.scatter_out, True), self._count(self.scatter_in, False)
         out = like.new_empty(sum(out_splits))
         self._exchange(out, inp, out_splits, in_splits, what)
-        starts: list[int | None] = [None] * len(self.params)
-        at, me = 0, self.comm.rank
-        for ks in self.scatter_in:
+        pieces: list[torch.Tensor | None] = [None] * len(self.params)
+        at = 0
+        for r, ks in enumerate(self.scatter_in):
             for k in ks:
-                starts[k] = at
-                at += self.boxes[k][me].numel
-        return out, starts
+                box = self.boxes[k][me]
+                pieces[k] = box.of(wholes[k]) if r == me else out[at : at + box.numel].view(box.sizes)
+                at += 0 if r == me else box.numel
+        return pieces
 
 
 OWN_UNIT_NUMEL = 1 << 16  # a local shard this large gets a unit of its own, the shard its memory
