@@ -8,8 +8,11 @@ more: its units lay out each parameter's local tensor over this rank alone, its 
 beside them, element-wise math runs on them, and math that needs a whole matrix (Muon) brings
 each matrix to one balanced owner in the world of the DTensors' mesh and sends every rank its
 piece back (`WholeMoves`). FSDP2 owns the parameters' memory (its all-gathers read it), so a
-unit never re-points it: it copies the local shards in before an update and back after it
-(`Unit(external=True)`), and reads `.grad` as FSDP2 left it (`FsdpGrads`).
+unit never re-points it (`Unit(external=True)`): a large local shard gets a unit of its own whose
+shard is that memory and whose gradient shard is FSDP2's local gradient (`own_unit`, `copy_in`,
+`FsdpGrads.take_unit`: the update writes FSDP2's parameter in place, nothing is copied); the
+other units copy their local shards in before an update and back after it, and their gradients
+from `.grad` as FSDP2 left it.
 
 The optimizer takes this part when its parameters are DTensors and it is given no `mesh=` or
 `process_group=` (those say that the library itself is the data-parallel layer, over the
