@@ -380,13 +380,13 @@ def test_what_cannot_work_over_fsdp2_is_refused_by_name(world, case, words):
         assert words in message, message
 
 
-def _written_between_steps(kind: str, ours: bool):
-    """`STEPS` clipped steps over FSDP2 W=2, the embedding halved in place between steps 1 and 2
-    (as a loaded model state dict writes FSDP2's memory): the whole parameters, per step whether
-    the step left FSDP2's (clipped) gradients as they were, and ours' `memory_stats()` after each
-    step (its gradients not yet zeroed) with FSDP2's local parameters."""
-    model, dp_rank = _wrapped("1-D W=2")
-    opt = _optimizer(kind, model, ours)
+def _written_between_steps(kind: str, ours: bool, layout: str, **kwargs):
+    """`STEPS` clipped steps, the embedding halved in place between steps 1 and 2 (as a loaded
+    model state dict writes FSDP2's memory): the whole parameters, per step whether the step left
+    FSDP2's (clipped) gradients as they were, and ours' `memory_stats()` after each step (its
+    gradients not yet zeroed) with FSDP2's local parameters."""
+    model, dp_rank = _wrapped(layout)
+    opt = _optimizer(kind, model, ours, **(kwargs if ours else {}))
     untouched, stats = [], []
     for t in range(STEPS):
         if t == 2:
@@ -404,33 +404,40 @@ def _written_between_steps(kind: str, ours: bool):
     return _full(model), untouched, stats, local
 
 
-def _borrowing(kind: str, own: int):
-    """Ours with every FSDP2 local shard of `own` elements or more in a unit of its own
+def _borrowing(kind: str, layout: str, own: int, align: int):
+    """Ours with every parameter of `own` elements or more per mesh rank in a unit of its own
     (`fsdp_shards.OWN_UNIT_NUMEL`), and torch's run (`_written_between_steps`)."""
     from vescale_optim.units import fsdp_shards
 
     kept, fsdp_shards.OWN_UNIT_NUMEL = fsdp_shards.OWN_UNIT_NUMEL, own
     try:
-        return _written_between_steps(kind, True), _written_between_steps(kind, False)
+        ours = _written_between_steps(kind, True, layout, align=align)
+        return ours, _written_between_steps(kind, False, layout)
     finally:
         fsdp_shards.OWN_UNIT_NUMEL = kept
 
 
-@pytest.mark.parametrize("own", [1, 1 << 30])
+@pytest.mark.parametrize(
+    "layout, own, align",
+    [("1-D W=2", 1, 16), ("1-D W=2", 1 << 30, 16), ("1-D W=3", 1, 32)],
+    ids=["W=2 own units", "W=2 buckets", "W=3 borrowed on some ranks"],
+)
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
-def test_large_fsdp2_shards_are_updated_in_fsdp2s_memory(world, kind, own):
-    """A local shard in a unit of its own is FSDP2's memory itself (no copy of the parameter, none
-    of its gradient): trains as torch does, takes a value written between steps, leaves FSDP2's
-    gradients as they were, and `memory_stats()` counts the copies the optimizer does keep (of the
-    shards too small to be borrowed, here those whose length the alignment of 16 would pad)."""
-    for (got, untouched, stats, local), (want, _, _, _) in world(2).run(_borrowing, kind, own, timeout=120):
+def test_large_fsdp2_shards_are_updated_in_fsdp2s_memory(world, kind, layout, own, align):
+    """A parameter large enough gets a unit of its own (the same units on every rank), whose shard
+    is FSDP2's memory itself where the local tensor needs no padding (no copy of the parameter,
+    none of its gradient): trains as torch does, takes a value written between steps, leaves
+    FSDP2's gradients as they were, and `memory_stats()` counts the copies the optimizer does keep
+    (here of the local tensors whose length `align` would pad: at W=3 with align 32 the embedding
+    on rank 0 only, FSDP2's uneven rows)."""
+    results = world(LAYOUTS[layout][0]).run(_borrowing, kind, layout, own, align, timeout=120)
+    for (got, untouched, stats, local), (want, _, _, _) in results:
         _assert_close(got, want, TOL[kind])
         assert all(untouched)
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        everything = nbytes(local)
-        copied = nbytes(t for t in local if own > 1 << 20 or t.numel() % 16)
-        for s in stats:  # (at most 16 elements of alignment padding per parameter on top)
-            assert copied <= s["parameters"] < copied + 4 * 16 * len(local), (s, copied)
-            assert copied <= s["gradients"] < copied + 4 * 16 * len(local), (s, copied)
+        copied = nbytes(t for t in local if own > 1 << 20 or t.numel() % align)
+        for s in stats:  # (at most `align` elements of padding per parameter on top)
+            assert copied <= s["parameters"] < copied + 4 * align * len(local), (s, copied)
+            assert copied <= s["gradients"] < copied + 4 * align * len(local), (s, copied)
         if own == 1:
-            assert copied < everything / 2
+            assert copied < nbytes(local) / 2

@@ -252,14 +252,15 @@ class WholeMoves:
 OWN_UNIT_NUMEL = 1 << 16  # a local shard this large gets a unit of its own, the shard its memory
 
 
-def own_unit(p: torch.Tensor, align: int) -> bool:
-    """Whether FSDP2's parameter `p` gets a unit of its own whose shard is its local tensor
-    (`copy_in`): one that needs no fp32 master, contiguous, of a length the layout's alignment
-    leaves unpadded, and large enough that three passes over it (a copy in, a copy out, a copy
-    of the gradient) cost more than a unit's own fixed work (a call per segment and step)."""
-    value = local(p)
-    return (p.dtype not in (torch.bfloat16, torch.float16) and value.is_contiguous()
-            and value.numel() >= OWN_UNIT_NUMEL and value.numel() % align == 0)  # fmt: skip
+def own_unit(p: torch.Tensor) -> bool:
+    """Whether FSDP2's parameter `p` gets a unit of its own, whose shard is then its local tensor
+    wherever that can be (`copy_in`; a padded or strided one is still copied): one that needs no
+    fp32 master, with local shards large enough (`OWN_UNIT_NUMEL` elements a mesh rank on
+    average) that three passes over them (a copy in, a copy out, a copy of the gradient) cost
+    more than a unit's own fixed work (a call per segment and step). Decided from the global
+    shape and mesh, so that every rank plans the same units (FSDP2's uneven chunks differ)."""
+    return (is_dtensor(p) and p.dtype not in (torch.bfloat16, torch.float16)
+            and p.numel() >= OWN_UNIT_NUMEL * p.device_mesh.size())  # fmt: skip
 
 
 def flat_alias(t: torch.Tensor | None, dtype: torch.dtype, numel: int, device: torch.device):

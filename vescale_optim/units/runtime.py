@@ -205,7 +205,7 @@ class Runtime:
         # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
         # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
         group = {id(p): gi for gi, g in enumerate(self._groups) for p in g["params"]}
-        keys = [i if over and own_unit(p, self.config.align) else (p.dtype, p.device, group[id(p)])
+        keys = [i if over and own_unit(p) else (p.dtype, p.device, group[id(p)])
                 for i, p in enumerate(params)]  # fmt: skip
         members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
