@@ -12,6 +12,8 @@ Muon do on FSDP2's DTensors, but every matrix computed once and the work balance
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..kernels.newton_schulz import newton_schulz
@@ -62,9 +64,11 @@ class FsdpMuon:
             cost_model,
         )
 
-    def run(self, updates: dict[int, torch.Tensor], muon) -> None:
+    def run(self, updates: dict[int, torch.Tensor], muon, meanwhile: Callable[[], None]) -> None:
         """This step's updates (segment position -> flat `U` of its local pieces) orthogonalized
-        whole by their owners and applied to the local pieces; counts the owner's work in its stats."""
+        whole by their owners and applied to the local pieces; counts the owner's work in its stats.
+        `meanwhile()` (work of the step's own, AdamW's) runs while the updates travel to the owners,
+        and the pieces of the matrices this rank owns are applied while the others travel back."""
         pieces = []
         for s, i in self.where:
             seg, update = self.segs[s], updates.get(s)
@@ -74,7 +78,7 @@ class FsdpMuon:
         like = next(p for p in pieces if p is not None)
         pieces = [p if p is not None else like.new_zeros(local_shape(self.segs[s].params[i]))
                   for p, (s, i) in zip(pieces, self.where)]  # fmt: skip
-        wholes = self.moves.gather(pieces, "Muon's updates to their owners")
+        wholes = self.moves.gather(pieces, "Muon's updates to their owners", meanwhile)
         for k, whole in wholes.items():
             s, i = self.where[k]
             seg = self.segs[s]
@@ -88,13 +92,19 @@ class FsdpMuon:
             muon.orthogonalized += count
             muon.step_stats["ns_matrices"] += count
             muon.step_stats["ns_flops"] += count * ns_flops(rows, cols, steps)
-        back = self.moves.scatter(wholes, like, "Muon's orthogonalized pieces back")
+        me, applied = self.world.rank, lambda own: self._apply(updates, own)  # (own pieces, meanwhile)
+        back = self.moves.scatter(wholes, like, "Muon's orthogonalized pieces back", applied)
+        self._apply(updates, [None if o == me else b for o, b in zip(self.moves.owners, back)])
+
+    def _apply(self, updates: dict[int, torch.Tensor], back: list[torch.Tensor | None]) -> None:
+        """The orthogonalized pieces `back` (by matrix; None: not now) applied to this rank's pieces
+        of the stepping parameters with torch.optim.Muon's two in-place steps (FSDP2's memory
+        itself where the unit borrows it)."""
         for k, (s, i) in enumerate(self.where):
             seg, (lo, hi) = self.segs[s], self.segs[s].local_range(i)
             if s not in updates or not seg.active[i] or back[k] is None or hi <= lo:
                 continue
             g, lr = seg.group, float(seg.group["lr"])
             alr = adjusted_lr(lr, g["adjust_lr_fn"], *self.views[k][1:])
-            # torch.optim.Muon's two in-place steps, on this rank's piece (FSDP2's memory where borrowed)
             piece = seg.local_params[lo:hi].view(back[k].shape)
             piece.mul_(1 - lr * g["weight_decay"]).add_(back[k], alpha=-alr)

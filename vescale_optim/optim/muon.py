@@ -240,13 +240,14 @@ class Muon(ShardedOptimizer):
 
     def _before_update(self) -> None:
         self.orthogonalized = 0
-        self._updates = {}
+        self._updates, self._later = {}, []  # (`_later`: AdamW's segments, over FSDP2)
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> None:
         """Momentum on the local slice; the update waits for `_step_phase` (AdamW groups step now)."""
-        if id(seg) not in self._work:
-            adamw_segment_step(seg, grads)
-            return None
+        if id(seg) not in self._work:  # over FSDP2: later, while Muon's updates travel (`_step_phase`)
+            if self._over_fsdp is not None:
+                return self._later.append((seg, grads))
+            return adamw_segment_step(seg, grads)
         g, buf = seg.group, seg.moment("momentum_buffer")
         runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
         update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
@@ -260,10 +261,14 @@ class Muon(ShardedOptimizer):
         matrices to their owners (those held whole are orthogonalized and applied now)."""
         updates, self._updates = self._updates, {}
         if self._over_fsdp is not None:
+            later, self._later = self._later, []
+            adamw = lambda: [adamw_segment_step(seg, grads) for seg, grads in later]  # noqa: E731
             if updates:
                 before = list(self._over_fsdp.moves.traffic)
-                self._over_fsdp.run(updates, self)
+                self._over_fsdp.run(updates, self, adamw)
                 self._traffic(*(now - was for now, was in zip(self._over_fsdp.moves.traffic, before)))
+            else:
+                adamw()
             return []
         if self._split is not None and updates:
             self._run_split(updates)

@@ -25,7 +25,7 @@ path (`shard_modules=`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -189,13 +189,13 @@ class WholeMoves:
         self.scatter_out = [[k for k in self.mine if self.boxes[k][r].numel] for r in range(world)]
         self.traffic = [0, 0]  # bytes sent to and received from other ranks
 
-    def _exchange(
-        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str
-    ):
-        all_to_all_v_(out, inp, out_splits, in_splits, self.comm, what=what)
+    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                  what: str) -> Handle:  # fmt: skip
+        """The all-to-all, issued (the caller waits for the handle); its bytes counted."""
         me, size = self.comm.rank, inp.element_size()
         self.traffic[0] += size * (sum(in_splits) - in_splits[me])
         self.traffic[1] += size * (sum(out_splits) - out_splits[me])
+        return all_to_all_v_(out, inp, out_splits, in_splits, self.comm, async_op=True, what=what)
 
     def _count(self, plan: list[list[int]], theirs: bool) -> list[int]:
         """Elements per rank of `plan` (tensor indices per rank): of that rank's boxes (`theirs`)
@@ -212,40 +212,51 @@ class WholeMoves:
             at += t.numel()
         return out
 
-    def gather(self, pieces: Sequence[torch.Tensor], what: str) -> dict[int, torch.Tensor]:
+    def gather(self, pieces: Sequence[torch.Tensor], what: str,
+               meanwhile: Callable[[], None] = lambda: None) -> dict[int, torch.Tensor]:  # fmt: skip
         """`pieces[k]`: this rank's piece of tensor k (its local shape). The whole tensors this rank
-        owns, by k."""
+        owns, by k; `meanwhile()` runs while the other ranks' pieces travel (after this rank's own
+        are in place)."""
         like, me = pieces[0], self.comm.rank
         inp = self._packed([pieces[k] for r, ks in enumerate(self.gather_out) if r != me for k in ks], like)
         in_splits, out_splits = self._count(self.gather_out, False), self._count(self.gather_in, True)
         out = like.new_empty(sum(out_splits))
-        self._exchange(out, inp, out_splits, in_splits, what)
+        handle = self._exchange(out, inp, out_splits, in_splits, what)
         wholes = {k: like.new_empty(tuple(self.params[k].shape)) for k in self.mine}
+        for k in self.gather_in[me]:
+            self.boxes[k][me].of(wholes[k]).copy_(pieces[k])
+        meanwhile()
+        handle.wait()
         at = 0
         for r, ks in enumerate(self.gather_in):
-            for k in ks:
+            for k in ks if r != me else ():
                 box = self.boxes[k][r]
-                box.of(wholes[k]).copy_(pieces[k] if r == me else out[at : at + box.numel].view(box.sizes))
-                at += 0 if r == me else box.numel
+                box.of(wholes[k]).copy_(out[at : at + box.numel].view(box.sizes))
+                at += box.numel
         return wholes
 
-    def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str) -> list:
+    def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str,
+                meanwhile: Callable[[list], None] = lambda pieces: None) -> list:  # fmt: skip
         """Each rank's piece of the whole tensors (`wholes`, by k, on their owners) back: per
         tensor k, this rank's piece in its local shape (None where it holds none; a view of
-        `wholes[k]` where this rank owns k)."""
+        `wholes[k]` where this rank owns k). `meanwhile(pieces)` runs while the other owners'
+        pieces travel, with this rank's own pieces only (the others still None)."""
         me = self.comm.rank
         ranks = enumerate(self.scatter_out)
         inp = self._packed([self.boxes[k][r].of(wholes[k]) for r, ks in ranks if r != me for k in ks], like)
         in_splits, out_splits = self._count(self.scatter_out, True), self._count(self.scatter_in, False)
         out = like.new_empty(sum(out_splits))
-        self._exchange(out, inp, out_splits, in_splits, what)
+        handle = self._exchange(out, inp, out_splits, in_splits, what)
         pieces: list[torch.Tensor | None] = [None] * len(self.params)
+        for k in self.scatter_in[me]:
+            pieces[k] = self.boxes[k][me].of(wholes[k])
+        meanwhile(list(pieces))
+        handle.wait()
         at = 0
         for r, ks in enumerate(self.scatter_in):
-            for k in ks:
-                box = self.boxes[k][me]
-                pieces[k] = box.of(wholes[k]) if r == me else out[at : at + box.numel].view(box.sizes)
-                at += 0 if r == me else box.numel
+            for k in ks if r != me else ():
+                pieces[k] = out[at : at + self.boxes[k][me].numel].view(self.boxes[k][me].sizes)
+                at += self.boxes[k][me].numel
         return pieces
 
 
