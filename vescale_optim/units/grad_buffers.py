@@ -229,7 +229,7 @@ class GradBuffers:
                 add = part is None and self.has_values
                 target = self.shard if part is None else part  # allocated on the compute stream
                 with u.streams.reducing():
-                    scatter = reduce_scatter_into_(data, target, u.comm, "mean", add, True, what)
+                    scatter = reduce_scatter_into_(data, target, u.reduce_comm, "mean", add, True, what)
             if part is None:
                 self.has_values = True
                 across = None
@@ -257,7 +257,7 @@ class GradBuffers:
         self.sent_bytes += ring(world, send.shape[1])
         add = accumulate and self.has_values
         with u.streams.reducing():
-            moved = all_to_all_(recv, send, u.comm, async_op=True, what=what)
+            moved = all_to_all_(recv, send, u.reduce_comm, async_op=True, what=what)
 
         def mean() -> None:
             total = codec.unpack_sum(recv).div_(world)  # the rows summed in order
@@ -286,7 +286,8 @@ class GradBuffers:
     def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
         u = self.unit
         self.sent_bytes += ring(u.replicate.world_size, part.numel() * part.element_size(), 2)
-        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]"), u.streams.reducing():
+        profiled = torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]")
+        with profiled, u.streams.across_replicas():
             handle = all_reduce_(part, u.replicate, "mean", async_op=True,
                                  what=f"unit {u.name}'s gradients over replicas")  # fmt: skip
 
