@@ -83,6 +83,7 @@ class GradBuffers:
         self.placeholders: list[ReducedGrad] = []  # each `.grad` once reduced (`make_placeholders`)
         self.plain = False  # one process, shard in the parameters' dtype: `.grad` is a view of the shard
         self._reduction: _Reduction | None = None  # the reduction writing `shard`, until waited
+        self._home = None  # CUDA: the stream its buffers belong to (current at issue), which waits for it
         self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's reductions so far (as many received)
 
@@ -202,6 +203,7 @@ class GradBuffers:
         other ranks accumulated, averaged), so `.grad` is the same on every rank."""
         u = self.unit
         self.wait()  # one reduction of a unit at a time (already done in a normal backward)
+        self._home = u.streams.current()
         if not self.has_full:
             self.full.allocate(zero=True)
         # over ranks every trainable parameter of the unit gets its reduced gradient, so that
@@ -312,6 +314,7 @@ class GradBuffers:
         if self.unsynced is None:
             return Handle()
         part, self.unsynced = self.unsynced.to(self.unit.reduce_dtype), None
+        self._home = self.unit.streams.current()
         self._reduction = _Reduction(Handle(), lambda: self._all_reduce_replicas(part))
         return self._reduction
 
@@ -319,7 +322,8 @@ class GradBuffers:
         """Wait for the reduce-scatter in flight (its buffer is freed) and issue its
         all-reduce across replicas (without waiting for it)."""
         if self._reduction is not None:
-            self._reduction.advance()
+            with self.unit.streams.waited_from(self._home):
+                self._reduction.advance()
 
     @property
     def reducing_over_replicas(self) -> bool:
@@ -327,10 +331,13 @@ class GradBuffers:
         return self._reduction is not None and self._reduction.second_issued
 
     def wait(self) -> None:
-        """Until `shard` holds every reduction issued so far (on CUDA: the current stream)."""
+        """Until `shard` holds every reduction issued so far (on CUDA: the current stream,
+        and the stream the reduction's buffers belong to before they are freed, when the two
+        differ: a `.grad` read under a user's stream, `Streams.waited_from`)."""
         if self._reduction is not None:
             reduction, self._reduction = self._reduction, None
-            reduction.wait()
+            with self.unit.streams.waited_from(self._home):
+                reduction.wait()
 
     # --- the shard ------------------------------------------------------------------------------
 

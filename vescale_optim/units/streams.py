@@ -24,7 +24,8 @@ the compute stream has waited for that collective, so the caching allocator can 
 block to later compute-stream work only. Staging a collective allocates inside its
 context (a side stream's block) is freed after the compute stream waited, and each side
 stream waits for the compute stream before its next collective, so such a block is
-reused only after its collective finished.
+reused only after its collective finished. A wait from another stream (a user's stream
+reading `.grad`) goes through `waited_from`, which keeps that rule.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ class Streams:
     def across_replicas(self) -> contextlib.AbstractContextManager[None]:
         """Issue a reduction's all-reduce across replicas (its reduce-scatter was waited for)."""
         return self._on(self.replicas) if self.cuda else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def waited_from(self, home) -> Iterator[None]:
+        """Wait inside for collectives whose buffers were allocated on the stream `home` (the
+        compute stream; None: nothing to keep in order), from whichever stream is current.
+
+        Waiting orders the current stream after the collective, and what the wait then
+        frees goes back to the allocator as `home`'s block, for `home`'s next work. From a
+        stream other than `home` (a `.grad` read under the user's own stream) that would
+        hand `home` memory a collective may still read or write: so the waits run with
+        `home` current (it waits for the collectives, and the frees follow in its order),
+        and the reading stream then waits for `home` before it reads what they wrote."""
+        reading = self.current() if self.cuda and home is not None else None
+        if reading is None or reading == home:
+            yield
+            return
+        with self.use(home):
+            yield
+        reading.wait_stream(home)
 
 
 _STREAMS: dict[torch.device, Streams] = {}
