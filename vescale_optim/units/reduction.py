@@ -3,8 +3,9 @@
 A unit's reduction has two steps (its `GradBuffers`): the reduce-scatter over the shard
 group, then (HSDP) the all-reduce of the shard across replicas, issued once the first is
 waited for. In backward one reduce-scatter is in flight at a time: before the next
-collective of backward is issued, the one in flight is waited for (its unreduced buffer
-freed) and its all-reduce across replicas started, to run on while backward goes on.
+reduce-scatter is issued, the one in flight is waited for (its unreduced buffer freed) and
+its all-reduce across replicas started, to run on while backward goes on. Gathers do not
+wait for it (the schedule's prefetch runs beside it).
 `drain()` is the step's end of the same pipeline: the units some rank still holds
 unreduced gradients for are reduced together, then every all-reduce across replicas is
 issued and every reduction waited for, so the step finds complete shards.

@@ -38,6 +38,7 @@ from .ownership import claim, owned_elsewhere
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
+from .streams import reduction_comm
 from .tensor_parallel import (
     any_over_tp,
     dtensor_problem,
@@ -127,6 +128,7 @@ class Runtime:
         index = {id(p): i for i, p in enumerate(params)}
         self.units: list[Unit] = []
         self.segments: list[Segment] = []
+        reduce_comm = self.comm if over else reduction_comm(self.comm)  # on NCCL a communicator of its own
         for k, (idx, module) in enumerate(zip(members, modules)):
             ps = [params[i] for i in idx]
             declared = [declare(p, group_of[id(p)]) for p in ps]
@@ -142,7 +144,7 @@ class Runtime:
                 device=config.device, sync_params=config.sync_params, replicate=self.replicate,
                 world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
                 gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
-                external=over,
+                external=over, reduce_comm=reduce_comm,
             )  # fmt: skip
             self.units.append(unit)
             for key in dict.fromkeys(keys):

@@ -14,13 +14,15 @@ polls completion; a wait is an order, on CUDA a stream waiting for another):
   trigger reduce-scatter as soon as their own gradients are complete, in the fixed order
   `static_order.StaticOrder` learns in the first backward;
 - reductions: one reduce-scatter in flight at a time (`reduction.ReductionPipeline`):
-  before the next reduce-scatter or gather of backward is issued, the one in flight is
-  waited for (its buffer freed) and its all-reduce across replicas (HSDP) issued. So at
-  most three unit-sized buffers are alive in backward: the parameters and gradient buffer
-  of the unit computing, and either the gradient buffer being reduced or the parameters
-  prefetched. Without backward prefetch a unit gathers when its backward starts, and
-  allocates its gradient buffer only once the reduce-scatter in flight has freed its
-  own: two unit-sized buffers at most.
+  before the next reduce-scatter is issued, the one in flight is waited for (its buffer
+  freed) and its all-reduce across replicas (HSDP) issued. That wait is the only one the
+  memory needs; backward's prefetch gather does not wait for it (`_prefetch`), so on a GPU
+  the gather runs beside the reduce-scatter (on its own stream and, on NCCL, communicator:
+  `streams`). So at most four unit-sized buffers are alive in backward: the parameters and
+  gradient buffer of the unit computing, the parameters prefetched and the gradient buffer
+  being reduced (FSDP2's count). Without backward prefetch a unit gathers when its
+  backward starts, and allocates its gradient buffer only once the reduce-scatter in
+  flight has freed its own: two unit-sized buffers at most.
 
 Each backward frees and reduces a unit once (its *visit*, `visits.Record`): a module's unit
 when the backward of every call of one forward is done, a watched unit when its gradients are
@@ -184,7 +186,7 @@ class Schedule:
 
         def hook(p):
             if self.prefetch.accumulated(unit, p.numel()):
-                self._advance()  # the prefetch's fixed point
+                self._prefetch()  # the prefetch's fixed point
             if self.on_grad is not None:
                 self.on_grad(p)
             arrivals = self._rec(unit).arrivals
@@ -236,14 +238,14 @@ class Schedule:
         rec = self._rec(unit)
         rec.complete = False
         if self.reductions.sync_grads and rec.trainable:
-            self._advance()  # the one in flight is waited for (its buffer freed) first
+            self._prefetch()  # a deferred prefetch first: any other collective of backward issues it
+            self.reductions.advance()  # the one in flight is waited for (its buffer freed) first
             self.reductions.issue(unit)
         self._end_if_done()
 
-    def _advance(self) -> None:
-        """Wait for the reduce-scatter in flight, start its all-reduce across replicas, and
-        issue the deferred prefetch (whatever else it waits for)."""
-        self.reductions.advance()
+    def _prefetch(self) -> None:
+        """Issue the deferred prefetch, if any: without waiting for the reduce-scatter in flight
+        (only the next reduce-scatter waits for it), so the two overlap on a GPU."""
         following = self.prefetch.take()
         if following is not None:
             following.unshard(async_op=True)
@@ -251,11 +253,11 @@ class Schedule:
     def _flush_deferred(self) -> None:
         """A prefetch still deferred is issued before any other gather (it is needed sooner)."""
         if self.prefetch.deferred:
-            self._advance()
+            self._prefetch()
 
     def wait_reductions(self) -> None:
         """Wait for every reduction issued (and the all-reduces across replicas they start)."""
-        self._advance()
+        self._prefetch()
         self.reductions.wait_all()
 
     def finish(self) -> None:
@@ -367,7 +369,7 @@ class Schedule:
             self._flush_deferred()
             unit.wait_unshard()
             if self.prefetch.backward_starts(unit, rec.encloses):
-                self._advance()
+                self._prefetch()
 
     def _on_post_backward(self, unit: Unit, pass_id: int) -> None:
         """A call's backward is done: once the last call of its forward in this backward is,

@@ -65,7 +65,7 @@ class Unit:
     refreshes them, and nothing is freed. `param_dtype` is the dtype of the unsharded
     parameters (compute and all-gather); `reduce_dtype` that of the reduce-scatter.
     `labels` name the parameters in errors. `external`: FSDP2 owns the parameters' memory (`fsdp_shards`).
-    """
+    `reduce_comm`: the group over `comm`'s ranks the gradient reductions run on (`streams.reduction_comm`)."""
 
     def __init__(
         self,
@@ -88,13 +88,14 @@ class Unit:
         reduce_bits: int | None = None,
         comm_block: int = 256,
         external: bool = False,
+        reduce_comm: Comm | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
         self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
-        self.labels = list(labels) if labels is not None else [f"'{n}' (shape {tuple(p.shape)})"
-                                                               for n, p in zip(names, params)]  # fmt: skip
+        self.labels = list(labels or (f"'{n}' (shape {tuple(p.shape)})" for n, p in zip(names, params)))
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
+        self.reduce_comm = reduce_comm or comm  # `comm`'s ranks: the reductions' own communicator (`streams`)
         self.world = world or comm  # every rank: parameters start from world rank 0's
         self.index, self.name, self.sharded, self.external = index, name, sharded, external
         self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
