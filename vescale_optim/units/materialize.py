@@ -36,7 +36,8 @@ from torch import nn
 
 from ..shard.collectives import Comm, broadcast_
 from .assign import module_order
-from .tensor_parallel import is_dtensor, local, tp_slice
+from .shard_init import Attempt, NeedsWhole, ShardTarget, stand_in
+from .tensor_parallel import is_dtensor, local, tp_box, tp_slice
 from .unit import Unit
 
 
@@ -94,6 +95,20 @@ def _whole_stand_ins(module: nn.Module, device: torch.device) -> dict[str, nn.Pa
     return dtensors
 
 
+def _shard_stand_ins(module: nn.Module, fresh: set[int], attempt: Attempt,
+                     at: str) -> dict[str, nn.Parameter]:  # fmt: skip
+    """The module's DTensor parameters by name, each replaced in the module by a stand-in of
+    its global shape on the meta device whose writes reach this rank's TP shard (`shard_init`);
+    one initialised before (shared with an earlier module) only draws what it would."""
+    dtensors = {n: p for n, p in module.named_parameters(recurse=False) if is_dtensor(p)}
+    for name, p in dtensors.items():
+        whole, origin = tp_box(p)
+        shard = local(p) if id(p) in fresh else None
+        target = ShardTarget(f"{at}{name}", whole, p.dtype, origin, shard, attempt)
+        setattr(module, name, stand_in(target, p.requires_grad))
+    return dtensors
+
+
 def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.device) -> list:
     """The module's buffers `buffers` after its initialisation, as (name, tensor): one it
     replaced (`self.inv_freq = ...`, torchtitan's `freqs_cis`) is kept, moved to `device`."""
@@ -145,6 +160,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     device = units[0].device
     states = _rank0_rng_states(world or units[0].world, device)
     done: set[int] = set()  # parameters initialised so far (by id)
+    how = "param_init_fn" if custom else "reset_parameters()"
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.set_rng_state(states[0])
         if device.type == "cuda":
@@ -152,35 +168,25 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
         for module, mine, buffers in plan:
             for unit, _ in mine:
                 unit.open_empty()
-            for b in buffers:
-                setattr(module, b, torch.empty_like(getattr(module, b), device=device))
             fresh = {id(unit.params[i]) for unit, i in mine} - done
             params = dict(module.named_parameters(recurse=False))
-            dtensors = _whole_stand_ins(module, device)  # initialised whole, then sliced (docstring)
-            kept = [(p, p.detach().clone()) for n, p in params.items()
-                    if id(p) not in fresh and n not in dtensors]  # fmt: skip
-            # what the initialisation must write starts as NaN: one it skips is found below
-            blank = [(n, getattr(module, n)) for n, p in params.items() if id(p) in fresh]
-            blank += [(b, getattr(module, b)) for b in buffers]
-            for _, t in blank:
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
-            held = dict(module.named_parameters(recurse=False))
-            init(module)
-            how = "param_init_fn" if custom else "reset_parameters()"
-            _take_replaced_parameters(module, held, f"{names[id(module)]}.", how)
-            for n, p in dtensors.items():  # this rank's TP shard of a fresh one; the others untouched
-                if id(p) in fresh:
-                    local(p).copy_(tp_slice(p, held[n]))
-                setattr(module, n, p)
-            blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
+            kept = [(p, p.detach().clone()) for p in params.values()
+                    if id(p) not in fresh and not is_dtensor(p)]  # fmt: skip
+            at = f"{names[id(module)]}."
+            attempt = Attempt(device) if any(is_dtensor(p) for p in params.values()) else None
+            try:
+                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, attempt)
+            except NeedsWhole:  # rewound, then the same initialisation on whole tensors
+                for p, value in kept:
+                    p.copy_(value)
+                attempt.rewind()
+                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, None)
             for p, value in kept:
                 p.copy_(value)
-            skipped = [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]
             if skipped:
                 raise ValueError(
-                    f"{names[id(module)]}.{skipped[0]} was not initialised by {how}: it still holds NaN "
-                    "where its meta tensor got memory"
+                    f"{at}{skipped[0]} was not initialised by {how}: nothing wrote it (a tensor still "
+                    "holds NaN where its meta tensor got memory)"
                 )
             done |= fresh
             for unit, _ in mine:
@@ -192,3 +198,42 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     if left:  # fmt: skip
         how = "param_init_fn" if custom else "every module's reset_parameters()"
         raise ValueError(f"{left[0]} is still on the meta device after {how}: nothing initialised it")
+
+
+def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[int], buffers: Sequence[str],
+                device: torch.device, init: Callable[[nn.Module], None], at: str, how: str,
+                attempt: Attempt | None) -> list[str]:  # fmt: skip
+    """Run `init(module)` once: its DTensor parameters stood in for by shards' stand-ins
+    (`attempt`, which `NeedsWhole` ends) or by whole tensors (`attempt` None); the names of the
+    parameters and buffers it left uninitialised."""
+    for b in buffers:
+        setattr(module, b, torch.empty_like(getattr(module, b), device=device))
+    if attempt is None:
+        stand_ins = _whole_stand_ins(module, device)
+    else:
+        stand_ins = _shard_stand_ins(module, fresh, attempt, at)
+    # what the initialisation must write starts as NaN: one it skips is found below
+    blank = [(n, getattr(module, n)) for n, p in params.items()
+             if id(p) in fresh and (attempt is None or n not in stand_ins)]  # fmt: skip
+    blank += [(b, getattr(module, b)) for b in buffers]
+    for _, t in blank:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    held = dict(module.named_parameters(recurse=False))
+    try:
+        init(module)
+        _take_replaced_parameters(module, held, at, how)
+    finally:
+        for n in stand_ins:
+            setattr(module, n, params[n])
+    if attempt is not None and attempt.reason is not None:  # even if the initialisation caught it
+        raise NeedsWhole(attempt.reason)
+    unwritten = []
+    for n, p in params.items():  # this rank's TP shard of a fresh one; the others untouched
+        if n in stand_ins and id(p) in fresh:
+            if attempt is None:
+                local(p).copy_(tp_slice(p, held[n]))
+            elif not held[n]._target.written:
+                unwritten.append(n)
+    blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
+    return unwritten + [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]
