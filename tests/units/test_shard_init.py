@@ -141,19 +141,21 @@ class Stack(nn.Module):
 
 
 class Odd(nn.Module):
-    """An initialisation the shard path cannot finish: a DTensor parameter filled on the shard
-    path, a plain one and the module's own generator drawn from, then `orthogonal_`."""
+    """An initialisation the shard path cannot finish: a DTensor parameter filled from the
+    module's generator on the shard path, a plain one from another generator of its own and one
+    from the default generator, then `orthogonal_`; the rewind must restore all three."""
 
     def __init__(self):
         super().__init__()
-        self.gen = torch.Generator().manual_seed(7)
+        self.gen, self.plain_gen = torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)
         self.a, self.c = nn.Parameter(torch.empty(16, 12)), nn.Parameter(torch.empty(12, 16))
-        self.b = nn.Parameter(torch.empty(5))
+        self.b, self.d = nn.Parameter(torch.empty(5)), nn.Parameter(torch.empty(3))
         self.reset_parameters()
 
     def reset_parameters(self):
         nn.init.normal_(self.a, generator=self.gen)
-        nn.init.uniform_(self.b)
+        nn.init.uniform_(self.b, generator=self.plain_gen)
+        nn.init.uniform_(self.d)
         nn.init.orthogonal_(self.c, generator=self.gen)
 
 

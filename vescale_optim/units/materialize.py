@@ -15,20 +15,32 @@ model built normally under that state; the callers' own random states are left a
 were. A parameter or buffer that nothing can initialise is a `ValueError` naming it.
 
 DTensor parameters (a model tensor-parallelised on the meta device, then handed to the
-optimizer) are initialised *whole*: while `init(module)` runs, each of the module's DTensor
-parameters is replaced by a plain parameter of its global shape on the units' device, which
-the initialisation fills from rank 0's random state as it would the unparallelised model;
-each rank then keeps its TP shard of it (its DTensor's local tensor, a view of the unit's
-buffer) and the DTensor takes its place again. So the values equal the model built normally
-under the same seed with the TP plan applied after, whatever the TP size. DTensor's own
+optimizer) are initialised as the unparallelised model would be, each rank keeping only its TP
+shard. While `init(module)` runs, each of the module's DTensor parameters is stood in for by a
+parameter of its global shape on the meta device (`shard_init`): the initialisation draws from
+rank 0's random state as it would on the whole tensor, and its writes reach this rank's shard (its
+DTensor's local tensor, a view of the unit's buffer). A random fill draws the whole tensor's
+stream a chunk at a time into a small scratch buffer and keeps the part in the shard, so the
+values and the random state after are bitwise those of the whole draw; constant fills, copies and
+exactly rounded element-wise ops apply to the shard. So the values equal the model built normally
+under the same seed with the TP plan applied after, whatever the TP size, and on the CPU a rank
+holds its shard and a chunk (64 Ki elements, twice that at most), never a whole expert stack. DTensor's own
 random ops would not give that: `nn.init` on a DTensor draws through DTensor's random-state
-tracker, whose values depend on the TP layout (on a CPU mesh each shard even draws as if it
-were the whole). The price is memory: one module's parameters whole at a time (one
-`nn.Linear`'s weight and bias), on top of the unit being initialised.
+tracker, whose values depend on the TP layout (on a CPU mesh each shard even draws as if it were
+the whole). What a shard cannot reproduce (a write through a view, `orthogonal_`'s QR, a
+rejection that redraws, any op reading the values) stops the module's initialisation
+(`NeedsWhole`): the random states are rewound (the default CPU and CUDA generators and every
+generator handed to a torch function meanwhile) and the module is initialised again with whole
+tensors, each DTensor parameter replaced by a plain parameter of its global shape on the units'
+device and sliced after, at the price of one module's parameters whole. On CUDA a random fill
+draws the whole parameter into its scratch buffer (the kernels give an element a value that
+depends on the launch's size, so a chunk would draw other values): one parameter whole at a
+time, freed at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,7 +48,7 @@ from torch import nn
 
 from ..shard.collectives import Comm, broadcast_
 from .assign import module_order
-from .shard_init import Attempt, NeedsWhole, ShardTarget, stand_in
+from .shard_init import Attempt, GeneratorWatch, NeedsWhole, ShardTarget, stand_in
 from .tensor_parallel import is_dtensor, local, tp_box, tp_slice
 from .unit import Unit
 
@@ -221,7 +233,8 @@ def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[i
             t.fill_(float("nan"))
     held = dict(module.named_parameters(recurse=False))
     try:
-        init(module)
+        with GeneratorWatch(attempt) if attempt is not None else contextlib.nullcontext():
+            init(module)
         _take_replaced_parameters(module, held, at, how)
     finally:
         for n in stand_ins:

@@ -26,8 +26,10 @@ initialisation's writes to it reach the shard:
 
 Anything else that touches a stand-in, such as a write through a view (`w[0].zero_()`), an op
 reading its values (`orthogonal_`'s QR, `torch.where`), a random op of another kind, raises
-`NeedsWhole`; `materialize` then rewinds the random state and initialises that module with
-whole tensors, as the values must stay bitwise those of the model built normally. The stand-in
+`NeedsWhole` (and is remembered, should the initialisation catch it); `materialize` then rewinds
+the random states (every generator the initialisation used, `GeneratorWatch`) and initialises
+that module with whole tensors, as the values must stay bitwise those of the model built
+normally. The stand-in
 answers `device` with the units' device and `is_meta` with False, as the whole tensor would.
 """
 
@@ -38,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 #: The CPU draw's chunk, in elements (a multiple of 16): its scratch buffer holds at most twice this.
 CHUNK = 1 << 16
@@ -77,8 +80,8 @@ class NeedsWhole(Exception):
 
 class Attempt:
     """One module's initialisation on stand-ins: the random states it started from (the default
-    CPU generator, the CUDA one of `device`, and every generator a fill was given) to rewind to
-    when it turns out to need whole tensors."""
+    CPU generator, the CUDA one of `device`, and every other generator it uses, as first seen by a
+    fill or by `GeneratorWatch`) to rewind to when it turns out to need whole tensors."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -101,6 +104,23 @@ class Attempt:
             torch.cuda.set_rng_state(self.cuda, self.device)
         for generator, state in self.generators.values():
             generator.set_state(state)
+
+
+class GeneratorWatch(TorchFunctionMode):
+    """Active while a module's initialisation runs on stand-ins: every generator handed to a
+    torch function (for any tensor, a plain parameter's too) is noted by `attempt` before it
+    draws, so that a rewind restores it and the whole initialisation draws what it drew."""
+
+    def __init__(self, attempt: Attempt):
+        super().__init__()
+        self.attempt = attempt
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in [*args, *kwargs.values()]:
+            if isinstance(a, torch.Generator):
+                self.attempt.saw(a)
+        return func(*args, **kwargs)
 
 
 class ShardTarget:
