@@ -38,6 +38,7 @@ SHARD_PATH = {  # initialisations the shard path reproduces
     "data.normal_": lambda w: w.data.normal_(0.0, 0.02),
     "own_generator": lambda w: w.uniform_(-1, 1, generator=torch.Generator().manual_seed(5)).clamp_(-0.5, 0.4),  # noqa: E501
     "copy_": lambda w: w.copy_(torch.arange(w.shape[-1], dtype=w.dtype)),
+    "in_place_operators": lambda w: w.normal_().__imul__(0.5).__iadd__(torch.ones(w.shape[-1])),
 }
 WHOLE_ONLY = {  # initialisations that need the whole tensor
     "orthogonal_": nn.init.orthogonal_,

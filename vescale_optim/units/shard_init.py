@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .tensor_parallel import is_dtensor
+
 #: The CPU draw's chunk, in elements (a multiple of 16): its scratch buffer holds at most twice this.
 CHUNK = 1 << 16
 
@@ -66,6 +68,7 @@ _ELEMENTWISE = {
     "sqrt_", "erfinv_", "floor_", "ceil_", "trunc_", "round_", "masked_fill_",
 }  # fmt: skip
 _WRITES = _RANDOM | _DEFINING | _ELEMENTWISE
+_OPERATORS = {"__imul__": "mul_", "__iadd__": "add_", "__isub__": "sub_", "__itruediv__": "div_"}  # w *= s
 # comparisons with a number, answered from the whole's (minimum, maximum): which one, and how
 _COMPARE = {
     **{n: (0, torch.lt) for n in ("__lt__", "lt")}, **{n: (0, torch.le) for n in ("__le__", "le")},
@@ -266,8 +269,8 @@ class ShardStandIn(nn.Parameter):
             target = (me or operands[0])._target
             raise target.attempt.needs_whole(f"{full} takes {target.name}'s values")
         target = me._target
-        if name in _WRITES:
-            return _write(me, name, args[1:], kwargs)
+        if name in _WRITES or name in _OPERATORS:
+            return _write(me, _OPERATORS.get(name, name), args[1:], kwargs)
         if name in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
         if name == "device.__get__":
@@ -319,8 +322,8 @@ def _write(me: ShardStandIn, name: str, args: tuple, kwargs: dict) -> ShardStand
     if not me._writable:
         raise target.attempt.needs_whole(f"{name} on a view of {target.name}")
     tensors = [a for a in _flat([*args, *kwargs.values()]) if isinstance(a, torch.Tensor)]
-    if any(isinstance(t, ShardStandIn) or t.is_meta for t in tensors):
-        raise target.attempt.needs_whole(f"{name} of {target.name} with a stand-in or meta operand")
+    if any(isinstance(t, ShardStandIn) or t.is_meta or is_dtensor(t) for t in tensors):
+        raise target.attempt.needs_whole(f"{name} of {target.name} with a stand-in, meta or DTensor operand")
     if kwargs.get("alpha", 1) != 1:  # a fused multiply-add rounds apart in vector and scalar kernels
         raise target.attempt.needs_whole(f"{name} with alpha on {target.name}")
     if name in _RANDOM:
