@@ -145,7 +145,8 @@ class Stack(nn.Module):
 class Odd(nn.Module):
     """An initialisation the shard path cannot finish: a DTensor parameter filled from the
     module's generator on the shard path, a plain one from another generator of its own and one
-    from the default generator, then `orthogonal_`; the rewind must restore all three."""
+    replaced by a new parameter drawn from the default generator, then `orthogonal_`; the rewind
+    must restore all three generators, and the parameters the optimizer holds."""
 
     def __init__(self):
         super().__init__()
@@ -157,7 +158,7 @@ class Odd(nn.Module):
     def reset_parameters(self):
         nn.init.normal_(self.a, generator=self.gen)
         nn.init.uniform_(self.b, generator=self.plain_gen)
-        nn.init.uniform_(self.d)
+        self.d = nn.Parameter(torch.rand(3))
         nn.init.orthogonal_(self.c, generator=self.gen)
 
 
@@ -195,8 +196,10 @@ def _materialised(shape):
         dt = distribute_tensor(getattr(owner, leaf), world["tp"], [placement])
         setattr(owner, leaf, nn.Parameter(dt))
     assert model.stack.experts.is_meta and isinstance(model.stack.experts, DTensor)
+    held = list(model.parameters())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=[model.stack, model.odd, model], lr=0.1)
+        vo.AdamW(held, mesh=world["dp"], shard_modules=[model.stack, model.odd, model], lr=0.1)
+    assert all(p is q for p, q in zip(model.parameters(), held, strict=True))  # the optimizer's own
     return _full(model.state_dict()), _allocations(prof)
 
 

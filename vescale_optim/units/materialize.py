@@ -236,9 +236,11 @@ def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[i
         with GeneratorWatch(attempt) if attempt is not None else contextlib.nullcontext():
             init(module)
         _take_replaced_parameters(module, held, at, how)
-    finally:
-        for n in stand_ins:
-            setattr(module, n, params[n])
+    finally:  # the parameters the optimizer holds, whatever the initialisation replaced or raised
+        now = dict(module.named_parameters(recurse=False))
+        for n, p in params.items():
+            if now.get(n) is not p:
+                setattr(module, n, p)
     if attempt is not None and attempt.reason is not None:  # even if the initialisation caught it
         raise NeedsWhole(attempt.reason)
     unwritten = []
