@@ -58,25 +58,29 @@ def _box_of(t, origin, sizes):
     return t
 
 
-def _on_shard(shape, origin, sizes, fn, dtype=torch.float32, chunk=16, seed=1):
+def _rng_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _on_shard(shape, origin, sizes, fn, dtype=torch.float32, chunk=16, seed=1, device=CPU):
     """`fn` applied to the whole tensor and to a stand-in of `shape` cut to the box
-    (`origin`, `sizes`) under `seed`: (the whole's box, the shard, the random states after
-    each), or NeedsWhole's reason."""
+    (`origin`, `sizes`) under `seed`, on `device`: (the whole's box, the shard, the random
+    states after each), or NeedsWhole's reason."""
     torch.manual_seed(seed)
-    whole = torch.empty(shape, dtype=dtype)
+    whole = torch.empty(shape, dtype=dtype, device=device)
     with torch.no_grad():
         fn(whole)
-    after_whole = torch.get_rng_state()
+    after_whole = _rng_state(device)
     torch.manual_seed(seed)
-    shard = torch.full(sizes, float("nan"), dtype=dtype)
-    target = ShardTarget("w", shape, dtype, origin, shard, Attempt(CPU), chunk=chunk)
+    shard = torch.full(sizes, float("nan"), dtype=dtype, device=device)
+    target = ShardTarget("w", shape, dtype, origin, shard, Attempt(device), chunk=chunk)
     try:
         with torch.no_grad():
             fn(stand_in(target, requires_grad=True))
     except NeedsWhole as e:
         return str(e)
     assert target.written
-    return _box_of(whole, origin, sizes), shard, after_whole, torch.get_rng_state()
+    return _box_of(whole, origin, sizes), shard, after_whole, _rng_state(device)
 
 
 @st.composite
@@ -120,6 +124,23 @@ def test_one_dimension_across_many_chunks(n, chunk, seed):
 def test_what_the_shard_cannot_reproduce_is_refused_by_name(name):
     got = _on_shard((12, 20), (3, 5), (6, 10), WHOLE_ONLY[name])
     assert isinstance(got, str) and "w" in got, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's draws")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "copy_"])
+def test_on_cuda_each_fill_draws_its_parameter_whole_and_keeps_the_shard(name, dtype):
+    """CUDA's kernels give an element a value that depends on the launch's size: the whole
+    parameter is drawn at once, whatever the chunk, so the shard is bitwise its box; a module
+    that needs whole tensors rewinds CUDA's generator too."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    shape, origin, sizes = (6, 1000, 700), (0, 250, 0), (6, 500, 700)  # 4.2 M elements: many blocks
+    want, shard, rng_whole, rng_shard = _on_shard(shape, origin, sizes, SHARD_PATH[name], dtype, device=cuda)
+    assert torch.equal(shard, want) and torch.equal(rng_shard, rng_whole)
+    attempt = Attempt(cuda)
+    torch.empty(100, device=cuda).normal_()
+    attempt.rewind()
+    assert torch.equal(torch.cuda.get_rng_state(cuda), attempt.cuda)
 
 
 # --- materialised by the optimizer: 4 gloo ranks --------------------------------------------------------
