@@ -103,7 +103,9 @@ SETUP_S = 15  # the script's own start, the CUDA check and the packing of the re
 WARM_S = 120
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
 # the CUDA path of the meta-device TP materialisation (units/shard_init.py) beside the kernels
-SHARD_INIT_CUDA = "tests/units/test_shard_init.py::" + "test_on_cuda_each_fill_draws_its_parameter_whole_and_keeps_the_shard"
+SHARD_INIT_CUDA = (
+    "tests/units/test_shard_init.py::test_on_cuda_each_fill_draws_its_parameter_whole_and_keeps_the_shard"
+)
 TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py", SHARD_INIT_CUDA]
 # the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
 CPU_TESTS = ["tests/shard/test_stand_ins.py"]
