@@ -45,7 +45,7 @@ class ReductionPipeline:
         self.reduced: set[int] = set()  # indices of the units reduced in this round
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is not waited for
         self._agreement: tuple[Callable[[], list[bool]], Comm] | None = None  # issued, not read
-        self._settled = False  # this round's agreement on no_sync() was read
+        self._issued = False  # this round's agreement on no_sync() was issued
 
     def issue(self, unit: Unit) -> None:
         """Reduce-scatter `unit`'s gradients (the caller has advanced the one in flight and
@@ -57,21 +57,19 @@ class ReductionPipeline:
         """The round's first backward event: issue the ranks' agreement on whether it reduces
         (see the module's docstring; once a round). Rank r sets flag r if it reduces, flag
         W + r if not."""
-        if self._settled or self._agreement is not None or not world.active:
+        if self._issued or not world.active:
             return
+        self._issued = True
         size = world.world_size
         flags = [False] * (2 * size)
         flags[world.rank if self.sync_grads else size + world.rank] = True
         self._agreement = (any_rank_issued(flags, world, what="the agreement on no_sync()"), world)
 
     def settle(self, world: Comm) -> None:
-        """The round's first reduction, before it is issued or skipped: read the agreement
-        (issued now if no backward event came first) and raise on every rank if some ranks
-        reduce and others do not. Once a round."""
-        if self._settled:
-            return
+        """A reduction of the round, before it is issued or skipped: read the round's
+        agreement if it is not read yet (issued now if no backward event came first) and
+        raise on every rank if some ranks reduce and others do not."""
         self.issue_agreement(world)
-        self._settled = True
         self.verify()
 
     def verify(self) -> None:
@@ -119,4 +117,4 @@ class ReductionPipeline:
         """A round opens: the last one's agreement, if it was never settled, is read first."""
         self.verify()
         self.reduced.clear()
-        self._settled = False
+        self._issued = False
