@@ -39,7 +39,6 @@ from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
 from .tensor_parallel import (
-    any_over_tp,
     dtensor_problem,
     local_numel,
     tp_groups,
@@ -247,7 +246,8 @@ class Runtime:
                 self.schedule.finish()
                 self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
+                                         lambda: hyper_mismatch(self._groups, self.world),
+                                         nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
             self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
@@ -266,7 +266,9 @@ class Runtime:
         self._reduced = False
 
     def any_nonfinite(self) -> bool:
-        return any_over_tp(self.tracker.any_nonfinite(), self.tp)  # under TP: every TP rank alike
+        """Whether the reduced gradients hold inf or NaN on some rank (under TP: on every TP
+        rank alike); with `skip_nonfinite` the step's agreement carried it (no read of its own)."""
+        return self.tracker.any_nonfinite(self.tp)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
