@@ -31,7 +31,7 @@ _depth = threading.local()
 
 def _where() -> str:
     """The innermost frame of this package that made the read (or the caller's, outside it)."""
-    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.endswith("host_reads.py")]
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename != __file__]
     outside_torch = [f for f in frames if "torch" not in Path(f.filename).parts]
     ours = [f for f in outside_torch if f.filename.startswith(_PACKAGE)]
     frame = (ours or outside_torch or [None])[-1]
