@@ -150,64 +150,94 @@ def _is_eigh(text: str) -> bool:
     return bool(m) and "eigh" in linecache.getline(m[1], int(m[2]))
 
 
+# The documented host syncs (ARCHITECTURE.md, "On an asynchronous device"): one per backward on a
+# group that talks (the agreement on no_sync(), read before the backward's first reduction), one
+# per step (the step's agreement, skip_nonfinite's check in it), one more on a Shampoo step that
+# refreshes roots (the agreed count of kept roots), besides torch.linalg.eigh's own.
+SYNCS = {"backward": 1, "step": 1, "step_plain": 1, "step_refresh": 2}
+
+
 def stage_syncs(r: Result, *, out: Path, mode: str) -> None:
-    """Host synchronisations in warm ZeRO-3 steps (the first builds state): goal 0 in
-    backward, at most 1 in step() (the agreement of which parameters step). Shampoo: on a
-    step that refreshes roots, at most 2 besides torch.linalg.eigh's own (the agreement and
-    the one agreed read of the kept roots; eigh's error check syncs once a call, counted
-    apart); on a step that does not, at most 1."""
+    """Host synchronisations in warm ZeRO-3 steps with `skip_nonfinite` (the first step builds
+    state and settles the order of reductions), against `SYNCS`: at most 1 in backward, 1 in
+    step(), 2 on a Shampoo step that refreshes roots (eigh's error check syncs once a call,
+    counted apart). On CUDA: `set_sync_debug_mode("warn")`'s warnings; everywhere: the reads
+    of tensor values on the host (`shard.host_reads`, what a GPU waits for), checked on CPU
+    (on CUDA they are measured: a read of a CPU tensor costs nothing there)."""
     from benchmarks import _gpu_models as gm
+    from vescale_optim.shard.host_reads import host_reads
 
     dev, sz = gm.device_for(mode), SIZES[mode]
     cuda = dev.type == "cuda"
     found = {}
+
+    @contextlib.contextmanager
+    def watched():
+        with _sync_warnings(cuda) as caught, host_reads() as reads:
+            yield caught, reads
+
     with gm.world_of_one(dev):
         for kind in ("adamw32", "muon", "shampoo"):
             model = gm.build(sz["dim"], sz["blocks"], dev)
-            opt = gm.make_ours(kind, model, "zero3")
+            opt = gm.make_ours(kind, model, "zero3", skip_nonfinite=True)
             gm.train(model, [opt], range(1), sz["batch"], dev)  # first step: state, orders, NCCL set-up
             for t in (1, 2) if kind == "shampoo" else (1,):
                 x, y = gm.batch(t, sz["batch"], dev)
                 roots = opt.step_stats["roots"] if kind == "shampoo" else 0
-                with _sync_warnings(cuda) as fwd:
+                with watched() as fwd:
                     loss = gm.loss_of(model, x, y)
-                with _sync_warnings(cuda) as bwd:
+                with watched() as bwd:
                     loss.backward()
-                with _sync_warnings(cuda) as step:
+                with watched() as step:
                     opt.step()
                 opt.zero_grad()
                 gm.synchronize(dev)
                 refresh = kind == "shampoo" and opt.step_stats["roots"] > roots
                 label = "step" if kind != "shampoo" else "step_refresh" if refresh else "step_plain"
-                phases = (("forward", fwd, None), ("backward", bwd, 0), (label, step, 2 if refresh else 1))
+                phases = (
+                    ("forward", fwd, None),
+                    ("backward", bwd, SYNCS["backward"]),
+                    (label, step, SYNCS[label]),
+                )
                 if kind == "shampoo" and t == 2:
                     phases = phases[2:]  # the backward was checked at the first
-                for phase, caught, goal in phases:
-                    syncs, other = _sync_texts(caught)
-                    eigh = [t for t in syncs if _is_eigh(t)]
-                    counted = [t for t in syncs if not _is_eigh(t)]
-                    found[f"{kind}.{phase}"] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs,
-                                                    other_warnings=other)  # fmt: skip
-                    if goal is None:
-                        continue
-                    name = f"{kind}.{phase}"
-                    if cuda:
-                        r.check(
-                            name,
-                            len(counted) <= goal,
-                            measured=len(counted),
-                            bound=goal,
-                            detail=("; ".join(counted) or "no synchronizing CUDA call")
-                            + (f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else ""),
-                        )
-                    else:
-                        r.skip(
-                            name,
-                            f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo "
-                            f"with the warnings recorded: {len(other)} other warnings)",
-                        )
-    r.measure(**found)
+                for phase, (caught, reads), goal in phases:
+                    _count(r, f"{kind}.{phase}", caught, reads, goal, cuda, found)
+    r.measure(bounds=SYNCS, **found)
     print(json.dumps(found, indent=1))
+
+
+def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cuda: bool, found: dict) -> None:
+    """Record one phase's syncs (CUDA's warnings, eigh's apart) and host reads; check them
+    against `goal` (None: measured only)."""
+    syncs, other = _sync_texts(caught)
+    eigh = [t for t in syncs if _is_eigh(t)]
+    counted = [t for t in syncs if not _is_eigh(t)]
+    found[name] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs, host_reads=reads,
+                       other_warnings=other)  # fmt: skip
+    if goal is None:
+        return
+    if cuda:
+        r.check(
+            name,
+            len(counted) <= goal,
+            measured=len(counted),
+            bound=goal,
+            detail=("; ".join(counted) or "no synchronizing CUDA call")
+            + (f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else ""),
+        )
+        return
+    r.skip(
+        name,
+        f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo; its host reads are checked)",
+    )
+    r.check(
+        f"{name}.host_reads",
+        len(reads) <= goal,
+        measured=len(reads),
+        bound=goal,
+        detail="; ".join(reads) or "no read of a tensor value",
+    )
 
 
 # --- single_gpu, delay ------------------------------------------------------------------------------

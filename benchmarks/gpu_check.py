@@ -18,8 +18,9 @@ throughput, `kernels` only with `--kernels`):
                    vo.AdamW (32/8-bit), vo.Muon, vo.Shampoo vs torch.optim / the plain Shampoo
   delay            every collective after ~2 ms of _sleep on its stream: ZeRO-3 bit-identical
   syncs            set_sync_debug_mode("warn") around backward and step() (ZeRO-3 AdamW, Muon,
-                   Shampoo): 0 host syncs in backward, at most 1 in step() (Shampoo's refresh: 2
-                   besides eigh's own)
+                   Shampoo, skip_nonfinite): at most 1 host sync per backward (the no_sync()
+                   agreement), 1 per step() (Shampoo's refresh: 2 besides eigh's own); on CPU
+                   the same bounds on the reads of tensor values (shard.host_reads)
   overlap_selftest the overlap analyser on synthetic traces (pure: the same on CPU)
   overlap          a profiled ZeRO-3 step of 4 blocks: per unit, the share of its compute-stream
                    backward kernels after AG(k-1) starts; a _sleep of half a unit's backward on

@@ -39,13 +39,7 @@ from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
 from .streams import reduction_comm
-from .tensor_parallel import (
-    any_over_tp,
-    dtensor_problem,
-    local_numel,
-    tp_groups,
-    tp_norm_parts,
-)
+from .tensor_parallel import dtensor_problem, local_numel, tp_groups, tp_norm_parts
 from .tp_plan import tp_plan_problem
 from .unit import LOW_PRECISION, Unit
 from .wrappers import DDPGrads, first_step, unwatch, watch
@@ -249,7 +243,8 @@ class Runtime:
                 self.schedule.finish()
                 self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
+                                         lambda: hyper_mismatch(self._groups, self.world),
+                                         nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
             self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
@@ -268,7 +263,9 @@ class Runtime:
         self._reduced = False
 
     def any_nonfinite(self) -> bool:
-        return any_over_tp(self.tracker.any_nonfinite(), self.tp)  # under TP: every TP rank alike
+        """Whether the reduced gradients hold inf or NaN on some rank (under TP: on every TP
+        rank alike); with `skip_nonfinite` the step's agreement carried it (no read of its own)."""
+        return self.tracker.any_nonfinite(self.tp)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

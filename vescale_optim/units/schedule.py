@@ -89,7 +89,6 @@ class Schedule:
         self.reshard_after_forward = reshard_after_forward
         self.on_grad = on_grad
         self.round = Round.IDLE
-        self._sync_checked = False  # this backward's agreement on no_sync() is issued
         self.prefetch = Prefetcher(backward_prefetch)
         self.reductions = ReductionPipeline(self.units)
         self._handles: list = []
@@ -145,11 +144,10 @@ class Schedule:
         self.round = Round.RUNNING
 
     def _backward_event(self) -> None:
-        """The first backward event after a forward (or a step): the ranks agree on no_sync()
-        before this backward's first reduction."""
-        if not self._sync_checked and self.units:
-            self._sync_checked = True
-            self.reductions.check_sync(self.units[0].world)
+        """A backward event: the round's first issues the ranks' agreement on no_sync(), read at
+        the round's first reduction (`reduction`'s docstring)."""
+        if self.units:
+            self.reductions.issue_agreement(self.units[0].world)
 
     def _end_if_done(self) -> None:
         """RUNNING, every unit expected to reduce has: wait for them all, the round ENDED."""
@@ -234,6 +232,7 @@ class Schedule:
         """`unit`'s gradients of this backward are done: reduce-scatter them (unless under
         `no_sync()`; added to what its shard holds), one in flight; the last expected ends
         the round."""
+        self.reductions.settle(unit.world)  # before any reduce-scatter of the round, on every rank
         self.reductions.reduced.add(unit.index)
         rec = self._rec(unit)
         rec.complete = False
@@ -267,7 +266,6 @@ class Schedule:
         a unit still inside its forward: `unfinished_forward()` names it), settle the static
         order (rank 0's, from the first backward); IDLE."""
         self.reductions.verify()  # before any reduction of the step: all raise together
-        self._sync_checked = False
         if self.round is Round.RUNNING:
             for unit in self.static.rest(self.units):
                 if unit.index not in self.reductions.reduced:
@@ -307,8 +305,6 @@ class Schedule:
             if rec.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
-            if torch.is_grad_enabled():
-                self._sync_checked = False  # a forward towards the next backward
             if id(module) in self._tops:
                 self._new_pass()
             rec.in_forward = True

@@ -5,8 +5,7 @@ Persistent, per rank: `shard`, the rank's `S` parameter elements (fp32 for bf16/
 parameters: it is their master copy). Transient: `full`, the unsharded parameters in the
 compute dtype — every parameter's `.data` (a DTensor's local tensor) is a view of it while the
 unit is gathered. A sharded unit frees `full` between uses; an unsharded one (no `shard_modules`)
-keeps it.
-The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
+keeps it. The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
 
 A unit declares where its parameters are (`state`: `RESHARDED`, `GATHERING` or
 `GATHERED`), and only its own methods change that: `unshard` / `wait_unshard` gather,
@@ -298,8 +297,7 @@ class Unit:
         p = self.params[i]
         if self.external or self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor
             return
-        ptr = p.data_ptr()  # (not a DTensor: returned above)
-        if ptr == self.views[i].data_ptr() or ptr == self.stand_ins[i].data_ptr():
+        if (ptr := p.data_ptr()) == self.views[i].data_ptr() or ptr == self.stand_ins[i].data_ptr():
             return
         with stand_in.revealed(p):
             self.write_param(i, local(p).detach())
