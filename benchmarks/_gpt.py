@@ -4,6 +4,7 @@
     param_count(model)                           # 33.8 M
     x, y = random_batch(2, 64, 8192, seed=0)     # token ids [2, 64] and next-token targets
     loss = model.loss(x, y)                      # mean cross-entropy
+    loss = gpt_loss(DDP(model), x, y)            # the same through a wrapper
     results = launch(fn, 4, arg1, arg2)          # fn(rank, world, arg1, arg2) on every rank
 
 The model is the demo's pre-norm decoder (`vescale_optim.demo.model.GPT`) at benchmark
@@ -30,12 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from vescale_optim.demo.model import GPT, GPTConfig
 from vescale_optim.local_world import cpus, run_local, threads_per_rank
 
-__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "launch", "param_count", "random_batch",
+__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "gpt_loss", "launch", "param_count", "random_batch",
            "threads_per_rank"]  # fmt: skip
 
 # What the peers import on first use, imported once by the fork server instead of by every rank of
@@ -67,6 +69,11 @@ def build_gpt(
             GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads)
         )
     return model.to(dtype=dtype, device=device)
+
+
+def gpt_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`GPT.loss` (mean cross-entropy) through `module`: the GPT, or a wrapper that calls it (DDP)."""
+    return F.cross_entropy(module(x).flatten(0, 1).float(), y.flatten())
 
 
 def random_batch(
