@@ -7,8 +7,9 @@
     print_goals("Goals (ours vs FSDP2):", goals)
     return finish("adamw", args, payload, threads=per_rank.threads)   # results/adamw[_quick].json
 
-An option is `name=default` (its type the default's), `name=(default, help)`, or `name=dict(...)`, the
-keywords of `argparse.ArgumentParser.add_argument`; `world_size` becomes `--world-size`. `finish` adds
+An option is `name=default` (its type the default's; False: a flag), `name=(default, help)`, or
+`name=dict(...)`, the keywords of `argparse.ArgumentParser.add_argument`; `world_size` becomes
+`--world-size`. `finish` adds
 the environment (versions, CPU, threads per rank, load average) under "env", prints the host line
 and writes NAME.json (NAME_quick.json with `--quick`) to `benchmarks/results/`, or the folder
 `--results` names.
@@ -45,7 +46,9 @@ def parse(doc: str, argv: Sequence[str] | None, quick: str, **options: Any) -> A
             spec = {"default": spec[0], "help": spec[1]}
         elif not isinstance(spec, dict):
             spec = {"default": spec}
-        if type(spec.get("default")) in (int, float, str) and "type" not in spec and "choices" not in spec:
+        if spec.get("default") is False:
+            spec = {"action": "store_true", **spec}
+        elif type(spec.get("default")) in (int, float, str) and "type" not in spec and "choices" not in spec:
             spec = {"type": type(spec["default"]), **spec}
         ap.add_argument(f"--{name.replace('_', '-')}", **spec)
     ap.add_argument("--quick", action="store_true", help=quick)

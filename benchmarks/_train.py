@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
 from benchmarks._gpt import build_gpt, gpt_loss, param_count, random_batch
+from benchmarks._measure import median_ratio
 
 __all__ = ["PHASES", "Trainer", "against_peers", "batches", "device", "interleave", "ms", "train_step"]
 
@@ -156,7 +157,7 @@ def against_peers(rows: dict[str, dict], peer: Callable[[str], str], keys: Seque
         if base is None:
             continue
         for k in keys:
-            row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
+            row[f"{k} x"] = median_ratio(row[f"_{k}"], base[f"_{k}"])
         row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
     for row in rows.values():
         for k in keys:

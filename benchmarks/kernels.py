@@ -279,7 +279,7 @@ def bench_steps(width, depth, device, repeats) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(__doc__, argv, "3 repeats, fewer shapes, smaller step model",
                  repeats=(5, "timed runs per row (median)"),
-                 no_compile=dict(action="store_true", help="skip the torch.compile rows"),
+                 no_compile=(False, "skip the torch.compile rows"),
                  sections=dict(nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"],
                                help="kernel rows, optimizer step rows, or both (default)"),
                  out=dict(type=Path, help="JSON path (default benchmarks/results/kernels.json)"))  # fmt: skip
