@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
-from benchmarks._gpt import build_gpt, gpt_loss, param_count, random_batch
+from benchmarks._gpt import gpt_loss, param_count, random_batch, shaped_gpt
 from benchmarks._measure import median_ratio
 
 __all__ = ["PHASES", "Trainer", "against_peers", "batches", "device", "interleave", "ms", "train_step"]
@@ -118,8 +118,7 @@ class Trainer:
         self.losses: list[float] = []
 
     def build(self, shape: dict) -> torch.nn.Module:
-        return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                         shape["seq_len"], seed=0, device=device())  # fmt: skip
+        return shaped_gpt(shape, seed=0, device=device())
 
     def optimizer(self, model: torch.nn.Module):
         raise NotImplementedError

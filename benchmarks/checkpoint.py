@@ -61,7 +61,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
+from benchmarks import _train  # noqa: E402
+from benchmarks._gpt import launch, random_batch  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
 from benchmarks._optim import ours, peer  # noqa: E402
@@ -74,48 +75,34 @@ PRELOAD = ["benchmarks.checkpoint"]  # besides benchmarks._gpt.PEERS
 SIDES = ("ours", "peer")
 
 
-class _Side:
-    """One side's model copy and optimizer(s); subclasses say how they checkpoint."""
+class _Side(_train.Trainer):
+    """One side: its model copy and optimizer (`_train.Trainer`, the family `optim` its config);
+    subclasses say how they checkpoint into `root`."""
 
-    def __init__(self, shape: dict, root: Path):
-        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0)  # fmt: skip
-        self.params = param_count(self.model)
+    def __init__(self, shape: dict, optim: str, root: Path):
         self.root = root
-        self.opts: list = []
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.model.loss(x, y).backward()
-        for o in self.opts:
-            o.step()
-        for o in self.opts:
-            o.zero_grad()
-
-    @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.model.loss(x, y).item()
+        super().__init__(optim, shape)
 
 
 class Ours(_Side):
-    def __init__(self, shape: dict, optim: str, root: Path):
-        super().__init__(shape, root)
-        opt = ours(self.model, optim, shard_modules=[*self.model.blocks, self.model])
-        self.opts = [opt]
-        sync = CheckpointManager(root / "sync", self.model, opt, keep=None)
-        background = CheckpointManager(root / "async", self.model, opt, keep=None, async_save=True)
-        unverified = CheckpointManager(root / "unverified", self.model, opt, keep=None, verify=False)
+    def optimizer(self, model: torch.nn.Module):
+        opt = ours(model, self.config, shard_modules=[*model.blocks, model])
+        sync = CheckpointManager(self.root / "sync", model, opt, keep=None)
+        background = CheckpointManager(self.root / "async", model, opt, keep=None, async_save=True)
+        unverified = CheckpointManager(self.root / "unverified", model, opt, keep=None, verify=False)
         self.save, self.load = sync.save, sync.load
         self.save_unverified, self.load_unverified = unverified.save, unverified.load
         self.save_async, self.wait = background.save, background.wait
+        return opt
 
 
 class Peer(_Side):
-    def __init__(self, shape: dict, optim: str, root: Path):
-        super().__init__(shape, root)
-        opt = peer(self.model, "FSDP2", optim)[1]
-        self.opts = list(getattr(opt, "opts", [opt]))
+    def optimizer(self, model: torch.nn.Module):
+        opt = peer(model, "FSDP2", self.config)[1]
+        self.opts = list(getattr(opt, "opts", [opt]))  # DCP's state dict takes torch's optimizers
         self.group = dist.new_group(backend="gloo")
         self.pending = None
+        return opt
 
     def _state(self) -> dict:
         model, optim = get_state_dict(self.model, self.opts)
@@ -173,7 +160,7 @@ def _check(rank: int, side: _Side, x, y) -> dict:
     """Save, train a step, load: the loss on (x, y) must be back to its value at the save."""
     saved = side.eval_loss(x, y)
     path = side.save(0)
-    side.train_step(x, y)
+    side.step(x, y, record=False)
     moved = side.eval_loss(x, y)
     side.load(0)
     after = side.eval_loss(x, y)
@@ -188,7 +175,7 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                for i in range(2)]  # fmt: skip
     for side in sides.values():
         for b in batches:  # optimizer state exists
-            side.train_step(*b)
+            side.step(*b, record=False)
     out = {s: {"params": side.params, "check": _check(rank, side, *batches[0]), "save": [], "load": [],
                "data": [], "meta": [], "plain": [], "async": [], "stage": []}
            for s, side in sides.items()}  # fmt: skip
@@ -223,7 +210,7 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                 if save and i == 0:
                     path = side.save_async(1000 + c)
                     out[s]["stage"].append(time.perf_counter() - t0)
-                side.train_step(*batches[i % 2])
+                side.step(*batches[i % 2], record=False)
                 steps.append(time.perf_counter() - t0)
             if save:
                 steps.append(_timed(side.wait)[0])

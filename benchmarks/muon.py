@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, gpt_loss, launch, param_count, random_batch  # noqa: E402
+from benchmarks._gpt import gpt_loss, launch, param_count, random_batch, shaped_gpt  # noqa: E402
 from benchmarks._main import finish, parse, print_goals  # noqa: E402
 from benchmarks._measure import Timer, matmul_flops, median_of_max, window_seconds  # noqa: E402
 from benchmarks._muon_plan import (  # noqa: E402
@@ -112,10 +112,6 @@ def print_b(rows: list[dict]) -> dict:
 # ====================================================================== part (a)
 
 
-def _model(shape: dict):
-    return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"])
-
-
 def _named(model) -> dict[str, torch.Tensor]:
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
     return {n.removeprefix("module."): p.detach().clone() for n, p in full.items()}
@@ -124,7 +120,7 @@ def _named(model) -> dict[str, torch.Tensor]:
 def _construction(shape: dict, world: int) -> dict[str, bool]:
     """Part (b)'s construction on this model's hidden matrices against a `vo.Muon` of them alone
     (collective: every rank builds one): the same units, layouts and per-rank load."""
-    hidden = muon_groups(_model(shape))[0]["params"]
+    hidden = muon_groups(shaped_gpt(shape))[0]["params"]
     opt = vo.Muon(hidden, **MUON)
     mine = assignment(default_buckets([tuple(p.shape) for p in hidden]), world)
     units = [[tuple(p.shape) for p in u.params] for u in opt.units]
@@ -192,7 +188,7 @@ def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, s
     x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + rank)
     out, setups = {}, {}
     for config in configs:
-        model = _model(shape)
+        model = shaped_gpt(shape)
         setup = _setup_ours if config == "ours" else _setup_peer
         setups[config] = {**setup(config, model, rank, world, shape), "model": model}
         out[config] = {"rank": rank, "times_s": [], "cpu_s": [], "profiled": []}
@@ -240,7 +236,7 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, conf
     per_rank = launch(_rank, world, configs, shape, warmup, steps, profiled, preload=PRELOAD)
     print(f"# part (a): {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = {c: [r["configs"][c] for r in per_rank] for c in configs}
-    model = _model(shape)
+    model = shaped_gpt(shape)
     init, names, hidden = _named(model), muon_names(model), muon_groups(model)[0]["params"]
     total = sum(ns_flops(*matrix_view(tuple(p.shape))[1:], MUON["ns_steps"]) * matrix_view(tuple(p.shape))[0]
                 for p in hidden)  # fmt: skip
@@ -346,7 +342,7 @@ def part_v(shape: dict, warmup: int, steps: int) -> list[dict]:
     rows = []
     for name, keys in VARIANTS.items():
         torch.manual_seed(0)
-        model = _model(shape)
+        model = shaped_gpt(shape)
         opt = vo.Muon(muon_groups(model), **keys)
         x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=0)
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()

@@ -68,7 +68,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from benchmarks import _train, model_shapes  # noqa: E402
-from benchmarks._gpt import build_gpt, launch  # noqa: E402
+from benchmarks._gpt import launch, shaped_gpt  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import median_ratio, slowest  # noqa: E402
 from benchmarks._optim import ours  # noqa: E402
@@ -145,8 +145,7 @@ def layout_bytes(units: list[list[int]], world: int, config: dict, root_gathers:
 
 def gpt_units(shape: dict) -> list[list[int]]:
     """A benchmark GPT's parameter sizes by unit: each block, then the rest (the model)."""
-    model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"],
-                      device="meta")  # fmt: skip
+    model = shaped_gpt(shape, device="meta")
     blocks = [[p.numel() for p in b.parameters()] for b in model.blocks]
     inner = {id(p) for b in model.blocks for p in b.parameters()}
     return [*blocks, [p.numel() for p in model.parameters() if id(p) not in inner]]

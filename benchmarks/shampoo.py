@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
+from benchmarks._gpt import launch, random_batch, shaped_gpt  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._report import require_finite, table  # noqa: E402
 
@@ -60,7 +60,7 @@ NUMBERS = ["step s", "speedup", "root work / rank", "root max/mean", "before bal
 
 
 def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int) -> dict:
-    model = build_gpt(cfg["vocab"], cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["seq_len"])
+    model = shaped_gpt(cfg)
     solo = [dist.new_group([r]) for r in range(world)][rank]
     group = None if config == "sharded" else solo
     opt = vo.Shampoo(
