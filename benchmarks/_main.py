@@ -9,10 +9,9 @@
 
 An option is `name=default` (its type the default's; False: a flag), `name=(default, help)`, or
 `name=dict(...)`, the keywords of `argparse.ArgumentParser.add_argument`; `world_size` becomes
-`--world-size`. `finish` adds
-the environment (versions, CPU, threads per rank, load average) under "env", prints the host line
-and writes NAME.json (NAME_quick.json with `--quick`) to `benchmarks/results/`, or the folder
-`--results` names.
+`--world-size`. `finish` adds the environment (versions, CPU, threads per rank, load average) under
+"env", prints the host line and writes NAME.json (NAME_quick.json with `--quick`) to
+`benchmarks/results/`, or the folder `--results` names.
 """
 
 from __future__ import annotations

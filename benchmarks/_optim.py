@@ -71,13 +71,13 @@ def ours(model: nn.Module, family: str, **kwargs):
 def fully_shard_gpt(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
                     blocks: list[nn.Module] | None = None) -> nn.Module:  # fmt: skip
     """FSDP2's `fully_shard` on every block (`blocks`, default `model.blocks`; resharded after
-    forward unless told not to), then on the root (kept gathered from forward to backward, as our
-    outermost unit), over `mesh` (2-D: HSDP)."""
+    forward unless told not to), then on the root (FSDP2's default for a root: kept gathered from
+    forward to backward, as our outermost unit), over `mesh` (2-D: HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks if blocks is None else blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -185,7 +185,8 @@ def _rank(rank: int, world_size: int, sizes: dict) -> dict:
     # time and bytes: every configuration in one world, one step each per round (after one to warm up)
     meter = CommMeter().install()
     trainers = [Trainer(c, sizes, world, meter) for c in CONFIGS]
-    interleave(trainers, pool, 1, sizes["rounds"])
+    interleave(trainers, pool[:1], 1, 0)
+    interleave(trainers, pool, 0, sizes["rounds"])
     return {tr.config: tr.result(peak[tr.config]) for tr in trainers}
 
 
