@@ -6,6 +6,7 @@ of a world stepped in turn, and the ratios of each configuration's steps to its 
     loss, seconds, comm = train_step(model.loss, opt, x, y, meter)   # per phase: seconds, meter.take()
     class Mine(Trainer): def optimizer(self, model): ...        # one configuration (a GPT unless `build`)
     interleave(trainers, batches(shape, rank, world), warmup, steps)
+    seconds, out = barrier_timed(fn, *args)                     # fn(*args) timed after a barrier
     rows = against_peers(rows_by_config, peer, ["train", "step"])   # "train x", "step x", "|Δ loss|"
 
 Models and batches live on the rank's `device()`: the GPU a NCCL group is bound to (under
@@ -30,7 +31,8 @@ from benchmarks._comm import CommMeter
 from benchmarks._gpt import gpt_loss, param_count, random_batch, shaped_gpt
 from benchmarks._measure import median_ratio
 
-__all__ = ["PHASES", "Trainer", "against_peers", "batches", "device", "interleave", "ms", "train_step"]
+__all__ = ["PHASES", "Trainer", "against_peers", "barrier_timed", "batches", "device", "interleave", "ms",
+           "train_step"]  # fmt: skip
 
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
@@ -90,6 +92,14 @@ def train_step(
         if meter is not None:
             comm[name] = meter.take()
     return loss.item(), times, comm
+
+
+def barrier_timed(fn: Callable, *args):
+    """After a barrier: the seconds `fn(*args)` took on this rank, and what it returned."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
 
 
 def interleave(trainers: list, pool: list, warmup: int, steps: int) -> None:

@@ -61,12 +61,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-from benchmarks import _train  # noqa: E402
 from benchmarks._gpt import launch, random_batch  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
 from benchmarks._optim import ours, peer  # noqa: E402
 from benchmarks._report import FSDP2_ON_CPU, pyplot, save_png, table  # noqa: E402
+from benchmarks._train import Trainer, barrier_timed  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
@@ -75,8 +75,8 @@ PRELOAD = ["benchmarks.checkpoint"]  # besides benchmarks._gpt.PEERS
 SIDES = ("ours", "peer")
 
 
-class _Side(_train.Trainer):
-    """One side: its model copy and optimizer (`_train.Trainer`, the family `optim` its config);
+class _Side(Trainer):
+    """One side: its model copy and optimizer (a `Trainer`, the family `optim` its config);
     subclasses say how they checkpoint into `root`."""
 
     def __init__(self, shape: dict, optim: str, root: Path):
@@ -134,13 +134,6 @@ class Peer(_Side):
 # ---------------------------------------------------------------- the ranks
 
 
-def _timed(fn, *args):
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out
-
-
 def _remove(rank: int, path: Path) -> None:
     dist.barrier()
     if rank == 0:
@@ -185,19 +178,19 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
         for s in turns[r % 3 :] + turns[: r % 3]:
             if s == "unverified":
                 ours = sides["ours"]
-                t, path = _timed(ours.save_unverified, r)
+                t, path = barrier_timed(ours.save_unverified, r)
                 out["ours"]["save_unverified"].append(t)
-                out["ours"]["load_unverified"].append(_timed(ours.load_unverified, r)[0])
+                out["ours"]["load_unverified"].append(barrier_timed(ours.load_unverified, r)[0])
                 _remove(rank, path)
                 continue
             side, res = sides[s], out[s]
-            t, path = _timed(side.save, r)
+            t, path = barrier_timed(side.save, r)
             res["save"].append(t)
             dist.barrier()
             b = _bytes(rank, path)
             res["data"].append(b["data"])
             res["meta"].append(b["meta"])
-            res["load"].append(_timed(side.load, r)[0])
+            res["load"].append(barrier_timed(side.load, r)[0])
             _remove(rank, path)
     variants = [(s, a) for s in SIDES for a in (False, True)]
     for c in range(cycles):
@@ -213,7 +206,7 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                 side.step(*batches[i % 2], record=False)
                 steps.append(time.perf_counter() - t0)
             if save:
-                steps.append(_timed(side.wait)[0])
+                steps.append(barrier_timed(side.wait)[0])
                 _remove(rank, path)
             out[s]["async" if save else "plain"].append(steps)
     return out

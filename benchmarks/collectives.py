@@ -98,6 +98,7 @@ from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import window_seconds  # noqa: E402
 from benchmarks._optim import fully_shard_gpt  # noqa: E402
 from benchmarks._report import FSDP2_ON_CPU, table  # noqa: E402
+from benchmarks._train import barrier_timed  # noqa: E402
 from vescale_optim.shard import FlatBuffer, plan_layout  # noqa: E402
 
 # The shard layer's collectives, the subject of this benchmark (not exported by vescale_optim.shard):
@@ -273,13 +274,6 @@ def _profiled(fn: Callable[[], object], label: str) -> float:
 # ---------------------------------------------------------------- the ranks
 
 
-def _barrier_time(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def _profile_step(rank: int, steps: list[tuple[str, Callable[[], None]]]) -> dict | None:
     """Run `steps` (region, fn) once, under the profiler on rank 0."""
     if rank != 0:
@@ -350,16 +344,16 @@ def _measure(rank: int, world: int, args) -> dict:
     def one_run() -> dict[tuple[str, str], float]:
         times = {}
         for name, o in ours.items():
-            times[(name, OPS[0])] = _barrier_time(o.all_gather)
-        times[("FSDP2", OPS[0])] = _barrier_time(fsdp.all_gather)
+            times[(name, OPS[0])] = barrier_timed(o.all_gather)[0]
+        times[("FSDP2", OPS[0])] = barrier_timed(fsdp.all_gather)[0]
         for name, o in ours.items():
             o.zero_grad()
             loss = _loss(o.model, scale)
-            bwd = _barrier_time(loss.backward)
-            times[(name, OPS[2])] = bwd + _barrier_time(o.reduce_scatter)
+            bwd = barrier_timed(loss.backward)[0]
+            times[(name, OPS[2])] = bwd + barrier_timed(o.reduce_scatter)[0]
         fsdp.zero_grad()
         loss = _loss(fsdp.model, scale)  # FSDP2 all-gathers here, off the clock
-        times[("FSDP2", OPS[2])] = _barrier_time(loss.backward)
+        times[("FSDP2", OPS[2])] = barrier_timed(loss.backward)[0]
         for name, o in ours.items():  # the reduce-scatter alone: both sides under the profiler
             o.zero_grad()
             _loss(o.model, scale).backward()
