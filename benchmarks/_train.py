@@ -1,6 +1,7 @@
-"""What the FSDP and HSDP benchmarks share to train their configurations side by side: the same
-per-rank batches, one step timed phase by phase, a trainer per configuration, every configuration
-of a world stepped in turn, and the ratios of each configuration's steps to its peer's.
+"""What the training benchmarks share to train their configurations side by side: the same
+per-rank batches, one step timed phase by phase, one trainer per configuration (a GPT, or the model
+a subclass builds; its optimizer ours or a peer of `benchmarks._optim`), every configuration of a
+world stepped in turn, and the ratios of each configuration's steps to its peer's.
 
     device()                                                    # this rank's: cuda on NCCL, else cpu
     loss, seconds, comm = train_step(model.loss, opt, x, y, meter)   # per phase: seconds, meter.take()
