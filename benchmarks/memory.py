@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
-from benchmarks._optim import ours  # noqa: E402
+from benchmarks._optim import ours, peer  # noqa: E402
 from benchmarks._report import table  # noqa: E402
 
 PRELOAD = ["benchmarks.memory"]  # besides benchmarks._gpt.PEERS
@@ -41,8 +41,9 @@ def make(name: str, model: torch.nn.Module, kwargs: dict):
 
 
 def torch_adamw_bytes(model: torch.nn.Module) -> int:
-    """State of `torch.optim.AdamW` after one step (exp_avg, exp_avg_sq, step)."""
-    opt = torch.optim.AdamW(model.parameters())
+    """State of `torch.optim.AdamW` (the peer factory's, no wrapper) after one step (exp_avg,
+    exp_avg_sq, step)."""
+    opt = peer(model, "torch")[1]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
