@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import environment, save_json
 
@@ -19,14 +20,15 @@ __all__ = ["LOSS_TOL", "loss_check", "verdict"]
 LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
 
 
-def loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
-    """Whether every row lowered its loss and ended within `LOSS_TOL` of its peer's (`|Δ loss|`),
-    and a note for each that did not."""
+def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[str]]:
+    """Whether every row lowered its loss and ended within `tol` (relative; default `LOSS_TOL` of
+    its optimizer, the config's last word) of its peer's (`|Δ loss|`), and a note for each that
+    did not."""
     ok, notes = True, []
     for r in rows:
-        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
+        delta = r.get("|Δ loss|", 0.0)
         lowered = r["loss after"] < r["loss first"]
-        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
+        close = delta <= (tol or LOSS_TOL[r["config"].split()[-1]]) * max(1.0, abs(r["loss after"]))
         ok &= lowered and close
         if not (lowered and close):
             label = f"{r['model']} {r['config']}" if "model" in r else r["config"]
@@ -47,9 +49,7 @@ def verdict(
     """Print the goals (`goals_for` says against what) and the loss check against `peer`, plot to
     and write NAME.json (NAME_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`),
     and return what was written: the environment, `run`, the goals, the check, `rows` and `more`."""
-    print(f"\nGoals ({goals_for}):")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    print_goals(f"Goals ({goals_for}):", goals)
     sane, notes = loss_check(rows)
     print(f"\nLoss check (loss after training vs {peer} with the same optimizer, relative tolerance "
           f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "

@@ -62,7 +62,6 @@ ATen products does not see (ours' own count, `stats`, stays).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -78,9 +77,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks import _report, _torchrun, _train  # noqa: E402
+from benchmarks import _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
@@ -228,16 +228,10 @@ def summarize(timed: dict[str, list[dict]], world: int = WORLD) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._hsdp_report import report
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 8, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
-    ap.add_argument("--torchrun", action="store_true", help="a rank per torchrun process (see the docstring)")
-    ap.add_argument("--results", type=Path, help="folder for the JSON and plot (default benchmarks/results)")
-    args = ap.parse_args(argv)
-    if args.results:
-        _report.RESULTS_DIR = args.results.resolve()
+    args = parse(__doc__, argv, "tiny model, a few steps (a smoke test)",
+                 steps=dict(type=int, help="measured steps (default 8, --quick 2)"), warmup=2,
+                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+                 torchrun=(False, "a rank per torchrun process (see the docstring)"))  # fmt: skip
     steps = args.steps or (2 if args.quick else 8)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     shape = QUICK if args.quick else MODEL

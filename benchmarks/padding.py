@@ -59,7 +59,6 @@ doubles as a planner test on real shapes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -72,7 +71,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import environment, host_line, pyplot, save_json, save_png, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._report import pyplot, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, Block, Shape, is_vector, numel  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -451,11 +451,9 @@ def plot(rows, name: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, granules 1 and 128 rows")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--world-sizes", nargs="+", type=int, default=None)
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "W in {8, 1024}, granules 1 and 128 rows",
+                 models=dict(nargs="+", choices=list(MODELS), default=list(MODELS)),
+                 world_sizes=dict(nargs="+", type=int, default=None))  # fmt: skip
     granules = ["1 row", "128 rows"] if args.quick else list(UNITS)
     world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
     name = "padding_quick" if args.quick else "padding"
@@ -467,13 +465,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(rows, floatfmt=".2f"))
     print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
     print(table(misses, floatfmt=".2f") if misses else "(none)")
-    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s\n{host_line()}")
-    payload = {"env": environment(), "goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall,
-               "rows": rows, "misses": misses, "buckets": details}  # fmt: skip
-    path = save_json(name, payload)
-    png = plot(rows, name)
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return payload
+    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
+    payload = {"goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall, "rows": rows,
+               "misses": misses, "buckets": details}  # fmt: skip
+    return finish("padding", args, payload, png=plot(rows, name))
 
 
 if __name__ == "__main__":
