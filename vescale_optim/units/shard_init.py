@@ -36,12 +36,13 @@ answers `device` with the units' device and `is_meta` with False, as the whole t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import cuda_draw
 from .tensor_parallel import is_dtensor
 
 #: The CPU draw's chunk, in elements (a multiple of 16): its scratch buffer holds at most twice this.
@@ -132,13 +133,17 @@ class ShardTarget:
     parameter initialised before, by a module sharing it)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, origin: tuple[int, ...],
-                 shard: torch.Tensor | None, attempt: Attempt, chunk: int | None = CHUNK):  # fmt: skip
+                 shard: torch.Tensor | None, attempt: Attempt, chunk: int | None = CHUNK,
+                 cuda_chunk_bytes: int | None = cuda_draw.CHUNK_BYTES):  # fmt: skip
         self.name, self.shape, self.dtype, self.origin = name, tuple(shape), dtype, tuple(origin)
         self.shard, self.attempt = shard, attempt
         self.device = attempt.device
-        self.chunk = chunk if self.device.type == "cpu" else None  # CUDA: whole (module docstring)
+        # the CPU's chunk in elements; on CUDA the chunk's bytes (`cuda_draw`); None: whole
+        self.chunk = chunk if self.device.type == "cpu" else None
+        self.cuda_chunk_bytes = cuda_chunk_bytes if self.device.type == "cuda" else None
         self.written = False  # by a fill or a copy: an initialisation that skips it is named
-        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # of the whole, after a fill
+        # the whole's (minimum, maximum) after a fill, when asked (CUDA replays the whole draw then)
+        self.bounds: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def box(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of `t` broadcast to the whole shape (a view)."""
@@ -147,6 +152,21 @@ class ShardTarget:
             out = out.narrow(d, o, n)
         return out
 
+    def meets(self, start: int, stop: int) -> bool:
+        """Whether the shard holds any of the whole's flat elements `[start, stop)`."""
+        if self.shard is None:
+            return False
+        for origin, sizes in flat_boxes(self.shape, start, stop):
+            spans = zip(origin, sizes, self.origin, self.shard.shape)
+            if all(max(b, o) < min(b + s, o + m) for b, s, o, m in spans):
+                return True
+        return False
+
+    def keep(self, part: torch.Tensor, start: int, stop: int) -> None:
+        """The shard's elements of `part` (the whole's flat `[start, stop)`) copied into it."""
+        if self.shard is not None:
+            keep(part, start, stop, self.shape, self.origin, self.shard)
+
     def draw(self, name: str, args: tuple, kwargs: dict) -> None:
         """The random fill `name` of the whole tensor, chunk by chunk; the shard's part kept."""
         self.attempt.saw(kwargs.get("generator"))
@@ -154,18 +174,23 @@ class ShardTarget:
         self.written, self.bounds = True, None
         if n == 0:
             return
+        if self.cuda_chunk_bytes is not None:  # only the shard's chunks, where proven (`cuda_draw`)
+            bounds = cuda_draw.shard_sized(name, args, kwargs, n, self.dtype, self.device, self.meets,
+                                           self.keep, self.cuda_chunk_bytes)  # fmt: skip
+            if bounds is not None:
+                self.bounds = bounds
+                return
         spans = list(spans_of(n, self.chunk or n))
         scratch = torch.empty(max(b - a for a, b in spans), dtype=self.dtype, device=self.device)
         low = high = None
         for start, stop in spans:
             part = scratch[: stop - start]
             getattr(part, name)(*args, **kwargs)
-            if self.shard is not None:
-                keep(part, start, stop, self.shape, self.origin, self.shard)
+            self.keep(part, start, stop)
             lo, hi = torch.aminmax(part)
             low = lo if low is None else torch.minimum(low, lo)
             high = hi if high is None else torch.maximum(high, hi)
-        self.bounds = (low, high)
+        self.bounds = lambda: (low, high)
 
 
 def spans_of(n: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -287,7 +312,7 @@ class ShardStandIn(nn.Parameter):
             return _derived(out, target, writable=me._writable and name in _ALIASES)
         if name in _COMPARE and me._writable and target.bounds is not None and _is_number(args[1:]):
             side, compare = _COMPARE[name]
-            extreme = target.bounds[side]
+            extreme = target.bounds()[side]
             if not bool(extreme.isnan()):
                 return AnyOnly(bool(compare(extreme, args[1])), target.attempt)
         raise target.attempt.needs_whole(f"{full} on {target.name}")
