@@ -220,8 +220,9 @@ def shard_sized(name: str, args: tuple, kwargs: dict, n: int, dtype: torch.dtype
     where the whole fill leaves it. Returns the whole's bounds (replayed when asked), or None,
     having drawn nothing, where the chunked draw is not proven for this device, dtype and fill:
     the caller then draws the whole tensor."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    device = torch.device("cuda", index)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    index = device.index
     geometry = geometry_of(device, dtype) if name in FILLS else None
     if geometry is None:
         _refuse(
