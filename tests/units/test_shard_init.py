@@ -9,7 +9,11 @@ matrix cut `Shard(1)`, built on the meta device and materialised by vo.AdamW at 
 dp2 x tp2, equal the model built normally under seed 0 bitwise, and no allocation during
 materialisation is as large as the expert stack (the old path made it whole on every rank); a
 module whose initialisation needs whole tensors (`orthogonal_`, its own generator, a plain
-parameter drawn in between) is rewound and made whole, bitwise the same."""
+parameter drawn in between) is rewound and made whole, bitwise the same. On a GPU: boxes of a
+64 Mi-element tensor drawn only through their chunks (`units/cuda_draw`) are bitwise their boxes
+of the whole draw, with the CUDA generator's state after, in float32, bfloat16 and float64; no
+scratch beyond one chunk is allocated; a geometry the self-check refutes is drawn whole with a
+warning; a parameter over 2^31 bytes is drawn in the pieces torch launches."""
 
 import math
 
@@ -189,7 +193,8 @@ def test_on_cuda_no_scratch_is_larger_than_one_chunk(dtype):
     with torch.no_grad():
         fn(stand_in(target, requires_grad=True))
     peak = torch.cuda.max_memory_allocated(cuda) - before
-    assert peak <= chunk_bytes + (1 << 20) and 2 * chunk_bytes < whole_bytes, (peak, chunk_bytes, whole_bytes)
+    # the allocator may leave up to 1 MiB of a block unsplit; aminmax's results are a few bytes
+    assert peak <= chunk_bytes + (4 << 20) and 2 * chunk_bytes < whole_bytes, (peak, chunk_bytes, whole_bytes)
 
 
 @CUDA
@@ -213,7 +218,9 @@ def test_on_cuda_a_geometry_its_self_check_refutes_is_drawn_whole_with_a_warning
 
 
 @CUDA
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.mem_get_info()[1] < 32 << 30, reason="32 GiB")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 32 << 30, reason="32 GiB"
+)
 @pytest.mark.parametrize("name", ["uniform_", "normal_"])
 def test_on_cuda_a_parameter_over_2_gib_is_drawn_in_the_pieces_torch_launches(name):
     """fp32 [4, 2^27 + 2^20]: over 2^31 bytes, torch draws it as two tensors of its halves (rows

@@ -13,10 +13,13 @@ initialisation's writes to it reach the shard:
   bitwise the whole draw's: the CPU generator gives `uniform_` element by element, and
   `normal_` (for 16 elements or more) fills uniforms, turns groups of 16 into normals and
   redraws the last 16 when the count is not a multiple of 16, which chunks of multiples of 16,
-  the last one at least 16 long, reproduce. CUDA's kernels assign elements to threads by the
-  launch's size, so a chunk would not draw what the whole draw gives it: on CUDA each fill
-  draws the whole parameter into a scratch buffer that is freed once the shard is kept (one
-  parameter's whole size at a time, instead of the module's).
+  the last one at least 16 long, reproduce. On CUDA (`cuda_draw`) only the chunks that hold the
+  shard are drawn, each chunk a whole number of the kernel's loop iterations drawn with the
+  generator's offset set to where the whole draw's kernel reaches it, and the offset is left
+  where the whole draw leaves it; the whole's minimum and maximum, when asked, are replayed
+  chunk by chunk. Where `cuda_draw`'s once-per-process calibration does not prove torch's layout
+  for the device, dtype and fill, the parameter is drawn whole into a scratch buffer freed once
+  the shard is kept (one parameter's whole size at a time), with a warning.
 - a constant fill, a copy from a real tensor (broadcast, then cut to the shard), and the
   element-wise ops that round alike in CPU kernels' vector and scalar paths (`mul_`, `add_`
   without `alpha`, `clamp_`, `erfinv_`, `sqrt_`, ...) apply to the shard itself.
