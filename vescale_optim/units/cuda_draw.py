@@ -4,10 +4,12 @@
 chunks that hold the shard, so the scratch buffer is one chunk (about `CHUNK_BYTES`), never the
 whole parameter, and the values and the generator's offset after are those of the whole draw.
 
-How torch (2.9 to 2.13) lays a contiguous tensor of n elements over Philox streams, from
-aten/src/ATen/native/cuda/DistributionTemplates.h (`calc_execution_policy`,
-`distribution_nullary_kernel`, `distribution_elementwise_grid_stride_kernel`, `uniform_and_transform`,
-`normal_and_transform`) and aten/src/ATen/TensorIterator.cpp (`SplitUntil32Bit`, `split`):
+How torch lays a contiguous tensor of n elements over Philox streams, as its recent source reads
+(aten/src/ATen/native/cuda/DistributionTemplates.h: `calc_execution_policy`,
+`distribution_nullary_kernel`, `distribution_elementwise_grid_stride_kernel`,
+`uniform_and_transform`, `normal_and_transform`; aten/src/ATen/TensorIterator.cpp:
+`SplitUntil32Bit`, `split`). Older releases took the increment with U = 4 for double too; the
+self-check below refutes whatever a release does otherwise.
 
 - blocks of B = 256 threads, a grid of G(n) = min(S * (T // 256), ceil(n / 256)) blocks, S the
   device's multiprocessors and T its most threads per multiprocessor
