@@ -103,11 +103,19 @@ SETUP_S = 15  # the script's own start, the CUDA check and the packing of the re
 # on a GPU host's 16; the first stage that needs it comes after ~3 minutes of the library's checks
 WARM_S = 120
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
-# the CUDA path of the meta-device TP materialisation (units/shard_init.py) beside the kernels
-SHARD_INIT_CUDA = (
-    "tests/units/test_shard_init.py::test_on_cuda_each_fill_draws_its_parameter_whole_and_keeps_the_shard"
-)
-TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py", SHARD_INIT_CUDA]
+# the CUDA path of the meta-device TP materialisation (units/shard_init.py, units/cuda_draw.py)
+# beside the kernels: shard-sized chunked fills bitwise the whole draw, one chunk of scratch, the
+# self-check refuting a wrong geometry, a parameter over 2^31 bytes drawn in torch's pieces
+SHARD_INIT_CUDA = [
+    f"tests/units/test_shard_init.py::test_on_cuda_{name}"
+    for name in (
+        "a_shard_drawn_chunk_by_chunk_is_bitwise_its_box",
+        "no_scratch_is_larger_than_one_chunk",
+        "a_geometry_its_self_check_refutes_is_drawn_whole_with_a_warning",
+        "a_parameter_over_2_gib_is_drawn_in_the_pieces_torch_launches",
+    )
+]
+TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py", *SHARD_INIT_CUDA]
 # the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
 CPU_TESTS = ["tests/shard/test_stand_ins.py"]
 SUMMARY_BYTES = 8000

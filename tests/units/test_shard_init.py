@@ -9,7 +9,11 @@ matrix cut `Shard(1)`, built on the meta device and materialised by vo.AdamW at 
 dp2 x tp2, equal the model built normally under seed 0 bitwise, and no allocation during
 materialisation is as large as the expert stack (the old path made it whole on every rank); a
 module whose initialisation needs whole tensors (`orthogonal_`, its own generator, a plain
-parameter drawn in between) is rewound and made whole, bitwise the same."""
+parameter drawn in between) is rewound and made whole, bitwise the same. On a GPU: boxes of a
+64 Mi-element tensor drawn only through their chunks (`units/cuda_draw`) are bitwise their boxes
+of the whole draw, with the CUDA generator's state after, in float32, bfloat16 and float64; no
+scratch beyond one chunk is allocated; a geometry the self-check refutes is drawn whole with a
+warning; a parameter over 2^31 bytes is drawn in the pieces torch launches."""
 
 import math
 
@@ -24,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
 import vescale_optim as vo
+from vescale_optim.units import cuda_draw
 from vescale_optim.units.shard_init import Attempt, NeedsWhole, ShardTarget, stand_in
 
 CPU = torch.device("cpu")
@@ -126,21 +131,105 @@ def test_what_the_shard_cannot_reproduce_is_refused_by_name(name):
     assert isinstance(got, str) and "w" in got, name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's draws")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "copy_"])
-def test_on_cuda_each_fill_draws_its_parameter_whole_and_keeps_the_shard(name, dtype):
-    """CUDA's kernels give an element a value that depends on the launch's size: the whole
-    parameter is drawn at once, whatever the chunk, so the shard is bitwise its box; a module
-    that needs whole tensors rewinds CUDA's generator too."""
-    cuda = torch.device("cuda", torch.cuda.current_device())
-    shape, origin, sizes = (6, 1000, 700), (0, 250, 0), (6, 500, 700)  # 4.2 M elements: many blocks
-    want, shard, rng_whole, rng_shard = _on_shard(shape, origin, sizes, SHARD_PATH[name], dtype, device=cuda)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's draws")
+BIG = (64, 1024, 1024)  # 64 Mi elements: several chunks of about 32 MiB (`cuda_draw.CHUNK_BYTES`)
+CUDA_BOXES = {  # of BIG: a Shard(0), Shard(1) and Shard(2) cut over tp4, and the last element
+    "rows": ((16, 0, 0), (16, 1024, 1024)),
+    "columns": ((0, 256, 0), (64, 256, 1024)),
+    "tail": ((0, 0, 768), (64, 1024, 256)),
+    "last": ((63, 1023, 1023), (1, 1, 1)),
+}
+
+
+def _own_generator_twice(w):
+    """Two fills from one generator of the device: the second draws where the first left it."""
+    g = torch.Generator(w.device).manual_seed(5)
+    return w.uniform_(generator=g).normal_(generator=g)
+
+
+def _cuda():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "name", ["uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "own_generator", "copy_"]
+)
+def test_on_cuda_a_shard_drawn_chunk_by_chunk_is_bitwise_its_box(name, dtype):
+    """Only the chunks that hold the shard are drawn, each at its offset in the whole draw's
+    stream (`cuda_draw`): the shard is bitwise its box of the whole draw, the generator's state
+    after is the whole draw's; a small tensor is drawn whole; a module that needs whole tensors
+    rewinds CUDA's generator too."""
+    fn = _own_generator_twice if name == "own_generator" else SHARD_PATH[name]
+    for box, (origin, sizes) in CUDA_BOXES.items():
+        want, shard, rng_whole, rng_shard = _on_shard(BIG, origin, sizes, fn, dtype, device=_cuda())
+        assert torch.equal(shard, want) and torch.equal(rng_shard, rng_whole), box
+    small = (6, 100, 70), (0, 25, 0), (6, 50, 70)  # under a chunk: drawn whole
+    want, shard, rng_whole, rng_shard = _on_shard(*small, fn, dtype, device=_cuda())
     assert torch.equal(shard, want) and torch.equal(rng_shard, rng_whole)
-    attempt = Attempt(cuda)
-    torch.empty(100, device=cuda).normal_()
+    attempt = Attempt(_cuda())
+    torch.empty(100, device=_cuda()).normal_()
     attempt.rewind()
-    assert torch.equal(torch.cuda.get_rng_state(cuda), attempt.cuda)
+    assert torch.equal(torch.cuda.get_rng_state(_cuda()), attempt.cuda)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_no_scratch_is_larger_than_one_chunk(dtype):
+    """A rank's Shard(0) quarter of BIG by `trunc_normal_` (a fill, then the whole draw's bounds
+    replayed chunk by chunk for its rejection test): the most memory allocated beyond the shard
+    is one chunk, where the whole-parameter draw needed all of BIG."""
+    cuda, (origin, sizes) = _cuda(), CUDA_BOXES["rows"]
+    fn = SHARD_PATH["trunc_normal_"]
+    _on_shard(BIG, origin, sizes, fn, dtype, device=cuda)  # the self-check, once per process, first
+    chunk_bytes = cuda_draw.geometry_of(cuda, dtype).chunk() * dtype.itemsize
+    whole_bytes = math.prod(BIG) * dtype.itemsize
+    shard = torch.empty(sizes, dtype=dtype, device=cuda)
+    target = ShardTarget("w", BIG, dtype, origin, shard, Attempt(cuda))
+    torch.cuda.synchronize(cuda)
+    torch.cuda.reset_peak_memory_stats(cuda)
+    before = torch.cuda.memory_allocated(cuda)
+    with torch.no_grad():
+        fn(stand_in(target, requires_grad=True))
+    peak = torch.cuda.max_memory_allocated(cuda) - before
+    # the allocator may leave up to 1 MiB of a block unsplit; aminmax's results are a few bytes
+    assert peak <= chunk_bytes + (4 << 20) and 2 * chunk_bytes < whole_bytes, (peak, chunk_bytes, whole_bytes)
+
+
+@CUDA
+def test_on_cuda_a_geometry_its_self_check_refutes_is_drawn_whole_with_a_warning(monkeypatch):
+    """Were torch's kernels to lay elements otherwise, the calibration would find it: a wrong
+    grid fails it, the fill is drawn whole (bitwise still), and a warning names the cost, once."""
+    real = cuda_draw.geometry_of
+
+    def wrong(device, dtype):
+        g = real(device, dtype)
+        return cuda_draw.Geometry(g.blocks + 1, g.unroll, g.element_size)
+
+    monkeypatch.setattr(cuda_draw, "geometry_of", wrong)
+    monkeypatch.setattr(cuda_draw, "_VERDICTS", {})
+    origin, sizes = CUDA_BOXES["rows"]
+    with pytest.warns(RuntimeWarning, match="drawn whole"):
+        got = _on_shard(BIG, origin, sizes, SHARD_PATH["normal_"], device=_cuda())
+    want, shard, rng_whole, rng_shard = got
+    assert torch.equal(shard, want) and torch.equal(rng_shard, rng_whole)
+    assert cuda_draw._VERDICTS[(_cuda(), torch.float32, "normal_", False)] is not None
+
+
+@CUDA
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 32 << 30, reason="32 GiB"
+)
+@pytest.mark.parametrize("name", ["uniform_", "normal_"])
+def test_on_cuda_a_parameter_over_2_gib_is_drawn_in_the_pieces_torch_launches(name):
+    """fp32 [4, 2^27 + 2^20]: over 2^31 bytes, torch draws it as two tensors of its halves (rows
+    0-1 and 2-3), after taking the whole's offset increment; shards across and beside the halves'
+    seam are bitwise their boxes, the generator's state after the whole draw's."""
+    shape = (4, 2**27 + 2**20)
+    for origin, sizes in [((1, 0), (2, shape[1])), ((0, 5), (4, 1000)), ((3, shape[1] - 7), (1, 7))]:
+        want, shard, rng_whole, rng_shard = _on_shard(shape, origin, sizes, SHARD_PATH[name], device=_cuda())
+        assert torch.equal(shard, want) and torch.equal(rng_shard, rng_whole), origin
 
 
 # --- materialised by the optimizer: 4 gloo ranks --------------------------------------------------------

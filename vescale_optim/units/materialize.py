@@ -33,9 +33,9 @@ rejection that redraws, any op reading the values) stops the module's initialisa
 generator handed to a torch function meanwhile) and the module is initialised again with whole
 tensors, each DTensor parameter replaced by a plain parameter of its global shape on the units'
 device and sliced after, at the price of one module's parameters whole. On CUDA a random fill
-draws the whole parameter into its scratch buffer (the kernels give an element a value that
-depends on the launch's size, so a chunk would draw other values): one parameter whole at a
-time, freed at once.
+draws only the chunks that hold the shard, each at the Philox offset where torch's kernel
+reaches it (`cuda_draw`: about 32 MiB of scratch); where its once-per-process calibration does
+not prove that layout, the parameter is drawn whole (one at a time, freed at once), with a warning.
 """
 
 from __future__ import annotations

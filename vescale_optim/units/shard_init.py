@@ -13,10 +13,13 @@ initialisation's writes to it reach the shard:
   bitwise the whole draw's: the CPU generator gives `uniform_` element by element, and
   `normal_` (for 16 elements or more) fills uniforms, turns groups of 16 into normals and
   redraws the last 16 when the count is not a multiple of 16, which chunks of multiples of 16,
-  the last one at least 16 long, reproduce. CUDA's kernels assign elements to threads by the
-  launch's size, so a chunk would not draw what the whole draw gives it: on CUDA each fill
-  draws the whole parameter into a scratch buffer that is freed once the shard is kept (one
-  parameter's whole size at a time, instead of the module's).
+  the last one at least 16 long, reproduce. On CUDA (`cuda_draw`) only the chunks that hold the
+  shard are drawn, each chunk a whole number of the kernel's loop iterations drawn with the
+  generator's offset set to where the whole draw's kernel reaches it, and the offset is left
+  where the whole draw leaves it; the whole's minimum and maximum, when asked, are replayed
+  chunk by chunk. Where `cuda_draw`'s once-per-process calibration does not prove torch's layout
+  for the device, dtype and fill, the parameter is drawn whole into a scratch buffer freed once
+  the shard is kept (one parameter's whole size at a time), with a warning.
 - a constant fill, a copy from a real tensor (broadcast, then cut to the shard), and the
   element-wise ops that round alike in CPU kernels' vector and scalar paths (`mul_`, `add_`
   without `alpha`, `clamp_`, `erfinv_`, `sqrt_`, ...) apply to the shard itself.
@@ -36,12 +39,13 @@ answers `device` with the units' device and `is_meta` with False, as the whole t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import cuda_draw
 from .tensor_parallel import is_dtensor
 
 #: The CPU draw's chunk, in elements (a multiple of 16): its scratch buffer holds at most twice this.
@@ -132,13 +136,17 @@ class ShardTarget:
     parameter initialised before, by a module sharing it)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, origin: tuple[int, ...],
-                 shard: torch.Tensor | None, attempt: Attempt, chunk: int | None = CHUNK):  # fmt: skip
+                 shard: torch.Tensor | None, attempt: Attempt, chunk: int | None = CHUNK,
+                 cuda_chunk_bytes: int | None = cuda_draw.CHUNK_BYTES):  # fmt: skip
         self.name, self.shape, self.dtype, self.origin = name, tuple(shape), dtype, tuple(origin)
         self.shard, self.attempt = shard, attempt
         self.device = attempt.device
-        self.chunk = chunk if self.device.type == "cpu" else None  # CUDA: whole (module docstring)
+        # the CPU's chunk in elements; on CUDA the chunk's bytes (`cuda_draw`); None: whole
+        self.chunk = chunk if self.device.type == "cpu" else None
+        self.cuda_chunk_bytes = cuda_chunk_bytes if self.device.type == "cuda" else None
         self.written = False  # by a fill or a copy: an initialisation that skips it is named
-        self.bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # of the whole, after a fill
+        # the whole's (minimum, maximum) after a fill, when asked (CUDA replays the whole draw then)
+        self.bounds: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def box(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of `t` broadcast to the whole shape (a view)."""
@@ -147,6 +155,21 @@ class ShardTarget:
             out = out.narrow(d, o, n)
         return out
 
+    def meets(self, start: int, stop: int) -> bool:
+        """Whether the shard holds any of the whole's flat elements `[start, stop)`."""
+        if self.shard is None:
+            return False
+        for origin, sizes in flat_boxes(self.shape, start, stop):
+            spans = zip(origin, sizes, self.origin, self.shard.shape)
+            if all(max(b, o) < min(b + s, o + m) for b, s, o, m in spans):
+                return True
+        return False
+
+    def keep(self, part: torch.Tensor, start: int, stop: int) -> None:
+        """The shard's elements of `part` (the whole's flat `[start, stop)`) copied into it."""
+        if self.shard is not None:
+            keep(part, start, stop, self.shape, self.origin, self.shard)
+
     def draw(self, name: str, args: tuple, kwargs: dict) -> None:
         """The random fill `name` of the whole tensor, chunk by chunk; the shard's part kept."""
         self.attempt.saw(kwargs.get("generator"))
@@ -154,18 +177,23 @@ class ShardTarget:
         self.written, self.bounds = True, None
         if n == 0:
             return
+        if self.cuda_chunk_bytes is not None:  # only the shard's chunks, where proven (`cuda_draw`)
+            bounds = cuda_draw.shard_sized(name, args, kwargs, n, self.dtype, self.device, self.meets,
+                                           self.keep, self.cuda_chunk_bytes)  # fmt: skip
+            if bounds is not None:
+                self.bounds = bounds
+                return
         spans = list(spans_of(n, self.chunk or n))
         scratch = torch.empty(max(b - a for a, b in spans), dtype=self.dtype, device=self.device)
         low = high = None
         for start, stop in spans:
             part = scratch[: stop - start]
             getattr(part, name)(*args, **kwargs)
-            if self.shard is not None:
-                keep(part, start, stop, self.shape, self.origin, self.shard)
+            self.keep(part, start, stop)
             lo, hi = torch.aminmax(part)
             low = lo if low is None else torch.minimum(low, lo)
             high = hi if high is None else torch.maximum(high, hi)
-        self.bounds = (low, high)
+        self.bounds = lambda: (low, high)
 
 
 def spans_of(n: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -287,7 +315,7 @@ class ShardStandIn(nn.Parameter):
             return _derived(out, target, writable=me._writable and name in _ALIASES)
         if name in _COMPARE and me._writable and target.bounds is not None and _is_number(args[1:]):
             side, compare = _COMPARE[name]
-            extreme = target.bounds[side]
+            extreme = target.bounds()[side]
             if not bool(extreme.isnan()):
                 return AnyOnly(bool(compare(extreme, args[1])), target.attempt)
         raise target.attempt.needs_whole(f"{full} on {target.name}")
