@@ -146,7 +146,7 @@ def _is_eigh(text: str) -> bool:
     (its error check reads the device: one host sync a call, by torch's design)."""
     import linecache
 
-    m = re.search(r"\((.+):(\d+)\)$", text)
+    m = re.search(r"\(([^()]+):(\d+)\)$", text)  # the last parenthesis: torch's own comes before it
     return bool(m) and "eigh" in linecache.getline(m[1], int(m[2]))
 
 

@@ -281,6 +281,21 @@ def test_a_warm_up_runs_beside_the_first_stages_and_the_warm_ones_wait_for_it(tm
     assert "| warm |" in (tmp_path / "report.md").read_text()
 
 
+def test_a_sync_of_eigh_is_told_apart_by_its_location():
+    """The syncs stage counts torch.linalg.eigh's own error check apart: the warning CUDA gives
+    names torch's C++ location first and the Python caller's last (as seen on the first H200
+    slot, where the first parenthesis was taken for the location and 8 eigh syncs were counted)."""
+    from benchmarks import _gpu_library as lib
+    from vescale_optim.optim import _shampoo_math
+
+    path = _shampoo_math.__file__
+    lines = Path(path).read_text().splitlines()
+    eigh = next(i for i, line in enumerate(lines, 1) if "torch.linalg.eigh(" in line)
+    torch_own = "(Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:162.)"
+    assert lib._is_eigh(f"called a synchronizing CUDA operation {torch_own} ({path}:{eigh})")
+    assert not lib._is_eigh(f"called a synchronizing CUDA operation {torch_own} ({path}:{eigh - 1})")
+
+
 def _x(name, ts, dur, cat, tid=1, **args):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid, "args": args}
 
