@@ -1,5 +1,5 @@
 """What the stages of `benchmarks/gpu_check.py` share: sizes by mode, the force switch, the
-reason a CUDA-only check is skipped, rounding units."""
+reason a CUDA-only check is skipped, rounding units, NCCL's version, `torch.cuda._sleep` cycles."""
 
 from __future__ import annotations
 
@@ -51,3 +51,25 @@ def _torch():
     import torch
 
     return torch
+
+
+def nccl_version() -> str | int | None:
+    """NCCL's version ("2.27.5"), None where torch has no NCCL."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return None
+    version = _torch().cuda.nccl.version()
+    return version if isinstance(version, int) else ".".join(map(str, version))
+
+
+def sleep_cycles(ms: float) -> int:
+    """`torch.cuda._sleep` cycles of about `ms` milliseconds on this device (measured)."""
+    torch = _torch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(ms * 10_000_000 / max(start.elapsed_time(end), 1e-3))

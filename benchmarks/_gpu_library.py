@@ -13,7 +13,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch, sleep_cycles
 from benchmarks._gpu_stages import Result
 
 # --- zero3 ----------------------------------------------------------------------------------------
@@ -267,17 +267,6 @@ def _sleepy_side_streams(torch, cycles: int):
         streams.Streams._on = original
 
 
-def _sleep_cycles(torch, ms: float) -> int:
-    """`torch.cuda._sleep` cycles of about `ms` milliseconds on this device (measured)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return int(ms * 10_000_000 / max(start.elapsed_time(end), 1e-3))
-
-
 def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     """ZeRO-3 AdamW and Muon (and AdamW with reduce_bits=8) in one process with no process
     group: what stands in for each collective is a copy on a side stream, which the compute
@@ -299,7 +288,7 @@ def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     base = gm.build(sz["dim"], sz["blocks"], dev)
     tol = {"adamw32": 1e-5, "muon": steps * gm.muon_max_adjusted_lr(base) * 2.0**-6,
            "adamw_reduce8": 2 * steps * gm.ADAMW["lr"]}  # fmt: skip
-    cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+    cycles = sleep_cycles(2.0) if cuda else 0
     slow = "sleep" if cuda else "emulated"
     rows = []
     for kind in tol:
@@ -344,7 +333,7 @@ def stage_delay(r: Result, *, out: Path, mode: str) -> None:
     cuda = dev.type == "cuda"
     found = {}
     with gm.world_of_one(dev):
-        cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+        cycles = sleep_cycles(2.0) if cuda else 0
         base = gm.build(sz["dim"], sz["blocks"], dev)
         for kind in ("adamw32", "muon"):
             got, counts = {}, {}

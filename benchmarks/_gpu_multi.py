@@ -49,6 +49,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._gpu_common import nccl_version  # noqa: E402
 from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_process, run_stage_here  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_multi"
@@ -99,9 +100,8 @@ def stage_env(r: Result, *, out: Path, mode: str) -> None:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": n}
     if mode == "gpu":
         r.check("8 GPUs", n >= 8, measured=n, bound=">= 8")
-        version = torch.cuda.nccl.version() if dist.is_nccl_available() else None
-        info["nccl"] = version if isinstance(version, int | None) else ".".join(map(str, version))
-        r.check("nccl", dist.is_nccl_available(), measured=info["nccl"])
+        info["nccl"] = nccl_version()
+        r.check("nccl", info["nccl"] is not None, measured=info["nccl"])
         if n:
             info["device"] = torch.cuda.get_device_name(0)
     else:

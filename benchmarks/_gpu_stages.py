@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._gpu_report import FAILED, PASSED, SKIPPED, markdown, print_stage
+
 ROOT = Path(__file__).resolve().parent.parent
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
 def jsonable(value: Any) -> Any:
@@ -310,7 +311,7 @@ def run_all(
     for i, s in enumerate(stages, 1):
         left = budget - setup - (time.monotonic() - start)
         if s.warm and warmup is not None and warmup.entry is None:
-            _print_stage(warmup.wait(left))
+            print_stage(warmup.wait(left))
             left = budget - setup - (time.monotonic() - start)
         limit = min(s.limits[mode], left)
         log = out / f"{s.name}.log"
@@ -335,7 +336,7 @@ def run_all(
                 entry["compiled_kernels"] = (_cache_entries() or 0) - cached
         entry["log"] = log.name
         results.append(entry)
-        _print_stage(entry)
+        print_stage(entry)
     if warmup is not None:
         results.insert(0, warmup.wait(budget - (time.monotonic() - start)))
     total = time.monotonic() - start
@@ -385,60 +386,3 @@ def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, 
         entry = result.to_dict()
     entry["seconds"], entry["limit_s"] = round(seconds, 1), round(limit)
     return entry
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    if isinstance(value, dict | list):
-        text = json.dumps(value, default=str)
-        return text if len(text) <= 160 else text[:157] + "..."
-    return str(value)
-
-
-def check_line(c: dict) -> str:
-    tag = {PASSED: "ok  ", FAILED: "FAIL", SKIPPED: "skip"}[c["status"]]
-    text = f"{tag} {c['name']}"
-    if c["measured"] is not None:
-        text += f": {_fmt(c['measured'])}"
-        if c["bound"] is not None:
-            text += f" (bound {_fmt(c['bound'])})"
-    if c["detail"]:
-        text += f" - {c['detail']}"
-    return text
-
-
-def _print_stage(entry: dict) -> None:
-    print(f"   {entry['status']} in {entry['seconds']} s", flush=True)
-    for c in entry["checks"]:
-        print("   " + check_line(c).replace("\n", "\n     "), flush=True)
-    if entry.get("error"):
-        print("   | " + "\n   | ".join(entry["error"].strip().splitlines()[-8:]), flush=True)
-
-
-def markdown(report: dict) -> str:
-    md = [
-        f"# {report['title']} ({report['mode']})",
-        "",
-        f"{report['host']['hostname']}, {report['host']['platform']}, Python {report['host']['python']}; "
-        f"{report['seconds']} s of a {report['budget_s']:.0f} s budget; "
-        f"{'no stage failed' if report['passed'] else 'FAILED'}",
-        "",
-    ]
-    md += [f"- {n}" for n in report["notes"]]
-    md += ["", "| stage | status | seconds | limit s | kernels compiled | reason |"]
-    md += ["|---|---|---:|---:|---:|---|"]
-    for r in report["stages"]:
-        reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")
-        compiled = r.get("compiled_kernels", "")
-        cells = [r["stage"], r["status"], r["seconds"], r["limit_s"], compiled, reason[:300]]
-        md.append("| " + " | ".join(map(str, cells)) + " |")
-    for r in report["stages"]:
-        md += ["", f"## {r['stage']}: {r['status']}", ""]
-        md += [f"- {check_line(c)}" for c in r["checks"]]
-        if r["measurements"]:
-            md += ["", "```json", json.dumps(r["measurements"], indent=1, default=str)[:6000], "```"]
-        if r.get("error"):
-            md += ["", "```", r["error"].strip()[-3000:], "```"]
-        md.append(f"\nlog: `{r['log']}`")
-    return "\n".join(md) + "\n"
