@@ -13,6 +13,7 @@ stage raised, crashed or ran out of time), `skipped` if every check was skipped,
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -386,3 +387,26 @@ def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, 
         entry = result.to_dict()
     entry["seconds"], entry["limit_s"] = round(seconds, 1), round(limit)
     return entry
+
+
+def parser(doc: str, stages: Sequence[Stage], out: Path, *, cpu: str, dry_run: str, budget: str,
+           **flags: str) -> argparse.ArgumentParser:  # fmt: skip
+    """A driver's command line: OUT (default `out`), --cpu, --dry-run, --stages, `flags` (each a
+    flag and its help), --budget, and the internal --stage and --mode (one stage in this process)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("out", nargs="?", type=Path, default=out, help=f"default {out}")
+    ap.add_argument("--cpu", action="store_true", help=cpu)
+    ap.add_argument("--dry-run", action="store_true", help=dry_run)
+    ap.add_argument("--stages", nargs="+", choices=[s.name for s in stages], help="run these only")
+    for name, text in flags.items():
+        ap.add_argument(f"--{name}", action="store_true", help=text)
+    ap.add_argument("--budget", type=float, help=budget)
+    ap.add_argument("--stage", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
+    return ap
+
+
+def stage_command(script: Path, mode: str, out: Path) -> Callable[[Stage], list[str]]:
+    """The command line of a stage's own process: `script --stage NAME --mode MODE OUT`."""
+    return lambda s: [sys.executable, str(script), "--stage", s.name, "--mode", mode, str(out)]

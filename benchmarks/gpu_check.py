@@ -58,7 +58,6 @@ Only torch >= 2.9 APIs are used (the machine has torch 2.11, Triton 3.6, pytest-
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -90,7 +89,17 @@ from benchmarks._gpu_programs import (  # noqa: E402
     stage_tests,
 )
 from benchmarks._gpu_report import pack, summary  # noqa: E402
-from benchmarks._gpu_stages import ROOT, Stage, Warmup, child_env, dry_run, run_all, run_stage_here  # noqa: E402
+from benchmarks._gpu_stages import (  # noqa: E402
+    ROOT,
+    Stage,
+    Warmup,
+    child_env,
+    dry_run,
+    parser,
+    run_all,
+    run_stage_here,
+    stage_command,
+)
 
 __all__ = ["STAGES", "analyse_overlap", "main"]
 
@@ -225,26 +234,11 @@ def start_warmup(out: Path, arch: str) -> Warmup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    ap.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    ap.add_argument(
-        "--cpu", action="store_true", help="rehearse every stage on CPU (gloo, Triton interpreter)"
-    )
-    ap.add_argument("--dry-run", action="store_true", help="print the stages, their limits and the total")
-    ap.add_argument("--stages", nargs="+", choices=[s.name for s in STAGES], help="run these only")
-    ap.add_argument("--kernels", action="store_true", help="also run the kernels stage (torch.compile), last")
-    ap.add_argument(
-        "--budget",
-        type=float,
-        help="seconds for the whole run, set-up included "
-        f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu); honoured with --stages",
-    )
-    ap.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage in this process
-    ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
+    budget = f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu); honoured with --stages"
+    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu="rehearse every stage on CPU (gloo, Triton interpreter)",
+                dry_run="print the stages, their limits and the total",
+                kernels="also run the kernels stage (torch.compile), last",
+                budget=f"seconds for the whole run, set-up included {budget}")  # fmt: skip
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
     out = args.out.resolve()
@@ -255,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stages = [s for s in STAGES if s.name not in OPTIONAL or args.kernels]
     budget = args.budget if args.budget is not None else BUDGET_S[mode]
-    script = str(Path(__file__).resolve())
-    command = lambda s: [sys.executable, script, "--stage", s.name, "--mode", mode, str(out)]  # noqa: E731
+    command = stage_command(Path(__file__).resolve(), mode, out)
     if args.dry_run:
         if mode == "gpu":
             print(
