@@ -36,7 +36,6 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
       torch, ours with the Triton kernel on CUDA: outputs (|entries| < 1) may differ by a few
       bf16 ulps (4 ulps = 2^-6), each moving a parameter by that times the adjusted lr.
     """
-    torch = _torch()
     from benchmarks import _gpu_models as gm
     from vescale_optim.shard.handle import traced
 
@@ -68,49 +67,22 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
                 got = gm.full_state(model)
                 finals[kind, sharding] = got
                 diff, where = gm.max_diff(got, want)
-                rows.append(
-                    dict(
-                        optimizer=kind,
-                        sharding=sharding,
-                        max_abs_diff=diff,
-                        where=where,
-                        collectives=len(trace),
-                        units=len(opt.units),
-                        seconds=round(seconds, 3),
-                    )
-                )
+                row = dict(optimizer=kind, sharding=sharding, max_abs_diff=diff, where=where)
+                rows.append(row)
+                row.update(collectives=len(trace), units=len(opt.units), seconds=round(seconds, 3))
                 vs = "torch.optim.AdamW (fp32)" if kind == "adamw8" else "the reference"
-                r.check(
-                    f"{kind}.{sharding}",
-                    diff <= tol[kind],
-                    measured=diff,
-                    bound=tol[kind],
-                    detail=f"max |param - {vs}| after {steps[kind]} steps (at {where}); "
-                    f"{len(trace)} collectives issued",
-                )
+                what = f"max |param - {vs}| after {steps[kind]} steps (at {where}); {len(trace)} collectives"
+                what += " issued"
+                r.check(f"{kind}.{sharding}", diff <= tol[kind], measured=diff, bound=tol[kind], detail=what)
                 if not trace:
-                    r.fail(
-                        f"{kind}.{sharding}.forced",
-                        "no collective was issued: the force switch "
-                        "VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect",
-                    )
+                    what = "the force switch VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect"
+                    r.fail(f"{kind}.{sharding}.forced", f"no collective was issued: {what}")
         diff, where = gm.max_diff(finals["adamw8", "zero3"], finals["adamw8", "zero2"])
-        r.check(
-            "adamw8.zero3_vs_zero2",
-            diff <= 1e-5,
-            measured=diff,
-            bound=1e-5,
-            detail=f"8-bit state does not depend on the layout (at {where})",
-        )
-    r.measure(
-        rows=rows,
-        tolerances=tol,
-        muon_max_adjusted_lr=lr_adj,
-        device=str(dev),
-        backend="nccl" if dev.type == "cuda" else "gloo",
-    )
+        what = f"8-bit state does not depend on the layout (at {where})"
+        r.check("adamw8.zero3_vs_zero2", diff <= 1e-5, measured=diff, bound=1e-5, detail=what)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    r.measure(rows=rows, tolerances=tol, muon_max_adjusted_lr=lr_adj, device=str(dev), backend=backend)
     print(json.dumps(rows, indent=1))
-    del torch
 
 
 # --- syncs ----------------------------------------------------------------------------------------
