@@ -62,25 +62,18 @@ class Result:
         self, name: str, ok: bool, *, measured: Any = None, bound: Any = None, detail: str | None = None
     ) -> bool:
         """Record check `name`: passed iff `ok`; `measured` against `bound`, `detail` in words."""
-        self.checks.append(
-            {
-                "name": name,
-                "status": PASSED if ok else FAILED,
-                "measured": jsonable(measured),
-                "bound": jsonable(bound),
-                "detail": detail,
-            }
-        )
+        self._add(name, PASSED if ok else FAILED, jsonable(measured), jsonable(bound), detail)
         return bool(ok)
+
+    def _add(self, name: str, status: str, measured: Any, bound: Any, detail: str | None) -> None:
+        self.checks.append(dict(name=name, status=status, measured=measured, bound=bound, detail=detail))
 
     def fail(self, name: str, detail: str, measured: Any = None) -> None:
         self.check(name, False, detail=detail, measured=measured)
 
     def skip(self, name: str, reason: str) -> None:
         """Record check `name` as skipped, with the reason (e.g. it needs CUDA)."""
-        self.checks.append(
-            {"name": name, "status": SKIPPED, "measured": None, "bound": None, "detail": reason}
-        )
+        self._add(name, SKIPPED, None, None, reason)
 
     def measure(self, **values: Any) -> None:
         self.measurements.update(jsonable(values))
@@ -107,14 +100,8 @@ class Result:
         return None
 
     def to_dict(self) -> dict:
-        return {
-            "stage": self.stage,
-            "status": self.status,
-            "reason": self.reason(),
-            "checks": self.checks,
-            "measurements": self.measurements,
-            "error": self.error,
-        }
+        found = dict(checks=self.checks, measurements=self.measurements, error=self.error)
+        return dict(stage=self.stage, status=self.status, reason=self.reason(), **found)
 
 
 @dataclass
@@ -198,9 +185,8 @@ def run_process(
     it ran out of time, seconds)."""
     start = time.monotonic()
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
+        how = dict(stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(list(cmd), **how)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -306,9 +292,7 @@ def run_all(
     out.mkdir(parents=True, exist_ok=True)
     start = warmup.start if warmup is not None else time.monotonic()
     results = []
-    print(
-        f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}", flush=True
-    )
+    print(f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}")
     for i, s in enumerate(stages, 1):
         left = budget - setup - (time.monotonic() - start)
         if s.warm and warmup is not None and warmup.entry is None:
@@ -320,13 +304,10 @@ def run_all(
         (out / f"{s.name}.json").unlink(missing_ok=True)
         print(f"== [{i:2d}/{len(stages)}] {s.name} (limit {limit:.0f} s): {s.what}", flush=True)
         if s.refused:
-            entry = Result(s.name)
-            entry.skip("stage", s.refused)
-            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0}
+            entry = _skipped(s.name, s.refused)
         elif left < 5:
-            entry = Result(s.name)
-            entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
-            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0, "budget_spent": True}
+            why = f"the run's budget of {budget:.0f} s was spent before this stage"
+            entry = _skipped(s.name, why, budget_spent=True)
         else:
             env = child_env(mode, {**s.env, "GPU_CHECK_STAGE_LIMIT_S": f"{limit:.0f}"})
             # (while the warm-up still fills the cache, what a stage added is not its own)
@@ -341,31 +322,24 @@ def run_all(
     if warmup is not None:
         results.insert(0, warmup.wait(budget - (time.monotonic() - start)))
     total = time.monotonic() - start
-    report = {
-        "title": title,
-        "mode": mode,
-        "host": host_info(),
-        "seconds": round(total, 1),
-        "budget_s": budget,
-        "passed": all(r["status"] != FAILED and not r.get("budget_spent") for r in results),
-        "notes": list(notes),
-        "stages": results,
-        "skipped_checks": [
-            {"check": f"{r['stage']}.{c['name']}", "reason": c["detail"]}
-            for r in results
-            for c in r["checks"]
-            if c["status"] == SKIPPED
-        ],
-    }
+    passed = all(r["status"] != FAILED and not r.get("budget_spent") for r in results)
+    skipped = [(r["stage"], c) for r in results for c in r["checks"] if c["status"] == SKIPPED]
+    report = dict(title=title, mode=mode, host=host_info(), seconds=round(total, 1), budget_s=budget)
+    report.update(passed=passed, notes=list(notes), stages=results)
+    report["skipped_checks"] = [{"check": f"{st}.{c['name']}", "reason": c["detail"]} for st, c in skipped]
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
     counts = {st: sum(r["status"] == st for r in results) for st in (PASSED, FAILED, SKIPPED)}
-    print(
-        f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
-        f"report: {out / 'report.md'} and {out / 'report.json'}",
-        flush=True,
-    )
+    print(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
+          f"report: {out / 'report.md'} and {out / 'report.json'}", flush=True)  # fmt: skip
     return 0 if report["passed"] else 1
+
+
+def _skipped(name: str, why: str, **more) -> dict:
+    """The report entry of a stage that did not run, and why."""
+    entry = Result(name)
+    entry.skip("stage", why)
+    return entry.to_dict() | {"seconds": 0.0, "limit_s": 0, **more}
 
 
 def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, log: Path, cut: bool) -> dict:
