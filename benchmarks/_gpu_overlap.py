@@ -87,9 +87,8 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         raise AssertionError("the trace has no gpu_check::backward range")
     b0, b1 = bwd[0]["ts"], bwd[0]["ts"] + bwd[0]["dur"]
     inside = lambda e: b0 <= e["ts"] <= b1  # noqa: E731
-    unshards = sorted(
-        (e for (kind, _), es in ranges.items() if kind == "unshard" for e in es), key=lambda e: e["ts"]
-    )
+    by_start = lambda events: sorted(events, key=lambda e: e["ts"])  # noqa: E731
+    unshards = by_start(e for (kind, _), es in ranges.items() if kind == "unshard" for e in es)
     unit_of = {id(e): _UNIT_RANGE.match(e["name"])[2] for e in unshards}
     launches: dict = {}
     gathers: list[tuple[str | None, dict, dict | None]] = []  # (unit, the gather event, its unshard range)
@@ -106,8 +105,7 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
                 kernels.append(e)
             elif e.get("cat") == "gpu_memcpy" and "DtoD" in e["name"]:
                 copies.append(e)
-        kernels.sort(key=lambda e: e["ts"])
-        copies.sort(key=lambda e: e["ts"])
+        kernels, copies = by_start(kernels), by_start(copies)
         ag = [k for k in kernels if re.match(r"nccl(Dev)?Kernel_AllGather", k["name"])]
         method, gathers = _gpu_gathers(ag, copies, unshards, unit_of, launches)
         launched = lambda e: launches.get((e.get("args") or {}).get("correlation"))  # noqa: E731
@@ -120,10 +118,7 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
     else:
         method = "issue"
         gathers = [(unit_of[id(u)], u, u) for u in unshards]
-        compute = sorted(
-            (e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")),
-            key=lambda e: e["ts"],
-        )
+        compute = by_start(e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::"))
     per_block = []
     for k in range(1, len(blocks)):
         unit, before = blocks[k], blocks[k - 1]
@@ -144,25 +139,19 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         # the gather of the unit before issued in backward (the forward's gathered it too)
         theirs = [g for u, g, rng in gathers if u == before and rng is not None and inside(rng)]
         if not mine or not theirs:
-            row.update(
-                ok=False,
-                why=f"{len(mine)} compute events of {unit} in its backward, "
-                f"{len(theirs)} backward gathers of {before}",
-            )
+            why = f"{len(mine)} compute events of {unit} in its backward, {len(theirs)} backward gathers"
+            row.update(ok=False, why=f"{why} of {before}")
             per_block.append(row)
             continue
         last, gather = max(e["ts"] for e in mine), theirs[0]
         total = sum(e.get("dur", 0) for e in mine)
         after = sum(e.get("dur", 0) for e in mine if e["ts"] >= gather["ts"])
         share = after / total if total > 0 else 0.0
+        ok = share >= MIN_SHARE if cuda else gather["ts"] < last
         row.update(
-            gather_start_us=gather["ts"],
-            last_compute_start_us=last,
-            lead_us=round(last - gather["ts"], 1),
-            compute_events=len(mine),
-            share=round(share, 3),
-            ok=share >= MIN_SHARE if cuda else gather["ts"] < last,
+            gather_start_us=gather["ts"], last_compute_start_us=last, lead_us=round(last - gather["ts"], 1)
         )
+        row.update(compute_events=len(mine), share=round(share, 3), ok=ok)
         if cuda:
             row.update(gather_stream=_stream(gather), compute_stream=compute_stream)
         per_block.append(row)
