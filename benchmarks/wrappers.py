@@ -90,7 +90,7 @@ WINDOWS = {"take ms": "vescale_optim.sync_grads", "update ms": "vescale_optim.up
 WINDOWS["AG ms"] = "vescale_optim.gather_params"
 
 
-_goals, _model = print_goals, shaped_gpt
+_goals, _model = print_goals, shaped_gpt  # the goals printed, a GPT of a shape (both sections)
 
 
 def _rounds(n: int, rank: int, desc: str):
