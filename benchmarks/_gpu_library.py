@@ -13,7 +13,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch, sleep_cycles
 from benchmarks._gpu_stages import Result
 
 # --- zero3 ----------------------------------------------------------------------------------------
@@ -36,7 +36,6 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
       torch, ours with the Triton kernel on CUDA: outputs (|entries| < 1) may differ by a few
       bf16 ulps (4 ulps = 2^-6), each moving a parameter by that times the adjusted lr.
     """
-    torch = _torch()
     from benchmarks import _gpu_models as gm
     from vescale_optim.shard.handle import traced
 
@@ -68,49 +67,22 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
                 got = gm.full_state(model)
                 finals[kind, sharding] = got
                 diff, where = gm.max_diff(got, want)
-                rows.append(
-                    dict(
-                        optimizer=kind,
-                        sharding=sharding,
-                        max_abs_diff=diff,
-                        where=where,
-                        collectives=len(trace),
-                        units=len(opt.units),
-                        seconds=round(seconds, 3),
-                    )
-                )
+                row = dict(optimizer=kind, sharding=sharding, max_abs_diff=diff, where=where)
+                rows.append(row)
+                row.update(collectives=len(trace), units=len(opt.units), seconds=round(seconds, 3))
                 vs = "torch.optim.AdamW (fp32)" if kind == "adamw8" else "the reference"
-                r.check(
-                    f"{kind}.{sharding}",
-                    diff <= tol[kind],
-                    measured=diff,
-                    bound=tol[kind],
-                    detail=f"max |param - {vs}| after {steps[kind]} steps (at {where}); "
-                    f"{len(trace)} collectives issued",
-                )
+                what = f"max |param - {vs}| after {steps[kind]} steps (at {where}); {len(trace)} collectives"
+                what += " issued"
+                r.check(f"{kind}.{sharding}", diff <= tol[kind], measured=diff, bound=tol[kind], detail=what)
                 if not trace:
-                    r.fail(
-                        f"{kind}.{sharding}.forced",
-                        "no collective was issued: the force switch "
-                        "VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect",
-                    )
+                    what = "the force switch VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect"
+                    r.fail(f"{kind}.{sharding}.forced", f"no collective was issued: {what}")
         diff, where = gm.max_diff(finals["adamw8", "zero3"], finals["adamw8", "zero2"])
-        r.check(
-            "adamw8.zero3_vs_zero2",
-            diff <= 1e-5,
-            measured=diff,
-            bound=1e-5,
-            detail=f"8-bit state does not depend on the layout (at {where})",
-        )
-    r.measure(
-        rows=rows,
-        tolerances=tol,
-        muon_max_adjusted_lr=lr_adj,
-        device=str(dev),
-        backend="nccl" if dev.type == "cuda" else "gloo",
-    )
+        what = f"8-bit state does not depend on the layout (at {where})"
+        r.check("adamw8.zero3_vs_zero2", diff <= 1e-5, measured=diff, bound=1e-5, detail=what)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    r.measure(rows=rows, tolerances=tol, muon_max_adjusted_lr=lr_adj, device=str(dev), backend=backend)
     print(json.dumps(rows, indent=1))
-    del torch
 
 
 # --- syncs ----------------------------------------------------------------------------------------
@@ -218,26 +190,16 @@ def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cud
     if goal is None:
         return
     if cuda:
-        r.check(
-            name,
-            len(counted) <= goal,
-            measured=len(counted),
-            bound=goal,
-            detail=("; ".join(counted) or "no synchronizing CUDA call")
-            + (f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else ""),
-        )
+        what = ("; ".join(counted) or "no synchronizing CUDA call") + (
+            f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else "")  # fmt: skip
+        r.check(name, len(counted) <= goal, measured=len(counted), bound=goal, detail=what)
         return
     r.skip(
         name,
         f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo; its host reads are checked)",
     )
-    r.check(
-        f"{name}.host_reads",
-        len(reads) <= goal,
-        measured=len(reads),
-        bound=goal,
-        detail="; ".join(reads) or "no read of a tensor value",
-    )
+    what = "; ".join(reads) or "no read of a tensor value"
+    r.check(f"{name}.host_reads", len(reads) <= goal, measured=len(reads), bound=goal, detail=what)
 
 
 # --- single_gpu, delay ------------------------------------------------------------------------------
@@ -267,17 +229,6 @@ def _sleepy_side_streams(torch, cycles: int):
         streams.Streams._on = original
 
 
-def _sleep_cycles(torch, ms: float) -> int:
-    """`torch.cuda._sleep` cycles of about `ms` milliseconds on this device (measured)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return int(ms * 10_000_000 / max(start.elapsed_time(end), 1e-3))
-
-
 def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     """ZeRO-3 AdamW and Muon (and AdamW with reduce_bits=8) in one process with no process
     group: what stands in for each collective is a copy on a side stream, which the compute
@@ -299,7 +250,7 @@ def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     base = gm.build(sz["dim"], sz["blocks"], dev)
     tol = {"adamw32": 1e-5, "muon": steps * gm.muon_max_adjusted_lr(base) * 2.0**-6,
            "adamw_reduce8": 2 * steps * gm.ADAMW["lr"]}  # fmt: skip
-    cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+    cycles = sleep_cycles(2.0) if cuda else 0
     slow = "sleep" if cuda else "emulated"
     rows = []
     for kind in tol:
@@ -344,7 +295,7 @@ def stage_delay(r: Result, *, out: Path, mode: str) -> None:
     cuda = dev.type == "cuda"
     found = {}
     with gm.world_of_one(dev):
-        cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+        cycles = sleep_cycles(2.0) if cuda else 0
         base = gm.build(sz["dim"], sz["blocks"], dev)
         for kind in ("adamw32", "muon"):
             got, counts = {}, {}
@@ -368,15 +319,10 @@ def stage_delay(r: Result, *, out: Path, mode: str) -> None:
                 got[variant] = gm.full_state(model)
             diff, where = gm.max_diff(got["delayed"], got["plain"])
             found[kind] = dict(max_abs_diff=diff, where=where, delayed=counts["delayed"])
-            r.check(
-                f"{kind}.bitwise",
-                diff == 0 and counts["delayed"] > 0,
-                measured=diff,
-                bound=0,
-                detail=(f"{counts['delayed']} collectives each after ~2 ms of _sleep" if cuda else
-                        f"{counts['delayed']} collectives held back until waited for (delayed())")
-                + f"; at {where}",
-            )  # fmt: skip
+            how = "each after ~2 ms of _sleep" if cuda else "held back until waited for (delayed())"
+            what = f"{counts['delayed']} collectives {how}; at {where}"
+            ok = diff == 0 and counts["delayed"] > 0
+            r.check(f"{kind}.bitwise", ok, measured=diff, bound=0, detail=what)
     if not cuda:
         r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep before every collective (rehearsed: delayed())")
     r.measure(**found, sleep_cycles=cycles, device=str(dev))
@@ -444,50 +390,26 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
         if cuda:
             gm.synchronize(dev)
             measured["peak"] = torch.cuda.max_memory_allocated(dev)
-    r.measure(
-        parameters=n_params,
-        parameter_bytes=4 * n_params,
-        unit_bytes=unit_bytes,
-        memory_stats_between_steps=between,
-        memory_stats_after_backward=after_backward,
-        predicted_persistent=persistent,
-        plain_transient=plain_transient,
-        **measured,
-    )
-    r.check(
-        "memory_stats.state",
-        between["state"] >= 8 * n_params,
-        measured=between["state"],
-        bound=f">= {8 * n_params} (AdamW: two fp32 moments)",
-    )
+    r.measure(parameters=n_params, parameter_bytes=4 * n_params, unit_bytes=unit_bytes,
+              memory_stats_between_steps=between, memory_stats_after_backward=after_backward,
+              predicted_persistent=persistent, plain_transient=plain_transient, **measured)  # fmt: skip
+    state, bound = between["state"], f">= {8 * n_params} (AdamW: two fp32 moments)"
+    r.check("memory_stats.state", state >= 8 * n_params, measured=state, bound=bound)
     if not cuda:
+        why = f"{NEEDS_CUDA}: torch.cuda.memory_allocated / max_memory_allocated (the step ran on CPU; "
         for name in ("between_steps", "peak_low", "peak_high"):
-            r.skip(
-                name,
-                f"{NEEDS_CUDA}: torch.cuda.memory_allocated / max_memory_allocated (the step ran "
-                f"on CPU; predicted persistent {persistent / mib:.2f} MiB)",
-            )
+            r.skip(name, why + f"predicted persistent {persistent / mib:.2f} MiB)")
         return
-    alloc = measured["allocated_between_steps"]
-    data = x.numel() * x.element_size() * 2
-    r.check(
-        "between_steps",
-        persistent <= alloc <= persistent + data + SLACK,
-        measured=f"{alloc / mib:.1f} MiB allocated",
-        bound=f"[{persistent / mib:.1f}, "
-        f"{(persistent + data + SLACK) / mib:.1f}] MiB (memory_stats() .. + batch + 128 MiB)",
-    )
+    alloc, top = measured["allocated_between_steps"], persistent + x.numel() * x.element_size() * 2 + SLACK
+    bound = f"[{persistent / mib:.1f}, {top / mib:.1f}] MiB (memory_stats() .. + batch + 128 MiB)"
+    held = f"{alloc / mib:.1f} MiB allocated"
+    r.check("between_steps", persistent <= alloc <= top, measured=held, bound=bound)
     low = alloc + max(unit_bytes.values())
     high = alloc + plain_transient + 4 * largest_block + 2 * outermost + SLACK
-    peak = measured["peak"]
+    peak, ratio = measured["peak"], f"peak / parameter bytes = {measured['peak'] / (4 * n_params):.2f}"
     r.check("peak_low", peak >= low, measured=f"{peak / mib:.1f} MiB", bound=f">= {low / mib:.1f} MiB")
-    r.check(
-        "peak_high",
-        peak <= high,
-        measured=f"{peak / mib:.1f} MiB",
-        bound=f"<= {high / mib:.1f} MiB",
-        detail=f"peak / parameter bytes = {peak / (4 * n_params):.2f}",
-    )
+    held, bound = f"{peak / mib:.1f} MiB", f"<= {high / mib:.1f} MiB"
+    r.check("peak_high", peak <= high, measured=held, bound=bound, detail=ratio)
 
 
 # --- meta -----------------------------------------------------------------------------------------
@@ -513,38 +435,21 @@ def stage_meta(r: Result, *, out: Path, mode: str) -> None:
         with torch.device("meta"):
             model = gm.Net(sz["dim"], sz["blocks"])
         opt = gm.make_ours("adamw32", model, "zero3", device=dev)
-        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        left = [n for n, t in tensors if t.is_meta]
         r.check("nothing on meta", not left, measured=len(left), bound=0, detail=", ".join(left[:8]) or None)
-        where = sorted(
-            {
-                f"{n}: {t.device}"
-                for n, t in [*model.named_parameters(), *model.named_buffers()]
-                if t.device != dev
-            }
-        )
-        r.check(
-            "on the device",
-            not where,
-            measured=len(where),
-            bound=0,
-            detail=", ".join(where[:8]) or f"every parameter and buffer on {dev}",
-        )
+        where = sorted({f"{n}: {t.device}" for n, t in tensors if t.device != dev})
+        what = ", ".join(where[:8]) or f"every parameter and buffer on {dev}"
+        r.check("on the device", not where, measured=len(where), bound=0, detail=what)
         got = gm.full_state(model)
         diff, at = gm.max_diff(got, want_state)
         r.check("parameters equal", diff == 0, measured=diff, bound=0, detail=f"largest at {at}")
         bufs = {k: v.detach().cpu() for k, v in model.named_buffers()}
-        bad = [
-            k
-            for k in want_buffers
-            if k not in bufs or not torch.equal(bufs[k].float(), want_buffers[k].float())
-        ]
-        r.check(
-            "buffers equal",
-            not bad and bufs.keys() == want_buffers.keys(),
-            measured=len(bad),
-            bound=0,
-            detail=", ".join(bad) or f"{', '.join(want_buffers)} equal",
-        )
+        same = {k: k in bufs and torch.equal(bufs[k].float(), v.float()) for k, v in want_buffers.items()}
+        bad = [k for k, ok in same.items() if not ok]
+        what = ", ".join(bad) or f"{', '.join(want_buffers)} equal"
+        ok = not bad and bufs.keys() == want_buffers.keys()
+        r.check("buffers equal", ok, measured=len(bad), bound=0, detail=what)
         loss = gm.loss_of(model, x, y).item()
         r.check("first loss equal", loss == want_loss, measured=loss, bound=want_loss)
         gm.train(model, [opt], range(1), sz["batch"], dev)
@@ -607,18 +512,13 @@ def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
             t0 = time.perf_counter()
             loaded = resumed.load()
             load_s = time.perf_counter() - t0
-            r.check(
-                f"{style}.loaded",
-                loaded is not None and loaded.step == 3,
-                measured=None if loaded is None else loaded.step,
-                bound=3,
-            )
+            step = None if loaded is None else loaded.step
+            r.check(f"{style}.loaded", step == 3, measured=step, bound=3)
             got = steps(model, opt, sched, range(3, 6))
             resumed.close()
             diff, where = gm.max_diff(gm.full_state(model), want_state)
-            r.check(
-                f"{style}.losses", got == want, measured=got, bound=want, detail="steps 4-6 after loading"
-            )
+            what = "steps 4-6 after loading"
+            r.check(f"{style}.losses", got == want, measured=got, bound=want, detail=what)
             r.check(f"{style}.weights", diff == 0, measured=diff, bound=0, detail=f"largest at {where}")
             timings[style] = {
                 "save_s": save_s,
@@ -628,12 +528,10 @@ def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
             }
             print(style, json.dumps(timings[style], default=str))
     r.measure(**timings, device=str(dev))
-    r.check(
-        "staging time reported",
-        all(t["staging"] is not None for t in timings.values()),
-        measured={k: (t["staging"] or {}).get("seconds") for k, t in timings.items()},
-        detail="CheckpointManager.last_staging after each save",
-    )
+    seconds = {k: (t["staging"] or {}).get("seconds") for k, t in timings.items()}
+    reported = all(t["staging"] is not None for t in timings.values())
+    what = "CheckpointManager.last_staging after each save"
+    r.check("staging time reported", reported, measured=seconds, detail=what)
 
 
 def _staging(stats) -> dict | None:

@@ -1,6 +1,9 @@
-"""The end of the FSDP and HSDP benchmarks' reports: the goals met or not, the loss check against
-the FSDP2 peer, and the JSON (and plot) written.
+"""What the FSDP and HSDP benchmarks' reports share: the columns measured on the device, the note
+beside a time table, and the end: the goals met or not, the loss check against the FSDP2 peer, and
+the JSON (and plot) written.
 
+    print(table(rows, shown(TIME, rows, run)))               # on CUDA only the columns measured there
+    time_note(run, "exposed comm", "fsdp.py")                 # what CUDA leaves out, or FSDP2 on CPU
     return verdict("fsdp", rows, run, goals, "W=4", "FSDP2", plot=lambda name: _plot(rows, name))
 """
 
@@ -11,13 +14,28 @@ from pathlib import Path
 
 from benchmarks._main import print_goals
 from benchmarks._measure import load_average
-from benchmarks._report import environment, save_json
+from benchmarks._report import FSDP2_ON_CPU, environment, save_json
 
-__all__ = ["LOSS_TOL", "loss_check", "verdict"]
+__all__ = ["LOSS_TOL", "loss_check", "shown", "time_note", "verdict"]
 
 # Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
 # order), so the updates differ by bf16 rounding.
 LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
+
+
+def shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
+    """The columns a table shows: on CUDA only those measured there (the scripts' docstrings say why)."""
+    return [c for c in columns if any(c in r for r in rows)] if run.get("device") == "cuda" else columns
+
+
+def time_note(run: dict, missing: str, script: str) -> None:
+    """Print what a time table's numbers are on this device: on CUDA, that `missing` (columns) are
+    not measured there; on CPU, what FSDP2's synchronous collectives mean for a ratio."""
+    if run.get("device") == "cuda":
+        print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
+              f"{missing} are not measured here ({script}'s docstring says why)")  # fmt: skip
+    else:
+        print(f"\n{FSDP2_ON_CPU}")
 
 
 def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[str]]:

@@ -57,20 +57,16 @@ Only torch >= 2.9 APIs are used (the machine has torch 2.11, Triton 3.6, pytest-
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._gpu_common import FORCE, KERNEL_TESTS, NEEDS_CUDA, SIZES  # noqa: E402
+from benchmarks._gpu_common import FORCE, SIZES  # noqa: E402
 from benchmarks._gpu_library import (  # noqa: E402
     stage_checkpoint,
     stage_delay,
@@ -82,15 +78,26 @@ from benchmarks._gpu_library import (  # noqa: E402
 )
 from benchmarks._gpu_numerics import stage_batch_invariance, stage_large_shapes, stage_nan  # noqa: E402
 from benchmarks._gpu_overlap import analyse_overlap, stage_overlap, stage_overlap_selftest  # noqa: E402
+from benchmarks._gpu_programs import (  # noqa: E402
+    CPU_TESTS,
+    TESTS,
+    kernels_cmd,
+    stage_env,
+    stage_kernels,
+    stage_steps,
+    stage_tests,
+)
+from benchmarks._gpu_report import pack, summary  # noqa: E402
 from benchmarks._gpu_stages import (  # noqa: E402
     ROOT,
-    Result,
     Stage,
     Warmup,
     child_env,
     dry_run,
+    parser,
     run_all,
     run_stage_here,
+    stage_command,
 )
 
 __all__ = ["STAGES", "analyse_overlap", "main"]
@@ -104,175 +111,6 @@ SETUP_S = 15  # the script's own start, the CUDA check and the packing of the re
 # its tests done, 172 kernels compiled cold) with a margin of about half again.
 WARM_S = 180
 BUDGET_S = {"gpu": 420, "cpu": 900}  # the whole run, set-up included; stage limits are cut to what is left
-# the CUDA path of the meta-device TP materialisation (units/shard_init.py, units/cuda_draw.py)
-# beside the kernels: shard-sized chunked fills bitwise the whole draw, one chunk of scratch, the
-# self-check refuting a wrong geometry, a parameter over 2^31 bytes drawn in torch's pieces
-SHARD_INIT_CUDA = [
-    f"tests/units/test_shard_init.py::test_on_cuda_{name}"
-    for name in (
-        "a_shard_drawn_chunk_by_chunk_is_bitwise_its_box",
-        "no_scratch_is_larger_than_one_chunk",
-        "a_geometry_its_self_check_refutes_is_drawn_whole_with_a_warning",
-        "a_parameter_over_2_gib_is_drawn_in_the_pieces_torch_launches",
-    )
-]
-TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py", *SHARD_INIT_CUDA]
-# the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
-CPU_TESTS = ["tests/shard/test_stand_ins.py"]
-SUMMARY_BYTES = 8000
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-# --- env, tests, kernels, steps ------------------------------------------------------------------
-
-
-def stage_env(r: Result, *, out: Path, mode: str) -> None:
-    torch = _torch()
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError as e:
-        info["triton"] = None
-        info["triton_error"] = str(e)
-    import vescale_optim
-
-    info["vescale_optim"] = vescale_optim.__version__
-    info["vescale_optim_path"] = str(Path(vescale_optim.__file__).resolve().parent)
-    r.check(
-        "vescale_optim from this tree",
-        Path(vescale_optim.__file__).resolve().is_relative_to(ROOT),
-        measured=info["vescale_optim_path"],
-        bound=str(ROOT),
-    )
-    r.check(
-        "triton importable",
-        info["triton"] is not None,
-        measured=info["triton"],
-        detail=None if info["triton"] else info.get("triton_error"),
-    )
-    if mode == "gpu":
-        ok = torch.cuda.is_available()
-        r.check("cuda", ok, measured=torch.cuda.device_count() if ok else 0, detail="CUDA devices visible")
-        if ok:
-            props = torch.cuda.get_device_properties(0)
-            info.update(
-                device=props.name,
-                capability=f"sm_{props.major}{props.minor}",
-                memory_gib=round(props.total_memory / 2**30, 1),
-                sms=props.multi_processor_count,
-                devices=torch.cuda.device_count(),
-            )
-            import torch.distributed as dist
-
-            nccl = dist.is_nccl_available()
-            version = torch.cuda.nccl.version() if nccl else None
-            info["nccl"] = version if isinstance(version, int | None) else ".".join(map(str, version))
-            r.check("nccl", nccl, measured=info["nccl"])
-    else:
-        r.skip("cuda", f"{NEEDS_CUDA}: --cpu rehearses on this machine's CPU")
-        r.skip("nccl", f"{NEEDS_CUDA}: --cpu uses gloo")
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        q = "name,driver_version,memory.total,clocks.max.sm,power.limit"
-        proc = subprocess.run(
-            [smi, f"--query-gpu={q}", "--format=csv"], capture_output=True, text=True, timeout=20
-        )
-        info["nvidia_smi"] = proc.stdout.strip() or proc.stderr.strip()
-    for key, value in info.items():
-        print(f"{key}: {value}")
-    r.measure(**info)
-
-
-def _pytest_workers(mode: str) -> list[str]:
-    """`-n 8` on the GPU machine (pytest-xdist is there), `-n 2` on CPU; none without xdist."""
-    import importlib.util
-
-    if importlib.util.find_spec("xdist") is None:
-        return []
-    return ["-n", "8" if mode == "gpu" else "2"]
-
-
-def stage_tests(r: Result, *, out: Path, mode: str) -> None:
-    """The tests that touch the device (`TESTS`), compiled on the GPU, with pytest-xdist; each
-    result is appended to `tests.jsonl` as it finishes (`benchmarks/_pytest_live.py`), and
-    pytest is stopped before the stage's own limit, so a timeout keeps the counts."""
-    live = out / "tests.jsonl"
-    live.unlink(missing_ok=True)
-    limit = float(os.environ.get("GPU_CHECK_STAGE_LIMIT_S", "600"))
-    env = dict(os.environ, TRITON_INTERPRET="1" if mode == "cpu" else "0", HYPOTHESIS_PROFILE="ci",
-               GPU_CHECK_TESTS_LOG=str(live))  # fmt: skip
-    workers = _pytest_workers(mode)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks._pytest_live",
-           *workers, *(TESTS if mode == "gpu" else CPU_TESTS)]  # fmt: skip
-    print("$ TRITON_INTERPRET=" + env["TRITON_INTERPRET"], " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    timed_out = False
-    try:
-        rc = proc.wait(timeout=max(limit - 12, 5))
-    except subprocess.TimeoutExpired:
-        timed_out, rc = True, None
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    results = [json.loads(line) for line in live.read_text().splitlines()] if live.exists() else []
-    counts = {k: sum(x["outcome"] == k for x in results) for k in ("passed", "failed", "skipped")}
-    failed = [x["nodeid"] for x in results if x["outcome"] == "failed"]
-    r.measure(**counts, failed_tests=failed[:50], exit_code=rc, timed_out=timed_out, compiled=mode == "gpu",
-              workers=workers[1] if workers else 1)  # fmt: skip
-    r.check(
-        "tests",
-        rc == 0 and counts["passed"] > 0 and not timed_out,
-        measured=f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped",
-        detail=("failed: " + ", ".join(failed[:10]) + ("; " if timed_out else "") if failed else "")
-        + (f"stopped after {limit - 12:.0f} s (the counts are those finished)" if timed_out else "")
-        + ("" if failed or timed_out else "compiled on the GPU" if mode == "gpu" else "Triton interpreter")
-        + ("" if workers else " (serial: no pytest-xdist)"),
-    )
-
-
-def _kernels_bench(r: Result, out: Path, mode: str, section: str) -> dict | None:
-    path = out / f"kernels_{section}.json"
-    path.unlink(missing_ok=True)
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "kernels.py"),
-        "--quick",
-        "--sections",
-        section,
-        "--out",
-        str(path),
-    ] + (["--no-compile"] if mode == "cpu" else [])
-    print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT)
-    result = json.loads(path.read_text()) if path.exists() else None
-    r.check(
-        f"benchmarks/kernels.py --sections {section}",
-        proc.returncode == 0 and result is not None,
-        measured=f"exit {proc.returncode}",
-        detail=None if mode == "gpu" else "torch rows only on CPU (no Triton rows, no torch.compile)",
-    )
-    return result
-
-
-def stage_kernels(r: Result, *, out: Path, mode: str) -> None:
-    result = _kernels_bench(r, out, mode, "kernels")
-    if result:
-        r.measure(device=result["device"], rows=result["rows"])
-        if mode == "cpu":
-            r.skip("triton rows", f"{NEEDS_CUDA}: the interpreter is not a benchmark")
-
-
-def stage_steps(r: Result, *, out: Path, mode: str) -> None:
-    result = _kernels_bench(r, out, mode, "steps")
-    if result:
-        r.measure(device=result["device"], steps=result["steps"])
 
 
 # --- the stages -----------------------------------------------------------------------------------
@@ -288,12 +126,6 @@ def _group(mode: str) -> str:
     return (
         "a world-1 NCCL group (file store, device_id=cuda:0)" if mode == "gpu" else "a world-1 gloo group"
     ) + (" with VESCALE_OPTIM_FORCE_COLLECTIVES=1")
-
-
-def _kernels_cmd(mode: str, section: str) -> str:
-    flags = " --no-compile" if mode == "cpu" else ""
-    out = f"OUT/kernels_{section}.json"
-    return f"python benchmarks/kernels.py --quick --sections {section}{flags} --out {out}"
 
 
 def _plans() -> dict:
@@ -347,8 +179,8 @@ def _plans() -> dict:
             + " ".join(TESTS if m == "gpu" else CPU_TESTS)
             + " (-> OUT/tests.jsonl as they finish)"
         ],
-        "steps": lambda m: [_kernels_cmd(m, "steps")],
-        "kernels": lambda m: [_kernels_cmd(m, "kernels")],
+        "steps": lambda m: ["python " + " ".join(kernels_cmd(m, "steps"))],
+        "kernels": lambda m: ["python " + " ".join(kernels_cmd(m, "kernels"))],
     }
 
 
@@ -380,67 +212,6 @@ for _s in STAGES:
     _s.plan = _plans()[_s.name]
 
 
-# --- the two files that come back -----------------------------------------------------------------
-
-
-def summary(report: dict, limit: int = SUMMARY_BYTES) -> str:
-    """`summary.md`: the verdict, one line per stage, every failed check and the key numbers,
-    cut to under `limit` bytes (the rest is in the archive)."""
-    lines = [
-        f"# GPU check ({report['mode']}): {'PASSED' if report['passed'] else 'FAILED'}",
-        "",
-        f"{report['host']['hostname']}, {report['seconds']} s of {report['budget_s']:.0f} s; "
-        + "; ".join(report.get("notes", [])[:1]),
-        "",
-        "| stage | status | s | compiled | reason |",
-        "|---|---|---:|---:|---|",
-    ]
-    for r in report["stages"]:
-        reason = (r["reason"] or "").replace("|", "/").replace("\n", " ")[:140]
-        compiled = r.get("compiled_kernels", "")
-        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {compiled} | {reason} |")
-    env = next((r for r in report["stages"] if r["stage"] == "env"), None)
-    if env:
-        m = env["measurements"]
-        keys = ("device", "torch", "cuda", "nccl", "triton", "capability", "memory_gib")
-        lines += ["", "env: " + ", ".join(f"{k} {m[k]}" for k in keys if k in m)]
-    lines += ["", "## checks not passed", ""]
-    for r in report["stages"]:
-        for c in r["checks"]:
-            if c["status"] == "failed":
-                where = f"{r['stage']}.{c['name']}"
-                text = f"- FAIL {where}: {c['measured']} (bound {c['bound']}) {c['detail'] or ''}"
-                lines.append(text[:400])
-        if r.get("error"):
-            lines.append(f"- ERROR {r['stage']}: {r['error'].strip().splitlines()[-1][:300]}")
-    skipped = [s["check"] for s in report.get("skipped_checks", [])]
-    if skipped:
-        lines.append(f"- skipped: {', '.join(skipped)}"[:1200])
-    lines += ["", "## measured", ""]
-    for r in report["stages"]:
-        for c in r["checks"]:
-            if c["status"] == "passed" and c["measured"] is not None:
-                bound = f" (bound {str(c['bound'])[:40]})" if c["bound"] is not None else ""
-                lines.append(f"- {r['stage']}.{c['name']}: {str(c['measured'])[:80]}{bound}")
-    text, tail = "", "\n(cut: the rest is in gpu_check.tar.gz: report.md, report.json)\n"
-    for line in lines:
-        if len((text + line + "\n").encode()) > limit - len(tail):
-            return text + tail
-        text += line + "\n"
-    return text
-
-
-def pack(out: Path) -> Path:
-    """`gpu_check.tar.gz` of everything under `out` but itself and `summary.md`."""
-    archive = out / "gpu_check.tar.gz"
-    archive.unlink(missing_ok=True)
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(out.iterdir()):
-            if path.name not in (archive.name, "summary.md"):
-                tar.add(path, arcname=f"gpu_check/{path.name}")
-    return archive
-
-
 def start_warmup(out: Path, arch: str) -> Warmup:
     """Triton's cache (`OUT/triton_cache`, unless TRITON_CACHE_DIR is set) filled for this GPU in
     the background while the first stages run: every kernel the dispatcher can launch, compiled
@@ -454,22 +225,11 @@ def start_warmup(out: Path, arch: str) -> Warmup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    ap.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    ap.add_argument(
-        "--cpu", action="store_true", help="rehearse every stage on CPU (gloo, Triton interpreter)"
-    )
-    ap.add_argument("--dry-run", action="store_true", help="print the stages, their limits and the total")
-    ap.add_argument("--stages", nargs="+", choices=[s.name for s in STAGES], help="run these only")
-    ap.add_argument("--kernels", action="store_true", help="also run the kernels stage (torch.compile), last")
-    ap.add_argument("--budget", type=float, help="seconds for the whole run, set-up included "
-                    f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu); honoured with --stages")
-    ap.add_argument("--stage", help=argparse.SUPPRESS)  # internal: run one stage in this process
-    ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
+    budget = f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu); honoured with --stages"
+    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu="rehearse every stage on CPU (gloo, Triton interpreter)",
+                dry_run="print the stages, their limits and the total",
+                kernels="also run the kernels stage (torch.compile), last",
+                budget=f"seconds for the whole run, set-up included {budget}")  # fmt: skip
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
     out = args.out.resolve()
@@ -480,12 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stages = [s for s in STAGES if s.name not in OPTIONAL or args.kernels]
     budget = args.budget if args.budget is not None else BUDGET_S[mode]
-    script = str(Path(__file__).resolve())
-    command = lambda s: [sys.executable, script, "--stage", s.name, "--mode", mode, str(out)]  # noqa: E731
+    command = stage_command(Path(__file__).resolve(), mode, out)
     if args.dry_run:
         if mode == "gpu":
-            print(f"[warm] (background, limit {WARM_S} s) Triton's cache filled: python -m "
-                  "vescale_optim.kernels.aot --warm --arch <this GPU's>; stages marked warm wait for it")
+            print(
+                f"[warm] (background, limit {WARM_S} s) Triton's cache filled: python -m "
+                "vescale_optim.kernels.aot --warm --arch <this GPU's>; stages marked warm wait for it"
+            )
         dry_run(stages, mode, out, command, budget, setup=SETUP_S)
         return 0
     warmup = None

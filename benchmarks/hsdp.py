@@ -62,7 +62,6 @@ ATen products does not see (ours' own count, `stats`, stays).
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -79,7 +78,6 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
-from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
@@ -236,19 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     shape = QUICK if args.quick else MODEL
     t0 = time.perf_counter()
-    if args.torchrun:  # this process is one rank of torchrun's world
-        dev, world, ranks = _torchrun.join(), int(os.environ["WORLD_SIZE"]), _torchrun.launch
-        if world % 2:
-            sys.exit(f"hsdp.py --torchrun: 2 replicas need an even number of ranks, not {world}")
-        where = {"torchrun": True, "device": dev.type, "backend": dist.get_backend()}
-    else:
-        world, ranks, where = WORLD, launch, {}
+    world, ranks, where = _torchrun.ranks(args.torchrun, None, WORLD)  # under torchrun: one rank of its world
+    if world % 2:
+        sys.exit(f"hsdp.py --torchrun: 2 replicas need an even number of ranks, not {world}")
     configs = [named(c, world) for c in args.configs]
-    timed, first = ranks(_run, world, shape, configs, warmup, steps, preload=PRELOAD), _torchrun.is_first()
-    if args.torchrun:
-        _torchrun.leave()
-        if not first:
-            return {}
+    timed = ranks(_run, world, shape, configs, warmup, steps, preload=PRELOAD)
+    if _torchrun.quiet(args.torchrun):
+        return {}
     rows = summarize({c: [rk[c] for rk in timed] for c in configs}, world)
     run = dict(world=world, meshes=meshes(world), steps=steps, warmup=warmup, shape=shape, quick=args.quick,
                threads=timed.threads, wall_s=time.perf_counter() - t0, **where)  # fmt: skip

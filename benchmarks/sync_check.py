@@ -27,7 +27,6 @@ backward, while the device still has that unit's backward to run (see docs/bench
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import sys
@@ -41,7 +40,8 @@ import torch.distributed as dist  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
-from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._report import table  # noqa: E402
 
 PRELOAD = ["benchmarks.sync_check"]
 MODES = ("without the agreement", "as shipped", "TORCH_DISTRIBUTED_DEBUG=DETAIL")
@@ -106,14 +106,8 @@ def _rank(rank: int, world: int, layers: int, width: int, micro: int, runs: int)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="2 small layers, 2 micro-batches, 2 runs")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "2 small layers, 2 micro-batches, 2 runs", world_size=4, layers=8, width=256,
+                 micro=4, runs=5)  # fmt: skip
     sizes = (args.layers, args.width, args.micro, args.runs)
     layers, width, micro, runs = (2, 32, 2, 2) if args.quick else sizes
     per_rank = launch(_rank, args.world_size, layers, width, micro, runs, preload=PRELOAD)
@@ -127,12 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{layers} blocks of width {width}, {micro} micro-batches per step, {args.world_size} ranks "
           f"(slowest rank's median of {runs}; gloo is synchronous on CPU)\n")  # fmt: skip
     print(table(rows, floatfmt=".3f"))
-    print(f"\n{host_line(per_rank.threads)}")
-    payload = {"world_size": args.world_size, "layers": layers, "width": width, "micro": micro, "rows": rows,
-               "env": environment(per_rank.threads)}  # fmt: skip
-    path = save_json("sync_check_quick" if args.quick else "sync_check", payload)
-    print(f"\nwrote {path}")
-    return payload
+    payload = {"world_size": args.world_size, "layers": layers, "width": width, "micro": micro, "rows": rows}
+    return finish("sync_check", args, payload, threads=per_rank.threads)
 
 
 if __name__ == "__main__":
