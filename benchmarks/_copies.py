@@ -20,25 +20,10 @@ from collections.abc import Callable
 
 __all__ = ["COPY_OPS", "copies_by_path", "count_copies", "in_c10d", "outermost_copies", "written"]
 
-COPY_OPS = frozenset(
-    {
-        "aten::copy_",
-        "aten::_foreach_copy_",
-        "aten::clone",
-        "aten::_to_copy",
-        "aten::contiguous",
-        "aten::cat",
-        "aten::stack",
-        "aten::_chunk_cat",
-        "aten::chunk_cat",
-        "aten::split_with_sizes_copy",
-        "aten::narrow_copy",
-        "aten::index_select",
-        "fsdp::all_gather_copy_in",
-        "fsdp::split_with_sizes_copy",
-        "fsdp::chunk_cat",
-    }
-)
+_ATEN = ("copy_", "_foreach_copy_", "clone", "_to_copy", "contiguous", "cat", "stack", "_chunk_cat")
+_ATEN += ("chunk_cat", "split_with_sizes_copy", "narrow_copy", "index_select")
+_FSDP = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")  # FSDP2's own copy ops
+COPY_OPS = frozenset([*(f"aten::{op}" for op in _ATEN), *(f"fsdp::{op}" for op in _FSDP)])
 _C10D_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import FSDP2_ON_CPU, host_line, pyplot, save_png, table
-from benchmarks._verdict import verdict
+from benchmarks._report import host_line, pyplot, save_png, table
+from benchmarks._verdict import shown, time_note, verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "update % step",
         "fwd ms", "bwd ms", "zero_grad ms", "stand-in ms", "stand-in % fwd",
@@ -21,11 +21,6 @@ PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
 
 def _on_cuda(run: dict) -> bool:
     return run.get("device") == "cuda"
-
-
-def _shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
-    """The columns a table shows: on CUDA only those measured there (see fsdp.py's docstring)."""
-    return [c for c in columns if any(c in r for r in rows)] if _on_cuda(run) else columns
 
 
 def _comm_row(r: dict) -> dict:
@@ -125,25 +120,23 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
           f"tokens/rank/step, W={w} ({backend}); {run['warmup']} warm-up + {run['steps']} interleaved "
           f"steps, median of the slowest rank; x = vs FSDP2 with the same optimizer\n")  # fmt: skip
     print(f"{host_line(run['threads'])}\n")
-    print(table(mine, _shown(TIME, mine, run), floatfmt=".4g"))
-    print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
-          "exposed comm, update and copies are not measured here (fsdp.py's docstring says why)"
-          if cuda else f"\n{FSDP2_ON_CPU}")  # fmt: skip
+    print(table(mine, shown(TIME, mine, run), floatfmt=".4g"))
+    time_note(run, "exposed comm, update and copies", "fsdp.py")
     what = "what moved" if cuda else "exposed comm ms by phase (median, slowest rank) and what moved"
     print(f"\n{what} per rank and step; load average {load_average()}\n")
     comm = [_comm_row(r) for r in mine]
-    print(table(comm, _shown(COMM, comm, run), floatfmt=".4g"))
+    print(table(comm, shown(COMM, comm, run), floatfmt=".4g"))
     if "peak live MB" not in mine[0]:
         return
     if cuda:
         print(f"\nmemory: torch.cuda.max_memory_allocated() over {run['memory_steps'] - 1} step(s) after the "
               f"first, less what the rank held before the configuration; each config in turn in the same "
               f"processes\n")  # fmt: skip
-        print(table(mine, _shown(MEMORY, mine, run), floatfmt=".4g"))
+        print(table(mine, shown(MEMORY, mine, run), floatfmt=".4g"))
         return
     alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
-    print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and "
-          f"one after them, then one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
+    print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and one after them, then "
+          f"one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")  # fmt: skip
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
     print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))

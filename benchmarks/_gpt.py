@@ -1,9 +1,11 @@
 """A small GPT-like model, learnable random batches and a local gloo launcher for benchmarks.
 
     model = build_gpt()                          # ~34 M parameters: vocab 8192, d 512, 8 layers
+    model = shaped_gpt(shape)                    # of a benchmark's shape dict (batch and seq left out)
     param_count(model)                           # 33.8 M
     x, y = random_batch(2, 64, 8192, seed=0)     # token ids [2, 64] and next-token targets
     loss = model.loss(x, y)                      # mean cross-entropy
+    loss = gpt_loss(DDP(model), x, y)            # the same through a wrapper
     results = launch(fn, 4, arg1, arg2)          # fn(rank, world, arg1, arg2) on every rank
 
 The model is the demo's pre-norm decoder (`vescale_optim.demo.model.GPT`) at benchmark
@@ -30,13 +32,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from vescale_optim.demo.model import GPT, GPTConfig
 from vescale_optim.local_world import cpus, run_local, threads_per_rank
 
-__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "launch", "param_count", "random_batch",
-           "threads_per_rank"]  # fmt: skip
+__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "gpt_loss", "launch", "param_count", "random_batch",
+           "shaped_gpt", "threads_per_rank"]  # fmt: skip
 
 # What the peers import on first use, imported once by the fork server instead of by every rank of
 # every world: `torch._dynamo` (DDP and FSDP2 pull it in; it takes seconds) is named here only to be
@@ -67,6 +70,17 @@ def build_gpt(
             GPTConfig(vocab_size=vocab, seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads)
         )
     return model.to(dtype=dtype, device=device)
+
+
+def shaped_gpt(shape: dict, **kwargs: Any) -> GPT:
+    """`build_gpt` of a benchmark's shape (`vocab`, `d_model`, `n_layers`, `n_heads`, `seq_len`; its
+    batch keys are not the model's), with `kwargs` (`seed`, `dtype`, `device`)."""
+    return build_gpt(*(shape[k] for k in ("vocab", "d_model", "n_layers", "n_heads", "seq_len")), **kwargs)
+
+
+def gpt_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`GPT.loss` (mean cross-entropy) through `module`: the GPT, or a wrapper that calls it (DDP)."""
+    return F.cross_entropy(module(x).flatten(0, 1).float(), y.flatten())
 
 
 def random_batch(

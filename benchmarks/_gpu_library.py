@@ -13,7 +13,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch, sleep_cycles
 from benchmarks._gpu_stages import Result
 
 # --- zero3 ----------------------------------------------------------------------------------------
@@ -36,7 +36,6 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
       torch, ours with the Triton kernel on CUDA: outputs (|entries| < 1) may differ by a few
       bf16 ulps (4 ulps = 2^-6), each moving a parameter by that times the adjusted lr.
     """
-    torch = _torch()
     from benchmarks import _gpu_models as gm
     from vescale_optim.shard.handle import traced
 
@@ -68,49 +67,22 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
                 got = gm.full_state(model)
                 finals[kind, sharding] = got
                 diff, where = gm.max_diff(got, want)
-                rows.append(
-                    dict(
-                        optimizer=kind,
-                        sharding=sharding,
-                        max_abs_diff=diff,
-                        where=where,
-                        collectives=len(trace),
-                        units=len(opt.units),
-                        seconds=round(seconds, 3),
-                    )
-                )
+                row = dict(optimizer=kind, sharding=sharding, max_abs_diff=diff, where=where)
+                rows.append(row)
+                row.update(collectives=len(trace), units=len(opt.units), seconds=round(seconds, 3))
                 vs = "torch.optim.AdamW (fp32)" if kind == "adamw8" else "the reference"
-                r.check(
-                    f"{kind}.{sharding}",
-                    diff <= tol[kind],
-                    measured=diff,
-                    bound=tol[kind],
-                    detail=f"max |param - {vs}| after {steps[kind]} steps (at {where}); "
-                    f"{len(trace)} collectives issued",
-                )
+                what = f"max |param - {vs}| after {steps[kind]} steps (at {where}); {len(trace)} collectives"
+                what += " issued"
+                r.check(f"{kind}.{sharding}", diff <= tol[kind], measured=diff, bound=tol[kind], detail=what)
                 if not trace:
-                    r.fail(
-                        f"{kind}.{sharding}.forced",
-                        "no collective was issued: the force switch "
-                        "VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect",
-                    )
+                    what = "the force switch VESCALE_OPTIM_FORCE_COLLECTIVES=1 did not take effect"
+                    r.fail(f"{kind}.{sharding}.forced", f"no collective was issued: {what}")
         diff, where = gm.max_diff(finals["adamw8", "zero3"], finals["adamw8", "zero2"])
-        r.check(
-            "adamw8.zero3_vs_zero2",
-            diff <= 1e-5,
-            measured=diff,
-            bound=1e-5,
-            detail=f"8-bit state does not depend on the layout (at {where})",
-        )
-    r.measure(
-        rows=rows,
-        tolerances=tol,
-        muon_max_adjusted_lr=lr_adj,
-        device=str(dev),
-        backend="nccl" if dev.type == "cuda" else "gloo",
-    )
+        what = f"8-bit state does not depend on the layout (at {where})"
+        r.check("adamw8.zero3_vs_zero2", diff <= 1e-5, measured=diff, bound=1e-5, detail=what)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    r.measure(rows=rows, tolerances=tol, muon_max_adjusted_lr=lr_adj, device=str(dev), backend=backend)
     print(json.dumps(rows, indent=1))
-    del torch
 
 
 # --- syncs ----------------------------------------------------------------------------------------
@@ -146,68 +118,88 @@ def _is_eigh(text: str) -> bool:
     (its error check reads the device: one host sync a call, by torch's design)."""
     import linecache
 
-    m = re.search(r"\((.+):(\d+)\)$", text)
+    m = re.search(r"\(([^()]+):(\d+)\)$", text)  # the last parenthesis: torch's own comes before it
     return bool(m) and "eigh" in linecache.getline(m[1], int(m[2]))
 
 
+# The documented host syncs (ARCHITECTURE.md, "On an asynchronous device"): one per backward on a
+# group that talks (the agreement on no_sync(), read before the backward's first reduction), one
+# per step (the step's agreement, skip_nonfinite's check in it), one more on a Shampoo step that
+# refreshes roots (the agreed count of kept roots), besides torch.linalg.eigh's own.
+SYNCS = {"backward": 1, "step": 1, "step_plain": 1, "step_refresh": 2}
+
+
 def stage_syncs(r: Result, *, out: Path, mode: str) -> None:
-    """Host synchronisations in warm ZeRO-3 steps (the first builds state): goal 0 in
-    backward, at most 1 in step() (the agreement of which parameters step). Shampoo: on a
-    step that refreshes roots, at most 2 besides torch.linalg.eigh's own (the agreement and
-    the one agreed read of the kept roots; eigh's error check syncs once a call, counted
-    apart); on a step that does not, at most 1."""
+    """Host synchronisations in warm ZeRO-3 steps with `skip_nonfinite` (the first step builds
+    state and settles the order of reductions), against `SYNCS`: at most 1 in backward, 1 in
+    step(), 2 on a Shampoo step that refreshes roots (eigh's error check syncs once a call,
+    counted apart). On CUDA: `set_sync_debug_mode("warn")`'s warnings; everywhere: the reads
+    of tensor values on the host (`shard.host_reads`, what a GPU waits for), checked on CPU
+    (on CUDA they are measured: a read of a CPU tensor costs nothing there)."""
     from benchmarks import _gpu_models as gm
+    from vescale_optim.shard.host_reads import host_reads
 
     dev, sz = gm.device_for(mode), SIZES[mode]
     cuda = dev.type == "cuda"
     found = {}
+
+    @contextlib.contextmanager
+    def watched():
+        with _sync_warnings(cuda) as caught, host_reads() as reads:
+            yield caught, reads
+
     with gm.world_of_one(dev):
         for kind in ("adamw32", "muon", "shampoo"):
             model = gm.build(sz["dim"], sz["blocks"], dev)
-            opt = gm.make_ours(kind, model, "zero3")
+            opt = gm.make_ours(kind, model, "zero3", skip_nonfinite=True)
             gm.train(model, [opt], range(1), sz["batch"], dev)  # first step: state, orders, NCCL set-up
             for t in (1, 2) if kind == "shampoo" else (1,):
                 x, y = gm.batch(t, sz["batch"], dev)
                 roots = opt.step_stats["roots"] if kind == "shampoo" else 0
-                with _sync_warnings(cuda) as fwd:
+                with watched() as fwd:
                     loss = gm.loss_of(model, x, y)
-                with _sync_warnings(cuda) as bwd:
+                with watched() as bwd:
                     loss.backward()
-                with _sync_warnings(cuda) as step:
+                with watched() as step:
                     opt.step()
                 opt.zero_grad()
                 gm.synchronize(dev)
                 refresh = kind == "shampoo" and opt.step_stats["roots"] > roots
                 label = "step" if kind != "shampoo" else "step_refresh" if refresh else "step_plain"
-                phases = (("forward", fwd, None), ("backward", bwd, 0), (label, step, 2 if refresh else 1))
+                phases = (
+                    ("forward", fwd, None),
+                    ("backward", bwd, SYNCS["backward"]),
+                    (label, step, SYNCS[label]),
+                )
                 if kind == "shampoo" and t == 2:
                     phases = phases[2:]  # the backward was checked at the first
-                for phase, caught, goal in phases:
-                    syncs, other = _sync_texts(caught)
-                    eigh = [t for t in syncs if _is_eigh(t)]
-                    counted = [t for t in syncs if not _is_eigh(t)]
-                    found[f"{kind}.{phase}"] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs,
-                                                    other_warnings=other)  # fmt: skip
-                    if goal is None:
-                        continue
-                    name = f"{kind}.{phase}"
-                    if cuda:
-                        r.check(
-                            name,
-                            len(counted) <= goal,
-                            measured=len(counted),
-                            bound=goal,
-                            detail=("; ".join(counted) or "no synchronizing CUDA call")
-                            + (f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else ""),
-                        )
-                    else:
-                        r.skip(
-                            name,
-                            f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo "
-                            f"with the warnings recorded: {len(other)} other warnings)",
-                        )
-    r.measure(**found)
+                for phase, (caught, reads), goal in phases:
+                    _count(r, f"{kind}.{phase}", caught, reads, goal, cuda, found)
+    r.measure(bounds=SYNCS, **found)
     print(json.dumps(found, indent=1))
+
+
+def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cuda: bool, found: dict) -> None:
+    """Record one phase's syncs (CUDA's warnings, eigh's apart) and host reads; check them
+    against `goal` (None: measured only)."""
+    syncs, other = _sync_texts(caught)
+    eigh = [t for t in syncs if _is_eigh(t)]
+    counted = [t for t in syncs if not _is_eigh(t)]
+    found[name] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs, host_reads=reads,
+                       other_warnings=other)  # fmt: skip
+    if goal is None:
+        return
+    if cuda:
+        what = ("; ".join(counted) or "no synchronizing CUDA call") + (
+            f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else "")  # fmt: skip
+        r.check(name, len(counted) <= goal, measured=len(counted), bound=goal, detail=what)
+        return
+    r.skip(
+        name,
+        f"{NEEDS_CUDA}: torch.cuda.set_sync_debug_mode (the step ran on gloo; its host reads are checked)",
+    )
+    what = "; ".join(reads) or "no read of a tensor value"
+    r.check(f"{name}.host_reads", len(reads) <= goal, measured=len(reads), bound=goal, detail=what)
 
 
 # --- single_gpu, delay ------------------------------------------------------------------------------
@@ -237,17 +229,6 @@ def _sleepy_side_streams(torch, cycles: int):
         streams.Streams._on = original
 
 
-def _sleep_cycles(torch, ms: float) -> int:
-    """`torch.cuda._sleep` cycles of about `ms` milliseconds on this device (measured)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return int(ms * 10_000_000 / max(start.elapsed_time(end), 1e-3))
-
-
 def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     """ZeRO-3 AdamW and Muon (and AdamW with reduce_bits=8) in one process with no process
     group: what stands in for each collective is a copy on a side stream, which the compute
@@ -269,7 +250,7 @@ def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     base = gm.build(sz["dim"], sz["blocks"], dev)
     tol = {"adamw32": 1e-5, "muon": steps * gm.muon_max_adjusted_lr(base) * 2.0**-6,
            "adamw_reduce8": 2 * steps * gm.ADAMW["lr"]}  # fmt: skip
-    cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+    cycles = sleep_cycles(2.0) if cuda else 0
     slow = "sleep" if cuda else "emulated"
     rows = []
     for kind in tol:
@@ -314,7 +295,7 @@ def stage_delay(r: Result, *, out: Path, mode: str) -> None:
     cuda = dev.type == "cuda"
     found = {}
     with gm.world_of_one(dev):
-        cycles = _sleep_cycles(torch, 2.0) if cuda else 0
+        cycles = sleep_cycles(2.0) if cuda else 0
         base = gm.build(sz["dim"], sz["blocks"], dev)
         for kind in ("adamw32", "muon"):
             got, counts = {}, {}
@@ -338,15 +319,10 @@ def stage_delay(r: Result, *, out: Path, mode: str) -> None:
                 got[variant] = gm.full_state(model)
             diff, where = gm.max_diff(got["delayed"], got["plain"])
             found[kind] = dict(max_abs_diff=diff, where=where, delayed=counts["delayed"])
-            r.check(
-                f"{kind}.bitwise",
-                diff == 0 and counts["delayed"] > 0,
-                measured=diff,
-                bound=0,
-                detail=(f"{counts['delayed']} collectives each after ~2 ms of _sleep" if cuda else
-                        f"{counts['delayed']} collectives held back until waited for (delayed())")
-                + f"; at {where}",
-            )  # fmt: skip
+            how = "each after ~2 ms of _sleep" if cuda else "held back until waited for (delayed())"
+            what = f"{counts['delayed']} collectives {how}; at {where}"
+            ok = diff == 0 and counts["delayed"] > 0
+            r.check(f"{kind}.bitwise", ok, measured=diff, bound=0, detail=what)
     if not cuda:
         r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep before every collective (rehearsed: delayed())")
     r.measure(**found, sleep_cycles=cycles, device=str(dev))
@@ -362,11 +338,12 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
     World 1: the shards are whole. Between steps a rank holds what `memory_stats()` says
     (parameters, gradients, state; `unsharded` 0). During the step: plus the activations and
     the gradients a plain torch model would hold (measured: `plain`, the same forward and
-    backward without the library), plus the library's transient buffers: at most three
+    backward without the library), plus the library's transient buffers: at most four
     unit-sized buffers in backward (docs/guide.md: the computing unit's parameters and gradient
-    buffer, and the one being reduced or the next unit's parameters) and the outermost unit's
-    parameters and gradient buffer. Bounds: peak >= persistent + the largest unit (a gather
-    must allocate it); peak <= persistent + plain + 3 x largest block + 2 x outermost + 128 MiB
+    buffer, the next unit's parameters, prefetched without waiting for the reduce-scatter in
+    flight, and the gradient buffer being reduced) and the outermost unit's parameters and
+    gradient buffer. Bounds: peak >= persistent + the largest unit (a gather must allocate it);
+    peak <= persistent + plain + 4 x largest block + 2 x outermost + 128 MiB
     (cuBLAS workspaces, the reduction's staging, allocator rounding).
     """
     torch = _torch()
@@ -413,50 +390,26 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
         if cuda:
             gm.synchronize(dev)
             measured["peak"] = torch.cuda.max_memory_allocated(dev)
-    r.measure(
-        parameters=n_params,
-        parameter_bytes=4 * n_params,
-        unit_bytes=unit_bytes,
-        memory_stats_between_steps=between,
-        memory_stats_after_backward=after_backward,
-        predicted_persistent=persistent,
-        plain_transient=plain_transient,
-        **measured,
-    )
-    r.check(
-        "memory_stats.state",
-        between["state"] >= 8 * n_params,
-        measured=between["state"],
-        bound=f">= {8 * n_params} (AdamW: two fp32 moments)",
-    )
+    r.measure(parameters=n_params, parameter_bytes=4 * n_params, unit_bytes=unit_bytes,
+              memory_stats_between_steps=between, memory_stats_after_backward=after_backward,
+              predicted_persistent=persistent, plain_transient=plain_transient, **measured)  # fmt: skip
+    state, bound = between["state"], f">= {8 * n_params} (AdamW: two fp32 moments)"
+    r.check("memory_stats.state", state >= 8 * n_params, measured=state, bound=bound)
     if not cuda:
+        why = f"{NEEDS_CUDA}: torch.cuda.memory_allocated / max_memory_allocated (the step ran on CPU; "
         for name in ("between_steps", "peak_low", "peak_high"):
-            r.skip(
-                name,
-                f"{NEEDS_CUDA}: torch.cuda.memory_allocated / max_memory_allocated (the step ran "
-                f"on CPU; predicted persistent {persistent / mib:.2f} MiB)",
-            )
+            r.skip(name, why + f"predicted persistent {persistent / mib:.2f} MiB)")
         return
-    alloc = measured["allocated_between_steps"]
-    data = x.numel() * x.element_size() * 2
-    r.check(
-        "between_steps",
-        persistent <= alloc <= persistent + data + SLACK,
-        measured=f"{alloc / mib:.1f} MiB allocated",
-        bound=f"[{persistent / mib:.1f}, "
-        f"{(persistent + data + SLACK) / mib:.1f}] MiB (memory_stats() .. + batch + 128 MiB)",
-    )
+    alloc, top = measured["allocated_between_steps"], persistent + x.numel() * x.element_size() * 2 + SLACK
+    bound = f"[{persistent / mib:.1f}, {top / mib:.1f}] MiB (memory_stats() .. + batch + 128 MiB)"
+    held = f"{alloc / mib:.1f} MiB allocated"
+    r.check("between_steps", persistent <= alloc <= top, measured=held, bound=bound)
     low = alloc + max(unit_bytes.values())
-    high = alloc + plain_transient + 3 * largest_block + 2 * outermost + SLACK
-    peak = measured["peak"]
+    high = alloc + plain_transient + 4 * largest_block + 2 * outermost + SLACK
+    peak, ratio = measured["peak"], f"peak / parameter bytes = {measured['peak'] / (4 * n_params):.2f}"
     r.check("peak_low", peak >= low, measured=f"{peak / mib:.1f} MiB", bound=f">= {low / mib:.1f} MiB")
-    r.check(
-        "peak_high",
-        peak <= high,
-        measured=f"{peak / mib:.1f} MiB",
-        bound=f"<= {high / mib:.1f} MiB",
-        detail=f"peak / parameter bytes = {peak / (4 * n_params):.2f}",
-    )
+    held, bound = f"{peak / mib:.1f} MiB", f"<= {high / mib:.1f} MiB"
+    r.check("peak_high", peak <= high, measured=held, bound=bound, detail=ratio)
 
 
 # --- meta -----------------------------------------------------------------------------------------
@@ -482,38 +435,21 @@ def stage_meta(r: Result, *, out: Path, mode: str) -> None:
         with torch.device("meta"):
             model = gm.Net(sz["dim"], sz["blocks"])
         opt = gm.make_ours("adamw32", model, "zero3", device=dev)
-        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        left = [n for n, t in tensors if t.is_meta]
         r.check("nothing on meta", not left, measured=len(left), bound=0, detail=", ".join(left[:8]) or None)
-        where = sorted(
-            {
-                f"{n}: {t.device}"
-                for n, t in [*model.named_parameters(), *model.named_buffers()]
-                if t.device != dev
-            }
-        )
-        r.check(
-            "on the device",
-            not where,
-            measured=len(where),
-            bound=0,
-            detail=", ".join(where[:8]) or f"every parameter and buffer on {dev}",
-        )
+        where = sorted({f"{n}: {t.device}" for n, t in tensors if t.device != dev})
+        what = ", ".join(where[:8]) or f"every parameter and buffer on {dev}"
+        r.check("on the device", not where, measured=len(where), bound=0, detail=what)
         got = gm.full_state(model)
         diff, at = gm.max_diff(got, want_state)
         r.check("parameters equal", diff == 0, measured=diff, bound=0, detail=f"largest at {at}")
         bufs = {k: v.detach().cpu() for k, v in model.named_buffers()}
-        bad = [
-            k
-            for k in want_buffers
-            if k not in bufs or not torch.equal(bufs[k].float(), want_buffers[k].float())
-        ]
-        r.check(
-            "buffers equal",
-            not bad and bufs.keys() == want_buffers.keys(),
-            measured=len(bad),
-            bound=0,
-            detail=", ".join(bad) or f"{', '.join(want_buffers)} equal",
-        )
+        same = {k: k in bufs and torch.equal(bufs[k].float(), v.float()) for k, v in want_buffers.items()}
+        bad = [k for k, ok in same.items() if not ok]
+        what = ", ".join(bad) or f"{', '.join(want_buffers)} equal"
+        ok = not bad and bufs.keys() == want_buffers.keys()
+        r.check("buffers equal", ok, measured=len(bad), bound=0, detail=what)
         loss = gm.loss_of(model, x, y).item()
         r.check("first loss equal", loss == want_loss, measured=loss, bound=want_loss)
         gm.train(model, [opt], range(1), sz["batch"], dev)
@@ -576,18 +512,13 @@ def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
             t0 = time.perf_counter()
             loaded = resumed.load()
             load_s = time.perf_counter() - t0
-            r.check(
-                f"{style}.loaded",
-                loaded is not None and loaded.step == 3,
-                measured=None if loaded is None else loaded.step,
-                bound=3,
-            )
+            step = None if loaded is None else loaded.step
+            r.check(f"{style}.loaded", step == 3, measured=step, bound=3)
             got = steps(model, opt, sched, range(3, 6))
             resumed.close()
             diff, where = gm.max_diff(gm.full_state(model), want_state)
-            r.check(
-                f"{style}.losses", got == want, measured=got, bound=want, detail="steps 4-6 after loading"
-            )
+            what = "steps 4-6 after loading"
+            r.check(f"{style}.losses", got == want, measured=got, bound=want, detail=what)
             r.check(f"{style}.weights", diff == 0, measured=diff, bound=0, detail=f"largest at {where}")
             timings[style] = {
                 "save_s": save_s,
@@ -597,12 +528,10 @@ def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
             }
             print(style, json.dumps(timings[style], default=str))
     r.measure(**timings, device=str(dev))
-    r.check(
-        "staging time reported",
-        all(t["staging"] is not None for t in timings.values()),
-        measured={k: (t["staging"] or {}).get("seconds") for k, t in timings.items()},
-        detail="CheckpointManager.last_staging after each save",
-    )
+    seconds = {k: (t["staging"] or {}).get("seconds") for k, t in timings.items()}
+    reported = all(t["staging"] is not None for t in timings.values())
+    what = "CheckpointManager.last_staging after each save"
+    r.check("staging time reported", reported, measured=seconds, detail=what)
 
 
 def _staging(stats) -> dict | None:

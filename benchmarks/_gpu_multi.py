@@ -34,7 +34,6 @@ With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -49,7 +48,18 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._gpu_stages import ROOT, Result, Stage, dry_run, run_all, run_process, run_stage_here  # noqa: E402
+from benchmarks._gpu_common import nccl_version  # noqa: E402
+from benchmarks._gpu_stages import (  # noqa: E402
+    ROOT,
+    Result,
+    Stage,
+    dry_run,
+    parser,
+    run_all,
+    run_process,
+    run_stage_here,
+    stage_command,
+)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_multi"
 WORKER = ROOT / "benchmarks" / "_gpu_worker.py"
@@ -99,9 +109,8 @@ def stage_env(r: Result, *, out: Path, mode: str) -> None:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": n}
     if mode == "gpu":
         r.check("8 GPUs", n >= 8, measured=n, bound=">= 8")
-        version = torch.cuda.nccl.version() if dist.is_nccl_available() else None
-        info["nccl"] = version if isinstance(version, int | None) else ".".join(map(str, version))
-        r.check("nccl", dist.is_nccl_available(), measured=info["nccl"])
+        info["nccl"] = nccl_version()
+        r.check("nccl", info["nccl"] is not None, measured=info["nccl"])
         if n:
             info["device"] = torch.cuda.get_device_name(0)
     else:
@@ -131,13 +140,15 @@ def stage_readme(r: Result, *, out: Path, mode: str) -> None:
         m = re.search(r"rank 0's last loss ([\d.naif]+)", text)
         loss = float(m[1]) if m else None
         ok = rc == 0 and loss is not None and math.isfinite(loss)
-        r.check(
-            f"ranks_{n}",
-            ok,
-            measured=loss,
-            detail=f"exit {rc}, {seconds:.0f} s; rank 0's last loss"
-            + ("" if ok else f"; log {out / f'readme_{n}.log'}"),
+        said = f"exit {rc}, {seconds:.0f} s; rank 0's last loss" + (
+            "" if ok else f"; log {out / f'readme_{n}.log'}"
         )
+        r.check(f"ranks_{n}", ok, measured=loss, detail=said)
+
+
+def _losses(text: str) -> dict[int, float]:
+    """The losses a training example logged ("step N: loss X"), by step."""
+    return {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.naif]+)", text)}
 
 
 def resume_cmd(mode: str, i: int, ckpt: Path | str) -> list[str]:
@@ -154,19 +165,12 @@ def stage_resume(r: Result, *, out: Path, mode: str) -> None:
         ckpt = Path(tmp) / "ckpt"
         for i, n in enumerate(chain):
             stop = 20 * (i + 1)
-            rc, text, seconds = _run(
-                resume_cmd(mode, i, ckpt), Path(tmp), f"resume_{i}_{n}ranks.log", out, 100
-            )
+            log = f"resume_{i}_{n}ranks.log"
+            rc, text, seconds = _run(resume_cmd(mode, i, ckpt), Path(tmp), log, out, 100)
             want = "from scratch" if i == 0 else f"resumed from {ckpt / f'step-{20 * i}'}"
-            losses = {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.naif]+)", text)}
+            losses = _losses(text)
             done = f"done at step {stop}" in text
-            ok = (
-                rc == 0
-                and want in text
-                and done
-                and losses
-                and all(math.isfinite(v) for v in losses.values())
-            )
+            ok = rc == 0 and want in text and done and losses and all(map(math.isfinite, losses.values()))
             rows.append(dict(ranks=n, steps=stop, exit=rc, seconds=round(seconds, 1), losses=losses))
             r.check(
                 f"{i}.{n}_ranks_to_step_{stop}",
@@ -195,29 +199,15 @@ def stage_hsdp(r: Result, *, out: Path, mode: str) -> None:
     a, b = res["meshes"]
     # fp32, 3 steps: the mean gradient is summed in another order (reduce-scatter over 4, then
     # all-reduce over 2, vs one reduce-scatter over 8), an ulp or two; see gpu_check's zero3 bounds
-    r.check(
-        "adamw",
-        res["adamw32"]["max_abs_diff"] <= 1e-5,
-        measured=res["adamw32"]["max_abs_diff"],
-        bound=1e-5,
-        detail=f"max |param({a}) - param({b})| on any rank",
-    )
-    r.check(
-        "muon",
-        res["muon"]["max_abs_diff"] <= res["muon_bound"],
-        measured=res["muon"]["max_abs_diff"],
-        bound=res["muon_bound"],
-        detail=f"{a} vs {b}: steps x max adjusted lr x 4 bf16 ulps",
-    )
+    adamw, muon, bound = res["adamw32"]["max_abs_diff"], res["muon"]["max_abs_diff"], res["muon_bound"]
+    what = f"max |param({a}) - param({b})| on any rank"
+    r.check("adamw", adamw <= 1e-5, measured=adamw, bound=1e-5, detail=what)
+    what = f"{a} vs {b}: steps x max adjusted lr x 4 bf16 ulps"
+    r.check("muon", muon <= bound, measured=muon, bound=bound, detail=what)
+    once, want = "Newton-Schulz runs over all ranks in the last step (each matrix once)", res["muon.matrices"]
     for name in (a, b):
         got = res.get(f"muon.{name}.ns_matrices")
-        r.check(
-            f"muon.{name}.once",
-            got == res["muon.matrices"],
-            measured=got,
-            bound=res["muon.matrices"],
-            detail="Newton-Schulz runs over all ranks in the last step (each matrix once)",
-        )
+        r.check(f"muon.{name}.once", got == want, measured=got, bound=want, detail=once)
 
 
 def kill_cmd(mode: str, logs: Path | str, victim: int) -> list[str]:
@@ -225,16 +215,8 @@ def kill_cmd(mode: str, logs: Path | str, victim: int) -> list[str]:
     survivors as soon as the victim died): they must notice on their own, within the timeout
     (gloo notices at once: 15 s on CPU)."""
     monitor = "90" if mode == "gpu" else "15"
-    worker = [
-        str(WORKER),
-        "kill",
-        "--log-dir",
-        str(logs),
-        "--victim",
-        str(victim),
-        "--timeout",
-        str(KILL_TIMEOUT),
-    ]
+    worker = [str(WORKER), "kill", "--log-dir", str(logs), "--victim", str(victim)]
+    worker += ["--timeout", str(KILL_TIMEOUT)]
     return torchrun(RANKS[mode]["kill"], "--monitor-interval", monitor, *worker)
 
 
@@ -252,12 +234,8 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
         path = logs / f"rank{rank}.log"
         lines[rank] = path.read_text().splitlines() if path.exists() else []
     kill_t = next((float(ln.split()[1]) for ln in lines[victim] if ln.startswith("KILL")), None)
-    r.check(
-        "victim killed in backward",
-        kill_t is not None,
-        measured=victim,
-        detail=f"rank {victim}'s log: {lines[victim][-2:]}",
-    )
+    said = f"rank {victim}'s log: {lines[victim][-2:]}"
+    r.check("victim killed in backward", kill_t is not None, measured=victim, detail=said)
     if kill_t is None:
         return
     bound = KILL_TIMEOUT + 30
@@ -268,14 +246,8 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
         err = next((ln for ln in lines[rank] if ln.startswith("ERROR")), None)
         after = float(err.split()[1]) - kill_t if err else None
         named = bool(err and COLLECTIVE.search(err))
-        rows.append(
-            dict(
-                rank=rank,
-                seconds_after_kill=after,
-                message=err[:400] if err else None,
-                last=lines[rank][-1:] if lines[rank] else None,
-            )
-        )
+        last = lines[rank][-1:] if lines[rank] else None
+        rows.append(dict(rank=rank, seconds_after_kill=after, message=err[:400] if err else None, last=last))
         r.check(
             f"rank_{rank}",
             err is not None and after <= bound and named,
@@ -305,7 +277,7 @@ def stage_tp(r: Result, *, out: Path, mode: str) -> None:
                     shutil.rmtree(ckpt / "step-20", ignore_errors=True)
                 log = f"tp_{optimizer}_{'resumed' if i else 'first'}.log"
                 rc, text, seconds = _run(tp_cmd(mode, optimizer, ckpt), Path(tmp), log, out, 120)
-                losses = {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.naif]+)", text)}
+                losses = _losses(text)
                 printed = re.findall(r"weights fingerprint (\S+);", text)
                 want = f"resumed from {ckpt / 'step-10'}" if i else "from scratch"
                 ok = rc == 0 and want in text and 20 in losses and math.isfinite(losses[20]) and printed
@@ -348,16 +320,8 @@ def bench_cmd(mode: str, script: str, results: Path | str) -> list[str]:
     """`benchmarks/<script>.py --torchrun` on the stage's ranks: `--quick` sizes on CPU; on GPUs
     the benchmark's own models, 1 warm-up and 4 measured steps. Its JSON goes to `results`."""
     size = ["--quick"] if mode == "cpu" else ["--steps", "4", "--warmup", "1"]
-    return torchrun(
-        RANKS[mode]["bench"],
-        str(ROOT / "benchmarks" / f"{script}.py"),
-        "--torchrun",
-        *size,
-        "--configs",
-        *BENCH[script][0],
-        "--results",
-        str(results),
-    )
+    args = ["--torchrun", *size, "--configs", *BENCH[script][0], "--results", str(results)]
+    return torchrun(RANKS[mode]["bench"], str(ROOT / "benchmarks" / f"{script}.py"), *args)
 
 
 def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
@@ -393,58 +357,42 @@ def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
         )
 
 
-_sh = lambda cmd: " ".join(cmd)  # noqa: E731
 STAGES = [
-    Stage(
-        "env",
-        stage_env,
-        {"gpu": 30, "cpu": 150},
-        "GPUs, NCCL, torchrun",
-        plan=lambda m: ["torch.cuda.device_count(), torch.cuda.nccl.version(), torchrun --help"],
-    ),
-    Stage(
-        "readme",
-        stage_readme,
-        {"gpu": 120, "cpu": 420},
-        "the README's torchrun script at 2 and 8 ranks",
-        plan=lambda m: [_sh(torchrun(n, "OUT/readme_train.py")) for n in RANKS[m]["readme"]],
-    ),
-    Stage(
-        "resume",
-        stage_resume,
-        {"gpu": 150, "cpu": 510},
-        "examples/train_torchrun.py resumed 8 -> 4 -> 2",
-        plan=lambda m: [_sh(resume_cmd(m, i, "CKPT")) for i in range(len(RANKS[m]["resume"]))],
-    ),
-    Stage(
-        "hsdp",
-        stage_hsdp,
-        {"gpu": 90, "cpu": 330},
-        "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)",
-        plan=lambda m: [_sh(hsdp_cmd(m))],
-    ),
+    Stage("env", stage_env, {"gpu": 30, "cpu": 150}, "GPUs, NCCL, torchrun"),
+    Stage("readme", stage_readme, {"gpu": 120, "cpu": 420}, "the README's torchrun script at 2 and 8 ranks"),
+    Stage("resume", stage_resume, {"gpu": 150, "cpu": 510}, "examples/train_torchrun.py resumed 8 -> 4 -> 2"),
+    Stage("hsdp", stage_hsdp, {"gpu": 90, "cpu": 330}, "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)"),
     Stage(
         "kill",
         stage_kill,
         {"gpu": 150, "cpu": 510},
         "kill -9 of one rank in backward: the others exit, naming the collective",
-        plan=lambda m: [_sh(kill_cmd(m, "OUT/kill_ranks", 1))],
     ),
     Stage(
         "tp",
         stage_tp,
         {"gpu": 150, "cpu": 600},
         "examples/train_tp.py on dp4 x tp2, AdamW and Muon, resumed exactly",
-        plan=lambda m: [_sh(tp_cmd(m, o, "CKPT")) for o in ("adamw", "muon")],
     ),
     Stage(
         "fsdp_bench",
         stage_fsdp_bench,
         {"gpu": 210, "cpu": 450},
         "benchmarks/fsdp.py, hsdp.py --torchrun vs FSDP2 on NCCL",
-        plan=lambda m: [shlex.join(bench_cmd(m, s, "OUT/fsdp_bench")) for s in BENCH],
     ),
 ]
+_sh = " ".join
+PLANS = {  # what each stage runs, by mode (for --dry-run)
+    "env": lambda m: ["torch.cuda.device_count(), torch.cuda.nccl.version(), torchrun --help"],
+    "readme": lambda m: [_sh(torchrun(n, "OUT/readme_train.py")) for n in RANKS[m]["readme"]],
+    "resume": lambda m: [_sh(resume_cmd(m, i, "CKPT")) for i in range(len(RANKS[m]["resume"]))],
+    "hsdp": lambda m: [_sh(hsdp_cmd(m))],
+    "kill": lambda m: [_sh(kill_cmd(m, "OUT/kill_ranks", 1))],
+    "tp": lambda m: [_sh(tp_cmd(m, o, "CKPT")) for o in ("adamw", "muon")],
+    "fsdp_bench": lambda m: [shlex.join(bench_cmd(m, s, "OUT/fsdp_bench")) for s in BENCH],
+}
+for _s in STAGES:
+    _s.plan = PLANS[_s.name]
 
 
 def visible_gpus() -> int:
@@ -478,18 +426,9 @@ def fitting(stages: list[Stage], gpus: int) -> tuple[list[Stage], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    ap.add_argument("out", nargs="?", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
-    ap.add_argument("--cpu", action="store_true", help="rehearse with gloo CPU ranks (2 at most)")
-    ap.add_argument("--dry-run", action="store_true", help="print the stages, run nothing")
-    ap.add_argument("--stages", nargs="+", choices=[s.name for s in STAGES], help="run these only")
-    ap.add_argument("--budget", type=float, help="seconds for the whole run (default 770; 1800 with --cpu)")
-    ap.add_argument("--stage", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
+    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu="rehearse with gloo CPU ranks (2 at most)",
+                dry_run="print the stages, run nothing",
+                budget="seconds for the whole run (default 770; 1800 with --cpu)")  # fmt: skip
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
     args.budget = args.budget or (770 if mode == "gpu" else 1800)
@@ -497,15 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage:
         return run_stage_here(STAGES, args.stage, out, mode=mode)
     stages = [s for s in STAGES if not args.stages or s.name in args.stages]
-    command = lambda s: [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--stage",
-        s.name,
-        "--mode",
-        mode,  # noqa: E731
-        str(out),
-    ]
+    command = stage_command(Path(__file__).resolve(), mode, out)
     if args.dry_run:
         dry_run(stages, mode, out, command, args.budget)
         return 0

@@ -74,70 +74,38 @@ def stage_batch_invariance(r: Result, *, out: Path, mode: str) -> None:
             kept = inverse_roots_(lroot, left, step=4, beta2=beta2, epsilon=epsilon, dtype=torch.float32)
             kept += inverse_roots_(rroot, right, step=4, beta2=beta2, epsilon=epsilon, dtype=torch.float32)
             direction = precondition(lroot, mhat[:kk], rroot, graft[:kk])
-            res[kk] = dict(
-                L=left[0], R=right[0], L_root=lroot[0], R_root=rroot[0], direction=direction[0], kept=kept
-            )
+            res[kk] = dict(L=left[0], R=right[0], L_root=lroot[0], R_root=rroot[0], direction=direction[0])
+            res[kk]["kept"] = kept
         kappa = {}
         for f in ("L", "R"):
             lam = torch.linalg.eigvalsh(res[k][f].double())
             kappa[f] = float(lam.max() / lam.min().clamp_min(1e-300))
-        bound = {
-            "L": d * EPS32,
-            "R": d * EPS32,
-            "L_root": 0.5 * d * EPS32 * kappa["L"],
-            "R_root": 0.5 * d * EPS32 * kappa["R"],
-        }
+        bound = {"L": d * EPS32, "R": d * EPS32, "L_root": 0.5 * d * EPS32 * kappa["L"]}
+        bound["R_root"] = 0.5 * d * EPS32 * kappa["R"]
         bound["direction"] = bound["L_root"] + bound["R_root"] + 2 * d * EPS32
         for name in ("L", "R", "L_root", "R_root", "direction"):
             a, b = res[1][name], res[k][name]
             rel, bitwise = _rel(a, b), bool(torch.equal(a, b))
-            rows.append(
-                dict(
-                    op=f"shampoo.{name}",
-                    d=d,
-                    rel_diff=rel,
-                    max_abs_diff=float((a - b).abs().max()),
-                    bitwise=bitwise,
-                    bound=bound[name],
-                )
-            )
-            r.check(
-                f"shampoo.d{d}.{name}",
-                rel <= bound[name],
-                measured=rel,
-                bound=bound[name],
-                detail=f"bitwise {'equal' if bitwise else 'different'}"
-                + (f"; kappa {kappa[name[0]]:.3g}" if "root" in name else ""),
-            )
-        r.check(
-            f"shampoo.d{d}.no kept roots",
-            res[1]["kept"] == 0 and res[k]["kept"] == 0,
-            measured=[res[1]["kept"], res[k]["kept"]],
-            bound=0,
-        )
+            diff = float((a - b).abs().max())
+            rows.append(dict(op=f"shampoo.{name}", d=d, rel_diff=rel, max_abs_diff=diff, bitwise=bitwise))
+            rows[-1]["bound"] = bound[name]
+            what = f"bitwise {'equal' if bitwise else 'different'}"
+            what += f"; kappa {kappa[name[0]]:.3g}" if "root" in name else ""
+            r.check(f"shampoo.d{d}.{name}", rel <= bound[name], measured=rel, bound=bound[name], detail=what)
+        kept = [res[1]["kept"], res[k]["kept"]]
+        r.check(f"shampoo.d{d}.no kept roots", kept == [0, 0], measured=kept, bound=0)
     m, n = sz["ns_shape"]
     x = torch.randn(k, m, n, generator=torch.Generator().manual_seed(5)).to(dev)
     for (name, coefficients), backend in itertools.product(NS_COEFFICIENTS.items(), ("triton", "torch")):
         alone = newton_schulz(x[:1], coefficients=coefficients, backend=backend)[0]
         batched = newton_schulz(x, coefficients=coefficients, backend=backend)[0]
         ulps, bitwise = _bf16_ulps(alone, batched), bool(torch.equal(alone, batched))
-        rows.append(
-            dict(
-                op=f"{name}.{backend}",
-                shape=f"{m}x{n}",
-                max_ulps=ulps,
-                max_abs_diff=float((alone.float() - batched.float()).abs().max()),
-                bitwise=bitwise,
-            )
-        )
-        r.check(
-            f"{name}.{backend}",
-            ulps <= 1,
-            measured=ulps,
-            bound=1,
-            detail=f"bf16 ulps, {m}x{n} alone vs in {k}; bitwise {'equal' if bitwise else 'different'}"
-            + ("" if dev.type == "cuda" or backend == "torch" else " (Triton interpreter)"),
-        )
+        diff = float((alone.float() - batched.float()).abs().max())
+        rows.append(dict(op=f"{name}.{backend}", shape=f"{m}x{n}", max_ulps=ulps, max_abs_diff=diff))
+        rows[-1]["bitwise"] = bitwise
+        what = f"bf16 ulps, {m}x{n} alone vs in {k}; bitwise {'equal' if bitwise else 'different'}"
+        what += "" if dev.type == "cuda" or backend == "torch" else " (Triton interpreter)"
+        r.check(f"{name}.{backend}", ulps <= 1, measured=ulps, bound=1, detail=what)
     r.measure(rows=rows, device=str(dev))
     print(json.dumps(rows, indent=1))
 
@@ -169,11 +137,8 @@ def _close(a, b, rtol: float, atol: float) -> dict:
     both = torch.isfinite(a) & torch.isfinite(b)
     diff = (a[both].double() - b[both].double()).abs()
     outside = int((diff > atol + rtol * b[both].double().abs()).sum())
-    return dict(
-        nonfinite_positions_differ=nonfinite,
-        outside_tolerance=outside,
-        max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
-    )
+    largest = float(diff.max()) if diff.numel() else 0.0
+    return dict(nonfinite_positions_differ=nonfinite, outside_tolerance=outside, max_abs_diff=largest)
 
 
 def stage_nan(r: Result, *, out: Path, mode: str) -> None:
@@ -229,35 +194,21 @@ def stage_nan(r: Result, *, out: Path, mode: str) -> None:
     ):
         c = _close(a, b, rtol, atol)
         found[f"adamw8bit.{name}"] = c
-        r.check(
-            f"adamw8bit.{name}",
-            not any(c["nonfinite_positions_differ"].values()) and not c["outside_tolerance"],
-            measured=c,
-            bound=f"same non-finite positions; rtol {rtol:g}, atol {atol:g}",
-        )
+        ok = not any(c["nonfinite_positions_differ"].values()) and not c["outside_tolerance"]
+        bound = f"same non-finite positions; rtol {rtol:g}, atol {atol:g}"
+        r.check(f"adamw8bit.{name}", ok, measured=c, bound=bound)
     for name, a, b in (("exp_avg.codes", qm_t, qm_r), ("exp_avg_sq.codes", qv_t, qv_r)):
         apart = (a.int() - b.int()).abs()
-        c = dict(
-            max_apart=int(apart.max()),
-            fraction_apart=float((apart > 0).float().mean()),
-            apart_where_grad_not_finite=int((apart[bad] > 0).sum()),
-        )
+        c = dict(max_apart=int(apart.max()), fraction_apart=float((apart > 0).float().mean()))
+        c["apart_where_grad_not_finite"] = int((apart[bad] > 0).sum())
         found[f"adamw8bit.{name}"] = c
-        r.check(
-            f"adamw8bit.{name}",
-            c["max_apart"] <= 1 and c["fraction_apart"] < 0.01 and c["apart_where_grad_not_finite"] == 0,
-            measured=c,
-            bound="<= 1 apart in < 1%, equal where the gradient is not finite",
-        )
+        ok = c["max_apart"] <= 1 and c["fraction_apart"] < 0.01 and c["apart_where_grad_not_finite"] == 0
+        bound = "<= 1 apart in < 1%, equal where the gradient is not finite"
+        r.check(f"adamw8bit.{name}", ok, measured=c, bound=bound)
     nan_param = int(torch.isnan(p_r).sum())
-    r.measure(
-        n=n,
-        block_size=bs,
-        poisoned=int(bad.sum()),
-        found=found,
-        nan_in_updated_param=nan_param,
-        triton="compiled" if dev.type == "cuda" else "interpreter",
-    )
+    triton = "compiled" if dev.type == "cuda" else "interpreter"
+    r.measure(n=n, block_size=bs, poisoned=int(bad.sum()), found=found, nan_in_updated_param=nan_param)
+    r.measure(triton=triton)
 
 
 # --- large shapes ---------------------------------------------------------------------------------
@@ -287,9 +238,8 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
     cuda = dev.type == "cuda"
     rows = []
     for shape in sz["big_ns"]:
-        x = torch.randn(
-            shape, device=dev, dtype=torch.bfloat16, generator=torch.Generator(dev).manual_seed(3)
-        )
+        gen = torch.Generator(dev).manual_seed(3)
+        x = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=gen)
         for name, coefficients in NS_COEFFICIENTS.items():
             rows.append(_big_newton_schulz(r, x, name, coefficients, newton_schulz, dev))
         del x
@@ -303,11 +253,9 @@ def stage_large_shapes(r: Result, *, out: Path, mode: str) -> None:
     else:
         rows.append(_big_quantize(r, n, dev, quantize_blockwise, dequantize_blockwise, cuda))
     if not cuda:
-        r.skip(
-            "quantize.2^31",
-            f"{NEEDS_CUDA}: {(1 << 31) + (1 << 20):,} elements ({14 * ((1 << 31) + (1 << 20)) / 2**30:.0f} "
-            f"GiB of device memory); rehearsed at {n:,} elements in the interpreter",
-        )
+        big = (1 << 31) + (1 << 20)
+        what = f"{big:,} elements ({14 * big / 2**30:.0f} GiB of device memory); rehearsed at {n:,} elements"
+        r.skip("quantize.2^31", f"{NEEDS_CUDA}: {what} in the interpreter")
     r.measure(rows=rows, device=str(dev))
     print(json.dumps(rows, indent=1, default=str))
 
@@ -331,33 +279,25 @@ def _big_newton_schulz(r: Result, x, name: str, coefficients, newton_schulz, dev
     rel = _rel(outs["triton"], outs["torch"])
     msv = {b: float(o.float().square().sum()) / (o.numel() // max(shape[-2:])) for b, o in outs.items()}
     finite = all(bool(torch.isfinite(o).all()) for o in outs.values())
-    r.check(
-        f"{name}.{label}",
-        finite and rel <= 2.0**-5,
-        measured=rel,
-        bound=2.0**-5,
-        detail=f"relative Frobenius, Triton vs torch; Triton {seconds['triton second']:.3f} s, torch "
-        f"{seconds['torch second']:.3f} s (warm)" + ("" if cuda else " (interpreter; CPU sizes)"),
-    )
-    r.check(
-        f"{name}.{label}.orthogonalised",
-        all(0.5 <= v <= 1.5 for v in msv.values()),
-        measured=msv,
-        bound=[0.5, 1.5],
-        detail="||X||_F^2 / min(m, n) per backend",
-    )
+    what = f"relative Frobenius, Triton vs torch; Triton {seconds['triton second']:.3f} s, torch "
+    what += f"{seconds['torch second']:.3f} s (warm)" + ("" if cuda else " (interpreter; CPU sizes)")
+    r.check(f"{name}.{label}", finite and rel <= 2.0**-5, measured=rel, bound=2.0**-5, detail=what)
+    ok, what = all(0.5 <= v <= 1.5 for v in msv.values()), "||X||_F^2 / min(m, n) per backend"
+    r.check(f"{name}.{label}.orthogonalised", ok, measured=msv, bound=[0.5, 1.5], detail=what)
     return dict(op=name, shape=label, rel_diff=rel, mean_sq_singular=msv, finite=finite, seconds=seconds)
 
 
 def _big_quantize(r: Result, n: int, dev, quantize_blockwise, dequantize_blockwise, cuda: bool) -> dict:
     torch = _torch()
+    from benchmarks import _gpu_models as gm
+
     bs = 256
     label = "2^31" if n > 2**31 else str(n)
     x = torch.randn(n, device=dev, generator=torch.Generator(dev).manual_seed(4))
     x[-1], x[n // 2] = 1e30, -1e-30  # something in the last block, beyond 2^31 on CUDA
     t0 = time.perf_counter()
     q_t, s_t = quantize_blockwise(x, bs, backend="triton")
-    _sync(dev)
+    gm.synchronize(dev)
     t_triton = time.perf_counter() - t0
     q_r, s_r = quantize_blockwise(x, bs, backend="torch")
     del x
@@ -374,33 +314,11 @@ def _big_quantize(r: Result, n: int, dev, quantize_blockwise, dequantize_blockwi
     del d_t, d_r, q_t, s_t
     if cuda:
         torch.cuda.empty_cache()
-    r.check(
-        f"quantize.{label}.codes",
-        codes_ok,
-        measured=codes_diff,
-        bound=0,
-        detail=f"{n:,} elements; {tail_diff} differ in the last {tail:,}; Triton {t_triton:.3f} s",
-    )
-    r.check(
-        f"quantize.{label}.tail",
-        tail_ok,
-        measured=tail_diff,
-        bound=0,
-        detail=f"codes of the last {tail:,} elements" + (" (beyond 2^31)" if n > 2**31 else ""),
-    )
+    what = f"{n:,} elements; {tail_diff} differ in the last {tail:,}; Triton {t_triton:.3f} s"
+    r.check(f"quantize.{label}.codes", codes_ok, measured=codes_diff, bound=0, detail=what)
+    what = f"codes of the last {tail:,} elements" + (" (beyond 2^31)" if n > 2**31 else "")
+    r.check(f"quantize.{label}.tail", tail_ok, measured=tail_diff, bound=0, detail=what)
     r.check(f"quantize.{label}.scales", scales_ok, measured=scales_diff, bound=0)
     r.check(f"dequantize.{label}", deq_ok, measured=deq_diff, bound=0)
-    return dict(
-        op="quantize",
-        n=n,
-        codes_differ=codes_diff,
-        scales_differ=scales_diff,
-        dequant_differ=deq_diff,
-        triton_quantize_s=t_triton,
-    )
-
-
-def _sync(dev) -> None:
-    from benchmarks import _gpu_models as gm
-
-    gm.synchronize(dev)
+    row = dict(op="quantize", n=n, codes_differ=codes_diff, scales_differ=scales_diff)
+    return row | dict(dequant_differ=deq_diff, triton_quantize_s=t_triton)

@@ -26,7 +26,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch, sleep_cycles
 from benchmarks._gpu_stages import Result
 
 _UNIT_RANGE = re.compile(r"vescale::(unshard|pre_backward|post_backward)\[(.+)\]$")
@@ -87,9 +87,8 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         raise AssertionError("the trace has no gpu_check::backward range")
     b0, b1 = bwd[0]["ts"], bwd[0]["ts"] + bwd[0]["dur"]
     inside = lambda e: b0 <= e["ts"] <= b1  # noqa: E731
-    unshards = sorted(
-        (e for (kind, _), es in ranges.items() if kind == "unshard" for e in es), key=lambda e: e["ts"]
-    )
+    by_start = lambda events: sorted(events, key=lambda e: e["ts"])  # noqa: E731
+    unshards = by_start(e for (kind, _), es in ranges.items() if kind == "unshard" for e in es)
     unit_of = {id(e): _UNIT_RANGE.match(e["name"])[2] for e in unshards}
     launches: dict = {}
     gathers: list[tuple[str | None, dict, dict | None]] = []  # (unit, the gather event, its unshard range)
@@ -106,8 +105,7 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
                 kernels.append(e)
             elif e.get("cat") == "gpu_memcpy" and "DtoD" in e["name"]:
                 copies.append(e)
-        kernels.sort(key=lambda e: e["ts"])
-        copies.sort(key=lambda e: e["ts"])
+        kernels, copies = by_start(kernels), by_start(copies)
         ag = [k for k in kernels if re.match(r"nccl(Dev)?Kernel_AllGather", k["name"])]
         method, gathers = _gpu_gathers(ag, copies, unshards, unit_of, launches)
         launched = lambda e: launches.get((e.get("args") or {}).get("correlation"))  # noqa: E731
@@ -120,10 +118,7 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
     else:
         method = "issue"
         gathers = [(unit_of[id(u)], u, u) for u in unshards]
-        compute = sorted(
-            (e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")),
-            key=lambda e: e["ts"],
-        )
+        compute = by_start(e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::"))
     per_block = []
     for k in range(1, len(blocks)):
         unit, before = blocks[k], blocks[k - 1]
@@ -144,25 +139,19 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         # the gather of the unit before issued in backward (the forward's gathered it too)
         theirs = [g for u, g, rng in gathers if u == before and rng is not None and inside(rng)]
         if not mine or not theirs:
-            row.update(
-                ok=False,
-                why=f"{len(mine)} compute events of {unit} in its backward, "
-                f"{len(theirs)} backward gathers of {before}",
-            )
+            why = f"{len(mine)} compute events of {unit} in its backward, {len(theirs)} backward gathers"
+            row.update(ok=False, why=f"{why} of {before}")
             per_block.append(row)
             continue
         last, gather = max(e["ts"] for e in mine), theirs[0]
         total = sum(e.get("dur", 0) for e in mine)
         after = sum(e.get("dur", 0) for e in mine if e["ts"] >= gather["ts"])
         share = after / total if total > 0 else 0.0
+        ok = share >= MIN_SHARE if cuda else gather["ts"] < last
         row.update(
-            gather_start_us=gather["ts"],
-            last_compute_start_us=last,
-            lead_us=round(last - gather["ts"], 1),
-            compute_events=len(mine),
-            share=round(share, 3),
-            ok=share >= MIN_SHARE if cuda else gather["ts"] < last,
+            gather_start_us=gather["ts"], last_compute_start_us=last, lead_us=round(last - gather["ts"], 1)
         )
+        row.update(compute_events=len(mine), share=round(share, 3), ok=ok)
         if cuda:
             row.update(gather_stream=_stream(gather), compute_stream=compute_stream)
         per_block.append(row)
@@ -241,20 +230,9 @@ def stage_overlap_selftest(r: Result, *, out: Path, mode: str) -> None:
 # --- the overlap stage ------------------------------------------------------------------------------
 
 
-def _cycles_per_ms(torch) -> float:
-    """`torch.cuda._sleep` cycles per millisecond on this device, measured."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # warm
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def _backward_ms(torch, gm, model, opt, x, y, sleep_cycles: int | None, reps: int = 3) -> tuple[float, int]:
+def _backward_ms(torch, gm, model, opt, x, y, cycles: int | None, reps: int = 3) -> tuple[float, int]:
     """The median device time of `reps` backwards (CUDA events), with a sleep of
-    `sleep_cycles` before every all-gather issued in backward (on the gather stream), and
+    `cycles` before every all-gather issued in backward (on the gather stream), and
     how many gathers one backward issued."""
     from vescale_optim.shard.handle import before_issue
 
@@ -263,7 +241,7 @@ def _backward_ms(torch, gm, model, opt, x, y, sleep_cycles: int | None, reps: in
     def sleep(kind: str) -> None:
         if kind == "all-gather":
             count[0] += 1
-            torch.cuda._sleep(sleep_cycles)
+            torch.cuda._sleep(cycles)
 
     for _ in range(reps):
         loss = gm.loss_of(model, x, y)
@@ -271,7 +249,7 @@ def _backward_ms(torch, gm, model, opt, x, y, sleep_cycles: int | None, reps: in
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with before_issue(sleep) if sleep_cycles else contextlib.nullcontext():
+        with before_issue(sleep) if cycles else contextlib.nullcontext():
             loss.backward()
         end.record()
         torch.cuda.synchronize()
@@ -318,7 +296,7 @@ def stage_overlap(r: Result, *, out: Path, mode: str) -> None:
             plain, _ = _backward_ms(torch, gm, model, opt, x, y, None)
             unit_ms = plain / len(opt.units)
             sleep_ms = unit_ms / 2
-            slept, gathers = _backward_ms(torch, gm, model, opt, x, y, int(sleep_ms * _cycles_per_ms(torch)))
+            slept, gathers = _backward_ms(torch, gm, model, opt, x, y, sleep_cycles(sleep_ms))
             growth, serial = slept - plain, gathers * sleep_ms
             injection = dict(backward_ms=plain, unit_backward_ms=unit_ms, sleep_ms=sleep_ms,
                              backward_gathers=gathers, slept_backward_ms=slept, growth_ms=growth,
@@ -329,23 +307,14 @@ def stage_overlap(r: Result, *, out: Path, mode: str) -> None:
     print(json.dumps({**result, "injection": injection}, indent=1))
     for row in result["blocks"]:
         if cuda:
-            r.check(
-                f"kernels.{row['block']}",
-                row["ok"],
-                measured=row.get("share"),
-                bound=f">= {MIN_SHARE}",
-                detail=row.get("why") or f"share of {row['block']}'s compute-stream kernel time after "
-                f"AG({row['gather_of']}) starts (lead {row.get('lead_us')} us)",
-            )
+            name, measured, bound = f"kernels.{row['block']}", row.get("share"), f">= {MIN_SHARE}"
+            what = f"share of {row['block']}'s compute-stream kernel time after AG({row['gather_of']}) starts"
+            what += f" (lead {row.get('lead_us')} us)"
         else:
-            r.check(
-                f"issue.{row['block']}",
-                row["ok"],
-                measured=row.get("lead_us"),
-                bound="> 0 us",
-                detail=row.get("why") or "CPU rehearsal: the gather of unit k-1 is issued before the last "
-                f"op of unit k (gather of {row['gather_of']})",
-            )
+            name, measured, bound = f"issue.{row['block']}", row.get("lead_us"), "> 0 us"
+            what = "CPU rehearsal: the gather of unit k-1 is issued before the last op of unit k"
+            what += f" (gather of {row['gather_of']})"
+        r.check(name, row["ok"], measured=measured, bound=bound, detail=row.get("why") or what)
     if not result["blocks"]:
         r.fail("blocks", f"found no blocks among the units {list(names.values())}")
     if cuda:

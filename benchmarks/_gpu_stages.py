@@ -13,6 +13,7 @@ stage raised, crashed or ran out of time), `skipped` if every check was skipped,
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks._gpu_report import FAILED, PASSED, SKIPPED, markdown, print_stage
+
 ROOT = Path(__file__).resolve().parent.parent
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
 def jsonable(value: Any) -> Any:
@@ -60,25 +62,18 @@ class Result:
         self, name: str, ok: bool, *, measured: Any = None, bound: Any = None, detail: str | None = None
     ) -> bool:
         """Record check `name`: passed iff `ok`; `measured` against `bound`, `detail` in words."""
-        self.checks.append(
-            {
-                "name": name,
-                "status": PASSED if ok else FAILED,
-                "measured": jsonable(measured),
-                "bound": jsonable(bound),
-                "detail": detail,
-            }
-        )
+        self._add(name, PASSED if ok else FAILED, jsonable(measured), jsonable(bound), detail)
         return bool(ok)
+
+    def _add(self, name: str, status: str, measured: Any, bound: Any, detail: str | None) -> None:
+        self.checks.append(dict(name=name, status=status, measured=measured, bound=bound, detail=detail))
 
     def fail(self, name: str, detail: str, measured: Any = None) -> None:
         self.check(name, False, detail=detail, measured=measured)
 
     def skip(self, name: str, reason: str) -> None:
         """Record check `name` as skipped, with the reason (e.g. it needs CUDA)."""
-        self.checks.append(
-            {"name": name, "status": SKIPPED, "measured": None, "bound": None, "detail": reason}
-        )
+        self._add(name, SKIPPED, None, None, reason)
 
     def measure(self, **values: Any) -> None:
         self.measurements.update(jsonable(values))
@@ -105,14 +100,8 @@ class Result:
         return None
 
     def to_dict(self) -> dict:
-        return {
-            "stage": self.stage,
-            "status": self.status,
-            "reason": self.reason(),
-            "checks": self.checks,
-            "measurements": self.measurements,
-            "error": self.error,
-        }
+        found = dict(checks=self.checks, measurements=self.measurements, error=self.error)
+        return dict(stage=self.stage, status=self.status, reason=self.reason(), **found)
 
 
 @dataclass
@@ -196,9 +185,8 @@ def run_process(
     it ran out of time, seconds)."""
     start = time.monotonic()
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            list(cmd), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
-        )
+        how = dict(stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(list(cmd), **how)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -304,13 +292,11 @@ def run_all(
     out.mkdir(parents=True, exist_ok=True)
     start = warmup.start if warmup is not None else time.monotonic()
     results = []
-    print(
-        f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}", flush=True
-    )
+    print(f"{title} ({mode}): {len(stages)} stages, budget {budget:.0f} s; logs and report in {out}")
     for i, s in enumerate(stages, 1):
         left = budget - setup - (time.monotonic() - start)
         if s.warm and warmup is not None and warmup.entry is None:
-            _print_stage(warmup.wait(left))
+            print_stage(warmup.wait(left))
             left = budget - setup - (time.monotonic() - start)
         limit = min(s.limits[mode], left)
         log = out / f"{s.name}.log"
@@ -318,13 +304,10 @@ def run_all(
         (out / f"{s.name}.json").unlink(missing_ok=True)
         print(f"== [{i:2d}/{len(stages)}] {s.name} (limit {limit:.0f} s): {s.what}", flush=True)
         if s.refused:
-            entry = Result(s.name)
-            entry.skip("stage", s.refused)
-            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0}
+            entry = _skipped(s.name, s.refused)
         elif left < 5:
-            entry = Result(s.name)
-            entry.skip("stage", f"the run's budget of {budget:.0f} s was spent before this stage")
-            entry = entry.to_dict() | {"seconds": 0.0, "limit_s": 0, "budget_spent": True}
+            why = f"the run's budget of {budget:.0f} s was spent before this stage"
+            entry = _skipped(s.name, why, budget_spent=True)
         else:
             env = child_env(mode, {**s.env, "GPU_CHECK_STAGE_LIMIT_S": f"{limit:.0f}"})
             # (while the warm-up still fills the cache, what a stage added is not its own)
@@ -335,35 +318,28 @@ def run_all(
                 entry["compiled_kernels"] = (_cache_entries() or 0) - cached
         entry["log"] = log.name
         results.append(entry)
-        _print_stage(entry)
+        print_stage(entry)
     if warmup is not None:
         results.insert(0, warmup.wait(budget - (time.monotonic() - start)))
     total = time.monotonic() - start
-    report = {
-        "title": title,
-        "mode": mode,
-        "host": host_info(),
-        "seconds": round(total, 1),
-        "budget_s": budget,
-        "passed": all(r["status"] != FAILED and not r.get("budget_spent") for r in results),
-        "notes": list(notes),
-        "stages": results,
-        "skipped_checks": [
-            {"check": f"{r['stage']}.{c['name']}", "reason": c["detail"]}
-            for r in results
-            for c in r["checks"]
-            if c["status"] == SKIPPED
-        ],
-    }
+    passed = all(r["status"] != FAILED and not r.get("budget_spent") for r in results)
+    skipped = [(r["stage"], c) for r in results for c in r["checks"] if c["status"] == SKIPPED]
+    report = dict(title=title, mode=mode, host=host_info(), seconds=round(total, 1), budget_s=budget)
+    report.update(passed=passed, notes=list(notes), stages=results)
+    report["skipped_checks"] = [{"check": f"{st}.{c['name']}", "reason": c["detail"]} for st, c in skipped]
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
     counts = {st: sum(r["status"] == st for r in results) for st in (PASSED, FAILED, SKIPPED)}
-    print(
-        f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
-        f"report: {out / 'report.md'} and {out / 'report.json'}",
-        flush=True,
-    )
+    print(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
+          f"report: {out / 'report.md'} and {out / 'report.json'}", flush=True)  # fmt: skip
     return 0 if report["passed"] else 1
+
+
+def _skipped(name: str, why: str, **more) -> dict:
+    """The report entry of a stage that did not run, and why."""
+    entry = Result(name)
+    entry.skip("stage", why)
+    return entry.to_dict() | {"seconds": 0.0, "limit_s": 0, **more}
 
 
 def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, log: Path, cut: bool) -> dict:
@@ -387,58 +363,24 @@ def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, 
     return entry
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    if isinstance(value, dict | list):
-        text = json.dumps(value, default=str)
-        return text if len(text) <= 160 else text[:157] + "..."
-    return str(value)
+def parser(doc: str, stages: Sequence[Stage], out: Path, *, cpu: str, dry_run: str, budget: str,
+           **flags: str) -> argparse.ArgumentParser:  # fmt: skip
+    """A driver's command line: OUT (default `out`), --cpu, --dry-run, --stages, `flags` (each a
+    flag and its help), --budget, and the internal --stage and --mode (one stage in this process)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("out", nargs="?", type=Path, default=out, help=f"default {out}")
+    ap.add_argument("--cpu", action="store_true", help=cpu)
+    ap.add_argument("--dry-run", action="store_true", help=dry_run)
+    ap.add_argument("--stages", nargs="+", choices=[s.name for s in stages], help="run these only")
+    for name, text in flags.items():
+        ap.add_argument(f"--{name}", action="store_true", help=text)
+    ap.add_argument("--budget", type=float, help=budget)
+    ap.add_argument("--stage", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["gpu", "cpu"], help=argparse.SUPPRESS)
+    return ap
 
 
-def check_line(c: dict) -> str:
-    tag = {PASSED: "ok  ", FAILED: "FAIL", SKIPPED: "skip"}[c["status"]]
-    text = f"{tag} {c['name']}"
-    if c["measured"] is not None:
-        text += f": {_fmt(c['measured'])}"
-        if c["bound"] is not None:
-            text += f" (bound {_fmt(c['bound'])})"
-    if c["detail"]:
-        text += f" - {c['detail']}"
-    return text
-
-
-def _print_stage(entry: dict) -> None:
-    print(f"   {entry['status']} in {entry['seconds']} s", flush=True)
-    for c in entry["checks"]:
-        print("   " + check_line(c).replace("\n", "\n     "), flush=True)
-    if entry.get("error"):
-        print("   | " + "\n   | ".join(entry["error"].strip().splitlines()[-8:]), flush=True)
-
-
-def markdown(report: dict) -> str:
-    md = [
-        f"# {report['title']} ({report['mode']})",
-        "",
-        f"{report['host']['hostname']}, {report['host']['platform']}, Python {report['host']['python']}; "
-        f"{report['seconds']} s of a {report['budget_s']:.0f} s budget; "
-        f"{'no stage failed' if report['passed'] else 'FAILED'}",
-        "",
-    ]
-    md += [f"- {n}" for n in report["notes"]]
-    md += ["", "| stage | status | seconds | limit s | kernels compiled | reason |"]
-    md += ["|---|---|---:|---:|---:|---|"]
-    for r in report["stages"]:
-        reason = (r["reason"] or "").replace("|", "\\|").replace("\n", " ")
-        compiled = r.get("compiled_kernels", "")
-        cells = [r["stage"], r["status"], r["seconds"], r["limit_s"], compiled, reason[:300]]
-        md.append("| " + " | ".join(map(str, cells)) + " |")
-    for r in report["stages"]:
-        md += ["", f"## {r['stage']}: {r['status']}", ""]
-        md += [f"- {check_line(c)}" for c in r["checks"]]
-        if r["measurements"]:
-            md += ["", "```json", json.dumps(r["measurements"], indent=1, default=str)[:6000], "```"]
-        if r.get("error"):
-            md += ["", "```", r["error"].strip()[-3000:], "```"]
-        md.append(f"\nlog: `{r['log']}`")
-    return "\n".join(md) + "\n"
+def stage_command(script: Path, mode: str, out: Path) -> Callable[[Stage], list[str]]:
+    """The command line of a stage's own process: `script --stage NAME --mode MODE OUT`."""
+    return lambda s: [sys.executable, str(script), "--stage", s.name, "--mode", mode, str(out)]

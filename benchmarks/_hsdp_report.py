@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from benchmarks._measure import load_average
-from benchmarks._report import FSDP2_ON_CPU, host_line, pyplot, save_png, table
-from benchmarks._verdict import verdict
+from benchmarks._report import host_line, pyplot, save_png, table
+from benchmarks._verdict import shown, time_note, verdict
 
 TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms",
         "exposed comm ms"]  # fmt: skip
@@ -28,11 +28,6 @@ def _listed(rows: list[dict]) -> list[dict]:
                 r[k] = ", ".join(f"{n} {x:.3g}" for n, x in sorted(v.items()))
         out.append(r)
     return out
-
-
-def _shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
-    """The columns a table shows: on CUDA only those measured there (see hsdp.py's docstring)."""
-    return [c for c in columns if any(c in r for r in rows)] if run.get("device") == "cuda" else columns
 
 
 def _goals(rows: list[dict], world: int = 4) -> dict[str, bool]:
@@ -95,7 +90,7 @@ def _plot(rows: list[dict], name: str, world: int = 4):
 
 
 def report(rows: list[dict], run: dict) -> dict:
-    shape, world, cuda = run["shape"], run["world"], run.get("device") == "cuda"
+    shape, world = run["shape"], run["world"]
     hsdp = next(iter(run["meshes"]))  # FSDP2's mesh, 2 x world/2
     if run["quick"]:
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
@@ -105,10 +100,8 @@ def report(rows: list[dict], run: dict) -> dict:
           f"({backend}); {run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest "
           f"rank; x = vs FSDP2 {hsdp} with the same optimizer\n")  # fmt: skip
     print(f"{host_line(run['threads'])}\n")
-    print(table(rows, _shown(TIME, rows, run), floatfmt=".4g"))
-    print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
-          "exposed comm and measured FLOPs are not measured here (hsdp.py's docstring says why)"
-          if cuda else f"\n{FSDP2_ON_CPU}")  # fmt: skip
+    print(table(rows, shown(TIME, rows, run), floatfmt=".4g"))
+    time_note(run, "exposed comm and measured FLOPs", "hsdp.py")
     print(f"\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes; "
           f"step = inside opt.step(); load average {load_average()}\n")  # fmt: skip
     print(table(_listed(rows), BYTES, floatfmt=".4g"))
@@ -116,7 +109,7 @@ def report(rows: list[dict], run: dict) -> dict:
     if muon:
         print(f"\nNewton–Schulz GFLOP per step, per rank (ranks {' / '.join(map(str, range(world)))}); "
               f"load average {load_average()}\n")  # fmt: skip
-        print(table(_listed(muon), _shown(NS, muon, run), floatfmt=".4g"))
+        print(table(_listed(muon), shown(NS, muon, run), floatfmt=".4g"))
     print()
     print(table(rows, LOSS, floatfmt=".5g"))
     return verdict("hsdp", rows, run, _goals(rows, world), f"W={world}", f"FSDP2 {hsdp}",

@@ -4,6 +4,7 @@ live_malloc()                       # glibc: large blocks by mmap, so RSS follow
 base = status_kb("VmRSS"); reset_peak(); ...; status_kb("VmHWM")   # peak RSS since the reset
 t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
 median_of_max(per_rank_times)       # median over steps of the slowest rank's time
+median_ratio(ours, peer)            # median over steps of the per-step ratio
 load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
 window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
 matmul_flops(prof)                  # FLOPs of the matrix products a profile saw
@@ -15,8 +16,8 @@ import os
 import statistics
 import time
 
-__all__ = ["PRODUCTS", "Timer", "live_malloc", "load_average", "matmul_flops", "median_of_max", "reset_peak",
-           "slowest", "status_kb", "window_seconds"]  # fmt: skip
+__all__ = ["PRODUCTS", "Timer", "live_malloc", "load_average", "matmul_flops", "median_of_max",
+           "median_ratio", "reset_peak", "slowest", "status_kb", "window_seconds"]  # fmt: skip
 
 
 def status_kb(field: str) -> int:
@@ -81,6 +82,12 @@ def slowest(per_rank: list[list[float]]) -> list[float]:
 def median_of_max(per_rank: list[list[float]]) -> float:
     """Median over steps of the slowest rank's time in each step."""
     return statistics.median(slowest(per_rank))
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median over steps of `a[i] / b[i]` (steps where `b[i] > 0`): two configurations that ran
+    each step side by side, so the load on the machine hit both alike."""
+    return statistics.median(x / y for x, y in zip(a, b) if y > 0)
 
 
 def load_average() -> str:

@@ -1,13 +1,18 @@
-"""Optimizer settings the training benchmarks share, Muon's split of a GPT's parameters, and
-the two training set-ups they compare.
+"""Optimizer settings the training benchmarks share, Muon's split of a GPT's parameters, ours, and
+one factory for the peer set-ups they compare with.
 
     vo.AdamW(model.parameters(), **ADAMW)
     vo.Muon(muon_groups(model))                  # hidden matrices -> Muon, the rest -> AdamW
     names = muon_names(model)                    # the Muon group's parameter names, for a peer's split
-    torch.optim.Muon(hidden, **MUON); torch.optim.AdamW(rest, **MUON_ADAMW)
     opt = ours(model, "Muon", shard_modules=[*model.blocks, model], mesh=mesh)
-    opt = fsdp2(model, "Muon", mesh=mesh)        # fully_shard per block and the root + torch.optim
+    module, opt = peer(model, "FSDP2", "Muon", mesh=mesh)   # or "DDP", "ZeRO", "torch" (no wrapper)
+    opt = fsdp2(model, "Muon", mesh=mesh)        # peer(model, "FSDP2", ...)'s optimizer
     opt = FullTensorMuon(model)                  # over FSDP2: torchtitan's whole-matrix torch.optim.Muon
+
+The peers: FSDP2 (`fully_shard_gpt` over `mesh`: the world; a 2-D mesh, FSDP2's HSDP; the dp mesh
+of a dp x tp one, FSDP2 2-D), DDP (`DistributedDataParallel`), ZeRO (DDP +
+`ZeroRedundancyOptimizer`) and torch's optimizers alone, each with `torch.optim.AdamW`, or
+`torch.optim.Muon` on the hidden matrices and `torch.optim.AdamW` on the rest.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from torch import nn
 
 import vescale_optim as vo
 
-__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "FullTensorMuon", "Steps", "fsdp2", "fully_shard_gpt"]
-__all__ += ["muon_groups", "muon_names", "ours"]
+__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "PEERS", "FullTensorMuon", "Steps", "fsdp2", "fully_shard_gpt"]
+__all__ += ["muon_groups", "muon_names", "ours", "peer"]
+
+PEERS = ("FSDP2", "DDP", "ZeRO", "torch")
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
@@ -61,45 +68,70 @@ def ours(model: nn.Module, family: str, **kwargs):
     return vo.Muon(muon_groups(model), **kwargs)
 
 
-def fully_shard_gpt(model: nn.Module, mesh=None) -> nn.Module:
-    """FSDP2's `fully_shard` on every block (resharded after forward), then on the root (kept
-    gathered from forward to backward, as our outermost unit), over `mesh` (2-D: HSDP)."""
+def fully_shard_gpt(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
+                    blocks: list[nn.Module] | None = None) -> nn.Module:  # fmt: skip
+    """FSDP2's `fully_shard` on every block (`blocks`, default `model.blocks`; resharded after
+    forward unless told not to), then on the root (FSDP2's default for a root: kept gathered from
+    forward to backward, as our outermost unit), over `mesh` (2-D: HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    for block in model.blocks if blocks is None else blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def fsdp2(model: nn.Module, family: str, mesh=None):
-    """`fully_shard_gpt`, then `torch.optim.AdamW`, or `torch.optim.Muon` on the hidden matrices and
-    `torch.optim.AdamW` on the rest, on the DTensor parameters."""
-    hidden = muon_names(model)
-    fully_shard_gpt(model, mesh)
+def peer(model: nn.Module, setup: str, family: str = "AdamW", *, mesh=None,
+         reshard_after_forward: bool = True) -> tuple[nn.Module, object]:  # fmt: skip
+    """A peer set-up of `PEERS` over a GPT: (the module to call, its optimizer). `FSDP2`:
+    `fully_shard_gpt` over `mesh`; `DDP`: `DistributedDataParallel(model)`; `ZeRO`: the same
+    with every torch optimizer a `ZeroRedundancyOptimizer`; `torch`: the model as it is. The
+    optimizer: `torch.optim.AdamW(foreach=True)` with `ADAMW`, or for Muon `torch.optim.Muon`
+    (`MUON`) on `muon_names` and `torch.optim.AdamW` (`MUON_ADAMW`) on the rest, as one `Steps`."""
+    hidden, module = muon_names(model) if family == "Muon" else set(), model
+    if setup == "FSDP2":
+        fully_shard_gpt(model, mesh, reshard_after_forward)
+    elif setup in ("DDP", "ZeRO"):
+        module = torch.nn.parallel.DistributedDataParallel(model)
+    elif setup != "torch":
+        raise ValueError(f"a peer set-up is one of {PEERS}, not {setup!r}")
+
+    def make(cls, params: list, **hyper):
+        if setup != "ZeRO":
+            return cls(params, **hyper)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **hyper)
+
+    named = dict(model.named_parameters())  # DTensors under FSDP2
     if family == "AdamW":
-        return torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
-    named = dict(model.named_parameters())  # DTensors now
-    return Steps(
-        torch.optim.Muon([p for n, p in named.items() if n in hidden], **MUON),
-        torch.optim.AdamW([p for n, p in named.items() if n not in hidden], foreach=True, **MUON_ADAMW),
-    )
+        return module, make(torch.optim.AdamW, list(named.values()), foreach=True, **ADAMW)
+    rest = [p for n, p in named.items() if n not in hidden]
+    return module, Steps(make(torch.optim.Muon, [p for n, p in named.items() if n in hidden], **MUON),
+                         make(torch.optim.AdamW, rest, foreach=True, **MUON_ADAMW))  # fmt: skip
+
+
+def fsdp2(model: nn.Module, family: str, mesh=None, reshard_after_forward: bool = True):
+    """`peer(model, "FSDP2", ...)`'s optimizer (the model is sharded in place)."""
+    return peer(model, "FSDP2", family, mesh=mesh, reshard_after_forward=reshard_after_forward)[1]
 
 
 class FullTensorMuon(Steps):
     """torchtitan's Muon over FSDP2 (`fully_shard_gpt` done): every rank keeps each hidden matrix
     whole (`full_tensor()` at construction) with `torch.optim.Muon` over those copies, and
     `torch.optim.AdamW` on the other DTensor parameters. A step all-gathers each matrix's gradient,
-    orthogonalizes every matrix on every rank, and writes each rank's rows back into its shard."""
+    orthogonalizes every matrix on every rank, and writes each rank's shard back into it. Without a
+    `model`: over the DTensor matrices `hidden` and the `rest`, with the hyperparameters given."""
 
-    def __init__(self, model: nn.Module):
-        hidden = muon_names(model)
-        named = dict(model.named_parameters())
-        self.shards = [p for n, p in named.items() if n in hidden]
+    def __init__(self, model: nn.Module | None = None, *, hidden: list | None = None,
+                 rest: list | None = None, muon: dict = MUON, adamw: dict = MUON_ADAMW):  # fmt: skip
+        if model is not None:
+            names, named = muon_names(model), dict(model.named_parameters())
+            hidden = [p for n, p in named.items() if n in names]
+            rest = [p for n, p in named.items() if n not in names]
+        self.shards = hidden
         self.whole = [nn.Parameter(p.full_tensor()) for p in self.shards]
-        rest = [p for n, p in named.items() if n not in hidden]
-        adamw = torch.optim.AdamW(rest, foreach=True, **MUON_ADAMW)
-        super().__init__(torch.optim.Muon(self.whole, **MUON), adamw)
+        super().__init__(torch.optim.Muon(self.whole, **muon), torch.optim.AdamW(rest, foreach=True, **adamw))
 
     @torch.no_grad()
     def step(self):

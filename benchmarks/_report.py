@@ -52,10 +52,7 @@ def _cell(value: Any, floatfmt: str) -> str:
 
 
 def table(
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[str] | None = None,
-    *,
-    floatfmt: str = ".3g",
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, *, floatfmt: str = ".3g"
 ) -> str:
     """A Markdown table of `rows` (dicts), one column per key in `columns` (default: the
     keys of the first row). Missing keys print empty, floats with `floatfmt`, large ints
@@ -63,21 +60,14 @@ def table(
     if columns is None:
         columns = list(rows[0]) if rows else []
     cells = [[_cell(row.get(c), floatfmt) for c in columns] for row in rows]
-    numeric = [
-        all(isinstance(row.get(c), int | float) for row in rows if row.get(c) is not None) for c in columns
-    ]
+    numeric = [all(isinstance(r.get(c), int | float) for r in rows if r.get(c) is not None) for c in columns]
     widths = [max([len(c), 3, *(len(r[j]) for r in cells)]) for j, c in enumerate(columns)]
 
     def line(values):
-        return (
-            "| "
-            + " | ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
-            + " |"
-        )
+        padded = (v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric))
+        return "| " + " | ".join(padded) + " |"
 
-    rule = (
-        "|" + "|".join("-" * (w + 1) + ":" if num else "-" * (w + 2) for w, num in zip(widths, numeric)) + "|"
-    )
+    rule = "|" + "|".join("-" * (w + 1) + ":" if n else "-" * (w + 2) for w, n in zip(widths, numeric)) + "|"
     return "\n".join([line(list(columns)), rule, *(line(r) for r in cells)])
 
 
@@ -170,13 +160,9 @@ def host_line(threads: Sequence[int] | int | None = None) -> str:
 
 def environment(threads: Sequence[int] | int | None = None) -> dict[str, Any]:
     """Where a result was measured: versions, CPU count, git commit, `host(threads)`."""
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "host": host(threads),
-        "argv": sys.argv,
-    }
+    env: dict[str, Any] = dict(python=sys.version.split()[0], platform=platform.platform())
+    env.update(cpus=os.cpu_count())
+    env.update(host=host(threads), argv=sys.argv)
     try:
         import torch
 
@@ -185,16 +171,9 @@ def environment(threads: Sequence[int] | int | None = None) -> dict[str, Any]:
     except ImportError:
         pass
     try:
-        env["commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=Path(__file__).parent,
-                capture_output=True,
-                text=True,
-                timeout=5,
-            ).stdout.strip()
-            or None
-        )
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        proc = subprocess.run(git, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        env["commit"] = proc.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["commit"] = None
     return env

@@ -4,6 +4,8 @@
     results = launch(fn, world, arg1, arg2)     # fn(rank, world, arg1, arg2) here; every rank's result
     if is_first(): print(table(...))            # rank 0 reports
     leave()                                     # the group destroyed
+    world, run, where = ranks(args.torchrun, args.world_size, 4)   # torchrun's or a local world
+    if quiet(args.torchrun): return {}          # the group left; only rank 0 goes on to report
 
 `join` meets the other ranks through `vescale_optim.init_distributed` (NCCL with
 `device_id=cuda:LOCAL_RANK` where CUDA is available, gloo otherwise); on the CPU each rank then
@@ -26,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 import vescale_optim as vo
+from benchmarks import _gpt
 from benchmarks._gpt import Ranks, threads_per_rank
 from benchmarks._train import device
 
-__all__ = ["is_first", "join", "launch", "leave"]
+__all__ = ["is_first", "join", "launch", "leave", "quiet", "ranks"]
 
 TIMEOUT = 900.0  # seconds: the process group's, as the local world's collective timeout
 
@@ -73,3 +76,27 @@ def leave() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def ranks(torchrun: bool, world_size: int | None, default: int) -> tuple[int, Callable, dict]:
+    """Where a benchmark's ranks run: with `torchrun`, in torchrun's group (joined; `world_size`,
+    when given, must be its size), else in local gloo worlds of `world_size` (or `default`) ranks.
+    Returns the world size, the launcher and what a result records of it (torchrun, device, backend)."""
+    if not torchrun:
+        return world_size or default, _gpt.launch, {}
+    device = join(world_size)
+    return (
+        dist.get_world_size(),
+        launch,
+        {"torchrun": True, "device": device.type, "backend": dist.get_backend()},
+    )
+
+
+def quiet(torchrun: bool) -> bool:
+    """After the ranks' work: under `torchrun` the group is left, and True on every process but
+    rank 0's, which alone reports; False without torchrun."""
+    if not torchrun:
+        return False
+    first = is_first()
+    leave()
+    return not first

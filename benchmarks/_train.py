@@ -1,11 +1,13 @@
-"""What the FSDP and HSDP benchmarks share to train their configurations side by side: the same
-per-rank batches, one step timed phase by phase, a trainer per configuration, every configuration
-of a world stepped in turn, and the ratios of each configuration's steps to its peer's.
+"""What the training benchmarks share to train their configurations side by side: the same
+per-rank batches, one step timed phase by phase, one trainer per configuration (a GPT, or the model
+a subclass builds; its optimizer ours or a peer of `benchmarks._optim`), every configuration of a
+world stepped in turn, and the ratios of each configuration's steps to its peer's.
 
     device()                                                    # this rank's: cuda on NCCL, else cpu
-    loss, seconds, comm = train_step(model, opt, x, y, meter)   # per phase: seconds, meter.take()
-    class Mine(Trainer): def optimizer(self, model): ...        # one configuration
+    loss, seconds, comm = train_step(model.loss, opt, x, y, meter)   # per phase: seconds, meter.take()
+    class Mine(Trainer): def optimizer(self, model): ...        # one configuration (a GPT unless `build`)
     interleave(trainers, batches(shape, rank, world), warmup, steps)
+    seconds, out = barrier_timed(fn, *args)                     # fn(*args) timed after a barrier
     rows = against_peers(rows_by_config, peer, ["train", "step"])   # "train x", "step x", "|Δ loss|"
 
 Models and batches live on the rank's `device()`: the GPU a NCCL group is bound to (under
@@ -27,9 +29,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
-from benchmarks._gpt import build_gpt, param_count, random_batch
+from benchmarks._gpt import gpt_loss, param_count, random_batch, shaped_gpt
+from benchmarks._measure import median_ratio
 
-__all__ = ["PHASES", "Trainer", "against_peers", "batches", "device", "interleave", "ms", "train_step"]
+__all__ = ["PHASES", "Trainer", "against_peers", "barrier_timed", "batches", "device", "interleave", "ms",
+           "train_step"]  # fmt: skip
 
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
@@ -57,7 +61,7 @@ def _wait_for_device(x: torch.Tensor) -> None:
 
 
 def train_step(
-    model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     opt,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -65,8 +69,9 @@ def train_step(
     around: Mapping[str, AbstractContextManager] | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict]]:
     """One train step after a barrier, each phase of `PHASES` under `bench::PHASE` (and its context
-    in `around`, entered outside that): the loss, the seconds of each phase (on CUDA, until the
-    device finished it) and, with a `meter`, what it measured in each phase."""
+    in `around`, entered outside that), the forward being `loss_of(x, y)`: the loss, the seconds of
+    each phase (on CUDA, until the device finished it) and, with a `meter`, what it measured in each
+    phase."""
     around = around or {}
     if meter is not None:
         meter.take()
@@ -78,7 +83,7 @@ def train_step(
         with around.get(name, nullcontext()), record_function(f"bench::{name}"):
             t0 = time.perf_counter()
             if name == "fwd":
-                loss = model.loss(x, y)
+                loss = loss_of(x, y)
             elif name == "bwd":
                 loss.backward()
             else:
@@ -88,6 +93,14 @@ def train_step(
         if meter is not None:
             comm[name] = meter.take()
     return loss.item(), times, comm
+
+
+def barrier_timed(fn: Callable, *args):
+    """After a barrier: the seconds `fn(*args)` took on this rank, and what it returned."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
 
 
 def interleave(trainers: list, pool: list, warmup: int, steps: int) -> None:
@@ -100,28 +113,34 @@ def interleave(trainers: list, pool: list, warmup: int, steps: int) -> None:
 
 
 class Trainer:
-    """One configuration: its own seeded model copy (`shape`, on `device()`), its optimizer
-    (`optimizer`, which subclasses define), and what its recorded steps measured: `times[phase]`
-    (seconds per step), `comm` (per step, each phase's `meter.take()`; empty without a meter) and
-    every step's loss."""
+    """One configuration: its own seeded model copy (`build(shape)`, a GPT on `device()` unless a
+    subclass builds another), its optimizer (`optimizer`, which subclasses define; it may set
+    `module`, what the forward calls, to a wrapper such as DDP), and what its recorded steps
+    measured: `times[phase]` (seconds per step), `comm` (per step, each phase's `meter.take()`;
+    empty without a meter) and every step's loss."""
 
     def __init__(self, config: str, shape: dict, meter: CommMeter | None = None):
         self.config, self.meter = config, meter
-        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0, device=device())  # fmt: skip
+        self.model = self.module = self.build(shape)
         self.params = param_count(self.model)
         self.opt = self.optimizer(self.model)
         self.times: dict[str, list[float]] = {k: [] for k in PHASES}
         self.comm: list[dict[str, dict]] = []
         self.losses: list[float] = []
 
+    def build(self, shape: dict) -> torch.nn.Module:
+        return shaped_gpt(shape, seed=0, device=device())
+
     def optimizer(self, model: torch.nn.Module):
         raise NotImplementedError
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(self.module, x, y)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True,
              around: Mapping[str, AbstractContextManager] | None = None) -> None:  # fmt: skip
         """One `train_step` (see there); recorded unless `record` is false (warm-up)."""
-        loss, times, comm = train_step(self.model, self.opt, x, y, self.meter, around)
+        loss, times, comm = train_step(self.loss, self.opt, x, y, self.meter, around)
         self.losses.append(loss)
         if record:
             for k in PHASES:
@@ -131,7 +150,7 @@ class Trainer:
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.model.loss(x, y).item()
+        return self.loss(x, y).item()
 
 
 def ms(per_step: list[float]) -> float:
@@ -148,7 +167,7 @@ def against_peers(rows: dict[str, dict], peer: Callable[[str], str], keys: Seque
         if base is None:
             continue
         for k in keys:
-            row[f"{k} x"] = statistics.median(a / b for a, b in zip(row[f"_{k}"], base[f"_{k}"]) if b > 0)
+            row[f"{k} x"] = median_ratio(row[f"_{k}"], base[f"_{k}"])
         row["|Δ loss|"] = abs(row["loss after"] - base["loss after"])
     for row in rows.values():
         for k in keys:

@@ -1,6 +1,9 @@
-"""The end of the FSDP and HSDP benchmarks' reports: the goals met or not, the loss check against
-the FSDP2 peer, and the JSON (and plot) written.
+"""What the FSDP and HSDP benchmarks' reports share: the columns measured on the device, the note
+beside a time table, and the end: the goals met or not, the loss check against the FSDP2 peer, and
+the JSON (and plot) written.
 
+    print(table(rows, shown(TIME, rows, run)))               # on CUDA only the columns measured there
+    time_note(run, "exposed comm", "fsdp.py")                 # what CUDA leaves out, or FSDP2 on CPU
     return verdict("fsdp", rows, run, goals, "W=4", "FSDP2", plot=lambda name: _plot(rows, name))
 """
 
@@ -9,24 +12,41 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks._main import print_goals
 from benchmarks._measure import load_average
-from benchmarks._report import environment, save_json
+from benchmarks._report import FSDP2_ON_CPU, environment, save_json
 
-__all__ = ["LOSS_TOL", "loss_check", "verdict"]
+__all__ = ["LOSS_TOL", "loss_check", "shown", "time_note", "verdict"]
 
 # Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
 # order), so the updates differ by bf16 rounding.
 LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
 
 
-def loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
-    """Whether every row lowered its loss and ended within `LOSS_TOL` of its peer's (`|Δ loss|`),
-    and a note for each that did not."""
+def shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
+    """The columns a table shows: on CUDA only those measured there (the scripts' docstrings say why)."""
+    return [c for c in columns if any(c in r for r in rows)] if run.get("device") == "cuda" else columns
+
+
+def time_note(run: dict, missing: str, script: str) -> None:
+    """Print what a time table's numbers are on this device: on CUDA, that `missing` (columns) are
+    not measured there; on CPU, what FSDP2's synchronous collectives mean for a ratio."""
+    if run.get("device") == "cuda":
+        print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
+              f"{missing} are not measured here ({script}'s docstring says why)")  # fmt: skip
+    else:
+        print(f"\n{FSDP2_ON_CPU}")
+
+
+def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[str]]:
+    """Whether every row lowered its loss and ended within `tol` (relative; default `LOSS_TOL` of
+    its optimizer, the config's last word) of its peer's (`|Δ loss|`), and a note for each that
+    did not."""
     ok, notes = True, []
     for r in rows:
-        fam, delta = r["config"].split()[-1], r.get("|Δ loss|", 0.0)
+        delta = r.get("|Δ loss|", 0.0)
         lowered = r["loss after"] < r["loss first"]
-        close = delta <= LOSS_TOL[fam] * max(1.0, abs(r["loss after"]))
+        close = delta <= (tol or LOSS_TOL[r["config"].split()[-1]]) * max(1.0, abs(r["loss after"]))
         ok &= lowered and close
         if not (lowered and close):
             label = f"{r['model']} {r['config']}" if "model" in r else r["config"]
@@ -47,9 +67,7 @@ def verdict(
     """Print the goals (`goals_for` says against what) and the loss check against `peer`, plot to
     and write NAME.json (NAME_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`),
     and return what was written: the environment, `run`, the goals, the check, `rows` and `more`."""
-    print(f"\nGoals ({goals_for}):")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    print_goals(f"Goals ({goals_for}):", goals)
     sane, notes = loss_check(rows)
     print(f"\nLoss check (loss after training vs {peer} with the same optimizer, relative tolerance "
           f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "

@@ -46,7 +46,6 @@ Tables to stdout with the load average, JSON (and a PNG) to `benchmarks/results/
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -62,96 +61,48 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
-from benchmarks._measure import load_average  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, environment, host_line, pyplot, save_json, save_png, table  # noqa: E402
+from benchmarks._gpt import launch, random_batch  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
+from benchmarks._optim import ours, peer  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, pyplot, save_png, table  # noqa: E402
+from benchmarks._train import Trainer, barrier_timed  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=2, seq=64)
 QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=2, seq=16)
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PRELOAD = ["benchmarks.checkpoint"]  # besides benchmarks._gpt.PEERS
 SIDES = ("ours", "peer")
 
 
-def _muon_groups(model: torch.nn.Module) -> list[dict]:
-    return vo.muon_param_groups(model, exclude=[model.head])
+class _Side(Trainer):
+    """One side: its model copy and optimizer (a `Trainer`, the family `optim` its config);
+    subclasses say how they checkpoint into `root`."""
 
-
-class _Side:
-    """One side's model copy and optimizer(s); subclasses say how they checkpoint."""
-
-    def __init__(self, shape: dict, root: Path):
-        self.model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"],
-                               shape["seq_len"], seed=0)  # fmt: skip
-        self.params = param_count(self.model)
+    def __init__(self, shape: dict, optim: str, root: Path):
         self.root = root
-        self.opts: list = []
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.model.loss(x, y).backward()
-        for o in self.opts:
-            o.step()
-        for o in self.opts:
-            o.zero_grad()
-
-    @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self.model.loss(x, y).item()
+        super().__init__(optim, shape)
 
 
 class Ours(_Side):
-    def __init__(self, shape: dict, optim: str, root: Path):
-        super().__init__(shape, root)
-        units = [*self.model.blocks, self.model]
-        if optim == "AdamW":
-            opt = vo.AdamW(self.model.parameters(), **ADAMW, shard_modules=units)
-        else:
-            opt = vo.Muon(_muon_groups(self.model), shard_modules=units)
-        self.opts = [opt]
-        self.sync = CheckpointManager(root / "sync", self.model, opt, keep=None)
-        self.background = CheckpointManager(root / "async", self.model, opt, keep=None, async_save=True)
-        self.unverified = CheckpointManager(root / "unverified", self.model, opt, keep=None, verify=False)
-
-    def save(self, step: int) -> Path:
-        return self.sync.save(step)
-
-    def load(self, step: int) -> None:
-        self.sync.load(step)
-
-    def save_async(self, step: int) -> Path:
-        return self.background.save(step)
-
-    def save_unverified(self, step: int) -> Path:
-        return self.unverified.save(step)
-
-    def load_unverified(self, step: int) -> None:
-        self.unverified.load(step)
-
-    def wait(self) -> None:
-        self.background.wait()
+    def optimizer(self, model: torch.nn.Module):
+        opt = ours(model, self.config, shard_modules=[*model.blocks, model])
+        sync = CheckpointManager(self.root / "sync", model, opt, keep=None)
+        background = CheckpointManager(self.root / "async", model, opt, keep=None, async_save=True)
+        unverified = CheckpointManager(self.root / "unverified", model, opt, keep=None, verify=False)
+        self.save, self.load = sync.save, sync.load
+        self.save_unverified, self.load_unverified = unverified.save, unverified.load
+        self.save_async, self.wait = background.save, background.wait
+        return opt
 
 
 class Peer(_Side):
-    def __init__(self, shape: dict, optim: str, root: Path):
-        from torch.distributed.fsdp import fully_shard
-
-        super().__init__(shape, root)
-        hidden = {id(p) for p in _muon_groups(self.model)[0]["params"]} if optim == "Muon" else set()
-        hidden = {n for n, p in self.model.named_parameters() if id(p) in hidden}
-        for block in self.model.blocks:
-            fully_shard(block)
-        fully_shard(self.model)
-        named = dict(self.model.named_parameters())  # DTensors now
-        if optim == "AdamW":
-            self.opts = [torch.optim.AdamW(named.values(), foreach=True, **ADAMW)]
-        else:
-            rest = [p for n, p in named.items() if n not in hidden]
-            self.opts = [torch.optim.Muon([p for n, p in named.items() if n in hidden]),
-                         torch.optim.AdamW(rest, foreach=True)]  # fmt: skip
+    def optimizer(self, model: torch.nn.Module):
+        opt = peer(model, "FSDP2", self.config)[1]
+        self.opts = list(getattr(opt, "opts", [opt]))  # DCP's state dict takes torch's optimizers
         self.group = dist.new_group(backend="gloo")
         self.pending = None
+        return opt
 
     def _state(self) -> dict:
         model, optim = get_state_dict(self.model, self.opts)
@@ -183,13 +134,6 @@ class Peer(_Side):
 # ---------------------------------------------------------------- the ranks
 
 
-def _timed(fn, *args):
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out
-
-
 def _remove(rank: int, path: Path) -> None:
     dist.barrier()
     if rank == 0:
@@ -209,7 +153,7 @@ def _check(rank: int, side: _Side, x, y) -> dict:
     """Save, train a step, load: the loss on (x, y) must be back to its value at the save."""
     saved = side.eval_loss(x, y)
     path = side.save(0)
-    side.train_step(x, y)
+    side.step(x, y, record=False)
     moved = side.eval_loss(x, y)
     side.load(0)
     after = side.eval_loss(x, y)
@@ -224,7 +168,7 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                for i in range(2)]  # fmt: skip
     for side in sides.values():
         for b in batches:  # optimizer state exists
-            side.train_step(*b)
+            side.step(*b, record=False)
     out = {s: {"params": side.params, "check": _check(rank, side, *batches[0]), "save": [], "load": [],
                "data": [], "meta": [], "plain": [], "async": [], "stage": []}
            for s, side in sides.items()}  # fmt: skip
@@ -234,19 +178,19 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
         for s in turns[r % 3 :] + turns[: r % 3]:
             if s == "unverified":
                 ours = sides["ours"]
-                t, path = _timed(ours.save_unverified, r)
+                t, path = barrier_timed(ours.save_unverified, r)
                 out["ours"]["save_unverified"].append(t)
-                out["ours"]["load_unverified"].append(_timed(ours.load_unverified, r)[0])
+                out["ours"]["load_unverified"].append(barrier_timed(ours.load_unverified, r)[0])
                 _remove(rank, path)
                 continue
             side, res = sides[s], out[s]
-            t, path = _timed(side.save, r)
+            t, path = barrier_timed(side.save, r)
             res["save"].append(t)
             dist.barrier()
             b = _bytes(rank, path)
             res["data"].append(b["data"])
             res["meta"].append(b["meta"])
-            res["load"].append(_timed(side.load, r)[0])
+            res["load"].append(barrier_timed(side.load, r)[0])
             _remove(rank, path)
     variants = [(s, a) for s in SIDES for a in (False, True)]
     for c in range(cycles):
@@ -259,10 +203,10 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                 if save and i == 0:
                     path = side.save_async(1000 + c)
                     out[s]["stage"].append(time.perf_counter() - t0)
-                side.train_step(*batches[i % 2])
+                side.step(*batches[i % 2], record=False)
                 steps.append(time.perf_counter() - t0)
             if save:
-                steps.append(_timed(side.wait)[0])
+                steps.append(barrier_timed(side.wait)[0])
                 _remove(rank, path)
             out[s]["async" if save else "plain"].append(steps)
     return out
@@ -276,17 +220,9 @@ def _rank_main(rank: int, world: int, shape: dict, optims: list[str], rounds: in
 # ---------------------------------------------------------------- summary
 
 
-def _slowest(per_rank: list[list[float]]) -> list[float]:
-    return [max(col) for col in zip(*per_rank)]
-
-
 def _cycles(per_rank: list[list[list[float]]]) -> list[float]:
     """Each cycle's time: the sum over its steps of the slowest rank's."""
-    return [sum(_slowest(list(steps))) for steps in zip(*per_rank)]
-
-
-def _ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
+    return [sum(slowest(list(steps))) for steps in zip(*per_rank)]
 
 
 def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
@@ -296,13 +232,13 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
     raw: dict = {}
     for s in SIDES:
         d, p = side[s], "" if s == "ours" else "peer "
-        save, load = _slowest(d["save"]), _slowest(d["load"])
+        save, load = slowest(d["save"]), slowest(d["load"])
         data = [sum(col) for col in zip(*d["data"])]  # all ranks, per round
         plain, cycle = _cycles(d["plain"]), _cycles(d["async"])
         timed = {}
         if plain:
-            timed = {f"{p}async %": 100 * (_ratio(cycle, plain) - 1),
-                     f"{p}stage ms": 1e3 * statistics.median(_slowest(d["stage"])),
+            timed = {f"{p}async %": 100 * (median_ratio(cycle, plain) - 1),
+                     f"{p}stage ms": 1e3 * statistics.median(slowest(d["stage"])),
                      f"{p}step ms": 1e3 * statistics.median(plain) / len(d["plain"][0][0])}  # fmt: skip
         raw[s] = {"save_s": save, "load_s": load, "plain_cycle_s": plain, "async_cycle_s": cycle,
                   "data_bytes_by_rank": [statistics.median(b) for b in d["data"]],
@@ -314,15 +250,15 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
             f"{p}meta KB": statistics.median(d["meta"][0]) / 1024,
             **timed, f"{s} restored": all(c["loaded"] == c["saved"] != c["moved"] for c in d["check"]),
         })  # fmt: skip
-    plain_save = _slowest(side["ours"]["save_unverified"])
-    plain_load = _slowest(side["ours"]["load_unverified"])
+    plain_save = slowest(side["ours"]["save_unverified"])
+    plain_load = slowest(side["ours"]["load_unverified"])
     raw["ours"].update(unverified_save_s=plain_save, unverified_load_s=plain_load)
     row["unverified save ms"] = 1e3 * statistics.median(plain_save)
     row["unverified load ms"] = 1e3 * statistics.median(plain_load)
-    row["checksum save x"] = _ratio(raw["ours"]["save_s"], plain_save)
-    row["checksum load x"] = _ratio(raw["ours"]["load_s"], plain_load)
-    row["save x"] = _ratio(raw["ours"]["save_s"], raw["peer"]["save_s"])
-    row["load x"] = _ratio(raw["ours"]["load_s"], raw["peer"]["load_s"])
+    row["checksum save x"] = median_ratio(raw["ours"]["save_s"], plain_save)
+    row["checksum load x"] = median_ratio(raw["ours"]["load_s"], plain_load)
+    row["save x"] = median_ratio(raw["ours"]["save_s"], raw["peer"]["save_s"])
+    row["load x"] = median_ratio(raw["ours"]["load_s"], raw["peer"]["load_s"])
     row["bytes x"] = row["MB/rank"] / row["peer MB/rank"]
     row["restored"] = "/".join("yes" if row[f"{s} restored"] else "NO" for s in SIDES)
     row["raw"] = raw
@@ -334,8 +270,7 @@ TIMES = ["W", "optimizer", "params", "save ms", "peer save ms", "save x", "load 
          "peer meta KB", "restored"]  # fmt: skip
 CHECKSUM = ["W", "optimizer", "MB/rank", "save ms", "unverified save ms", "checksum save x", "load ms",
             "unverified load ms", "checksum load x"]  # fmt: skip
-ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms",
-         "peer stage ms"]
+ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms", "peer stage ms"]
 
 
 def plot(rows: list[dict]) -> Path | None:
@@ -344,8 +279,7 @@ def plot(rows: list[dict]) -> Path | None:
     if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    def names(rs):
-        return [f"W={r['W']} {r['optimizer']}" for r in rs]
+    names = lambda rs: [f"W={r['W']} {r['optimizer']}" for r in rs]
 
     bars = [("save ms", "ours save"), ("peer save ms", "peer save"), ("load ms", "ours load"),
             ("peer load ms", "peer load")]  # fmt: skip
@@ -363,17 +297,17 @@ def plot(rows: list[dict]) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-sizes", type=int, nargs="+", help="default 2 4 (--quick: 2)")
-    ap.add_argument("--optims", nargs="+", choices=["AdamW", "Muon"], help="default both (--quick: AdamW)")
-    ap.add_argument("--rounds", type=int, help="save + load rounds per side (default 6, --quick 2)")
-    ap.add_argument("--cycles", type=int, help="async cycles per variant (default 5, --quick 2)")
-    ap.add_argument("--async-optims", nargs="*", choices=["AdamW", "Muon"], default=["AdamW"],
-                    help="optimizers whose async saving is timed (default AdamW: FSDP2 + Muon steps slowly)")
-    ap.add_argument("--every", type=int, help="steps per async cycle: a save every k steps (default 5)")
-    ap.add_argument("--dir", help="where checkpoints go (in a temporary folder; default: the system's)")
-    ap.add_argument("--quick", action="store_true", help="tiny model, W = 2, AdamW, few rounds")
-    args = ap.parse_args(argv)
+    families = ["AdamW", "Muon"]
+    args = parse(__doc__, argv, "tiny model, W = 2, AdamW, few rounds",
+                 world_sizes=dict(type=int, nargs="+", help="default 2 4 (--quick: 2)"),
+                 optims=dict(nargs="+", choices=families, help="default both (--quick: AdamW)"),
+                 rounds=dict(type=int, help="save + load rounds per side (default 6, --quick 2)"),
+                 cycles=dict(type=int, help="async cycles per variant (default 5, --quick 2)"),
+                 async_optims=dict(nargs="*", choices=families, default=["AdamW"], help="optimizers whose "
+                                   "async saving is timed (default AdamW: FSDP2 + Muon steps slowly)"),
+                 every=dict(type=int, help="steps per async cycle: a save every k steps (default 5)"),
+                 dir=dict(help="where checkpoints go (in a temporary folder; default: the system's "
+                          "temporary folder)"))  # fmt: skip
     q = args.quick
     worlds = args.world_sizes or ([2] if q else [2, 4])
     optims = args.optims or (["AdamW"] if q else ["AdamW", "Muon"])
@@ -409,14 +343,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(table(timed, ASYNC))
     print("\nload average (1, 5, 15 min): " + "; ".join(f"W={w}: {v['before']} -> {v['after']}"
                                                        for w, v in loads.items()))  # fmt: skip
-    print(host_line(threads))
-    result = {"env": environment(threads), "shape": shape, "rounds": rounds, "cycles": cycles, "every": every,
-              "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
-    print(f"\n{save_json('checkpoint', result)}")
-    png = plot(rows)
-    if png is not None:
-        print(png)
-    return result
+    result = {"shape": shape, "rounds": rounds, "cycles": cycles, "every": every, "load_average": loads,
+              "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
+    return finish("checkpoint", args, result, threads, png=plot(rows), quick_suffix=False)
 
 
 if __name__ == "__main__":

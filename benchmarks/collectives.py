@@ -74,7 +74,6 @@ collectives synchronously (its overlap needs CUDA streams); the ops here are tim
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -95,8 +94,11 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from benchmarks._copies import count_copies  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import window_seconds  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, table  # noqa: E402
+from benchmarks._optim import fully_shard_gpt  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, table  # noqa: E402
+from benchmarks._train import barrier_timed  # noqa: E402
 from vescale_optim.shard import FlatBuffer, plan_layout  # noqa: E402
 
 # The shard layer's collectives, the subject of this benchmark (not exported by vescale_optim.shard):
@@ -239,12 +241,7 @@ class Ours:
 
 class FSDP2:
     def __init__(self, cfg: Config):
-        from torch.distributed.fsdp import fully_shard
-
-        self.model = GPT(cfg)
-        for block in self.model.blocks:
-            fully_shard(block, reshard_after_forward=False)
-        fully_shard(self.model, reshard_after_forward=False)
+        self.model = fully_shard_gpt(GPT(cfg), reshard_after_forward=False)
         self.modules = [*self.model.blocks, self.model]
 
     def all_gather(self) -> None:
@@ -275,13 +272,6 @@ def _profiled(fn: Callable[[], object], label: str) -> float:
 
 
 # ---------------------------------------------------------------- the ranks
-
-
-def _barrier_time(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _profile_step(rank: int, steps: list[tuple[str, Callable[[], None]]]) -> dict | None:
@@ -337,11 +327,8 @@ def _measure(rank: int, world: int, args) -> dict:
     for name, o in ours.items():
         o.zero_grad()
         loss = _loss(o.model, scale)
-        got = _profile_step(rank, [
-            ("bench::all_gather", o.all_gather),
-            ("bench::backward", loss.backward),
-            ("bench::reduce_scatter", o.reduce_scatter),
-        ])
+        got = _profile_step(rank, [("bench::all_gather", o.all_gather), ("bench::backward", loss.backward),
+                                   ("bench::reduce_scatter", o.reduce_scatter)])  # fmt: skip
         if got is not None:
             copies[(name, OPS[0])] = got["bench::all_gather"]
             copies[(name, OPS[1])] = got["bench::reduce_scatter"]
@@ -357,16 +344,16 @@ def _measure(rank: int, world: int, args) -> dict:
     def one_run() -> dict[tuple[str, str], float]:
         times = {}
         for name, o in ours.items():
-            times[(name, OPS[0])] = _barrier_time(o.all_gather)
-        times[("FSDP2", OPS[0])] = _barrier_time(fsdp.all_gather)
+            times[(name, OPS[0])] = barrier_timed(o.all_gather)[0]
+        times[("FSDP2", OPS[0])] = barrier_timed(fsdp.all_gather)[0]
         for name, o in ours.items():
             o.zero_grad()
             loss = _loss(o.model, scale)
-            bwd = _barrier_time(loss.backward)
-            times[(name, OPS[2])] = bwd + _barrier_time(o.reduce_scatter)
+            bwd = barrier_timed(loss.backward)[0]
+            times[(name, OPS[2])] = bwd + barrier_timed(o.reduce_scatter)[0]
         fsdp.zero_grad()
         loss = _loss(fsdp.model, scale)  # FSDP2 all-gathers here, off the clock
-        times[("FSDP2", OPS[2])] = _barrier_time(loss.backward)
+        times[("FSDP2", OPS[2])] = barrier_timed(loss.backward)[0]
         for name, o in ours.items():  # the reduce-scatter alone: both sides under the profiler
             o.zero_grad()
             _loss(o.model, scale).backward()
@@ -450,35 +437,23 @@ def _rows(result: dict) -> list[dict]:
             c = result["copies"].get(f"{path} | {op}", {})
             ratio = None if path == "FSDP2" else statistics.median((t / peer).tolist())
             median = statistics.median(t.tolist())
-            rows.append({
-                "path": path,
-                "op": op,
-                "median ms": median * 1e3,
-                "min ms": min(t.tolist()) * 1e3,
-                "copies": c.get("copies"),
-                "M el.": None if not c else c["elements"] / 1e6,
-                "c10d copies": c.get("c10d_copies"),
-                "c10d M el.": None if not c else c["c10d_elements"] / 1e6,
-                "ours/FSDP2": ratio,
-                "copy_events": c.get("events", {}),
-            })
+            rows.append({"path": path, "op": op, "median ms": median * 1e3, "min ms": min(t.tolist()) * 1e3,
+                         "copies": c.get("copies"), "M el.": None if not c else c["elements"] / 1e6,
+                         "c10d copies": c.get("c10d_copies"),
+                         "c10d M el.": None if not c else c["c10d_elements"] / 1e6, "ours/FSDP2": ratio,
+                         "copy_events": c.get("events", {})})  # fmt: skip
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=None, help="timed runs (default 5, --quick 3)")
-    ap.add_argument("--warmup", type=int, default=0,
-                    help="unmeasured runs besides the profiled one (default 0)")
-    ap.add_argument("--quick", action="store_true", help="tiny model (vocab 512, d 64, 2 blocks)")
-    ap.add_argument("--one-bucket", action="store_true",
-                    help="also time all parameters in a single bucket (doubles the run time)")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "tiny model (vocab 512, d 64, 2 blocks)", world_size=4,
+                 runs=dict(type=int, help="timed runs (default 5, --quick 3)"),
+                 warmup=(0, "unmeasured runs besides the profiled one (default 0)"),
+                 one_bucket=(False, "all parameters in one bucket too (twice the run time)"))  # fmt: skip
     if args.runs is None:
         args.runs = 3 if args.quick else 5
     if args.world_size < 2 or args.runs < 1 or args.warmup < 0:
-        ap.error("need --world-size >= 2, --runs >= 1, --warmup >= 0")
+        args.error("need --world-size >= 2, --runs >= 1, --warmup >= 0")
 
     t0 = time.perf_counter()
     ranks = launch(_measure, args.world_size, args, preload=PRELOAD)
@@ -490,41 +465,25 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = QUICK if args.quick else FULL
     rows = _rows(result)
     columns = ["path", "op", "median ms", "min ms", "copies", "M el.", "c10d copies", "c10d M el.",
-               "ours/FSDP2"]
-    print(
-        f"# all-gather / reduce-scatter on gloo: W={args.world_size}, {result['params'] / 1e6:.1f} M fp32 "
-        f"params ({asdict(cfg)}), {result['threads_per_rank']} thread(s)/rank, "
-        f"median of {args.runs} runs after {args.warmup + 1} warm-up\n"
-    )
+               "ours/FSDP2"]  # fmt: skip
+    print(f"# all-gather / reduce-scatter on gloo: W={args.world_size}, {result['params'] / 1e6:.1f} M fp32 "
+          f"params ({asdict(cfg)}), {result['threads_per_rank']} thread(s)/rank, "
+          f"median of {args.runs} runs after {args.warmup + 1} warm-up\n")  # fmt: skip
     print(table(rows, columns, floatfmt=".3g"))
-    print(f"\n{host_line(ranks.threads)}\n{FSDP2_ON_CPU}")
-    print(
-        "\ncopies / M el.: outermost copy ops per step on rank 0 outside torch.distributed (ours: "
-        "shard layer + autograd; FSDP2: its copy-in/out + autograd); c10d: inside torch.distributed "
-        "(gloo staging). Ratio: median of per-run ours/FSDP2."
-    )
+    print(f"\n{FSDP2_ON_CPU}")
+    print("\ncopies / M el.: outermost copy ops per step on rank 0 outside torch.distributed (ours: "
+          "shard layer + autograd; FSDP2: its copy-in/out + autograd); c10d: inside torch.distributed "
+          "(gloo staging). Ratio: median of per-run ours/FSDP2.")  # fmt: skip
     sizes = {k: f"{min(v) / 1e6:.3g}-{max(v) / 1e6:.3g}" if len(v) > 1 else f"{v[0] / 1e6:.3g}"
-             for k, v in result["collective_numel"].items()}
+             for k, v in result["collective_numel"].items()}  # fmt: skip
     print(f"M elements per collective: {sizes}")
     print(f"padding of ours (elements): {result['padding']}; wall {wall:.1f} s")
-    payload = {
-        "env": environment(ranks.threads),
-        "world_size": args.world_size,
-        "runs": args.runs,
-        "warmup": args.warmup,
-        "model": asdict(cfg),
-        "params": result["params"],
-        "threads_per_rank": result["threads_per_rank"],
-        "padding": result["padding"],
-        "collective_numel": result["collective_numel"],
-        "rows": rows,
-        "samples_s": {f"{p} | {op}": [s[j] for s in result["samples_s"]]
-                      for j, (p, op) in enumerate(result["keys"])},
-        "wall_s": wall,
-    }
-    path = save_json("collectives_quick" if args.quick else "collectives", payload)
-    print(f"saved {path}")
-    return payload
+    samples = {f"{p} | {op}": [s[j] for s in result["samples_s"]] for j, (p, op) in enumerate(result["keys"])}
+    payload = {"world_size": args.world_size, "runs": args.runs, "warmup": args.warmup, "model": asdict(cfg),
+               "params": result["params"], "threads_per_rank": result["threads_per_rank"],
+               "padding": result["padding"], "collective_numel": result["collective_numel"], "rows": rows,
+               "samples_s": samples, "wall_s": wall}  # fmt: skip
+    return finish("collectives", args, payload, ranks.threads)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ Sanity: every configuration lowers the loss, and ends within `LOSS_TOL` (relativ
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -67,10 +66,12 @@ from torch.profiler import record_function  # noqa: E402
 from benchmarks import _train  # noqa: E402
 from benchmarks._gpt import Ranks, launch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
-from benchmarks._measure import load_average, slowest  # noqa: E402
+from benchmarks._main import finish, parse, print_goals  # noqa: E402
+from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, environment, host_line, require_finite, save_json, table  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, require_finite, table  # noqa: E402
 from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
+from benchmarks._verdict import loss_check  # noqa: E402
 from benchmarks.fsdp import MODELS, QUICK  # noqa: E402
 from vescale_optim.local_world import RankError  # noqa: E402
 
@@ -214,10 +215,6 @@ def _worlds(world: int, calls: list[tuple], one: bool = False, log=None, t0: flo
     return out
 
 
-def _ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b) if y > 0)
-
-
 def summarize(timed: dict[str, list[dict]], alone: dict[str, list[dict]], fsdp2_compiles: bool) -> list[dict]:
     """One row per configuration from every rank's results, with its ratios."""
     rows, train = {}, {}
@@ -245,14 +242,14 @@ def summarize(timed: dict[str, list[dict]], alone: dict[str, list[dict]], fsdp2_
     for config, row in rows.items():
         base = peer(config, fsdp2_compiles)
         if config.startswith("ours") and base in rows:
-            row["x FSDP2"] = _ratio(train[config], train[base])
+            row["x FSDP2"] = median_ratio(train[config], train[base])
             if row.get("peak live MB") and rows[base].get("peak live MB"):
                 row["peak live x"] = row["peak live MB"] / rows[base]["peak live MB"]
             if "compile s" in row and "compile s" in rows[base] and rows[base]["compile s"] > 0:
                 row["compile x"] = row["compile s"] / rows[base]["compile s"]
         eager = config.replace("compiled", "eager")
         if config.endswith("compiled") and eager in rows:
-            row["x eager"] = _ratio(train[config], train[eager])
+            row["x eager"] = median_ratio(train[config], train[eager])
         if "ours eager" in rows:
             row["|Δ loss|"] = abs(row["loss after"] - rows["ours eager"]["loss after"])
     for row in rows.values():
@@ -271,17 +268,6 @@ def _goals(rows: dict[str, dict], fsdp2_compiles: bool) -> dict[str, bool]:
     return goals
 
 
-def _loss_check(rows: list[dict]) -> tuple[bool, list[str]]:
-    ok, notes = True, []
-    for r in rows:
-        lowered = r["loss after"] < r["loss first"]
-        close = r.get("|Δ loss|", 0.0) <= LOSS_TOL * max(1.0, abs(r["loss after"]))
-        ok &= lowered and close
-        if not (lowered and close):
-            notes.append(f"{r['config']}: lowered {lowered}, |Δ loss| {r.get('|Δ loss|', 0.0):.2e}")
-    return ok, notes
-
-
 def _fsdp2_status(fsdp2_compiles: bool, reason: str | None, backend: str) -> str:
     if fsdp2_compiles:
         return (f"FSDP2 + compile: runs on CPU/gloo here (torch {torch.__version__}, backend {backend}): "
@@ -291,7 +277,7 @@ def _fsdp2_status(fsdp2_compiles: bool, reason: str | None, backend: str) -> str
             f"{reason}. `ours compiled` is compared with FSDP2 eager instead.")  # fmt: skip
 
 
-def report(rows: list[dict], run: dict) -> dict:
+def report(rows: list[dict], run: dict, args) -> dict:
     shape, w = run["shape"], run["world"]
     by = {r["config"]: r for r in rows}
     if run["quick"]:
@@ -302,42 +288,33 @@ def report(rows: list[dict], run: dict) -> dict:
           f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; "
           f"x FSDP2 = vs FSDP2 in the same mode, x eager = vs the same library eager; first step and "
           f"peak live: each config alone in a fresh world, empty compiler caches\n")  # fmt: skip
-    print(f"{host_line(run['threads'])}\n")
     print(table(rows, TABLE, floatfmt=".4g"))
     print(f"\n{FSDP2_ON_CPU}")
     print(f"\n{_fsdp2_status(run['fsdp2_compiles'], run['fsdp2_compile_error'], run['backend'])}")
     print(f"\npeak at (rank with the highest peak); load average {load_average()}\n")
     print(table(rows, ["config", "peak live MB", "at step start MB", "peak at"], floatfmt=".4g"))
-    goals = _goals(by, run["fsdp2_compiles"])
-    print(f"\nGoals (W={w}; load average {load_average()}):")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
-    sane, notes = _loss_check(rows)
+    goals = print_goals(f"Goals (W={w}; load average {load_average()}):", _goals(by, run["fsdp2_compiles"]))
+    sane, notes = loss_check(rows, LOSS_TOL)
     print(f"\nLoss check (every config lowered the loss and ends within {LOSS_TOL:g} relative of ours "
           f"eager): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
-    name = "compile_quick" if run["quick"] else "compile"
-    payload = {"env": environment(run["threads"]), **run, "load_average": load_average(), "goals": goals,
-               "loss_check_ok": sane, "rows": rows}  # fmt: skip
-    path = save_json(name, payload)
-    print(f"\nwrote {path}; {run['wall_s']:.0f} s")
-    return payload
+    print(f"\nwall {run['wall_s']:.0f} s")
+    payload = {**run, "load_average": load_average(), "goals": goals, "loss_check_ok": sane, "rows": rows}
+    return finish("compile", args, payload, run["threads"])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
-    ap.add_argument("--steps", type=int, default=None, help="measured rounds (default 16, --quick 3)")
-    ap.add_argument("--warmup", type=int, default=2, help="rounds before them (the first compiles)")
-    ap.add_argument("--first-steps", type=int, default=3, help="steps after the first in the fresh worlds")
-    ap.add_argument("--memory-steps", type=int, default=3, help="profiled (+1 after); 0: none")
-    ap.add_argument("--backend", default=None, help="of torch.compile (default inductor, --quick aot_eager)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--quick", action="store_true", help="tiny GPT, 2 ranks, aot_eager (a smoke test)")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "tiny GPT, 2 ranks, aot_eager (a smoke test)",
+                 world_size=dict(type=int, help="default 4 (--quick: 2)"),
+                 steps=dict(type=int, help="measured rounds (default 16, --quick 3)"),
+                 warmup=(2, "rounds before them (the first compiles)"),
+                 first_steps=(3, "steps after the first in the fresh worlds"),
+                 memory_steps=(3, "profiled (+1 after); 0: none"),
+                 backend=dict(help="of torch.compile (default inductor, --quick aot_eager)"),
+                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS))  # fmt: skip
     if args.memory_steps == 1:
-        ap.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
+        args.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
     if args.warmup < 2:
-        ap.error("--warmup: at least 2 (the first step compiles, the second must not recompile)")
+        args.error("--warmup: at least 2 (the first step compiles, the second must not recompile)")
     world = args.world_size or (2 if args.quick else 4)
     steps = args.steps or (3 if args.quick else 16)
     first_steps = min(args.first_steps, 2) if args.quick else args.first_steps
@@ -378,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
                memory_steps=memory_steps, backend=backend, shape=shape, quick=args.quick,
                fsdp2_compiles=fsdp2_compiles, fsdp2_compile_error=reason, threads=timed.threads,
                wall_s=time.perf_counter() - t0)  # fmt: skip
-    return report(rows, run)
+    return report(rows, run, args)
 
 
 if __name__ == "__main__":

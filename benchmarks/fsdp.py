@@ -91,7 +91,6 @@ the copy classifier would take for c10d's).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
@@ -103,14 +102,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from benchmarks import _report, _torchrun, _train  # noqa: E402
+from benchmarks import _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
-from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
@@ -150,16 +148,6 @@ def peer(config: str) -> str:
 # ---------------------------------------------------------------- one configuration
 
 
-def _optimizer(config: str, model: torch.nn.Module):
-    family = config.split()[-1]
-    if config.startswith("ours"):
-        sharding = {"shard_modules": [*model.blocks, model]} if " Z3 " in config else {}
-        if "no-bwd-prefetch" in config:
-            sharding["backward_prefetch"] = False
-        return ours(model, family, **sharding)
-    return fsdp2(model, family)
-
-
 def _stand_in_seconds(rank: int, tr: Trainer, x, y) -> float | None:
     """Rank 0: one step of `tr` under the profiler (CPU events, no stacks), the seconds inside
     `vescale::stand_ins[...]`: the units turning their parameters into stand-ins between uses
@@ -177,7 +165,13 @@ class Trainer(_train.Trainer):
     """One configuration of this benchmark (see the module's docstring)."""
 
     def optimizer(self, model: torch.nn.Module):
-        return _optimizer(self.config, model)
+        family = self.config.split()[-1]
+        if not self.config.startswith("ours"):
+            return fsdp2(model, family)
+        sharding = {"shard_modules": [*model.blocks, model]} if " Z3 " in self.config else {}
+        if "no-bwd-prefetch" in self.config:
+            sharding["backward_prefetch"] = False
+        return ours(model, family, **sharding)
 
     def result(self, loss_after: float, copies: dict | None, stand_ins: float | None) -> dict:
         """What this configuration's recorded steps measured, for the parent."""
@@ -358,33 +352,23 @@ def summarize(model: str, timed: dict[str, list[dict]], memory: dict[str, list[d
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._fsdp_report import report
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2; torchrun's)")
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 5, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--memory-steps", type=int, default=2, help="profiled (+1 after), 1 for RSS; 0: none")
-    ap.add_argument("--malloc", choices=["live", "default"], default="live")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: both (--quick: wide)")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--no-scaling", action="store_true", help="skip the W = 1, 2 memory runs")
-    ap.add_argument("--quick", action="store_true", help="tiny wide model, 2 ranks, one world per run kind")
-    ap.add_argument("--torchrun", action="store_true", help="a rank per torchrun process (see the docstring)")
-    ap.add_argument("--results", type=Path, help="folder for the JSON and plot (default benchmarks/results)")
-    args = ap.parse_args(argv)
-    if args.results:
-        _report.RESULTS_DIR = args.results.resolve()
-    if args.torchrun:  # this process is one rank; the world is torchrun's, and cannot be rebuilt per run
-        dev, ranks, args.no_scaling = _torchrun.join(args.world_size), _torchrun.launch, True
-        world = dist.get_world_size()
-        where = {"torchrun": True, "device": dev.type, "backend": dist.get_backend()}
-    else:
-        dev, ranks, where = torch.device("cpu"), launch, {}
-        world = args.world_size or (2 if args.quick else 4)
+    args = parse(__doc__, argv, "tiny wide model, 2 ranks, one world per run kind",
+                 world_size=dict(type=int, help="default 4 (--quick: 2; torchrun's)"),
+                 steps=dict(type=int, help="measured steps (default 5, --quick 2)"), warmup=1,
+                 memory_steps=(2, "profiled (+1 after), 1 for RSS; 0: none"),
+                 malloc=dict(choices=["live", "default"], default="live"),
+                 models=dict(nargs="+", choices=list(MODELS), help="default: both (--quick: wide)"),
+                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+                 no_scaling=(False, "skip the W = 1, 2 memory runs"),
+                 torchrun=(False, "a rank per torchrun process (see the docstring)"))  # fmt: skip
+    # under torchrun this process is one rank; the world is torchrun's, and cannot be rebuilt per run
+    world, ranks, where = _torchrun.ranks(args.torchrun, args.world_size, 2 if args.quick else 4)
+    args.no_scaling |= args.torchrun
     steps = args.steps or (2 if args.quick else 5)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
     if memory_steps == 1:
-        ap.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
+        args.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
     models = args.models or (["wide"] if args.quick else list(MODELS))
     shapes = {m: (QUICK if args.quick else MODELS)[m] for m in models}
     live = args.malloc == "live"
@@ -406,10 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     jobs = [(m, shapes[m], c) for m in shapes for c in args.configs] if memory_steps else []
     memory = dict(zip([(m, c) for m, _, c in jobs], measure(world, jobs)))
-    if args.torchrun:
-        _torchrun.leave()
-        if not first:
-            return {}
+    if _torchrun.quiet(args.torchrun):
+        return {}
     rows = [r for m in shapes
             for r in summarize(m, {c: [rk[m][c] for rk in timed] for c in args.configs},
                                {c: memory[(m, c)] for c in args.configs if (m, c) in memory})]  # fmt: skip
@@ -419,9 +401,9 @@ def main(argv: list[str] | None = None) -> dict:
         for w in sorted({1, 2} - {world}):
             scaling += [(w, res) for res in measure(w, [("wide", shapes["wide"], c) for c in configs])]
         scaling += [(world, memory[("wide", c)]) for c in configs]
+    malloc = args.malloc if where.get("device", "cpu") == "cpu" else None
     return report(rows, scaling, dict(world=world, steps=steps, warmup=warmup, memory_steps=memory_steps,
-                                      malloc=args.malloc if dev.type == "cpu" else None, shapes=shapes,
-                                      quick=args.quick, threads=timed.threads,
+                                      malloc=malloc, shapes=shapes, quick=args.quick, threads=timed.threads,
                                       wall_s=time.perf_counter() - t0, **where))  # fmt: skip
 
 

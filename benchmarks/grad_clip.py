@@ -14,7 +14,6 @@ ZeRO-3 (a unit per block), on a local gloo world.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ from torch import nn  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
-from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._report import table  # noqa: E402
 from vescale_optim.shard.handle import traced  # noqa: E402
 
 PRELOAD = ["benchmarks.grad_clip"]
@@ -48,12 +48,11 @@ def _model(layers: int, width: int) -> nn.Module:
 
 
 def _methods(opt):
+    norm = torch.nn.utils.clip_grad_norm_
     return {
-        "torch clip_grad_norm_ (foreach=None)": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
-        "torch clip_grad_norm_ (foreach=True)": lambda ps: torch.nn.utils.clip_grad_norm_(
-            ps, 1.0, foreach=True
-        ),
-        "torch clip_grad_norm_ (norm_type=inf)": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, INF),
+        "torch clip_grad_norm_ (foreach=None)": lambda ps: norm(ps, 1.0),
+        "torch clip_grad_norm_ (foreach=True)": lambda ps: norm(ps, 1.0, foreach=True),
+        "torch clip_grad_norm_ (norm_type=inf)": lambda ps: norm(ps, 1.0, INF),
         "torch clip_grad_value_": lambda ps: torch.nn.utils.clip_grad_value_(ps, 1.0),
         "opt.clip_grad_norm_": lambda ps: opt.clip_grad_norm_(1.0),
         "float(p.grad.norm()) per parameter": lambda ps: [float(p.grad.norm()) for p in ps],
@@ -90,13 +89,7 @@ def _rank(rank: int, world: int, layers: int, width: int, runs: int) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="4 small layers, 2 runs")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "4 small layers, 2 runs", world_size=4, layers=12, width=256, runs=5)
     layers, width, runs = (4, 32, 2) if args.quick else (args.layers, args.width, args.runs)
     per_rank = launch(_rank, args.world_size, layers, width, runs, preload=PRELOAD)
     rows = []
@@ -107,12 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({**row, "median ms": slowest})
     print(f"{layers} blocks of width {width}, {args.world_size} ranks (slowest rank's median of {runs})\n")
     print(table(rows, floatfmt=".3f"))
-    print(f"\n{host_line(per_rank.threads)}")
-    payload = {"world_size": args.world_size, "layers": layers, "width": width, "rows": rows,
-               "env": environment(per_rank.threads)}  # fmt: skip
-    path = save_json("grad_clip_quick" if args.quick else "grad_clip", payload)
-    print(f"\nwrote {path}")
-    return payload
+    payload = {"world_size": args.world_size, "layers": layers, "width": width, "rows": rows}
+    return finish("grad_clip", args, payload, per_rank.threads)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,6 @@ ATen products does not see (ours' own count, `stats`, stays).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
@@ -78,9 +76,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks import _report, _torchrun, _train  # noqa: E402
+from benchmarks import _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
-from benchmarks._gpt import launch  # noqa: E402
+from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
@@ -228,33 +226,21 @@ def summarize(timed: dict[str, list[dict]], world: int = WORLD) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._hsdp_report import report
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 8, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
-    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps (a smoke test)")
-    ap.add_argument("--torchrun", action="store_true", help="a rank per torchrun process (see the docstring)")
-    ap.add_argument("--results", type=Path, help="folder for the JSON and plot (default benchmarks/results)")
-    args = ap.parse_args(argv)
-    if args.results:
-        _report.RESULTS_DIR = args.results.resolve()
+    args = parse(__doc__, argv, "tiny model, a few steps (a smoke test)",
+                 steps=dict(type=int, help="measured steps (default 8, --quick 2)"), warmup=2,
+                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+                 torchrun=(False, "a rank per torchrun process (see the docstring)"))  # fmt: skip
     steps = args.steps or (2 if args.quick else 8)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     shape = QUICK if args.quick else MODEL
     t0 = time.perf_counter()
-    if args.torchrun:  # this process is one rank of torchrun's world
-        dev, world, ranks = _torchrun.join(), int(os.environ["WORLD_SIZE"]), _torchrun.launch
-        if world % 2:
-            sys.exit(f"hsdp.py --torchrun: 2 replicas need an even number of ranks, not {world}")
-        where = {"torchrun": True, "device": dev.type, "backend": dist.get_backend()}
-    else:
-        world, ranks, where = WORLD, launch, {}
+    world, ranks, where = _torchrun.ranks(args.torchrun, None, WORLD)  # under torchrun: one rank of its world
+    if world % 2:
+        sys.exit(f"hsdp.py --torchrun: 2 replicas need an even number of ranks, not {world}")
     configs = [named(c, world) for c in args.configs]
-    timed, first = ranks(_run, world, shape, configs, warmup, steps, preload=PRELOAD), _torchrun.is_first()
-    if args.torchrun:
-        _torchrun.leave()
-        if not first:
-            return {}
+    timed = ranks(_run, world, shape, configs, warmup, steps, preload=PRELOAD)
+    if _torchrun.quiet(args.torchrun):
+        return {}
     rows = summarize({c: [rk[c] for rk in timed] for c in configs}, world)
     run = dict(world=world, meshes=meshes(world), steps=steps, warmup=warmup, shape=shape, quick=args.quick,
                threads=timed.threads, wall_s=time.perf_counter() - t0, **where)  # fmt: skip

@@ -33,7 +33,6 @@ rows run, at small sizes, with no peaks (the Triton interpreter is not a benchma
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
@@ -49,6 +48,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vescale_optim as vo  # noqa: E402
+from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import load_average  # noqa: E402
 from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
 from vescale_optim.kernels import (  # noqa: E402
@@ -121,7 +121,7 @@ def _row(kernel, shape, backend, seconds, first, peak, *, flops=None, nbytes=Non
         "kernel": kernel, "shape": shape, "backend": backend, "ms": seconds * 1e3, "first call s": first,
         "TFLOP/s": rate if flops else None, "GB/s": None if flops else rate,
         "% of peak": None if peak is None else 100 * rate / (peak * scale), "max |diff|": diff,
-    }
+    }  # fmt: skip
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -143,7 +143,7 @@ def bench_newton_schulz(shapes, backends, device, repeats, peak_tflops) -> list[
         given = {} if coefficients == "muon" else {"coefficients": coefficients}
         torch_ns = functools.partial(newton_schulz, backend="torch", **given)
         fns = {"triton": functools.partial(newton_schulz, backend="triton", **given), "torch": torch_ns,
-               "compile": _compiled(torch_ns)}
+               "compile": _compiled(torch_ns)}  # fmt: skip
         for shape in shapes:
             x = torch.randn(shape, device=device, dtype=torch.bfloat16)
             reference = torch_ns(x)
@@ -151,7 +151,7 @@ def bench_newton_schulz(shapes, backends, device, repeats, peak_tflops) -> list[
                 seconds, first = timed(functools.partial(fns[backend], x), device, repeats)
                 diff = None if backend == "torch" else _max_diff(fns[backend](x), reference)
                 rows.append(_row(kernel, "x".join(map(str, shape)), backend, seconds, first,
-                                 peak_tflops, flops=ns_flops(shape), diff=diff))
+                                 peak_tflops, flops=ns_flops(shape), diff=diff))  # fmt: skip
     return rows
 
 
@@ -170,11 +170,11 @@ def bench_quantization(n, backends, device, repeats, peak_tbps) -> list[dict]:
         seconds, first = timed(functools.partial(quant, x), device, repeats)
         diff = None if backend == "torch" else _max_diff(quant(x)[0], q_ref)
         rows.append(_row("quantize", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=n * (4 + 1) + scales, diff=diff))
+                         nbytes=n * (4 + 1) + scales, diff=diff))  # fmt: skip
         seconds, first = timed(functools.partial(dequant, q_ref, s_ref), device, repeats)
         diff = None if backend == "torch" else _max_diff(dequant(q_ref, s_ref), dq_ref)
         rows.append(_row("dequantize", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=n * (1 + 4) + scales, diff=diff))
+                         nbytes=n * (1 + 4) + scales, diff=diff))  # fmt: skip
     return rows
 
 
@@ -220,7 +220,7 @@ def bench_update(n, backends, device, repeats, peak_tbps) -> list[dict]:
         update(*check)
         diff = None if backend == "torch" else _max_diff(check[0], reference[0])
         rows.append(_row("adamw8bit", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=update_bytes(n, grad.element_size()), diff=diff))
+                         nbytes=update_bytes(n, grad.element_size()), diff=diff))  # fmt: skip
     return rows
 
 
@@ -268,7 +268,7 @@ def bench_steps(width, depth, device, repeats) -> list[dict]:
             "optimizer": name, "params": finals[name].numel(), "ms/step": seconds * 1e3,
             "first step s": times[0], "vs": reference,
             "max |diff|": None if reference is None else _max_diff(finals[name], finals[reference]),
-        })
+        })  # fmt: skip
     for row in rows:
         if row["vs"]:
             ref = next(r for r in rows if r["optimizer"] == row["vs"])
@@ -277,14 +277,12 @@ def bench_steps(width, depth, device, repeats) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row (median)")
-    parser.add_argument("--quick", action="store_true", help="3 repeats, fewer shapes, smaller step model")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    parser.add_argument("--sections", nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"],
-                        help="kernel rows, optimizer step rows, or both (default)")
-    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/kernels.json)")
-    args = parser.parse_args(argv)
+    args = parse(__doc__, argv, "3 repeats, fewer shapes, smaller step model",
+                 repeats=(5, "timed runs per row (median)"),
+                 no_compile=(False, "skip the torch.compile rows"),
+                 sections=dict(nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"],
+                               help="kernel rows, optimizer step rows, or both (default)"),
+                 out=dict(type=Path, help="JSON path (default benchmarks/results/kernels.json)"))  # fmt: skip
     repeats = 3 if args.quick else args.repeats
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -323,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         "env": environment(), "device": name, "load_average": load,
         "assumed_peak_bf16_tflops": peak_tflops, "assumed_peak_hbm_tbps": peak_tbps,
         "ns_steps": NS_STEPS, "block_size": BLOCK_SIZE, "repeats": repeats, "rows": rows, "steps": steps,
-    }
+    }  # fmt: skip
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -10,7 +10,6 @@ roots) included; parameters and gradients are not optimizer state.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import torch  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._gpt import build_gpt, launch  # noqa: E402
-from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._optim import ours, peer  # noqa: E402
+from benchmarks._report import table  # noqa: E402
 
 PRELOAD = ["benchmarks.memory"]  # besides benchmarks._gpt.PEERS
 
@@ -36,16 +37,13 @@ CONFIGS = [
 
 
 def make(name: str, model: torch.nn.Module, kwargs: dict):
-    if name == "AdamW":
-        return vo.AdamW(model.parameters(), **kwargs)
-    if name == "Shampoo":
-        return vo.Shampoo(model.parameters(), **kwargs)
-    return vo.Muon(vo.muon_param_groups(model, exclude=[model.head]), **kwargs)
+    return vo.Shampoo(model.parameters(), **kwargs) if name == "Shampoo" else ours(model, name, **kwargs)
 
 
 def torch_adamw_bytes(model: torch.nn.Module) -> int:
-    """State of `torch.optim.AdamW` after one step (exp_avg, exp_avg_sq, step)."""
-    opt = torch.optim.AdamW(model.parameters())
+    """State of `torch.optim.AdamW` (the peer factory's, no wrapper) after one step (exp_avg,
+    exp_avg_sq, step)."""
+    opt = peer(model, "torch")[1]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -66,43 +64,24 @@ def _rank(rank: int, world: int, model_kwargs: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--quick", action="store_true", help="a small model")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "a small model", world_size=4)
     model_kwargs = dict(vocab=2048, d_model=128, n_layers=2) if args.quick else {}
     model = build_gpt(**model_kwargs)
     n = sum(p.numel() for p in model.parameters())
     reference = torch_adamw_bytes(model)
     per_rank = launch(_rank, args.world_size, model_kwargs, preload=PRELOAD)
-    rows = [
-        {
-            "optimizer": "torch.optim.AdamW (every DDP rank)",
-            "bits": 32,
-            "bytes/param (all ranks)": reference / n,
-            "MiB per rank (max)": reference / 2**20,
-            "vs torch per rank": 1.0,
-        }
-    ]
+    rows = [{"optimizer": "torch.optim.AdamW (every DDP rank)", "bits": 32,
+             "bytes/param (all ranks)": reference / n, "MiB per rank (max)": reference / 2**20,
+             "vs torch per rank": 1.0}]  # fmt: skip
     for i, (name, kwargs) in enumerate(CONFIGS):
         sizes = [r[i]["bytes"] for r in per_rank]
-        rows.append(
-            {
-                "optimizer": f"vo.{name}",
-                "bits": kwargs.get("state_bits", 32),
-                "bytes/param (all ranks)": sum(sizes) / n,
-                "MiB per rank (max)": max(sizes) / 2**20,
-                "vs torch per rank": max(sizes) / reference,
-            }
-        )
+        rows.append({"optimizer": f"vo.{name}", "bits": kwargs.get("state_bits", 32),
+                     "bytes/param (all ranks)": sum(sizes) / n, "MiB per rank (max)": max(sizes) / 2**20,
+                     "vs torch per rank": max(sizes) / reference})  # fmt: skip
     print(f"GPT-like model, {n / 1e6:.1f} M parameters, {args.world_size} ranks\n")
     print(table(rows, floatfmt=".3f"))
-    print(f"\n{host_line(per_rank.threads)}")
-    payload = {"params": n, "world_size": args.world_size, "rows": rows, "per_rank": per_rank,
-               "env": environment(per_rank.threads)}  # fmt: skip
-    path = save_json("memory_quick" if args.quick else "memory", payload)
-    print(f"\nwrote {path}")
-    return payload
+    payload = {"params": n, "world_size": args.world_size, "rows": rows, "per_rank": per_rank}
+    return finish("memory", args, payload, per_rank.threads)
 
 
 if __name__ == "__main__":

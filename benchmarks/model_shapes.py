@@ -262,23 +262,20 @@ def matrices(model_name: str, *, hidden_only: bool = False) -> list[Param]:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Print each model's totals (parameters, blocks, tensors, matrices) and save them to
     `benchmarks/results/model_shapes.json`."""
-    import argparse
     import sys
     from pathlib import Path
 
     if __package__ in (None, ""):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks._report import environment, save_json, table
+    from benchmarks._main import finish, parse
+    from benchmarks._report import table
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the same listing: it is arithmetic, under a second")
-    ap.parse_args(argv)
+    args = parse(__doc__, argv, "the same listing: it is arithmetic, under a second")
     rows = [{"model": name, "params": total_params(name), "blocks": len(MODELS[name]()),
              "tensors": sum(len(b) for b in MODELS[name]()), "matrices": len(matrices(name))}
             for name in MODELS]  # fmt: skip
     print(table(rows))
-    path = save_json("model_shapes", {"env": environment(), "rows": rows})
-    print(f"\nwrote {path}")
+    finish("model_shapes", args, {"rows": rows}, quick_suffix=False)
     return rows
 
 

@@ -31,7 +31,6 @@ ONE `assign_owners(all costs, W, all homes)` over the whole step.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -47,8 +46,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, param_count, random_batch  # noqa: E402
-from benchmarks._measure import matmul_flops, median_of_max, window_seconds  # noqa: E402
+from benchmarks._gpt import gpt_loss, launch, param_count, random_batch, shaped_gpt  # noqa: E402
+from benchmarks._main import finish, parse, print_goals  # noqa: E402
+from benchmarks._measure import Timer, matmul_flops, median_of_max, window_seconds  # noqa: E402
 from benchmarks._muon_plan import (  # noqa: E402
     BUCKET_CAP,
     assign_owners,
@@ -59,8 +59,8 @@ from benchmarks._muon_plan import (  # noqa: E402
     model_buckets,
     ns_flops,
 )
-from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, environment, host_line, require_finite, save_json, table  # noqa: E402
+from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names, peer  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, host_line, require_finite, table  # noqa: E402
 from benchmarks.model_shapes import MODELS  # noqa: E402
 
 LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + torch Muon",
@@ -73,13 +73,6 @@ PRELOAD = ["benchmarks.muon"]  # besides benchmarks._gpt.PEERS
 WINDOWS = {"RS": ["vescale_optim.sync_grads"], "NS": ["vescale_optim.newton_schulz"],
            "moves": ["vescale_optim.moves.gather", "vescale_optim.moves.finish"],
            "AG": ["vescale_optim.gather_params"]}  # fmt: skip
-
-
-def _goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
-    print(f"\n{title}")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
-    return goals
 
 
 # ====================================================================== part (b)
@@ -113,28 +106,10 @@ def print_b(rows: list[dict]) -> dict:
         over = "".join(f"; {r['model']} W={r['W']}: {r['max/mean']:.3f}" for r in due if r["max/mean"] > 1.1)
         goals[f"max/mean <= 1.10 wherever >= 4 matrices per rank, {bucketing} buckets ({len(due)} cases)"
               + over] = not over  # fmt: skip
-    return _goals("Goals (b):", goals)
+    return print_goals("Goals (b):", goals)
 
 
 # ====================================================================== part (a)
-
-
-def _timed(spent: dict[str, float], part: str, fn):
-    """`fn`, adding the wall time spent inside it to `spent[part]`."""
-    spent.setdefault(part, 0.0)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[part] += time.perf_counter() - t0
-
-    return timed
-
-
-def _model(shape: dict):
-    return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"])
 
 
 def _named(model) -> dict[str, torch.Tensor]:
@@ -145,7 +120,7 @@ def _named(model) -> dict[str, torch.Tensor]:
 def _construction(shape: dict, world: int) -> dict[str, bool]:
     """Part (b)'s construction on this model's hidden matrices against a `vo.Muon` of them alone
     (collective: every rank builds one): the same units, layouts and per-rank load."""
-    hidden = muon_groups(_model(shape))[0]["params"]
+    hidden = muon_groups(shaped_gpt(shape))[0]["params"]
     opt = vo.Muon(hidden, **MUON)
     mine = assignment(default_buckets([tuple(p.shape) for p in hidden]), world)
     units = [[tuple(p.shape) for p in u.params] for u in opt.units]
@@ -170,31 +145,10 @@ def _setup_ours(config, model, rank, world, shape):
 
 
 def _setup_peer(config, model, rank, world, shape):
-    names = muon_names(model)
-    if config == "FSDP2":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        module = fully_shard(model)
-    else:
-        module = torch.nn.parallel.DistributedDataParallel(model)
-    params = dict(model.named_parameters())  # fully_shard replaced them by DTensors
-    hidden = [p for n, p in params.items() if n in names]
-    aux = [p for n, p in params.items() if n not in names]
-    if config == "ZeRO":
-        from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
-
-        muon = ZeRO(hidden, optimizer_class=torch.optim.Muon, **MUON)
-        adamw = ZeRO(aux, optimizer_class=torch.optim.AdamW, foreach=True, **MUON_ADAMW)
-    else:
-        muon, adamw = torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(aux, foreach=True, **MUON_ADAMW)
-    spent: dict[str, float] = {}
-    muon_step, adamw_step = _timed(spent, "Muon", muon.step), _timed(spent, "AdamW", adamw.step)
-
-    def forward_backward(x, y):
-        logits = module(x)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    module, opt = peer(model, config, "Muon")
+    muon, adamw = opt.opts
+    spent = {"Muon": Timer(), "AdamW": Timer()}
+    muon_step, adamw_step = spent["Muon"].wrap(muon.step), spent["AdamW"].wrap(adamw.step)
 
     def stats():
         n = sum(p.numel() for p in model.parameters())
@@ -206,19 +160,20 @@ def _setup_peer(config, model, rank, world, shape):
         return {"owned_numel": owned, "bytes_sent": {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4),
                                                      "broadcast": (world - 1) * owned * 4}}  # fmt: skip
 
-    return dict(forward_backward=forward_backward, step=lambda: (muon_step(), adamw_step()),
-                zero_grad=lambda: (muon.zero_grad(), adamw.zero_grad()), stats=stats, spent=spent,
+    return dict(forward_backward=lambda x, y: gpt_loss(module, x, y).backward(),
+                step=lambda: (muon_step(), adamw_step()), zero_grad=opt.zero_grad, stats=stats, spent=spent,
                 windows={})  # fmt: skip
 
 
 def _profiled_step(config: str, s: dict) -> dict:
     """One step under the profiler: its seconds, its parts and the FLOPs of its matrix products."""
-    s["spent"].update(dict.fromkeys(s["spent"], 0.0))
+    for timer in s["spent"].values():
+        timer.take()
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         t0 = time.perf_counter()
         s["step"]()
         total = time.perf_counter() - t0
-    parts = dict(s["spent"])
+    parts = {part: timer.take() for part, timer in s["spent"].items()}
     for part, prefixes in s["windows"].items():
         seconds = [window_seconds(prof, w) for w in prefixes]
         if all(x is None for x in seconds):
@@ -233,7 +188,7 @@ def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, s
     x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + rank)
     out, setups = {}, {}
     for config in configs:
-        model = _model(shape)
+        model = shaped_gpt(shape)
         setup = _setup_ours if config == "ours" else _setup_peer
         setups[config] = {**setup(config, model, rank, world, shape), "model": model}
         out[config] = {"rank": rank, "times_s": [], "cpu_s": [], "profiled": []}
@@ -281,7 +236,7 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, conf
     per_rank = launch(_rank, world, configs, shape, warmup, steps, profiled, preload=PRELOAD)
     print(f"# part (a): {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = {c: [r["configs"][c] for r in per_rank] for c in configs}
-    model = _model(shape)
+    model = shaped_gpt(shape)
     init, names, hidden = _named(model), muon_names(model), muon_groups(model)[0]["params"]
     total = sum(ns_flops(*matrix_view(tuple(p.shape))[1:], MUON["ns_steps"]) * matrix_view(tuple(p.shape))[0]
                 for p in hidden)  # fmt: skip
@@ -374,7 +329,7 @@ def print_a(a: dict, world: int, shape: dict, warmup: int, steps: int) -> dict:
                   ("same parameters as DDP + torch Muon (Δ <= 5% of the update)",
                    o["Δ/update"] <= 0.05 if "Δ/update" in o else None)]  # fmt: skip
         goals = {k: v for k, v in checks if v is not None}
-    return _goals("Goals (a):", goals)
+    return print_goals("Goals (a):", goals)
 
 
 VARIANTS = {"muon": {}, "polar": {"ns_coefficients": "polar_express"}, "normuon": {"normuon": True}}
@@ -387,7 +342,7 @@ def part_v(shape: dict, warmup: int, steps: int) -> list[dict]:
     rows = []
     for name, keys in VARIANTS.items():
         torch.manual_seed(0)
-        model = _model(shape)
+        model = shaped_gpt(shape)
         opt = vo.Muon(muon_groups(model), **keys)
         x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=0)
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -405,27 +360,24 @@ def part_v(shape: dict, warmup: int, steps: int) -> list[dict]:
 def print_v(rows: list[dict]) -> dict[str, bool]:
     print("\n## Muon variants: one process, optimizer step (median)\n")
     print(table(rows, ["variant", "step ms", "matrices"]))
-    return _goals("variants", {"every variant steps every matrix": len({r["matrices"] for r in rows}) == 1})
+    same = len({r["matrices"] for r in rows}) == 1
+    return print_goals("variants", {"every variant steps every matrix": same})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="measured steps (median over these)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--profiled", type=int, default=2, help="profiled steps: breakdown and measured FLOPs")
-    ap.add_argument("--quick", action="store_true", help="tiny model, fewer steps, small part (b)")
-    ap.add_argument("--part", choices=["a", "b", "ab", "v", "abv"], default="abv",
-                    help="a: step vs peers; b: owner assignment; v: each Muon variant's step")  # fmt: skip
-    ap.add_argument("--configs", nargs="+", default=list(LABEL), choices=list(LABEL))
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "tiny model, fewer steps, small part (b)", world_size=4,
+                 steps=(5, "measured steps (median over these)"), warmup=1,
+                 profiled=(2, "profiled steps: breakdown and measured FLOPs"),
+                 part=dict(choices=["a", "b", "ab", "v", "abv"], default="abv",
+                           help="a: step vs peers; b: owner assignment; v: each Muon variant's step"),
+                 configs=dict(nargs="+", default=list(LABEL), choices=list(LABEL)),
+                 models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)))  # fmt: skip
     shape = QUICK if args.quick else FULL
     if args.quick:
         args.steps, args.warmup, args.profiled = min(args.steps, 3), min(args.warmup, 1), 1
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
     if args.profiled < 1:
-        ap.error("--profiled: at least 1 (the breakdown and the FLOPs come from it)")
+        args.error("--profiled: at least 1 (the breakdown and the FLOPs come from it)")
     t0 = time.perf_counter()
     out: dict = {"world_size": args.world_size, "shape": shape, "muon": MUON, "adamw": MUON_ADAMW,
                  "warmup": args.warmup, "steps": args.steps, "profiled": args.profiled,
@@ -437,15 +389,11 @@ def main(argv: list[str] | None = None) -> dict:
         models = ["llama3-8b", "gpt-oss-120b"] if args.quick else args.models
         out["b"] = part_b(models, (8, 64) if args.quick else (8, 64, 256))
         out["goals"].update(print_b(out["b"]))
-        if "a" not in args.part:
-            print(f"\n{host_line()}")
     if "v" in args.part:
         out["v"] = part_v(shape, args.warmup, args.steps)
         out["goals"].update(print_v(out["v"]))
-    out["env"] = environment(out["a"]["threads"] if "a" in out else None)
-    path = save_json("muon_quick" if args.quick else "muon", out)
-    print(f"total {time.perf_counter() - t0:.0f} s; wrote {path}", file=sys.stderr)
-    return out
+    print(f"total {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return finish("muon", args, out, out["a"]["threads"] if "a" in out else None)
 
 
 if __name__ == "__main__":

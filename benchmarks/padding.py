@@ -59,7 +59,6 @@ doubles as a planner test on real shapes.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -72,7 +71,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._report import environment, host_line, pyplot, save_json, save_png, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._report import pyplot, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, Block, Shape, is_vector, numel  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -218,11 +218,8 @@ def reference_shard(sizes, granules, world_size: int, stop: int, tries: int = 64
     by size); None if none of the first `tries` candidates fits. A cross-check of the
     planner's search: a result below the planner's S is a planner miss."""
     n = len(sizes)
-    orders = [
-        range(n),
-        sorted(range(n), key=lambda i: (-granules[i], -sizes[i])),
-        sorted(range(n), key=lambda i: (-sizes[i], -granules[i])),
-    ]
+    orders = [range(n), sorted(range(n), key=lambda i: (-granules[i], -sizes[i]))]
+    orders.append(sorted(range(n), key=lambda i: (-sizes[i], -granules[i])))
     s, _ = lower_bound_shard(sizes, granules, world_size)
     for _ in range(tries):
         if s >= stop:
@@ -303,37 +300,24 @@ def measure(bucket: Bucket, world_size: int) -> dict:
     ref = layout.shard_size
     if ref > bound:
         ref = reference_shard(bucket.sizes, bucket.granules, W, stop=ref) or ref
-    return {
-        "block": bucket.label,
-        "count": bucket.count,
-        "tensors": len(bucket.sizes),
-        "numel": total,
-        "max_unit": gmax,
-        "ideal_shard": ideal,
-        "largest_units_per_rank": ideal / gmax,
-        "shard": layout.shard_size,
-        "padding": layout.padding,
-        "ref_padding": W * ref - total,
-        "bound_shard": bound,
-        "bound_padding": W * bound - total,
-        "spanning_lcm": lcm,  # at S = max(ideal shard, largest granule)
-        "fsdp2_padding": fsdp2_padding(bucket.shapes, W),
-        "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.granules, W),
-        "lcm_padding": lcm_padding(bucket.sizes, bucket.granules, W),
-        "flat_cuts": flat_cuts(bucket.sizes, bucket.granules, W),
-        "plan_s": seconds,
-        "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax,
-    }
+    # spanning_lcm: at S = max(ideal shard, largest granule)
+    return {"block": bucket.label, "count": bucket.count, "tensors": len(bucket.sizes), "numel": total,
+            "max_unit": gmax, "ideal_shard": ideal, "largest_units_per_rank": ideal / gmax,
+            "shard": layout.shard_size, "padding": layout.padding, "ref_padding": W * ref - total,
+            "bound_shard": bound, "bound_padding": W * bound - total, "spanning_lcm": lcm,
+            "fsdp2_padding": fsdp2_padding(bucket.shapes, W),
+            "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.granules, W),
+            "lcm_padding": lcm_padding(bucket.sizes, bucket.granules, W),
+            "flat_cuts": flat_cuts(bucket.sizes, bucket.granules, W), "plan_s": seconds,
+            "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax}  # fmt: skip
 
 
 def explain(b: dict) -> str:
     """Why a bucket's padding exceeds the goal."""
     pct = lambda x: f"{100 * x / b['numel']:.1f}%"  # noqa: E731
     if b["padding"] > b["ref_padding"]:
-        return (
-            f"PLANNER MISS: a valid layout with {pct(b['ref_padding'])} exists "
-            f"(bound {pct(b['bound_padding'])})"
-        )
+        found, bound = pct(b["ref_padding"]), pct(b["bound_padding"])
+        return f"PLANNER MISS: a valid layout with {found} exists (bound {bound})"
     if b["max_unit"] > b["ideal_shard"]:
         why = f"a granule of {b['max_unit']:,} elements exceeds the ideal shard {b['ideal_shard']:,}"
     else:
@@ -379,46 +363,24 @@ def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dic
                 else:
                     goal = f"ok {n_qual}/{n_qual}"
                 over = [r for r in res if r["padding"] > GOAL * r["numel"]]
-                rows.append(
-                    {
-                        "model": model,
-                        "granule": unit_name,
-                        "W": W,
-                        "ours %": 100 * n("padding") / total,
-                        "ref %": 100 * n("ref_padding") / total,
-                        "bound %": 100 * n("bound_padding") / total,
-                        "FSDP2 %": 100 * n("fsdp2_padding") / total,
-                        "FSDP2 cuts": n("fsdp2_cuts"),
-                        "LCM %": 100 * n("lcm_padding") / total,
-                        "flat cuts": n("flat_cuts"),
-                        "plan s": sum(r["plan_s"] for r in res),
-                        "max ms": 1e3 * max(r["plan_s"] for r in res),
-                        "goal": goal,
-                        ">3% blocks": sum(r["count"] for r in over),
-                        "planner misses": sum(r["count"] for r in res if r["padding"] > r["ref_padding"]),
-                        "blocks": sum(r["count"] for r in res),
-                    }
-                )
-                for r in over:
-                    misses.append(
-                        {
-                            "model": model,
-                            "granule": unit_name,
-                            "W": W,
-                            "block": r["block"],
-                            "ours %": 100 * r["padding"] / r["numel"],
+                at = {"model": model, "granule": unit_name, "W": W}
+                pct = {k: 100 * n(key) / total for k, key in (("ours %", "padding"), ("ref %", "ref_padding"),
+                                                               ("bound %", "bound_padding"))}  # fmt: skip
+                rows.append({**at, **pct, "FSDP2 %": 100 * n("fsdp2_padding") / total,
+                             "FSDP2 cuts": n("fsdp2_cuts"), "LCM %": 100 * n("lcm_padding") / total,
+                             "flat cuts": n("flat_cuts"), "plan s": sum(r["plan_s"] for r in res),
+                             "max ms": 1e3 * max(r["plan_s"] for r in res), "goal": goal,
+                             ">3% blocks": sum(r["count"] for r in over), "planner misses":
+                             sum(r["count"] for r in res if r["padding"] > r["ref_padding"]),
+                             "blocks": sum(r["count"] for r in res)})  # fmt: skip
+                misses += [{**at, "block": r["block"], "ours %": 100 * r["padding"] / r["numel"],
                             "ref %": 100 * r["ref_padding"] / r["numel"],
                             "bound %": 100 * r["bound_padding"] / r["numel"],
-                            "granules/rank": r["largest_units_per_rank"],
-                            "why": explain(r),
-                        }
-                    )
-                details += [{"model": model, "granule": unit_name, "W": W, **r} for r in res]
-                print(
-                    f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets "
-                    f"in {sum(r['plan_s'] for r in res):.2f}s",
-                    file=sys.stderr,
-                )
+                            "granules/rank": r["largest_units_per_rank"], "why": explain(r)}
+                           for r in over]  # fmt: skip
+                details += [{**at, **r} for r in res]
+                print(f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets "
+                      f"in {sum(r['plan_s'] for r in res):.2f}s", file=sys.stderr)  # fmt: skip
     return rows, misses, details
 
 
@@ -434,13 +396,8 @@ def plot(rows, name: str):
             sel = [r for r in rows if r["granule"] == granule and r["model"] == model]
             ws = [r["W"] for r in sel]
             for key, style in (("ours %", "-o"), ("FSDP2 %", "--"), ("LCM %", ":")):
-                ax.plot(
-                    ws,
-                    [r[key] for r in sel],
-                    style,
-                    color=color,
-                    label=f"{model} {key[:-2]}" if granule == granules[0] else None,
-                )
+                label = f"{model} {key[:-2]}" if granule == granules[0] else None
+                ax.plot(ws, [r[key] for r in sel], style, color=color, label=label)
         ax.axhline(100 * GOAL, color="k", lw=0.5)
         ax.set_yscale("symlog", linthresh=0.1)
         ax.set(xscale="log", title=f"granule = {granule}", xlabel="world size W")
@@ -451,11 +408,9 @@ def plot(rows, name: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="W in {8, 1024}, granules 1 and 128 rows")
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--world-sizes", nargs="+", type=int, default=None)
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "W in {8, 1024}, granules 1 and 128 rows",
+                 models=dict(nargs="+", choices=list(MODELS), default=list(MODELS)),
+                 world_sizes=dict(nargs="+", type=int, default=None))  # fmt: skip
     granules = ["1 row", "128 rows"] if args.quick else list(UNITS)
     world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
     name = "padding_quick" if args.quick else "padding"
@@ -467,13 +422,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(table(rows, floatfmt=".2f"))
     print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
     print(table(misses, floatfmt=".2f") if misses else "(none)")
-    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s\n{host_line()}")
-    payload = {"env": environment(), "goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall,
-               "rows": rows, "misses": misses, "buckets": details}  # fmt: skip
-    path = save_json(name, payload)
-    png = plot(rows, name)
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return payload
+    print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
+    payload = {"goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall, "rows": rows,
+               "misses": misses, "buckets": details}  # fmt: skip
+    return finish("padding", args, payload, png=plot(rows, name))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ GB/s NVLink. 8-bit bytes do not depend on `param_dtype` (the shards are fp32 mas
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import statistics
@@ -69,11 +68,13 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from benchmarks import _train, model_shapes  # noqa: E402
-from benchmarks._gpt import build_gpt, launch  # noqa: E402
-from benchmarks._measure import slowest  # noqa: E402
+from benchmarks._gpt import launch, shaped_gpt  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._measure import median_ratio, slowest  # noqa: E402
 from benchmarks._optim import ours  # noqa: E402
-from benchmarks._report import environment, host_line, require_finite, save_json, table  # noqa: E402
+from benchmarks._report import require_finite, table  # noqa: E402
 from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
+from benchmarks.fsdp import MODELS, QUICK  # noqa: E402
 from vescale_optim.kernels.wire import codec  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -89,14 +90,7 @@ BOTH = "gather+reduce 8-bit"
 GOAL_FP32, GOAL_BF16, GOAL_LOSS = 0.27, 0.52, 0.01
 DEMO_CONFIGS = ["fp32", BOTH]
 DEMO_OPTIMIZERS = ["adamw", "muon"]
-MODELS = {  # benchmarks/fsdp.py's
-    "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
-    "wide": dict(vocab=2048, d_model=768, n_layers=4, n_heads=12, seq_len=16, batch=1, seq=16),
-}
-QUICK = {
-    "gpt": dict(vocab=512, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
-    "wide": dict(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=8, batch=1, seq=8),
-}
+DEMO_CHOICES = [*DEMO_OPTIMIZERS, "shampoo"]
 DEMO = dict(steps=200)  # the demo's defaults otherwise (batch 8, seq 128, d 128, 4 layers, 4 heads)
 DEMO_QUICK = dict(steps=12, batch_size=2, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3,
                   val_tokens=512)  # fmt: skip
@@ -151,8 +145,7 @@ def layout_bytes(units: list[list[int]], world: int, config: dict, root_gathers:
 
 def gpt_units(shape: dict) -> list[list[int]]:
     """A benchmark GPT's parameter sizes by unit: each block, then the rest (the model)."""
-    model = build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"],
-                      device="meta")  # fmt: skip
+    model = shaped_gpt(shape, device="meta")
     blocks = [[p.numel() for p in b.parameters()] for b in model.blocks]
     inner = {id(p) for b in model.blocks for p in b.parameters()}
     return [*blocks, [p.numel() for p in model.parameters() if id(p) not in inner]]
@@ -283,8 +276,7 @@ def measured_rows(name: str, shape: dict, world: int, timed: list[dict]) -> list
             if base in rows:
                 row[f"x {base}"] = row["total MiB"] / rows[base]["total MiB"]
         if "fp32" in rows:
-            per_round = zip(row["_train"], rows["fp32"]["_train"])
-            row["train x fp32"] = statistics.median(a / b for a, b in per_round)
+            row["train x fp32"] = median_ratio(row["_train"], rows["fp32"]["_train"])
     for row in rows.values():
         del row["_train"]
         if row["config"] == BOTH:
@@ -309,17 +301,13 @@ def demo_rows(demo: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=None, help="default 4 (--quick: 2)")
-    ap.add_argument("--steps", type=int, default=None, help="measured rounds (default 5, --quick 2)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), help="default: both")
-    ap.add_argument("--demo-steps", type=int, default=None, help="default 200 (--quick 12); 0: no demo runs")
-    ap.add_argument("--demo-optimizers", nargs="+", default=DEMO_OPTIMIZERS,
-                    choices=["adamw", "muon", "shampoo"])  # fmt: skip
-    ap.add_argument("--demo-configs", nargs="+", default=DEMO_CONFIGS, choices=list(CONFIGS))
-    ap.add_argument("--quick", action="store_true", help="tiny models and demo, 2 ranks, a few steps")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "tiny models and demo, 2 ranks, a few steps",
+                 world_size=dict(type=int, help="default 4 (--quick: 2)"),
+                 steps=dict(type=int, help="measured rounds (default 5, --quick 2)"), warmup=1,
+                 models=dict(nargs="+", choices=list(MODELS), help="default: both"),
+                 demo_steps=dict(type=int, help="default 200 (--quick 12); 0: no demo runs"),
+                 demo_optimizers=dict(nargs="+", default=DEMO_OPTIMIZERS, choices=DEMO_CHOICES),
+                 demo_configs=dict(nargs="+", default=DEMO_CONFIGS, choices=list(CONFIGS)))  # fmt: skip
     world = args.world_size or (2 if args.quick else 4)
     steps = args.steps or (2 if args.quick else 5)
     shapes = {m: (QUICK if args.quick else MODELS)[m] for m in (args.models or list(MODELS))}
@@ -357,17 +345,15 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nper rank and step: layers gathered twice (fwd, bwd), the outermost unit once, every unit "
           "reduced once; a collective of b bytes per rank sends (W-1)*b; b = S*dtype bytes, or S + 4*S/256 "
           "in 8-bit; time = bytes / bandwidth (no latency, no overlap)")  # fmt: skip
-    print(host_line(out.threads))
     goals = {f"{m}: {BOTH} {g}": r[g] for m in shapes for r in rows if r["model"] == m and r["config"] == BOTH
              for g in GOALS}  # fmt: skip
     goals.update({f"demo {r['optimizer']}: {r['config']} within 1 %": r["within 1 %"]
                   for r in demo_table if r["config"] != "fp32" and "within 1 %" in r})  # fmt: skip
-    result = {"env": environment(out.threads), "world": world, "steps": steps, "warmup": args.warmup,
-              "shapes": shapes, "demo": demo if runs else None, "rows": rows, "demo_rows": demo_table,
-              "scale_rows": scale, "goals": goals, "quick": args.quick, "wall_s": wall}  # fmt: skip
-    path = save_json("qcomm_quick" if args.quick else "qcomm", result)
-    print(f"goals: {goals}\nwrote {path} ({wall:.0f} s in the ranks)")
-    return result
+    result = {"world": world, "steps": steps, "warmup": args.warmup, "shapes": shapes,
+              "demo": demo if runs else None, "rows": rows, "demo_rows": demo_table, "scale_rows": scale,
+              "goals": goals, "quick": args.quick, "wall_s": wall}  # fmt: skip
+    print(f"goals: {goals}\n({wall:.0f} s in the ranks)")
+    return finish("qcomm", args, result, out.threads)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ measured (layouts of the distinct blocks and `vo.muon_plan`).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._report import environment, pyplot, require_finite, save_json, save_png, table  # noqa: E402
+from benchmarks._main import finish, parse, print_goals  # noqa: E402
+from benchmarks._report import pyplot, require_finite, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
 from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: E402
 from vescale_optim.owners.balance import assign_owners, rank_loads  # noqa: E402
@@ -247,9 +247,7 @@ def plot(rows: list[dict]):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Llama-3-70B at W in {64, 1024}")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "Llama-3-70B at W in {64, 1024}")
     models, worlds = (QUICK_RUN, QUICK_WORLDS) if args.quick else (RUN, WORLDS)
     rows, plans = [], []
     for model in models:
@@ -260,23 +258,20 @@ def main(argv: list[str] | None = None) -> dict:
     require_finite(rows, NUMBERS)
     print(table(rows, COLUMNS))
     print("\nNewton–Schulz per rank: FLOPs max/mean and the busiest rank's modelled ms (H200, split "
-          "exchanges included) of the plan, of every matrix whole (LPT: today's owners) and of the plan made "
-          "as if communication were free; the plan's time max/mean, its split matrices and exchanges:\n")
+          "exchanges included) of the plan, of every matrix whole (LPT: today's owners) and of the plan "
+          "made as if communication were free; the plan's time max/mean, its split matrices and "
+          "exchanges:\n")  # fmt: skip
     print(table(plans))
     goals = {}
     for (model, world), bound in GOALS.items():
         got = next((p["NS max/mean"] for p in plans if p["model"] == model and p["W"] == world), None)
         if got is not None:
             goals[f"{model} W={world}: Newton–Schulz max/mean <= {bound:.2f} (got {got:.3f})"] = got <= bound
-    print("\nGoals:")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
+    print_goals("Goals:", goals)
     png = plot(rows)
-    out = {"env": environment(), "cost": vars(COST), "tokens_per_rank": TOKENS, "mfu": MFU, "rows": rows,
-           "plans": plans, "goals": goals, "png": str(png) if png else None}  # fmt: skip
-    path = save_json("scale_quick" if args.quick else "scale", out)
-    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
-    return out
+    out = {"cost": vars(COST), "tokens_per_rank": TOKENS, "mfu": MFU, "rows": rows, "plans": plans,
+           "goals": goals, "png": str(png) if png else None}  # fmt: skip
+    return finish("scale", args, out, png=png)
 
 
 if __name__ == "__main__":

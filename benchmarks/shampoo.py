@@ -35,8 +35,6 @@ either run (step times do not depend on it).
 
 from __future__ import annotations
 
-import argparse
-import math
 import statistics
 import sys
 import time
@@ -49,8 +47,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
-from benchmarks._gpt import build_gpt, launch, random_batch  # noqa: E402
-from benchmarks._report import environment, host_line, save_json, table  # noqa: E402
+from benchmarks._gpt import launch, random_batch, shaped_gpt  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._report import require_finite, table  # noqa: E402
 
 FULL = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=64, dim=256, batch=4)
 QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=2, seq_len=32, dim=64, batch=2)
@@ -61,7 +60,7 @@ NUMBERS = ["step s", "speedup", "root work / rank", "root max/mean", "before bal
 
 
 def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int) -> dict:
-    model = build_gpt(cfg["vocab"], cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["seq_len"])
+    model = shaped_gpt(cfg)
     solo = [dist.new_group([r]) for r in range(world)][rank]
     group = None if config == "sharded" else solo
     opt = vo.Shampoo(
@@ -106,14 +105,8 @@ def _ratio(loads) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--epsilon", type=float, default=1e-6)
-    ap.add_argument("--root-dtype", choices=["float32", "float64"], default="float32")
-    args = ap.parse_args(argv)
+    args = parse(__doc__, argv, "a tiny model, 2 steps", world_size=4, warmup=1, steps=3, epsilon=1e-6,
+                 root_dtype=dict(choices=["float32", "float64"], default="float32"))  # fmt: skip
     cfg = {**(QUICK if args.quick else FULL), "epsilon": args.epsilon, "root_dtype": args.root_dtype}
     steps = 2 if args.quick else args.steps
     raw, rows = {}, []
@@ -125,34 +118,21 @@ def main(argv: list[str] | None = None) -> dict:
         r0 = results[0]
         step = statistics.median(r0["times"])
         diff = max((a - b).abs().max().item() for a, b in zip(r0["params"], raw["replicated"][0]["params"]))
-        rows.append(
-            {
-                "optimizer": config,
-                "step s": step,
-                "speedup": base / step,
-                "root work / rank": max(r0["work"]) / UNIT,
-                "root max/mean": _ratio(r0["work"]),
-                "before balance": _ratio(r0["native"]),
-                "tiles moved": r0["moved"],
-                "preconditioner MiB / rank": max(r["precond_bytes"] for r in results) / 2**20,
-                "max |dp|": diff,
-            }
-        )
+        rows.append({"optimizer": config, "step s": step, "speedup": base / step,
+                     "root work / rank": max(r0["work"]) / UNIT, "root max/mean": _ratio(r0["work"]),
+                     "before balance": _ratio(r0["native"]), "tiles moved": r0["moved"],
+                     "preconditioner MiB / rank": max(r["precond_bytes"] for r in results) / 2**20,
+                     "max |dp|": diff})  # fmt: skip
     print(
         f"Shampoo on a GPT-like model ({raw['sharded'][0]['numel']:,} parameters, "
         f"{raw['sharded'][0]['tiles']} tiles of at most {cfg['dim']}), {args.world_size} gloo ranks\n"
     )
     print(table(rows))
-    print(f"\n{host_line(threads)}")
-    bad = [r["optimizer"] for r in rows if not all(math.isfinite(r[k]) for k in NUMBERS)]
-    if bad:
-        raise RuntimeError(f"non-finite numbers in the rows of {bad}: {rows}")
-    payload = {"env": environment(threads), "config": cfg, "world_size": args.world_size, "rows": rows,
+    require_finite(rows, NUMBERS)
+    payload = {"config": cfg, "world_size": args.world_size, "rows": rows,
                "times": {c: r[0]["times"] for c, r in raw.items()},
                "root_work": {c: r[0]["work"] for c, r in raw.items()}}  # fmt: skip
-    path = save_json("shampoo_quick" if args.quick else "shampoo", payload)
-    print(f"\nwrote {path}")
-    return payload
+    return finish("shampoo", args, payload, threads)
 
 
 if __name__ == "__main__":

@@ -41,31 +41,33 @@ and run alone, the most over ranks; `peak at` the phase and innermost region ope
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
+from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
 from benchmarks._live import LiveBytes  # noqa: E402
-from benchmarks._measure import load_average  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, environment, host_line, save_json, table  # noqa: E402
+from benchmarks._main import finish, parse  # noqa: E402
+from benchmarks._measure import load_average, median_ratio  # noqa: E402
+from benchmarks._muon_plan import ns_flops  # noqa: E402
+from benchmarks._optim import FullTensorMuon, Steps, fully_shard_gpt  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, table  # noqa: E402
+from benchmarks._train import PHASES, interleave  # noqa: E402
 
 PRELOAD = ["benchmarks.tp"]
 WORLD, TP = 4, 2
@@ -96,114 +98,67 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = self.norm1(x)
         q, k, v = (w(h).view(b, t, -1, self.head).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        x = x + self.wo(
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-        )
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.wo(attention)
         h = self.norm2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-def ns_flops(shape: torch.Size) -> int:
-    """Newton–Schulz FLOPs of one `a x b` matrix: 5 iterations of 4a²b + 2a³ (a <= b)."""
-    a, b = sorted(shape)
-    return 5 * (4 * a * a * b + 2 * a**3)
+class Trainer(_train.Trainer):
+    """One configuration (see the module's docstring) of the TP model on the dp x tp mesh `world`;
+    ours' `step_stats["bytes_sent"]` after each recorded step, and the Newton–Schulz FLOPs a rank
+    does per step."""
 
+    def __init__(self, config: str, sizes: dict, world, meter: CommMeter | None = None):
+        self.world, self.stats, self.ns = world, [], 0
+        super().__init__(config, sizes, meter)
 
-class FullTensorMuon:
-    """The Muon integration written over FSDP2 2-D today: gather each matrix gradient whole
-    (`full_tensor()`), run `torch.optim.Muon` on full-size copies on every rank, keep this
-    rank's shard of the result."""
-
-    def __init__(self, matrices: list[DTensor], **muon):
-        self.params = matrices
-        self.full = [nn.Parameter(p.full_tensor().detach().clone()) for p in matrices]
-        self.opt = torch.optim.Muon(self.full, **muon)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, f in zip(self.params, self.full):
-            f.grad = p.grad.full_tensor()
-        self.opt.step()
-        for p, f in zip(self.params, self.full):
-            whole = DTensor.from_local(f, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
-            p.copy_(whole.redistribute(p.device_mesh, p.placements))
-
-    def zero_grad(self) -> None:
-        for p, f in zip(self.params, self.full):
-            p.grad = f.grad = None
-
-
-class Both:
-    """Two optimizers stepped as one (the peer's Muon and AdamW)."""
-
-    def __init__(self, *opts):
-        self.opts = opts
-
-    def step(self) -> None:
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self) -> None:
-        for o in self.opts:
-            o.zero_grad()
-
-
-class Trainer:
-    def __init__(self, config: str, world, sizes: dict):
+    def build(self, sizes: dict) -> nn.Module:
         torch.manual_seed(0)
-        blocks = [Block(sizes["dim"], sizes["head"]) for _ in range(sizes["layers"])]
+        self.blocks = [Block(sizes["dim"], sizes["head"]) for _ in range(sizes["layers"])]
         # the final norm gives the root unit parameters of its own, as a model's head and embedding do
-        self.model = nn.Sequential(*blocks, nn.RMSNorm(sizes["dim"]))
-        for block in blocks:
-            parallelize_module(block, world["tp"], PLAN)
-        units = [*blocks, self.model]
-        cut = [p for p in self.model.parameters() if isinstance(p, DTensor)]
-        norms = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
-        self.ours = config.startswith("ours")
-        self.ns = 0  # Newton–Schulz FLOPs per rank and step, for the peers
-        if config == FLOOR:  # each dp rank steps its own gradient: the TP model's forward, backward and
+        model = nn.Sequential(*self.blocks, nn.RMSNorm(sizes["dim"]))
+        for block in self.blocks:
+            parallelize_module(block, self.world["tp"], PLAN)
+        return model
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.model(x), y)
+
+    def optimizer(self, model: nn.Module):
+        units, dp = [*self.blocks, model], self.world["dp"]
+        cut = [p for p in model.parameters() if isinstance(p, DTensor)]
+        norms = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        if self.config == FLOOR:  # each dp rank steps its own gradient: the TP model's forward, backward and
             # TP all-reduces with nothing data-parallel (its loss is not comparable: no averaging);
             # torch's foreach AdamW takes DTensors and plain tensors in separate optimizers
-            self.opt = Both(torch.optim.AdamW(cut, foreach=True, **ADAMW),
-                            torch.optim.AdamW(norms, foreach=True, **ADAMW))  # fmt: skip
-        elif config == "ours AdamW":
-            self.opt = vo.AdamW(self.model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
-        elif config == "ours Muon":
+            return Steps(*(torch.optim.AdamW(ps, foreach=True, **ADAMW) for ps in (cut, norms)))
+        if self.config == "ours AdamW":
+            return vo.AdamW(model.parameters(), mesh=dp, shard_modules=units, **ADAMW)
+        if self.config == "ours Muon":
             groups = [{"params": cut}, {"params": norms, "use_muon": False, **ADAMW}]
-            self.opt = vo.Muon(groups, mesh=world["dp"], shard_modules=units, **MUON)
-        else:
-            from torch.distributed.fsdp import fully_shard
+            return vo.Muon(groups, mesh=dp, shard_modules=units, **MUON)
+        fully_shard_gpt(model, dp, blocks=self.blocks)  # FSDP2 2-D
+        if self.config == "FSDP2 AdamW":
+            return torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW)
+        cut, norms = ([p for p in model.parameters() if (p.ndim == 2) == matrix] for matrix in (True, False))
+        self.ns = sum(ns_flops(*p.shape) for p in cut)  # every full matrix, on every rank
+        return FullTensorMuon(hidden=cut, rest=norms, muon=MUON, adamw=ADAMW)
 
-            for block in blocks:
-                fully_shard(block, mesh=world["dp"])
-            fully_shard(self.model, mesh=world["dp"])
-            if config == "FSDP2 AdamW":
-                self.opt = torch.optim.AdamW(self.model.parameters(), foreach=True, **ADAMW)
-            else:
-                cut = [p for p in self.model.parameters() if p.ndim == 2]
-                norms = [p for p in self.model.parameters() if p.ndim != 2]
-                muon = FullTensorMuon(cut, **MUON)
-                self.opt = Both(muon, torch.optim.AdamW(norms, foreach=True, **ADAMW))
-                self.ns = sum(ns_flops(p.shape) for p in cut)  # every full matrix, on every rank
+    def step(self, x, y, record: bool = True, around=None) -> None:
+        super().step(x, y, record, around)
+        if record and self.config.startswith("ours"):
+            self.stats.append(self.opt.step_stats.get("bytes_sent", 0))
+            self.ns = int(self.opt.step_stats.get("ns_flops", 0))
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-        """One train step: (train ms, opt.step() ms, loss)."""
-        dist.barrier()
-        start = time.perf_counter()
-        with record_function("bench::fwd"):
-            loss = F.mse_loss(self.model(x), y)
-        with record_function("bench::bwd"):
-            loss.backward()
-        mid = time.perf_counter()
-        with record_function("bench::step"):
-            self.opt.step()
-        end = time.perf_counter()
-        self.opt.zero_grad()
-        done = time.perf_counter()
-        return (done - start) * 1e3, (end - mid) * 1e3, loss.item()
-
-    def ns_per_rank(self) -> int:
-        return int(self.opt.step_stats.get("ns_flops", 0)) if self.ours else self.ns
+    def result(self, peak: dict) -> dict:
+        """Per recorded round: train and opt.step() ms, the loss, bytes sent, exposed comm ms."""
+        comm = [(sum(sum(c[k]["sent"].values()) for k in PHASES), sum(c[k]["exposed_s"] for k in PHASES))
+                for c in self.comm]  # fmt: skip
+        return {"train": [1e3 * sum(t) for t in zip(*(self.times[k] for k in PHASES))],
+                "step": [1e3 * t for t in self.times["step"]], "loss": self.losses,
+                "sent": [sent for sent, _ in comm], "comm": [1e3 * s for _, s in comm], "stats": self.stats,
+                "ns": self.ns, "peak": peak}  # fmt: skip
 
 
 def _batches(sizes: dict, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -220,41 +175,19 @@ def _rank(rank: int, world_size: int, sizes: dict) -> dict:
     for config in CONFIGS:
         gc.collect()
         recorder = LiveBytes().start()
-        tr = Trainer(config, world, sizes)
+        tr = Trainer(config, sizes, world)
         for s, window in enumerate(["bench::first", "bench::steady", "bench::steady"]):
             with record_function(window):
-                tr.step(*pool[s % 2])
+                tr.step(*pool[s % 2], record=False)
         peak[config] = recorder.stop().peak("bench::steady")  # {"bytes", "where", "by"}
         del tr, recorder
     gc.collect()
-    # time and bytes: every configuration in one world, one step each per round
+    # time and bytes: every configuration in one world, one step each per round (after one to warm up)
     meter = CommMeter().install()
-    trainers = {c: Trainer(c, world, sizes) for c in CONFIGS}
-    for tr in trainers.values():  # warm up
-        tr.step(*pool[0])
-    out = {
-        c: {"train": [], "step": [], "loss": [], "sent": [], "comm": [], "stats": [], "ns": 0}
-        for c in CONFIGS
-    }
-    for r in range(sizes["rounds"]):
-        order = CONFIGS[r % len(CONFIGS) :] + CONFIGS[: r % len(CONFIGS)]
-        for c in order:
-            tr = trainers[c]
-            meter.take()
-            train, step, loss = tr.step(*pool[r % 2])
-            taken = meter.take()
-            sent = sum(taken["sent"].values())
-            out[c]["comm"].append(taken["exposed_s"] * 1e3)
-            out[c]["train"].append(train)
-            out[c]["step"].append(step)
-            out[c]["loss"].append(loss)
-            out[c]["sent"].append(sent)
-            if tr.ours:
-                out[c]["stats"].append(tr.opt.step_stats.get("bytes_sent", 0))
-            out[c]["ns"] = tr.ns_per_rank()
-    for c in CONFIGS:
-        out[c]["peak"] = peak[c]
-    return out
+    trainers = [Trainer(c, sizes, world, meter) for c in CONFIGS]
+    interleave(trainers, pool[:1], 1, 0)
+    interleave(trainers, pool, 0, sizes["rounds"])
+    return {tr.config: tr.result(peak[tr.config]) for tr in trainers}
 
 
 def _slowest(per_rank: list[dict], config: str, key: str) -> list[float]:
@@ -262,7 +195,7 @@ def _slowest(per_rank: list[dict], config: str, key: str) -> list[float]:
 
 
 def _ratio(per_rank: list[dict], a: str, b: str, key: str) -> float:
-    return statistics.median(x / y for x, y in zip(_slowest(per_rank, a, key), _slowest(per_rank, b, key)))
+    return median_ratio(_slowest(per_rank, a, key), _slowest(per_rank, b, key))
 
 
 def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
@@ -270,36 +203,26 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
     for c in CONFIGS:
         peer = PEER.get(c)
         top = max((r[c]["peak"] for r in per_rank), key=lambda p: p["bytes"])  # the rank that peaks highest
-        row = {
-            "config": c,
-            "train ms": statistics.median(_slowest(per_rank, c, "train")),
-            "step ms": statistics.median(_slowest(per_rank, c, "step")),
-            "train x": _ratio(per_rank, c, peer, "train") if peer else None,
-            "step x": _ratio(per_rank, c, peer, "step") if peer else None,
-            "comm ms": statistics.median(_slowest(per_rank, c, "comm")),
-            "peak live MB": max(r[c]["peak"]["bytes"] for r in per_rank) / 2**20,
-            "peak at": " / ".join(n[7:] if n.startswith("bench::") else n for n in top["where"][1:]),
-            "MB sent": statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20,
-            "stats MB": (
-                statistics.mean(statistics.mean(r[c]["stats"]) for r in per_rank) / 2**20
-                if per_rank[0][c]["stats"]
-                else None
-            ),
-            "NS GFLOP": max(r[c]["ns"] for r in per_rank) / 1e9,
-            "last loss": per_rank[0][c]["loss"][-1],
-            "peak by": top["by"],  # bytes alive at the peak by who allocated them (JSON only)
-        }
+        stats = [statistics.mean(r[c]["stats"]) for r in per_rank] if per_rank[0][c]["stats"] else None
+        # "peak by": the bytes alive at the peak by who allocated them (JSON only)
+        peak = {k: max(r[k]["peak"]["bytes"] for r in per_rank) / 2**20 for k in (c, peer) if k}
+        row = {"config": c, "train ms": statistics.median(_slowest(per_rank, c, "train")),
+               "step ms": statistics.median(_slowest(per_rank, c, "step")),
+               "train x": _ratio(per_rank, c, peer, "train") if peer else None,
+               "step x": _ratio(per_rank, c, peer, "step") if peer else None,
+               "comm ms": statistics.median(_slowest(per_rank, c, "comm")), "peak live MB": peak[c],
+               "peak at": " / ".join(n[7:] if n.startswith("bench::") else n for n in top["where"][1:]),
+               "MB sent": statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20,
+               "stats MB": statistics.mean(stats) / 2**20 if stats else None,
+               "NS GFLOP": max(r[c]["ns"] for r in per_rank) / 1e9, "last loss": per_rank[0][c]["loss"][-1],
+               "peak by": top["by"]}  # fmt: skip
         if peer:
-            row["peak live x"] = row["peak live MB"] / (
-                max(r[peer]["peak"]["bytes"] for r in per_rank) / 2**20
-            )
+            row["peak live x"] = peak[c] / peak[peer]
         rows.append(row)
     by = {r["config"]: r for r in rows}
-    measured = {
-        "train x (AdamW)": by["ours AdamW"]["train x"],
-        "step x (Muon)": by["ours Muon"]["step x"],
-        "peak live x": max(by["ours AdamW"]["peak live x"], by["ours Muon"]["peak live x"]),
-    }
+    adamw, muon = by["ours AdamW"], by["ours Muon"]
+    measured = {"train x (AdamW)": adamw["train x"], "step x (Muon)": muon["step x"],
+                "peak live x": max(adamw["peak live x"], muon["peak live x"])}  # fmt: skip
     goals = {k: {"goal": f"<= {GOALS[k]}", "measured": v, "met": v <= GOALS[k]} for k, v in measured.items()}
     return rows, goals, data_parallel_part(per_rank)
 
@@ -320,10 +243,8 @@ COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "comm ms", "pea
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a tiny model, 3 rounds")
-    ap.add_argument("--rounds", type=int, help="timed rounds (default 7; 3 with --quick)")
-    args = ap.parse_args(argv)
+    rounds = dict(type=int, help="timed rounds (default 7; 3 with --quick)")
+    args = parse(__doc__, argv, "a tiny model, 3 rounds", rounds=rounds)
     sizes = dict(QUICK if args.quick else MODEL)
     if args.rounds:
         sizes["rounds"] = args.rounds
@@ -340,12 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nthe data-parallel part of the AdamW train step (train minus {FLOOR}'s {part['floor ms']:.0f} "
           f"ms): ours {part['ours ms']:.0f} ms, FSDP2 {part['FSDP2 ms']:.0f} ms, "
           f"{part['x']:.3f}x")  # fmt: skip
-    print(f"\n{host_line(per_rank.threads)} (after the run)")
     payload = {"world": WORLD, "tp": TP, "sizes": sizes, "rows": rows, "goals": goals,
-               "data_parallel_part": dp_part, "env": environment(per_rank.threads)}  # fmt: skip
-    path = save_json("tp_quick" if args.quick else "tp", payload)
-    print(f"\nwrote {path}")
-    return payload
+               "data_parallel_part": dp_part}  # fmt: skip
+    return finish("tp", args, payload, per_rank.threads)
 
 
 if __name__ == "__main__":

@@ -62,17 +62,18 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks._gpt import build_gpt, launch, param_count  # noqa: E402
+from benchmarks._gpt import launch, param_count, shaped_gpt  # noqa: E402
+from benchmarks._main import print_goals  # noqa: E402
 from benchmarks._measure import peak_bytes, slowest, window_seconds  # noqa: E402
 from benchmarks._optim import (  # noqa: E402
     ADAMW,
     MUON,
     MUON_ADAMW,
     FullTensorMuon,
-    Steps,
     fully_shard_gpt,
     muon_names,
     ours,
+    peer,
 )
 from benchmarks._report import environment, host_line, require_finite, save_json, table  # noqa: E402
 from benchmarks._train import batches  # noqa: E402
@@ -90,11 +91,7 @@ WINDOWS = {"take ms": "vescale_optim.sync_grads", "update ms": "vescale_optim.up
 WINDOWS["AG ms"] = "vescale_optim.gather_params"
 
 
-def _goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
-    print(f"\n{title}")
-    for k, ok in goals.items():
-        print(f"  {'met    ' if ok else 'NOT met'}  {k}")
-    return goals
+_goals, _model = print_goals, shaped_gpt  # the goals printed, a GPT of a shape (both sections)
 
 
 def _rounds(n: int, rank: int, desc: str):
@@ -104,10 +101,6 @@ def _rounds(n: int, rank: int, desc: str):
     except ImportError:
         return range(n)
     return tqdm(range(n), desc=desc, disable=rank != 0, file=sys.stderr, leave=False)
-
-
-def _model(shape: dict) -> torch.nn.Module:
-    return build_gpt(shape["vocab"], shape["d_model"], shape["n_layers"], shape["n_heads"], shape["seq_len"])
 
 
 def _hidden_matrices(shape: dict) -> list[tuple[int, int]]:
@@ -121,17 +114,9 @@ def _hidden_matrices(shape: dict) -> list[tuple[int, int]]:
 # ====================================================================== DDP (ZeRO-1)
 
 
-def _torch_optimizer(family: str, model: torch.nn.Module) -> Steps:
-    if family == "AdamW":
-        return Steps(torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
-    names = muon_names(model)
-    hidden = [p for n, p in model.named_parameters() if n in names]
-    rest = [p for n, p in model.named_parameters() if n not in names]
-    return Steps(torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, foreach=True, **MUON_ADAMW))
-
-
-def _torch_state_bytes(opt: Steps) -> int:
-    values = [v for o in opt.opts for s in o.state.values() for v in s.values()]
+def _torch_state_bytes(opt) -> int:
+    """Bytes of every tensor in the state of a torch optimizer (or of each of a `Steps`)."""
+    values = [v for o in getattr(opt, "opts", [opt]) for s in o.state.values() for v in s.values()]
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
@@ -142,8 +127,10 @@ class _UnderDDP:
     def __init__(self, family: str, mine: bool, shape: dict):
         self.family, self.mine = family, mine
         self.model = _model(shape)
-        self.ddp = DDP(self.model)
-        self.opt = ours(self.model, family) if mine else _torch_optimizer(family, self.model)
+        if mine:
+            self.ddp, self.opt = DDP(self.model), ours(self.model, family)
+        else:
+            self.ddp, self.opt = peer(self.model, "DDP", family)
         self.step_s: list[float] = []
         self.losses: list[float] = []
         self.windows: dict[str, float] = {}

@@ -10,7 +10,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # imported by name, here and in the ranks of a local world (its fork server takes sys.path).
 TESTS = Path(__file__).resolve().parent
 FOLDERS = ["shard", "units", "owners", "optim", "checkpoint", "kernels", "integration"]
-for folder in [TESTS, *(TESTS / name for name in FOLDERS)]:
+# examples/lion.py (docs/extending.md's optimizer) is imported by name as well, by the page's block
+# and its test, and in the ranks: on the path before the first local world's fork server starts.
+EXAMPLES = TESTS.parent / "examples"
+for folder in [TESTS, *(TESTS / name for name in FOLDERS), EXAMPLES]:
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 

@@ -1,11 +1,12 @@
 """The package's layers import downwards only, with no import circle, and no module or
-class outgrows one idea.
+class outgrows one idea; ARCHITECTURE.md's map of the files says what their imports are.
 
 Every import counts, for both rules: at module level, under `if TYPE_CHECKING:` (a circle of
 types is still a circle: the two modules cannot be understood one without the other) and
 inside functions (imported late, but imported)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ LAYERS = [
     "kernels",
 ]
 MAX_LINES = 420
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
+# the packages ARCHITECTURE.md maps file by file ("## File by file")
+MAPPED = ["units", "optim", "owners", "shard", "checkpoint", "kernels"]
 
 
 def _modules() -> dict[str, Path]:
@@ -121,3 +125,56 @@ def test_tests_mirror_the_packages():
     top = {p.stem for p in PACKAGE.glob("*.py")}
     for path in TESTS.glob("test_*.py"):
         assert path.stem[len("test_"):] in top | {"layers", "one_door", "references"}, path.name
+
+
+def map_imports(name: str, path: Path) -> str:
+    """The imports cell of module `name`'s row in ARCHITECTURE.md's map: every package module it
+    imports (all of them, as `_imports` counts): those of its own package first, by file name
+    (`unit`), then others as `package.module` (`shard.collectives`), a package's `__init__` as the
+    package (`kernels`) and only when none of its modules is named; `—` for none."""
+    own = name.split(".")[1]
+    found = _imports(name, path)
+    found = {m for m in found if not any(other.startswith(m + ".") for other in found)}
+    names = [m.removeprefix("vescale_optim.") for m in found]
+    mine = sorted(m.removeprefix(own + ".") for m in names if m.startswith(own + "."))
+    return ", ".join(f"`{m}`" for m in mine + sorted(m for m in names if not m.startswith(own + "."))) or "—"
+
+
+def _map_rows() -> dict[str, dict[str, str]]:
+    """package -> file name -> imports cell, from ARCHITECTURE.md's "File by file" tables."""
+    text = ARCHITECTURE.read_text()
+    assert "\n## File by file\n" in text, "ARCHITECTURE.md has no '## File by file' section"
+    section = text.split("\n## File by file\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, dict[str, str]] = {}
+    package = None
+    for line in section.splitlines():
+        if heading := re.fullmatch(r"### `(\w+)/`", line):
+            package = heading[1]
+            rows[package] = {}
+        elif package and (row := re.fullmatch(r"\| `(\w+\.py)` \| .+ \| ([^|]*) \|", line)):
+            assert row[1] not in rows[package], f"{package}/{row[1]} has two rows"
+            rows[package][row[1]] = row[2]
+    return rows
+
+
+def test_the_map_has_a_row_for_every_file_and_no_other():
+    rows = _map_rows()
+    assert list(rows) == MAPPED, list(rows)
+    wrong = []
+    for package in MAPPED:
+        files, named = {p.name for p in (PACKAGE / package).glob("*.py")}, set(rows[package])
+        wrong += [f"{package}/{f}: no row" for f in sorted(files - named)]
+        wrong += [f"{package}/{f}: a row, but no such file" for f in sorted(named - files)]
+    assert not wrong, "ARCHITECTURE.md's map:\n" + "\n".join(wrong)
+
+
+def test_the_maps_imports_are_the_codes():
+    modules = {path: name for name, path in _modules().items()}
+    wrong = []
+    for package, rows in _map_rows().items():
+        for file, cell in rows.items():
+            path = PACKAGE / package / file
+            want = map_imports(modules[path], path)
+            if cell != want:
+                wrong.append(f"{package}/{file}: the imports cell should read | {want} |")
+    assert not wrong, "ARCHITECTURE.md's map:\n" + "\n".join(wrong)

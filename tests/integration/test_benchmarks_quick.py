@@ -189,7 +189,7 @@ def test_sync_check(tmp_path):
     with results_in(tmp_path):
         out = sync_check.main(["--quick", "--world-size", "2"])
     assert [r["check"] for r in out["rows"]] == list(sync_check.MODES)
-    _finite(out["rows"], ["median ms", "x as shipped"])
+    _finite(out["rows"], ["median ms", "x as shipped", "backward ms (no_sync)", "backward ms (reducing)"])
     _host(out, threads=2)
 
 

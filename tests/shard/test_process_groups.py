@@ -1,5 +1,8 @@
-"""Ranks start from rank 0's parameters (as with DDP), and every optimizer runs on a
-subgroup of the world, where group ranks and global ranks differ."""
+"""Ranks start from rank 0's parameters (as with DDP), every optimizer runs on a subgroup of
+the world, where group ranks and global ranks differ, and a second group over a group's ranks
+is made by those ranks alone."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from test_muon import make_params as muon_params
 from test_muon import reference as muon_reference
 
 import vescale_optim as vo
+from vescale_optim.shard import handle
 
 OPTIMIZERS = {
     "adamw": lambda ps, **kw: vo.AdamW(ps, **kw),
@@ -156,3 +160,68 @@ def test_split_groups_of_a_subgroup_hold_their_members(world):
             assert total == sum(10.0 ** (r + 1) for r in members)  # global rank = sub rank + 1
             assert (rank, size) == (members.index(me), len(members))
         assert len(errors) == 4 and all("distinct, ascending" in e for e in errors)
+
+
+# --- a second group over a group's ranks (`handle.duplicate_group`) --------------------------------
+
+
+def _duplicates():
+    """A copy of the world: its ranks and a sum over it; and what a copy of this rank's half is
+    on a world not bound to a device."""
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both (torch's rule)
+    copy = handle.duplicate_group()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=copy)
+    ranks = [dist.get_global_rank(copy, r) for r in range(dist.get_world_size(copy))]
+    return ranks, total.item(), copy is not dist.group.WORLD, handle.duplicate_group(halves[rank // 2])
+
+
+def test_a_duplicate_group_holds_the_same_ranks(world):
+    for ranks, total, new, half in world(4).run(_duplicates, timeout=60):
+        assert (ranks, total, new) == ([0, 1, 2, 3], 6.0, True)
+        assert half is None  # unbound: no copy of a smaller group (its members alone could hang)
+
+
+class _Dist:
+    """torch.distributed as `duplicate_group` calls it, recording group creation: a world of 8
+    whose default group is bound to a device or not; `parent` holds world ranks 5, 6, 7."""
+
+    def __init__(self, bound, backend="nccl"):
+        self.made, self.parent, self.backend = [], object(), backend
+        self.group = SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=bound))
+
+    def get_world_size(self, group=None):
+        return 3 if group is self.parent else 8
+
+    def get_backend(self, group):
+        return self.backend
+
+    def split_group(self, parent_pg, split_ranks, **options):
+        which = "parent" if parent_pg is self.parent else "world"
+        self.made.append(("split_group", which, split_ranks, options))
+        return "split"
+
+    def new_group(self, ranks, **options):
+        self.made.append(("new_group", ranks, options))
+        return "new"
+
+
+def test_a_duplicate_is_made_by_every_rank_of_the_group_split_from(monkeypatch):
+    """With a bound default group a new NCCL group is split from a parent that every rank of the
+    parent joins: the copy is split from the group itself, never from the world by the group's
+    members alone (the world's other ranks would be missing from the split: a hang). Unbound,
+    only the world is copied, by every rank; a smaller group is not."""
+    cuda = torch.device("cuda", 0)
+    for bound, backend, whole, want in [
+        (cuda, "nccl", False, ("split_group", "parent", [[0, 1, 2]], {})),
+        (cuda, "nccl", True, ("split_group", "world", [list(range(8))], {})),
+        (None, "nccl", True, ("new_group", None, dict(backend="nccl"))),
+        (cuda, "gloo", True, ("new_group", None, dict(backend="gloo"))),
+        (None, "nccl", False, None),
+        (cuda, "gloo", False, None),
+    ]:
+        fake = _Dist(bound, backend)
+        monkeypatch.setattr(handle, "dist", fake)
+        copy = handle.duplicate_group(None if whole else fake.parent)
+        assert fake.made == ([want] if want else []) and (copy is None) == (want is None), (bound, backend)

@@ -221,6 +221,38 @@ def test_any_rank_is_the_or_over_ranks(world, world_size, data):
     assert any_rank(per_rank[0], Comm()) == per_rank[0]
 
 
+def _tail_on_rank(flags, tails, as_tensor):
+    """4 ranks: `comm` pairs (0, 1) and (2, 3), the tail also over (0, 2) and (1, 3); and the
+    same tail with nothing but the second pairs to talk to (`Comm.alone()`)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pairs = {tuple(g): dist.new_group(g) for g in ([0, 1], [2, 3])}  # every rank makes every group
+    across = {tuple(g): dist.new_group(g) for g in ([0, 2], [1, 3])}
+    pairs, across = pairs[(rank & 2, rank & 2 | 1)], across[(rank & 1, rank & 1 | 2)]
+    tail = [torch.tensor(t) if d else t for t, d in zip(tails[rank], as_tensor)]
+    over = [Comm(across)]
+    return (
+        any_rank(flags[rank], Comm(pairs), tail=tail, tail_over=over),
+        any_rank(flags[rank], Comm.alone(), tail=tail, tail_over=over),
+    )
+
+
+@settings(max_examples=5)
+@given(data=st.data())
+def test_a_tail_is_ored_over_its_groups_too(world, data):
+    n, k = data.draw(st.integers(0, 70)), data.draw(st.integers(1, 3))
+    flags = [data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for _ in range(4)]
+    tails = [data.draw(st.lists(st.booleans(), min_size=k, max_size=k)) for _ in range(4)]
+    as_tensor = data.draw(st.lists(st.booleans(), min_size=k, max_size=k))  # computed on the device
+    everywhere = [any(column) for column in zip(*tails)]
+    for rank, (paired, alone) in enumerate(world(4).run(_tail_on_rank, flags, tails, as_tensor, timeout=60)):
+        partner = rank ^ 1
+        assert paired == [a or b for a, b in zip(flags[rank], flags[partner])] + everywhere
+        across = rank ^ 2
+        assert alone == flags[rank] + [a or b for a, b in zip(tails[rank], tails[across])]
+
+
 def test_single_process_without_a_process_group():
     shape, src, dst = (6, 4), RaggedShard((0,), (1,)), RaggedShard((0, 1), (1,))
     full = torch.randn(shape)

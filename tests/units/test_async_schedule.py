@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _tiny_gpt import batch, build, loss_fn
+from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import delayed, traced
@@ -91,7 +92,44 @@ def _prefetch_points():
     return out
 
 
-def test_backward_prefetch_lands_inside_the_backward_of_the_block_computing(world):
+def test_backward_prefetch_is_issued_as_the_backward_of_the_block_computing_starts(world):
+    """The gather of block k-1 is issued at block k's pre-backward, before its first gradient:
+    with the host ahead of a GPU, a gather issued later (the earlier half-way rule) waits on its
+    stream for the compute queued before it, and on an H200 it started after block k's last
+    kernel (benchmarks/gpu_check.py's overlap stage: 1 % of the block's kernel time after it;
+    75 % issued at the start)."""
     for points in world(2).run(_prefetch_points):
         for start, gather, first, last in points:
-            assert start < first < gather < last, points
+            assert start < gather < first < last, points
+
+
+def _backward_waits(hsdp):
+    """One backward's collectives in issue order, with each first wait for a collective's
+    handle (`traced(waits=True)`), under the emulated asynchronous device; the trained
+    parameters against a plain run's."""
+    model = build(layers=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    opt = vo.AdamW(model.parameters(), lr=1e-2, shard_modules=[*model.layers, model], mesh=mesh)
+    with delayed() as delays:
+        loss = loss_fn(model, *batch(0, dist.get_rank()))
+        with traced(waits=True) as events:
+            loss.backward()
+        opt.step()
+    return events, delays.held_at_wait
+
+
+@pytest.mark.parametrize("world_size, hsdp", [(2, False), (4, True)])
+def test_backward_gathers_the_next_block_before_the_reduce_scatter_before_is_waited(world, world_size, hsdp):
+    """Backward's prefetch of block k-1 is issued while block k+1's reduce-scatter is still in
+    flight: the gather does not wait for it (on a GPU the two overlap, on streams and NCCL
+    communicators of their own); that reduce-scatter is waited for only before block k's own
+    is issued, which keeps one in flight (issue 41, item 6)."""
+    for events, held in world(world_size).run(_backward_waits, hsdp, timeout=120):
+        assert held > 0, held
+        for k in (2, 1):
+            gather = events.index(f"all-gather: unit layers.{k - 1}'s parameters")
+            waited = events.index(f"waited: reduce-scatter: unit layers.{k + 1}'s gradients")
+            issued = events.index(f"reduce-scatter: unit layers.{k}'s gradients")
+            assert gather < waited < issued, events
+            # one reduce-scatter in flight: block k+1's is waited for before block k's is issued
+            assert events.index(f"reduce-scatter: unit layers.{k + 1}'s gradients") < gather, events

@@ -331,15 +331,14 @@ def test_grad_at_iteration_0_is_the_averaged_gradient_of_every_unit(world):
 
 
 def _no_sync_on_one_rank(micro: int):
-    """`micro` backward passes, all inside `no_sync()` on rank 0 only (a group of its own: the
-    other rank's first reduction is left unmatched): every rank raises the named error (rank 1
-    in backward, before waiting for a reduction no one joins; rank 0 at the step), the weights
-    unchanged."""
+    """`micro` backward passes, all inside `no_sync()` on rank 0 only (a group of its own):
+    every rank raises the named error in the first backward, before any reduce-scatter, the
+    weights unchanged (`test_no_sync_agreement.py`: every micro-batch, ZeRO-2, host syncs)."""
     rank = _rank()
     model = _model()
     group = dist.new_group([0, 1])
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model], process_group=group)
-    shards = [u.shard.clone() for u in opt.runtime.units]  # the group cannot gather after the error
+    shards = [u.shard.clone() for u in opt.runtime.units]
     named = r"ranks \[0\] ran a backward inside .*no_sync.* ranks \[1\] did not"
     with pytest.raises(vo.NoSyncMismatchError, match=named):
         for m in range(micro):

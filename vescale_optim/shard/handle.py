@@ -9,8 +9,9 @@ torch.distributed):
   `torch.distributed` call (`shard.collectives` builds them; nothing else does);
 - calls on Python objects: `all_gather_object` (synchronous);
 - groups: `new_group` and `split_group` (called by `shard.groups`, which makes every group
-  of part of a world), and the queries `initialized`, `group_rank`, `group_size`,
-  `group_backend`, `global_rank`, `default_group` and `bound_device`.
+  of part of a world), `duplicate_group` (a second communicator over a group's ranks), and the
+  queries `initialized`, `group_rank`, `group_size`, `group_backend`, `global_rank`,
+  `default_group` and `bound_device`.
 
 What other modules may still name, and why it is not a call through a back door: the types
 `ProcessGroup` and `DeviceMesh` (isinstance checks and annotations); DCP
@@ -20,36 +21,43 @@ user's process group (`init_process_group`, `destroy_process_group`, the stores)
 `distributed.py`, `local_world.py` and `demo/launch.py`, which make the group this library
 then uses.
 
-Two debugging aids work at that door, for tests above all:
-
-- `delayed()`: emulate an asynchronous device on gloo. Every collective issued inside is
-  queued and only runs when it (or a later one) is waited for, in issue order on every
-  rank. Until then its outputs hold their old values and its inputs are read only later,
-  as a collective still in flight on a GPU: code that reads a result before waiting, or
-  writes or frees an input before the collective is waited for, computes something else.
-  It yields a `Delays`, whose `held_at_wait` counts the waits that found their collective
-  still queued: evidence, for a test, that something was actually held back.
-  A collective's stand-in (`stand_in`: the local copy a group of one makes instead) is
-  held back the same way, its outputs garbled until it runs: a result read before its
-  handle is waited for is wrong, as on a GPU where the stand-in ran on a side stream.
-- `traced()`: the list of the collectives issued inside, in issue order (kind and
-  purpose): the sequence every rank must issue the same.
-- `before_issue(callback)`: `callback(kind)` runs on the host just before each collective
-  or stand-in is issued, with the stream it is issued from current (the GPU check queues a
-  device sleep there to delay every collective).
+Debugging aids work at that door, for tests above all (`shard.emulation`, exported here):
+`delayed()` emulates an asynchronous device on gloo (a collective, or its `stand_in` in a group
+of one, runs only when waited for), `traced()` lists the collectives issued (and with
+`waits=True` the handles waited for) in order, and `before_issue(callback)` runs a callback
+before each issue.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .emulation import (
+    Delays,
+    announce,
+    before_issue,
+    delayed,
+    note_wait,
+    run_delayed,
+    stand_in,
+    submit,
+    traced,
+)
+from .emulation import before_synchronous as _before_synchronous
+
+__all__ = [
+    "CollectiveError", "Delays", "Group", "Handle", "Op", "all_gather_object", "before_issue",
+    "before_synchronous", "default_group", "delayed", "duplicate_group", "get_collective_timeout",
+    "global_rank", "group_backend", "group_rank", "group_size", "initialized", "issue", "new_group",
+    "run_delayed", "set_collective_timeout", "stand_in", "traced",
+]  # fmt: skip
 
 _timeout: timedelta | None = None
 
@@ -127,6 +135,8 @@ class Handle:
     def wait(self) -> None:
         if self._done:
             return
+        if self._op is not None:
+            note_wait(self._op.kind, self._op.what or "a tensor")
         deadline = None if _timeout is None else time.monotonic() + _timeout.total_seconds()
         for work in self._works:
             if isinstance(work, Handle):
@@ -154,175 +164,18 @@ class Handle:
         return Handle([self], finish)
 
 
-class _Delayed:
-    """A collective that runs when waited for (see `delayed`)."""
-
-    def __init__(self, call: Callable[[], object]):
-        self.call, self.work = call, None
-
-    def start(self) -> object:
-        if self.work is None:
-            self.work = self.call()
-        return self.work
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self.work is None:
-            for delays in _delays:
-                delays.held_at_wait += 1
-        run_delayed(until=self)
-        work = self.work
-        return work.wait() if timeout is None else work.wait(timeout)
-
-
-class Delays:
-    """What a `delayed()` block held back: `held_at_wait`, the collectives that had not run
-    yet when they were waited for (a wait had to release them)."""
-
-    def __init__(self) -> None:
-        self.held_at_wait = 0
-
-
-_queue: list[_Delayed] = []
-_delaying = 0
-_delays: list[Delays] = []
-_trace: list[list[str]] = []
-_hooks: list[Callable[[str], None]] = []
-
-
-class _StandIn:
-    """The work of a collective's stand-in, already issued on the stream that was current:
-    waiting orders the waiting stream after it (a CUDA event; nothing to order elsewhere)."""
-
-    def __init__(self, device: torch.device):
-        self.event = None
-        if device.type == "cuda":
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(device))
-        self.device = device
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if self.event is not None:
-            self.event.wait(torch.cuda.current_stream(self.device))
-        return True
-
-
-def _garble(t: torch.Tensor) -> None:
-    """Make `t` hold what unwritten memory might: NaN, or its bits flipped."""
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.logical_not_()
-    else:
-        t.bitwise_not_()
-
-
-def _freed(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
-
-
-def stand_in(run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (),
-             garble: bool = True) -> object:  # fmt: skip
-    """Issue what stands in for a collective on a group of one (`run()`: a local copy into
-    `outputs`) on the current stream, which may be a side stream, and return its work: like
-    a collective's, its results may be read only once it is waited for (`Handle(work)`),
-    which orders the waiting stream after it. Inside `delayed()` it is queued like a
-    collective, `outputs` are garbled until it runs (with `garble`: not when `run` reads
-    them too), and one freed before it ran is an error. Not traced: nothing is sent."""
-    for hook in _hooks:
-        hook("stand-in")
-
-    def call() -> _StandIn:
-        if any(_freed(out) for out in outputs):
-            raise RuntimeError("the output of a collective's stand-in was freed before the stand-in was "
-                               "waited for (it would write freed memory on a GPU)")  # fmt: skip
-        run()
-        return _StandIn(device)
-
-    if not _delaying:
-        run_delayed()
-        return call()
-    for out in outputs if garble else ():
-        _garble(out)
-    pending = _Delayed(call)
-    _queue.append(pending)
-    return pending
-
-
 def issue(op: Op, call: Callable[[], object]) -> object:
     """Issue one collective: `call()` makes the `torch.distributed` call (async) and returns
     its work; inside `delayed()` it is queued instead. Every collective of the shard layer
     comes through here, so the order of issue is the order recorded by `traced()`."""
-    for trace in _trace:
-        trace.append(f"{op.kind}: {op.what or 'a tensor'}")
-    for hook in _hooks:
-        hook(op.kind)
-    if not _delaying:
-        run_delayed()
-        return call()
-    pending = _Delayed(call)
-    _queue.append(pending)
-    return pending
+    announce(op.kind, op.what or "a tensor")
+    return submit(call)
 
 
 def before_synchronous(op: Op) -> None:
     """A synchronous collective `op` is about to run outside `issue` (`all_gather_object`):
     trace it, and run whatever is queued first, so that every rank keeps one order."""
-    for trace in _trace:
-        trace.append(f"{op.kind}: {op.what or 'a tensor'}")
-    run_delayed()
-
-
-def run_delayed(until: _Delayed | None = None) -> None:
-    """Run the queued collectives in issue order (up to `until` included). A synchronous
-    call outside this module (`all_gather_object`) runs what is queued first."""
-    while _queue:
-        pending = _queue.pop(0)
-        pending.start()
-        if pending is until:
-            return
-
-
-@contextlib.contextmanager
-def delayed() -> Iterator[Delays]:
-    """Collectives issued inside run only when waited for: an asynchronous device,
-    emulated (every rank must use it for the same calls). Whatever is still queued
-    runs on the way out. Yields a `Delays` counting what was held back."""
-    global _delaying
-    delays = Delays()
-    _delaying += 1
-    _delays.append(delays)
-    try:
-        yield delays
-    finally:
-        _delays.remove(delays)
-        _delaying -= 1
-        if not _delaying:
-            run_delayed()
-
-
-@contextlib.contextmanager
-def traced(into: list | None = None) -> Iterator[list]:
-    """The collectives issued inside, in order, as `"kind: purpose"` strings, appended to
-    `into` (a new list by default: pass one to interleave other events with them)."""
-    trace = [] if into is None else into
-    _trace.append(trace)
-    try:
-        yield trace
-    finally:
-        _trace.remove(trace)
-
-
-@contextlib.contextmanager
-def before_issue(callback: Callable[[str], None]) -> Iterator[None]:
-    """Inside, `callback(kind)` runs just before each collective (its kind, e.g.
-    `"all-gather"`) or stand-in (`"stand-in"`) is issued, on the host, with the stream it
-    is issued from current: a debugging aid (the GPU check delays every collective by
-    queueing a device sleep there)."""
-    _hooks.append(callback)
-    try:
-        yield
-    finally:
-        _hooks.remove(callback)
+    _before_synchronous(op.kind, op.what or "a tensor")
 
 
 # --- the rest of torch.distributed this library calls -------------------------------------
@@ -380,6 +233,27 @@ def split_group(parent: ProcessGroup, ranks: Sequence[Sequence[int]]) -> Process
     disjoint) split from its communicator, every rank of `parent` taking part; this rank's
     group, or None on a rank in none of them."""
     return dist.split_group(parent_pg=parent, split_ranks=[list(g) for g in ranks])
+
+
+def duplicate_group(group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """A second process group over `group`'s ranks (the default group when None), made by
+    every rank of `group` at the same call and by no other: on NCCL a communicator of its
+    own, whose collectives run beside `group`'s instead of queueing behind them.
+
+    With the default group bound to a device (`init_process_group(device_id=...)`, as
+    `vo.init_distributed` binds it) torch builds a new NCCL group by splitting a parent's
+    communicator, which every rank of that parent must join: the copy is split from `group`
+    itself (`split_group`, one split of all of its ranks). Unbound, a copy of the whole world
+    is a `new_group` every rank makes; a copy of a smaller group is None (no rule makes one
+    safely: `new_group` wants every rank of the world, and made by the members alone its
+    name counts groups each member made, which may differ, and it hangs)."""
+    parent = group if group is not None else dist.group.WORLD
+    backend = str(dist.get_backend(parent))
+    if bound_device() is not None and "nccl" in backend:
+        return split_group(parent, [range(dist.get_world_size(parent))])
+    if dist.get_world_size(parent) == dist.get_world_size():
+        return dist.new_group(None, backend=backend)
+    return None
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None = None, op: Op | None = None) -> list:

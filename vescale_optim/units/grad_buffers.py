@@ -83,6 +83,7 @@ class GradBuffers:
         self.placeholders: list[ReducedGrad] = []  # each `.grad` once reduced (`make_placeholders`)
         self.plain = False  # one process, shard in the parameters' dtype: `.grad` is a view of the shard
         self._reduction: _Reduction | None = None  # the reduction writing `shard`, until waited
+        self._home = None  # CUDA: the stream its buffers belong to (current at issue), which waits for it
         self.scattering: torch.Tensor | None = None  # the gradients last reduce-scattered (freed once done)
         self.sent_bytes = 0  # by this unit's reductions so far (as many received)
         self._borrowed: torch.Tensor | None = None  # a wrapper's gradient as the shard (`borrow`)
@@ -207,6 +208,7 @@ class GradBuffers:
         other ranks accumulated, averaged), so `.grad` is the same on every rank."""
         u = self.unit
         self.wait()  # one reduction of a unit at a time (already done in a normal backward)
+        self._home = u.streams.current()
         if not self.has_full:
             self.full.allocate(zero=True)
         # over ranks every trainable parameter of the unit gets its reduced gradient, so that
@@ -234,7 +236,7 @@ class GradBuffers:
                 add = part is None and self.has_values
                 target = self.shard if part is None else part  # allocated on the compute stream
                 with u.streams.reducing():
-                    scatter = reduce_scatter_into_(data, target, u.comm, "mean", add, True, what)
+                    scatter = reduce_scatter_into_(data, target, u.reduce_comm, "mean", add, True, what)
             if part is None:
                 self.has_values = True
                 across = None
@@ -262,7 +264,7 @@ class GradBuffers:
         self.sent_bytes += ring(world, send.shape[1])
         add = accumulate and self.has_values
         with u.streams.reducing():
-            moved = all_to_all_(recv, send, u.comm, async_op=True, what=what)
+            moved = all_to_all_(recv, send, u.reduce_comm, async_op=True, what=what)
 
         def mean() -> None:
             total = codec.unpack_sum(recv).div_(world)  # the rows summed in order
@@ -291,7 +293,8 @@ class GradBuffers:
     def _all_reduce_replicas(self, part: torch.Tensor) -> Handle:
         u = self.unit
         self.sent_bytes += ring(u.replicate.world_size, part.numel() * part.element_size(), 2)
-        with torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]"), u.streams.reducing():
+        profiled = torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]")
+        with profiled, u.streams.across_replicas():
             handle = all_reduce_(part, u.replicate, "mean", async_op=True,
                                  what=f"unit {u.name}'s gradients over replicas")  # fmt: skip
 
@@ -316,6 +319,7 @@ class GradBuffers:
         if self.unsynced is None:
             return Handle()
         part, self.unsynced = self.unsynced.to(self.unit.reduce_dtype), None
+        self._home = self.unit.streams.current()
         self._reduction = _Reduction(Handle(), lambda: self._all_reduce_replicas(part))
         return self._reduction
 
@@ -323,7 +327,8 @@ class GradBuffers:
         """Wait for the reduce-scatter in flight (its buffer is freed) and issue its
         all-reduce across replicas (without waiting for it)."""
         if self._reduction is not None:
-            self._reduction.advance()
+            with self.unit.streams.waited_from(self._home):
+                self._reduction.advance()
 
     @property
     def reducing_over_replicas(self) -> bool:
@@ -331,10 +336,13 @@ class GradBuffers:
         return self._reduction is not None and self._reduction.second_issued
 
     def wait(self) -> None:
-        """Until `shard` holds every reduction issued so far (on CUDA: the current stream)."""
+        """Until `shard` holds every reduction issued so far (on CUDA: the current stream,
+        and the stream the reduction's buffers belong to before they are freed, when the two
+        differ: a `.grad` read under a user's stream, `Streams.waited_from`)."""
         if self._reduction is not None:
             reduction, self._reduction = self._reduction, None
-            reduction.wait()
+            with self.unit.streams.waited_from(self._home):
+                reduction.wait()
 
     # --- the shard ------------------------------------------------------------------------------
 

@@ -15,20 +15,32 @@ model built normally under that state; the callers' own random states are left a
 were. A parameter or buffer that nothing can initialise is a `ValueError` naming it.
 
 DTensor parameters (a model tensor-parallelised on the meta device, then handed to the
-optimizer) are initialised *whole*: while `init(module)` runs, each of the module's DTensor
-parameters is replaced by a plain parameter of its global shape on the units' device, which
-the initialisation fills from rank 0's random state as it would the unparallelised model;
-each rank then keeps its TP shard of it (its DTensor's local tensor, a view of the unit's
-buffer) and the DTensor takes its place again. So the values equal the model built normally
-under the same seed with the TP plan applied after, whatever the TP size. DTensor's own
+optimizer) are initialised as the unparallelised model would be, each rank keeping only its TP
+shard. While `init(module)` runs, each of the module's DTensor parameters is stood in for by a
+parameter of its global shape on the meta device (`shard_init`): the initialisation draws from
+rank 0's random state as it would on the whole tensor, and its writes reach this rank's shard (its
+DTensor's local tensor, a view of the unit's buffer). A random fill draws the whole tensor's
+stream a chunk at a time into a small scratch buffer and keeps the part in the shard, so the
+values and the random state after are bitwise those of the whole draw; constant fills, copies and
+exactly rounded element-wise ops apply to the shard. So the values equal the model built normally
+under the same seed with the TP plan applied after, whatever the TP size, and on the CPU a rank
+holds its shard and a chunk (64 Ki elements, twice that at most), never a whole expert stack. DTensor's own
 random ops would not give that: `nn.init` on a DTensor draws through DTensor's random-state
-tracker, whose values depend on the TP layout (on a CPU mesh each shard even draws as if it
-were the whole). The price is memory: one module's parameters whole at a time (one
-`nn.Linear`'s weight and bias), on top of the unit being initialised.
+tracker, whose values depend on the TP layout (on a CPU mesh each shard even draws as if it were
+the whole). What a shard cannot reproduce (a write through a view, `orthogonal_`'s QR, a
+rejection that redraws, any op reading the values) stops the module's initialisation
+(`NeedsWhole`): the random states are rewound (the default CPU and CUDA generators and every
+generator handed to a torch function meanwhile) and the module is initialised again with whole
+tensors, each DTensor parameter replaced by a plain parameter of its global shape on the units'
+device and sliced after, at the price of one module's parameters whole. On CUDA a random fill
+draws only the chunks that hold the shard, each at the Philox offset where torch's kernel
+reaches it (`cuda_draw`: about 32 MiB of scratch); where its once-per-process calibration does
+not prove that layout, the parameter is drawn whole (one at a time, freed at once), with a warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,7 +48,8 @@ from torch import nn
 
 from ..shard.collectives import Comm, broadcast_
 from .assign import module_order
-from .tensor_parallel import is_dtensor, local, tp_slice
+from .shard_init import Attempt, GeneratorWatch, NeedsWhole, ShardTarget, stand_in
+from .tensor_parallel import is_dtensor, local, tp_box, tp_slice
 from .unit import Unit
 
 
@@ -94,6 +107,20 @@ def _whole_stand_ins(module: nn.Module, device: torch.device) -> dict[str, nn.Pa
     return dtensors
 
 
+def _shard_stand_ins(module: nn.Module, fresh: set[int], attempt: Attempt,
+                     at: str) -> dict[str, nn.Parameter]:  # fmt: skip
+    """The module's DTensor parameters by name, each replaced in the module by a stand-in of
+    its global shape on the meta device whose writes reach this rank's TP shard (`shard_init`);
+    one initialised before (shared with an earlier module) only draws what it would."""
+    dtensors = {n: p for n, p in module.named_parameters(recurse=False) if is_dtensor(p)}
+    for name, p in dtensors.items():
+        whole, origin = tp_box(p)
+        shard = local(p) if id(p) in fresh else None
+        target = ShardTarget(f"{at}{name}", whole, p.dtype, origin, shard, attempt)
+        setattr(module, name, stand_in(target, p.requires_grad))
+    return dtensors
+
+
 def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.device) -> list:
     """The module's buffers `buffers` after its initialisation, as (name, tensor): one it
     replaced (`self.inv_freq = ...`, torchtitan's `freqs_cis`) is kept, moved to `device`."""
@@ -145,6 +172,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     device = units[0].device
     states = _rank0_rng_states(world or units[0].world, device)
     done: set[int] = set()  # parameters initialised so far (by id)
+    how = "param_init_fn" if custom else "reset_parameters()"
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.set_rng_state(states[0])
         if device.type == "cuda":
@@ -152,35 +180,25 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
         for module, mine, buffers in plan:
             for unit, _ in mine:
                 unit.open_empty()
-            for b in buffers:
-                setattr(module, b, torch.empty_like(getattr(module, b), device=device))
             fresh = {id(unit.params[i]) for unit, i in mine} - done
             params = dict(module.named_parameters(recurse=False))
-            dtensors = _whole_stand_ins(module, device)  # initialised whole, then sliced (docstring)
-            kept = [(p, p.detach().clone()) for n, p in params.items()
-                    if id(p) not in fresh and n not in dtensors]  # fmt: skip
-            # what the initialisation must write starts as NaN: one it skips is found below
-            blank = [(n, getattr(module, n)) for n, p in params.items() if id(p) in fresh]
-            blank += [(b, getattr(module, b)) for b in buffers]
-            for _, t in blank:
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
-            held = dict(module.named_parameters(recurse=False))
-            init(module)
-            how = "param_init_fn" if custom else "reset_parameters()"
-            _take_replaced_parameters(module, held, f"{names[id(module)]}.", how)
-            for n, p in dtensors.items():  # this rank's TP shard of a fresh one; the others untouched
-                if id(p) in fresh:
-                    local(p).copy_(tp_slice(p, held[n]))
-                setattr(module, n, p)
-            blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
+            kept = [(p, p.detach().clone()) for p in params.values()
+                    if id(p) not in fresh and not is_dtensor(p)]  # fmt: skip
+            at = f"{names[id(module)]}."
+            attempt = Attempt(device) if any(is_dtensor(p) for p in params.values()) else None
+            try:
+                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, attempt)
+            except NeedsWhole:  # rewound, then the same initialisation on whole tensors
+                for p, value in kept:
+                    p.copy_(value)
+                attempt.rewind()
+                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, None)
             for p, value in kept:
                 p.copy_(value)
-            skipped = [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]
             if skipped:
                 raise ValueError(
-                    f"{names[id(module)]}.{skipped[0]} was not initialised by {how}: it still holds NaN "
-                    "where its meta tensor got memory"
+                    f"{at}{skipped[0]} was not initialised by {how}: nothing wrote it (a tensor still "
+                    "holds NaN where its meta tensor got memory)"
                 )
             done |= fresh
             for unit, _ in mine:
@@ -192,3 +210,45 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     if left:  # fmt: skip
         how = "param_init_fn" if custom else "every module's reset_parameters()"
         raise ValueError(f"{left[0]} is still on the meta device after {how}: nothing initialised it")
+
+
+def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[int], buffers: Sequence[str],
+                device: torch.device, init: Callable[[nn.Module], None], at: str, how: str,
+                attempt: Attempt | None) -> list[str]:  # fmt: skip
+    """Run `init(module)` once: its DTensor parameters stood in for by shards' stand-ins
+    (`attempt`, which `NeedsWhole` ends) or by whole tensors (`attempt` None); the names of the
+    parameters and buffers it left uninitialised."""
+    for b in buffers:
+        setattr(module, b, torch.empty_like(getattr(module, b), device=device))
+    if attempt is None:
+        stand_ins = _whole_stand_ins(module, device)
+    else:
+        stand_ins = _shard_stand_ins(module, fresh, attempt, at)
+    # what the initialisation must write starts as NaN: one it skips is found below
+    blank = [(n, getattr(module, n)) for n, p in params.items()
+             if id(p) in fresh and (attempt is None or n not in stand_ins)]  # fmt: skip
+    blank += [(b, getattr(module, b)) for b in buffers]
+    for _, t in blank:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    held = dict(module.named_parameters(recurse=False))
+    try:
+        with GeneratorWatch(attempt) if attempt is not None else contextlib.nullcontext():
+            init(module)
+        _take_replaced_parameters(module, held, at, how)
+    finally:  # the parameters the optimizer holds, whatever the initialisation replaced or raised
+        now = dict(module.named_parameters(recurse=False))
+        for n, p in params.items():
+            if now.get(n) is not p:
+                setattr(module, n, p)
+    if attempt is not None and attempt.reason is not None:  # even if the initialisation caught it
+        raise NeedsWhole(attempt.reason)
+    unwritten = []
+    for n, p in params.items():  # this rank's TP shard of a fresh one; the others untouched
+        if n in stand_ins and id(p) in fresh:
+            if attempt is None:
+                local(p).copy_(tp_slice(p, held[n]))
+            elif not held[n]._target.written:
+                unwritten.append(n)
+    blank = [(n, t) for n, t in blank if n not in buffers] + _adopt_buffers(module, buffers, device)
+    return unwritten + [n for n, t in blank if t.is_floating_point() and bool(t.isnan().any())]

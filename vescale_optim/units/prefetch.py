@@ -2,12 +2,13 @@
 
 Forward gathers the unit after the one starting, in the order units first ran (issued
 before that unit's compute is queued). Backward runs units in the reverse order of the last
-forward's post-hooks; the unit before the one computing is gathered once that one has
-accumulated half of its gradient elements (the start of a unit's backward holds the most
-activations and autograd's transient for its first gradient, as large as that parameter;
-the unit before is needed only at its end). A unit whose module holds other units' (the
-model around its blocks) gets gradients before and after theirs: there the prefetch
-follows its first gradient. Until then the prefetch is *deferred*; any other collective of
+forward's post-hooks; the unit before the one computing is gathered as that one's backward
+starts (FSDP2's pre-backward prefetch). Issued later, half-way through the unit's gradients as
+it once was to spare the memory of the backward's start, the gather waits on its stream for the
+compute the host queued before it: on an H200 it started after the unit's last kernel and
+hid nothing (`benchmarks/gpu_check.py`'s overlap stage). A unit whose module holds other
+units' (the model around its blocks) gets gradients before and after theirs: there the
+prefetch follows its first gradient. Until then the prefetch is *deferred*; any other collective of
 backward issues it first, so the order of collectives never depends on how far the unit
 computing got.
 """
@@ -60,7 +61,7 @@ class Prefetcher:
         if following is None:
             return False
         numel = sum(p.numel() for p in unit.params if p.requires_grad)
-        awaited = min(numel, 1) if encloses else numel // 2
+        awaited = min(numel, 1) if encloses else 0
         self._deferred = following
         if not awaited:
             return True

@@ -38,13 +38,8 @@ from .ownership import claim, owned_elsewhere
 from .schedule import Schedule
 from .segment import Segment
 from .step_agreement import GradTracker
-from .tensor_parallel import (
-    any_over_tp,
-    dtensor_problem,
-    local_numel,
-    tp_groups,
-    tp_norm_parts,
-)
+from .streams import reduction_comm
+from .tensor_parallel import dtensor_problem, local_numel, tp_groups, tp_norm_parts
 from .tp_plan import tp_plan_problem
 from .unit import LOW_PRECISION, Unit
 from .wrappers import DDPGrads, first_step, unwatch, watch
@@ -127,6 +122,7 @@ class Runtime:
         index = {id(p): i for i, p in enumerate(params)}
         self.units: list[Unit] = []
         self.segments: list[Segment] = []
+        reduce_comm = self.comm if over else reduction_comm(self.comm)  # on NCCL a communicator of its own
         for k, (idx, module) in enumerate(zip(members, modules)):
             ps = [params[i] for i in idx]
             declared = [declare(p, group_of[id(p)]) for p in ps]
@@ -142,7 +138,7 @@ class Runtime:
                 device=config.device, sync_params=config.sync_params, replicate=self.replicate,
                 world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
                 gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
-                external=over,
+                external=over, reduce_comm=reduce_comm,
             )  # fmt: skip
             self.units.append(unit)
             for key in dict.fromkeys(keys):
@@ -248,7 +244,8 @@ class Runtime:
                 self.schedule.finish()
                 self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.world))  # fmt: skip
+                                         lambda: hyper_mismatch(self._groups, self.world),
+                                         nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
             self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
@@ -267,7 +264,9 @@ class Runtime:
         self._reduced = False
 
     def any_nonfinite(self) -> bool:
-        return any_over_tp(self.tracker.any_nonfinite(), self.tp)  # under TP: every TP rank alike
+        """Whether the reduced gradients hold inf or NaN on some rank (under TP: on every TP
+        rank alike); with `skip_nonfinite` the step's agreement carried it (no read of its own)."""
+        return self.tracker.any_nonfinite(self.tp)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

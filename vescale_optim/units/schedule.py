@@ -14,13 +14,15 @@ polls completion; a wait is an order, on CUDA a stream waiting for another):
   trigger reduce-scatter as soon as their own gradients are complete, in the fixed order
   `static_order.StaticOrder` learns in the first backward;
 - reductions: one reduce-scatter in flight at a time (`reduction.ReductionPipeline`):
-  before the next reduce-scatter or gather of backward is issued, the one in flight is
-  waited for (its buffer freed) and its all-reduce across replicas (HSDP) issued. So at
-  most three unit-sized buffers are alive in backward: the parameters and gradient buffer
-  of the unit computing, and either the gradient buffer being reduced or the parameters
-  prefetched. Without backward prefetch a unit gathers when its backward starts, and
-  allocates its gradient buffer only once the reduce-scatter in flight has freed its
-  own: two unit-sized buffers at most.
+  before the next reduce-scatter is issued, the one in flight is waited for (its buffer
+  freed) and its all-reduce across replicas (HSDP) issued. That wait is the only one the
+  memory needs; backward's prefetch gather does not wait for it (`_prefetch`), so on a GPU
+  the gather runs beside the reduce-scatter (on its own stream and, on NCCL, communicator:
+  `streams`). So at most four unit-sized buffers are alive in backward: the parameters and
+  gradient buffer of the unit computing, the parameters prefetched and the gradient buffer
+  being reduced (FSDP2's count). Without backward prefetch a unit gathers when its
+  backward starts, and allocates its gradient buffer only once the reduce-scatter in
+  flight has freed its own: two unit-sized buffers at most.
 
 Each backward frees and reduces a unit once (its *visit*, `visits.Record`): a module's unit
 when the backward of every call of one forward is done, a watched unit when its gradients are
@@ -87,7 +89,6 @@ class Schedule:
         self.reshard_after_forward = reshard_after_forward
         self.on_grad = on_grad
         self.round = Round.IDLE
-        self._sync_checked = False  # this backward's agreement on no_sync() is issued
         self.prefetch = Prefetcher(backward_prefetch)
         self.reductions = ReductionPipeline(self.units)
         self._handles: list = []
@@ -143,11 +144,10 @@ class Schedule:
         self.round = Round.RUNNING
 
     def _backward_event(self) -> None:
-        """The first backward event after a forward (or a step): the ranks agree on no_sync()
-        before this backward's first reduction."""
-        if not self._sync_checked and self.units:
-            self._sync_checked = True
-            self.reductions.check_sync(self.units[0].world)
+        """A backward event: the round's first issues the ranks' agreement on no_sync(), read at
+        the round's first reduction (`reduction`'s docstring)."""
+        if self.units:
+            self.reductions.issue_agreement(self.units[0].world)
 
     def _end_if_done(self) -> None:
         """RUNNING, every unit expected to reduce has: wait for them all, the round ENDED."""
@@ -184,7 +184,7 @@ class Schedule:
 
         def hook(p):
             if self.prefetch.accumulated(unit, p.numel()):
-                self._advance()  # the prefetch's fixed point
+                self._prefetch()  # the prefetch's fixed point
             if self.on_grad is not None:
                 self.on_grad(p)
             arrivals = self._rec(unit).arrivals
@@ -232,18 +232,19 @@ class Schedule:
         """`unit`'s gradients of this backward are done: reduce-scatter them (unless under
         `no_sync()`; added to what its shard holds), one in flight; the last expected ends
         the round."""
+        self.reductions.settle(unit.world)  # before any reduce-scatter of the round, on every rank
         self.reductions.reduced.add(unit.index)
         rec = self._rec(unit)
         rec.complete = False
         if self.reductions.sync_grads and rec.trainable:
-            self._advance()  # the one in flight is waited for (its buffer freed) first
+            self._prefetch()  # a deferred prefetch first: any other collective of backward issues it
+            self.reductions.advance()  # the one in flight is waited for (its buffer freed) first
             self.reductions.issue(unit)
         self._end_if_done()
 
-    def _advance(self) -> None:
-        """Wait for the reduce-scatter in flight, start its all-reduce across replicas, and
-        issue the deferred prefetch (whatever else it waits for)."""
-        self.reductions.advance()
+    def _prefetch(self) -> None:
+        """Issue the deferred prefetch, if any: without waiting for the reduce-scatter in flight
+        (only the next reduce-scatter waits for it), so the two overlap on a GPU."""
         following = self.prefetch.take()
         if following is not None:
             following.unshard(async_op=True)
@@ -251,11 +252,11 @@ class Schedule:
     def _flush_deferred(self) -> None:
         """A prefetch still deferred is issued before any other gather (it is needed sooner)."""
         if self.prefetch.deferred:
-            self._advance()
+            self._prefetch()
 
     def wait_reductions(self) -> None:
         """Wait for every reduction issued (and the all-reduces across replicas they start)."""
-        self._advance()
+        self._prefetch()
         self.reductions.wait_all()
 
     def finish(self) -> None:
@@ -265,7 +266,6 @@ class Schedule:
         a unit still inside its forward: `unfinished_forward()` names it), settle the static
         order (rank 0's, from the first backward); IDLE."""
         self.reductions.verify()  # before any reduction of the step: all raise together
-        self._sync_checked = False
         if self.round is Round.RUNNING:
             for unit in self.static.rest(self.units):
                 if unit.index not in self.reductions.reduced:
@@ -305,8 +305,6 @@ class Schedule:
             if rec.in_backward:  # recomputation (activation checkpointing) inside backward
                 unit.wait_unshard()
                 return None
-            if torch.is_grad_enabled():
-                self._sync_checked = False  # a forward towards the next backward
             if id(module) in self._tops:
                 self._new_pass()
             rec.in_forward = True
@@ -367,7 +365,7 @@ class Schedule:
             self._flush_deferred()
             unit.wait_unshard()
             if self.prefetch.backward_starts(unit, rec.encloses):
-                self._advance()
+                self._prefetch()
 
     def _on_post_backward(self, unit: Unit, pass_id: int) -> None:
         """A call's backward is done: once the last call of its forward in this backward is,

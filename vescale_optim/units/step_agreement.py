@@ -8,7 +8,11 @@ unreduced gradients on some rank (accumulated under `no_sync()`, or set by hand)
 every rank reduce-scatters the same units, and carries a flag for problems found before
 anything is modified (parameters moved or cast after construction, unfrozen, a unit
 still in its forward, or whatever the optimizer reports): every rank refuses together
-instead of hanging.
+instead of hanging. With `skip_nonfinite` it carries the non-finite check too (computed on
+the device, or'ed over tensor parallelism as well), so that the step reads one answer
+back; only when some rank still had gradients to reduce after it (`no_sync()` before the
+step, `no_all_reduce()`, gradients set by hand) does the check need a read of its own, on
+the reduced shards.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..shard.collectives import Comm
-from ..shard.flags import any_rank, any_rank_flag
+from ..shard.flags import any_rank
 from .schedule import Schedule
 from .segment import FROZEN, Segment
 from .stand_in import revealed_all
@@ -36,6 +40,9 @@ class GradTracker:
         self.units, self.segments, self.schedule = list(units), list(segments), schedule
         self.world, self.labels = world, labels
         self.where = {id(p): (s, i) for s in self.segments for i, p in enumerate(s.params)}
+        # the non-finite check the last agreement carried: None when it carried none, or when
+        # some rank had gradients left to reduce after it (the shards it saw were not final)
+        self.nonfinite: bool | None = None
 
     @property
     def device(self) -> torch.device:
@@ -76,13 +83,16 @@ class GradTracker:
         return None
 
     @torch.no_grad()
-    def agree(self, problem: str | None, digest: int = 0,
-              explain: Callable[[], str] | None = None) -> list[Unit]:  # fmt: skip
+    def agree(self, problem: str | None, digest: int = 0, explain: Callable[[], str] | None = None,
+              nonfinite: bool = False, tp: Sequence[Comm] = ()) -> list[Unit]:  # fmt: skip
         """One all-reduce over every rank's marks, unreduced units, a problem flag (this
         rank's, or `problem`, the optimizer's) and the bits of `digest` (a 32-bit hash of what
         must be equal on every rank: the hyperparameters): a parameter steps iff some rank has
         a gradient for it. Sets each segment's active parameters and returns the units that
         some rank still has unreduced gradients for (every rank reduces those, in order).
+        With `nonfinite`, the same read answers whether some rank's gradient shards hold inf
+        or NaN, over the world and the tensor-parallel groups `tp` (`self.nonfinite`), unless
+        some rank still had gradients to reduce (then `self.nonfinite` is None).
 
         The digest travels as its bits and their complements under a bitwise or: the ranks
         agree iff no bit comes back set in both, which every rank sees alike, so all raise
@@ -93,7 +103,14 @@ class GradTracker:
         bits = [bool(digest >> i & 1) for i in range(DIGEST_BITS)]
         flags = [*marks, *unreduced, *bits, *(not b for b in bits), problem is not None]
         what = "the step's agreement on which parameters step"
-        agreed = any_rank(flags, self.world, self.device, what=what)
+        # with the non-finite check: its flag, and whether this rank has gradients left to reduce
+        # (or'ed over TP too, so that every TP rank takes the same path after it)
+        left = any(u.grads.has_full or u.grads.unsynced is not None for u in self.units)
+        tail = [self._nonfinite_flag(), left] if nonfinite else []
+        agreed = any_rank(flags, self.world, what=what, tail=tail, tail_over=tp)
+        if tail:
+            (bad, left), agreed = agreed[-2:], agreed[:-2]
+        self.nonfinite = None if not tail or left else bad
         if problem is not None:
             raise RuntimeError(problem)
         if agreed[-1]:
@@ -146,11 +163,20 @@ class GradTracker:
             for seg in self.segments:
                 seg.clear_marks()
 
-    def any_nonfinite(self) -> bool:
-        """Whether some rank's gradient shards hold inf or NaN (collective). The flag is
-        summed on the device; reading the answer is this check's one host sync."""
+    def _nonfinite_flag(self) -> torch.Tensor:
+        """Whether this rank's gradient shards hold inf or NaN, on the device (no read)."""
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         for u in self.units:
             if u.grads.shard_bytes:
                 bad |= ~torch.isfinite(u.grads.shard).all()
-        return any_rank_flag(bad, self.world, what="the non-finite gradient check")
+        return bad
+
+    def any_nonfinite(self, tp: Sequence[Comm] = ()) -> bool:
+        """Whether some rank's gradient shards hold inf or NaN, over the world and the
+        tensor-parallel groups `tp` (every TP rank alike: one TP rank's shard alone can trip
+        it, and the shards of one matrix must not part): the last agreement's answer when it
+        has one, else one all-reduce per group and one read, on the shards as they are now."""
+        if self.nonfinite is not None:
+            return self.nonfinite
+        what = "the non-finite gradient check"
+        return any_rank([], self.world, what=what, tail=[self._nonfinite_flag()], tail_over=tp)[0]

@@ -21,8 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard.flags import any_rank_flag
-
 
 def is_dtensor(t: object) -> bool:
     """Whether `t` is a DTensor (a parameter of a tensor-parallel plan, or its gradient)."""
@@ -175,15 +173,6 @@ def tp_groups(params: Sequence[torch.Tensor]) -> list:
             "tensor-parallel dimension is supported yet"
         )
     return groups
-
-
-def any_over_tp(flag: bool, tp: Sequence) -> bool:
-    """`flag` (agreed over the data-parallel ranks) or'ed over the tensor-parallel group `tp[0]`
-    (if any): a check that one TP rank's shard alone can trip (a non-finite gradient) must stop
-    every TP rank, or the shards of one matrix would part (collective over TP)."""
-    if not tp:
-        return flag
-    return any_rank_flag(torch.tensor(flag), tp[0], what="the non-finite check over tensor parallelism")
 
 
 def tp_norm_parts(units: Sequence, norm_type: float, device: torch.device, split: bool) -> torch.Tensor:

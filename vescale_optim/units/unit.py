@@ -5,8 +5,7 @@ Persistent, per rank: `shard`, the rank's `S` parameter elements (fp32 for bf16/
 parameters: it is their master copy). Transient: `full`, the unsharded parameters in the
 compute dtype — every parameter's `.data` (a DTensor's local tensor) is a view of it while the
 unit is gathered. A sharded unit frees `full` between uses; an unsharded one (no `shard_modules`)
-keeps it.
-The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
+keeps it. The gradients are the unit's `grads` (`grad_buffers.GradBuffers`).
 
 A unit declares where its parameters are (`state`: `RESHARDED`, `GATHERING` or
 `GATHERED`), and only its own methods change that: `unshard` / `wait_unshard` gather,
@@ -65,7 +64,7 @@ class Unit:
     refreshes them, and nothing is freed. `param_dtype` is the dtype of the unsharded
     parameters (compute and all-gather); `reduce_dtype` that of the reduce-scatter.
     `labels` name the parameters in errors. `external`: FSDP2 owns the parameters' memory (`fsdp_shards`).
-    """
+    `reduce_comm`: the group over `comm`'s ranks the gradient reductions run on (`streams.reduction_comm`)."""
 
     def __init__(
         self,
@@ -88,13 +87,14 @@ class Unit:
         reduce_bits: int | None = None,
         comm_block: int = 256,
         external: bool = False,
+        reduce_comm: Comm | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
         self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
-        self.labels = list(labels) if labels is not None else [f"'{n}' (shape {tuple(p.shape)})"
-                                                               for n, p in zip(names, params)]  # fmt: skip
+        self.labels = list(labels or (f"'{n}' (shape {tuple(p.shape)})" for n, p in zip(names, params)))
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
+        self.reduce_comm = reduce_comm or comm  # `comm`'s ranks: the reductions' own communicator (`streams`)
         self.world = world or comm  # every rank: parameters start from world rank 0's
         self.index, self.name, self.sharded, self.external = index, name, sharded, external
         self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
@@ -296,8 +296,7 @@ class Unit:
         p = self.params[i]
         if self.external or self.dtensors[i]:  # `.data =` does not re-point a DTensor's local tensor
             return
-        ptr = p.data_ptr()  # (not a DTensor: returned above)
-        if ptr == self.views[i].data_ptr() or ptr == self.stand_ins[i].data_ptr():
+        if (ptr := p.data_ptr()) == self.views[i].data_ptr() or ptr == self.stand_ins[i].data_ptr():
             return
         with stand_in.revealed(p):
             self.write_param(i, local(p).detach())

@@ -15,6 +15,7 @@ from torch import nn
 from ..shard.buffer import FlatBuffer
 from ..shard.comm import Comm
 from ..shard.layout import Layout
+from .streams import Streams
 
 
 class ReducedShard(Protocol):
@@ -32,6 +33,8 @@ class UnitView(Protocol):
     params: list[nn.Parameter]
     labels: list[str]
     comm: Comm
+    reduce_comm: Comm
+    streams: Streams
     layout: Layout
     full: FlatBuffer
     device: torch.device
