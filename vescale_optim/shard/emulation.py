@@ -115,14 +115,10 @@ def stand_in(run: Callable[[], None], device: torch.device, outputs: tuple[torch
         run()
         return _StandIn(device)
 
-    if not _delaying:
-        run_delayed()
-        return call()
-    for out in outputs if garble else ():
-        _garble(out)
-    pending = _Delayed(call)
-    _queue.append(pending)
-    return pending
+    if _delaying and garble:  # queued: its outputs read as garbage until it runs
+        for out in outputs:
+            _garble(out)
+    return submit(call)
 
 
 def announce(kind: str, what: str) -> None:
