@@ -209,7 +209,7 @@ def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cud
 def _sleepy_side_streams(torch, cycles: int):
     """A device sleep of `cycles` queued on a side stream each time work is issued there
     (the library's `Streams` contexts, patched here only): whatever is issued next on it (an
-    all-gather, a reduction or their stand-ins) lands late, and any reader not ordered after
+    all-gather, a reduction or their local copies) lands late, and any reader not ordered after
     it reads too early."""
     from vescale_optim.units import streams
 
@@ -234,7 +234,7 @@ def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
     group: what stands in for each collective is a copy on a side stream, which the compute
     stream must wait for. Against torch.optim (bounds of `zero3`; 8-bit reduction: 2 x steps
     x lr), plainly and with a device sleep of ~2 ms on the side streams before every
-    stand-in (CPU: under the emulated asynchronous device, `delayed()`); the delayed run must
+    local copy (CPU: under the emulated asynchronous device, `delayed()`); the delayed run must
     be the same bits as the plain one."""
     torch = _torch()
     import torch.distributed as dist

@@ -28,9 +28,9 @@ SHARD_INIT_CUDA = [
         "a_parameter_over_2_gib_is_drawn_in_the_pieces_torch_launches",
     )
 ]
-TESTS = [*KERNEL_TESTS, "tests/shard/test_stand_ins.py", *SHARD_INIT_CUDA]
+TESTS = [*KERNEL_TESTS, "tests/shard/test_local_copies.py", *SHARD_INIT_CUDA]
 # the --cpu rehearsal runs the stage on one file: `make test` runs the kernel tests themselves
-CPU_TESTS = ["tests/shard/test_stand_ins.py"]
+CPU_TESTS = ["tests/shard/test_local_copies.py"]
 
 
 def stage_env(r: Result, *, out: Path, mode: str) -> None:

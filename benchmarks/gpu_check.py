@@ -13,7 +13,7 @@ throughput, `kernels` only with `--kernels`):
   env              GPU, driver, torch, CUDA, NCCL, Triton; the library imported from this tree
   single_gpu       ZeRO-3 AdamW (32-bit, 8-bit reduction) and Muon with no process group vs
                    torch.optim, plainly and with ~2 ms of torch.cuda._sleep on the side streams
-                   before every stand-in of a collective (CPU: under delayed())
+                   before every local copy that replaces a collective (CPU: under delayed())
   zero3            ZeRO-3 and ZeRO-2 on a world-1 group with VESCALE_OPTIM_FORCE_COLLECTIVES=1:
                    vo.AdamW (32/8-bit), vo.Muon, vo.Shampoo vs torch.optim / the plain Shampoo
   delay            every collective after ~2 ms of _sleep on its stream: ZeRO-3 bit-identical
@@ -33,7 +33,7 @@ throughput, `kernels` only with `--kernels`):
   batch_invariance Shampoo's tile math and newton_schulz alone vs in a batch of 8
   large_shapes     newton_schulz of 8192x28672 and 32x2880x5760 (Muon's and Polar Express's
                    coefficients), quantize of > 2^31 elements
-  tests            pytest -n 8 of the kernel and stand-in tests, compiled; results as they finish
+  tests            pytest -n 8 of the kernel and local-copy tests, compiled; results as they finish
   steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
   kernels          (--kernels) benchmarks/kernels.py --quick --sections kernels (torch.compile)
 
@@ -138,7 +138,7 @@ def _plans() -> dict:
         ],
         "single_gpu": lambda m: [
             f"no process group: Net(dim {z(m)['dim']}) x ZeRO-3 vo.AdamW (32-bit, reduce_bits=8), vo.Muon "
-            f"vs torch.optim, plain and with {slow(m)} on the side streams before each stand-in"
+            f"vs torch.optim, plain and with {slow(m)} on the side streams before each local copy"
         ],
         "zero3": lambda m: [
             f"{_group(m)}: Net(dim {z(m)['dim']}, {z(m)['blocks']} blocks) x vo.AdamW 32/8-bit, vo.Muon, "
@@ -188,7 +188,7 @@ def _plans() -> dict:
 # then the kernels' throughput (`kernels`, mostly torch.compile, only with --kernels).
 STAGES = [
     Stage("env", stage_env, _limits(20), "GPU, driver, torch, CUDA, NCCL, Triton; the library from here"),
-    Stage("single_gpu", stage_single_gpu, _limits(30), "ZeRO-3 with no process group, stand-ins delayed"),
+    Stage("single_gpu", stage_single_gpu, _limits(30), "ZeRO-3 with no process group, local copies delayed"),
     Stage("zero3", stage_zero3, _limits(22), "ZeRO-3/ZeRO-2, forced world-1 group, vs torch.optim", FORCE),
     Stage("delay", stage_delay, _limits(20), "every collective delayed: ZeRO-3 bit-identical", FORCE),
     Stage("syncs", stage_syncs, _limits(22), "host syncs in backward (0) and step() (<= 1)", FORCE),
@@ -201,7 +201,7 @@ STAGES = [
     Stage("batch_invariance", stage_batch_invariance, _limits(20), "Shampoo tiles, newton_schulz: 1 vs 8",
           warm=True),
     Stage("large_shapes", stage_large_shapes, _limits(22), "large newton_schulz, > 2^31 quantize", warm=True),
-    Stage("tests", stage_tests, _limits(110, 400), "pytest -n 8 of the kernel and stand-in tests, compiled",
+    Stage("tests", stage_tests, _limits(110, 400), "pytest -n 8 of the kernel and local-copy tests, compiled",
           warm=True),
     Stage("steps", stage_steps, _limits(18), "world-1 optimizer steps vs torch.optim (kernels.py)",
           warm=True),

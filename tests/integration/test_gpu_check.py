@@ -92,7 +92,7 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     assert (
         f"{interpret} HYPOTHESIS_PROFILE=ci python -m pytest" in text
         and ("tests/kernels/test_kernels_quant.py" in text) == (mode == "gpu")  # on CPU `make test` runs them
-        and "tests/shard/test_stand_ins.py" in text
+        and "tests/shard/test_local_copies.py" in text
         and "-p benchmarks._pytest_live" in text
     )
     assert ("-n 8 -p benchmarks._pytest_live" in text) == (mode == "gpu")

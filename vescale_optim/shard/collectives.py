@@ -26,8 +26,8 @@ from .handle import (
     before_synchronous,
     get_collective_timeout,
     issue,
+    local_copy,
     set_collective_timeout,
-    stand_in,
 )
 from .redistribution import Plan, RankProgram, plan_redistribute
 from .spec import RaggedShard, Shape
@@ -59,11 +59,11 @@ def _op(op: str):
 
 
 def _local(run, out: torch.Tensor, async_op: bool, garble: bool = True) -> Handle:
-    """What stands in for a collective on a group of one: `run()` writes `out` on the current
+    """A collective on a group of one, done as a local copy: `run()` writes `out` on the current
     stream (a side stream, perhaps), and the handle orders whoever waits for it after that
-    (`handle.stand_in`); `garble`: whether `out` may be garbled until then under `delayed()`
+    (`handle.local_copy`); `garble`: whether `out` may be garbled until then under `delayed()`
     (not when `run` reads it)."""
-    handle = Handle(stand_in(run, out.device, (out,), garble))
+    handle = Handle(local_copy(run, out.device, (out,), garble))
     if not async_op:
         handle.wait()
     return handle

@@ -9,15 +9,15 @@ Nothing here calls torch.distributed: the door hands its calls and waits over (`
   writes or frees an input before the collective is waited for, computes something else.
   It yields a `Delays`, whose `held_at_wait` counts the waits that found their collective
   still queued: evidence, for a test, that something was actually held back.
-  A collective's stand-in (`stand_in`: the local copy a group of one makes instead) is
+  A collective's local copy (`local_copy`: what a group of one does instead) is
   held back the same way, its outputs garbled until it runs: a result read before its
-  handle is waited for is wrong, as on a GPU where the stand-in ran on a side stream.
+  handle is waited for is wrong, as on a GPU where the copy ran on a side stream.
 - `traced()`: the list of the collectives issued inside, in issue order (kind and
   purpose): the sequence every rank must issue the same; with `waits=True` each first
   wait for a collective's handle too (`"waited: kind: purpose"`), in the host's order —
   on a GPU the order in which the compute stream is told to wait.
 - `before_issue(callback)`: `callback(kind)` runs on the host just before each collective
-  or stand-in is issued, with the stream it is issued from current (the GPU check queues a
+  or local copy is issued, with the stream it is issued from current (the GPU check queues a
   device sleep there to delay every collective).
 """
 
@@ -66,8 +66,8 @@ _wait_trace: list[list[str]] = []
 _hooks: list[Callable[[str], None]] = []
 
 
-class _StandIn:
-    """The work of a collective's stand-in, already issued on the stream that was current:
+class _LocalCopy:
+    """The work of a collective's local copy, already issued on the stream that was current:
     waiting orders the waiting stream after it (a CUDA event; nothing to order elsewhere)."""
 
     def __init__(self, device: torch.device):
@@ -97,23 +97,23 @@ def _freed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
 
 
-def stand_in(run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (),
-             garble: bool = True) -> object:  # fmt: skip
-    """Issue what stands in for a collective on a group of one (`run()`: a local copy into
+def local_copy(run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (),
+               garble: bool = True) -> object:  # fmt: skip
+    """Issue the local copy that replaces a collective on a group of one (`run()` writes
     `outputs`) on the current stream, which may be a side stream, and return its work: like
     a collective's, its results may be read only once it is waited for (`Handle(work)`),
     which orders the waiting stream after it. Inside `delayed()` it is queued like a
     collective, `outputs` are garbled until it runs (with `garble`: not when `run` reads
     them too), and one freed before it ran is an error. Not traced: nothing is sent."""
     for hook in _hooks:
-        hook("stand-in")
+        hook("local copy")
 
-    def call() -> _StandIn:
+    def call() -> _LocalCopy:
         if any(_freed(out) for out in outputs):
-            raise RuntimeError("the output of a collective's stand-in was freed before the stand-in was "
+            raise RuntimeError("the output of a collective's local copy was freed before the copy was "
                                "waited for (it would write freed memory on a GPU)")  # fmt: skip
         run()
-        return _StandIn(device)
+        return _LocalCopy(device)
 
     if _delaying and garble:  # queued: its outputs read as garbage until it runs
         for out in outputs:
@@ -130,7 +130,7 @@ def announce(kind: str, what: str) -> None:
 
 
 def submit(call: Callable[[], object]) -> object:
-    """`call()`'s work now, or inside `delayed()` a queued stand-in for it."""
+    """`call()`'s work now, or inside `delayed()` queued until waited for."""
     if not _delaying:
         run_delayed()
         return call()
@@ -201,7 +201,7 @@ def traced(into: list | None = None, waits: bool = False) -> Iterator[list]:
 @contextlib.contextmanager
 def before_issue(callback: Callable[[str], None]) -> Iterator[None]:
     """Inside, `callback(kind)` runs just before each collective (its kind, e.g.
-    `"all-gather"`) or stand-in (`"stand-in"`) is issued, on the host, with the stream it
+    `"all-gather"`) or local copy (`"local copy"`) is issued, on the host, with the stream it
     is issued from current: a debugging aid (the GPU check delays every collective by
     queueing a device sleep there)."""
     _hooks.append(callback)

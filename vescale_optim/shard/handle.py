@@ -22,7 +22,7 @@ user's process group (`init_process_group`, `destroy_process_group`, the stores)
 then uses.
 
 Debugging aids work at that door, for tests above all (`shard.emulation`, exported here):
-`delayed()` emulates an asynchronous device on gloo (a collective, or its `stand_in` in a group
+`delayed()` emulates an asynchronous device on gloo (a collective, or its `local_copy` in a group
 of one, runs only when waited for), `traced()` lists the collectives issued (and with
 `waits=True` the handles waited for) in order, and `before_issue(callback)` runs a callback
 before each issue.
@@ -44,9 +44,9 @@ from .emulation import (
     announce,
     before_issue,
     delayed,
+    local_copy,
     note_wait,
     run_delayed,
-    stand_in,
     submit,
     traced,
 )
@@ -56,7 +56,7 @@ __all__ = [
     "CollectiveError", "Delays", "Group", "Handle", "Op", "all_gather_object", "before_issue",
     "before_synchronous", "default_group", "delayed", "duplicate_group", "get_collective_timeout",
     "global_rank", "group_backend", "group_rank", "group_size", "initialized", "issue", "new_group",
-    "run_delayed", "set_collective_timeout", "stand_in", "traced",
+    "run_delayed", "set_collective_timeout", "local_copy", "traced",
 ]  # fmt: skip
 
 _timeout: timedelta | None = None

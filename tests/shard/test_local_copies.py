@@ -2,7 +2,7 @@
 of the shard into the unsharded buffer, the 8-bit reduction's all-to-all, the gather of the
 updated shards of unsharded bf16 units) runs on a side stream on CUDA, so its result may be
 read only once its handle is waited for. Under the emulated asynchronous device
-(`delayed()`), a stand-in runs only when waited for and its outputs hold garbage until then:
+(`delayed()`), a local copy runs only when waited for and its outputs hold garbage until then:
 training is the same bits as without the emulation, and equals torch.optim.AdamW."""
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ def _train(kind: str, emulate: bool) -> tuple[list[torch.Tensor], int | None]:
 
 
 @pytest.mark.parametrize("kind", ["adamw", "adamw_reduce8", "muon", "adamw_bf16_unsharded"])
-def test_stand_ins_are_waited_for_on_an_asynchronous_device(kind):
+def test_local_copies_are_waited_for_on_an_asynchronous_device(kind):
     assert not dist.is_initialized()
     plain, _ = _train(kind, emulate=False)
     emulated, held = _train(kind, emulate=True)
-    assert held > 0  # stand-ins were really held back until waited for
+    assert held > 0  # local copies were really held back until waited for
     assert all(torch.isfinite(p).all() for p in emulated)
     assert all(torch.equal(a, b) for a, b in zip(plain, emulated))
 
