@@ -139,9 +139,9 @@ class CheckpointManager:
         self.world_size = handle.group_size() if self._distributed else 1
         # under tensor parallelism the optimizer spans the data-parallel ranks, its TP groups the rest
         tp = math.prod(c.world_size for c in getattr(optimizer.runtime, "tp", ()))
-        if optimizer.runtime.world.world_size * tp != self.world_size:
+        if optimizer.runtime.dp.world_size * tp != self.world_size:
             raise ValueError(
-                f"the optimizer spans {optimizer.runtime.world.world_size} of the {self.world_size} ranks"
+                f"the optimizer spans {optimizer.runtime.dp.world_size} of the {self.world_size} ranks"
                 + (f" (x {tp} tensor-parallel)" if tp > 1 else "")
                 + "; checkpoints are of the whole world: build it over every rank"
             )

@@ -58,7 +58,7 @@ def plan_tp_tiles(
     (one exchange of the plans, at construction); NotImplementedError, alike on every rank, where
     the TP ranks' segments do not line up (uneven TP shards laid out differently)."""
     topo, tp = runtime.topology, runtime.tp[0]
-    world = tp_world(runtime.world, tp, topo, tp.rank)
+    world = tp_world(runtime.dp, tp, topo, tp.rank)
     held = [[(t.key, it.pieces, it.home) for t, it in zip(tiles, work)]
             for tiles, work in zip(shared_tiles, shared_work)]  # fmt: skip
     mine = (

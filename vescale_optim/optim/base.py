@@ -93,7 +93,7 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
         self._built_over = [list(g["params"]) for g in self.param_groups]  # `_follow_swapped`
         self._io = StateIO(
-            runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.world,
+            runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.dp,
             replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
             publish=lambda: runtime.publish(),
         )  # fmt: skip
@@ -224,7 +224,7 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
                 if move is not None:
                     moves.append(move)
             moves += self._step_phase(stepping)
-            self._traffic(*run_moves(moves, self.runtime.world))
+            self._traffic(*run_moves(moves, self.runtime.dp))
             self._after_update()
         self._traffic(self.runtime.publish(changed))
         self._count_collectives()

@@ -130,7 +130,7 @@ class Muon(ShardedOptimizer):
             problem = over_fsdp_refused(segs)
             if problem is not None:
                 raise NotImplementedError(problem)
-            self._over_fsdp = FsdpMuon(segs, runtime.wrapper, runtime.world, cost_model)
+            self._over_fsdp = FsdpMuon(segs, runtime.wrapper, runtime.dp, cost_model)
             self.plan, self.homes, self._split, self._variance = self._over_fsdp.plan, [], None, {}
             self.ns_load = [float(x) for x in self.plan.loads]
             self._work = {id(seg): [] for seg in segs}
@@ -142,7 +142,7 @@ class Muon(ShardedOptimizer):
         work = [matrix_work(sg, ns_steps_of(sg.group), kind, tp is not None) for sg, kind in zip(segs, kinds)]
         dims = [(r, c, ns_steps_of(seg.group)) for seg, w in zip(segs, work) for r, c in w.shapes]
         whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, w in zip(segs, work) for _ in w.shapes]
-        rank = runtime.world.rank if tp is None else tp.comm.rank
+        rank = runtime.dp.rank if tp is None else tp.comm.rank
         size = topo.world_size if tp is None else tp.comm.world_size
         items = [item for w in work for item in w.items]
         costs = [ns_flops(*d) for d in dims]
@@ -186,7 +186,7 @@ class Muon(ShardedOptimizer):
                       for seg, parts, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
         self._kinds, self._segs, self._position = kinds, segs, {id(seg): s for s, seg in enumerate(segs)}
         self._split = SplitStep(self.plan, segs, [w.items for w in work], [w.shapes for w in work], topo,
-                                runtime.world) if self.plan.groups else None  # fmt: skip
+                                runtime.dp) if self.plan.groups else None  # fmt: skip
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
 
     def add_param_group(self, param_group: dict) -> None:

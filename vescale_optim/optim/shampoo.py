@@ -266,7 +266,7 @@ class Shampoo(ShardedOptimizer):
         """Sum over ranks the roots kept this step (`local`: this rank's, a device count from
         `inverse_roots_`, or 0); one small all-reduce and one read on steps that refresh
         roots; count them in `kept_roots` and warn."""
-        world = self.runtime.world if self._tp is None else self._tp.world.comm
+        world = self.runtime.dp if self._tp is None else self._tp.world.comm
         kept = torch.zeros(1, device=world.device)
         if isinstance(local, torch.Tensor):
             kept += local.to(world.device)
@@ -305,7 +305,7 @@ class Shampoo(ShardedOptimizer):
                                 (rep, [t for t, m in zip(found, mixed) if m])):  # fmt: skip
                 held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in tiles]
                 kind.append((tiles, tile_work(tiles, held)))
-        plan = plan_owners([w for _, w in cut], topo, self.runtime.world.rank, slack=_SLACK,
+        plan = plan_owners([w for _, w in cut], topo, self.runtime.dp.rank, slack=_SLACK,
                            tolerate=_TOLERATE, channels=CHANNELS)  # fmt: skip
         self._tiles: dict[int, SegmentTiles] = {
             id(seg): SegmentTiles(seg, tiles, moves)
@@ -333,7 +333,7 @@ class Shampoo(ShardedOptimizer):
         world (`_shampoo_fsdp`); no tile of the other layouts."""
         runtime = self.runtime
         segs = [seg for seg in runtime.segments if seg.tier != FROZEN]
-        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.world)
+        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.dp)
         self._tiles, self._shared, self._shared_moves, self._tp = {}, {}, [], None
         self._position = {id(seg): i for i, seg in enumerate(segs)}
         self.native_root_work, self.root_work = tuple(self._fsdp.home_loads), tuple(self._fsdp.loads)
@@ -371,7 +371,7 @@ class Shampoo(ShardedOptimizer):
         parts = [x for x in (self._tiles.get(id(seg)), self._shared.get(id(seg))) if x is not None]
         if self._tp is None:
             listed = [(t.param, t.key, t.h, t.w, parts[0].owners[k]) for k, t in enumerate(parts[0].tiles)]
-            me = self.runtime.world.rank
+            me = self.runtime.dp.rank
         else:
             listed, me = self._tp.owned[self._position[id(seg)]], self._tp.world.comm.rank
         mine = {(x.tiles[k].param, x.tiles[k].key): x.factors(k) for x in parts for k in x.owned}

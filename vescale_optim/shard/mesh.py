@@ -3,7 +3,7 @@
 Parameters, gradients and state are sharded over the `shard` dimension and replicated
 over `replicate`. A 1-D mesh may be one dimension of a larger root mesh (`world["dp"]` next
 to a tensor-parallel `world["tp"]`): the collectives then run on its group alone. A `Topology`
-maps `(replica, shard)` coordinates to ranks of the world group (every rank of the mesh: the
+maps `(replica, shard)` coordinates to ranks of the `dp` group (every rank of the mesh: the
 default group, or a group of its own for a 2-D mesh inside a larger root mesh, HSDP next to tensor
 parallelism), so plans for work split across replicas can name any rank.
 """
@@ -60,17 +60,17 @@ class Topology:
 @dataclass(frozen=True)
 class Groups:
     """The groups an optimizer uses: `shard` for its units, `replicate` across replicas
-    (inactive with one), and `world` (every rank of the mesh) for work split over both;
-    `root_world`, the default group, when the mesh is part of a larger root mesh (`world["dp"]`
+    (inactive with one), and `dp` (every rank of the data-parallel mesh) for work split over both;
+    `all_ranks`, the default group, when the mesh is part of a larger root mesh (`world["dp"]`
     next to `world["tp"]`): every rank there is, each of them building the optimizer, so checks
     and random states that must be alike over the other dimensions (tensor parallelism) can be
-    exchanged even by a rank that holds nothing of them (None otherwise: `world` is all)."""
+    exchanged even by a rank that holds nothing of them (None otherwise: `dp` is all)."""
 
     shard: Comm
     replicate: Comm
-    world: Comm
+    dp: Comm
     topology: Topology
-    root_world: Comm | None = None
+    all_ranks: Comm | None = None
 
 
 def resolve(mesh=None, process_group=None) -> Groups:
@@ -87,10 +87,10 @@ def resolve(mesh=None, process_group=None) -> Groups:
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; expected 1 (shard) or 2 (replicate, shard)"
         )
-    root_world = Comm(None) if mesh.size() < handle.group_size() else None
+    all_ranks = Comm(None) if mesh.size() < handle.group_size() else None
     if mesh.ndim == 1:  # the whole world, or one dimension of a larger root mesh (world["dp"])
         shard = Comm(mesh.get_group(0))
-        return Groups(shard, Comm.alone(), shard, Topology.flat(shard), root_world)
+        return Groups(shard, Comm.alone(), shard, Topology.flat(shard), all_ranks)
     names = tuple(mesh.mesh_dim_names or DIM_NAMES)
     roles = tuple(next((r for r in DIM_NAMES if n == r or n.endswith("_" + r)), n) for n in names)
     if sorted(roles) != sorted(DIM_NAMES):
@@ -99,11 +99,11 @@ def resolve(mesh=None, process_group=None) -> Groups:
         )
     rdim, sdim = roles.index("replicate"), roles.index("shard")
     grid = mesh.mesh if rdim == 0 else mesh.mesh.T
-    world = Comm(None) if mesh.size() == handle.group_size() else Comm(_group_of(grid))
+    dp = Comm(None) if mesh.size() == handle.group_size() else Comm(_group_of(grid))
     shard, replicate = Comm(mesh.get_group(sdim)), Comm(mesh.get_group(rdim))
-    at = {world.global_rank(r): r for r in range(world.world_size)}  # default-group rank -> world's
+    at = {dp.global_rank(r): r for r in range(dp.world_size)}  # default-group rank -> world's
     ranks = tuple(tuple(at[int(r)] for r in row) for row in grid.tolist())
-    return Groups(shard, replicate, world, Topology(ranks, replicate.rank, shard.rank), root_world)
+    return Groups(shard, replicate, dp, Topology(ranks, replicate.rank, shard.rank), all_ranks)
 
 
 def _group_of(grid):

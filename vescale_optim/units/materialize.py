@@ -170,7 +170,7 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
     if not plan:
         return
     device = units[0].device
-    states = _rank0_rng_states(world or units[0].world, device)
+    states = _rank0_rng_states(world or units[0].dp, device)
     done: set[int] = set()  # parameters initialised so far (by id)
     how = "param_init_fn" if custom else "reset_parameters()"
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():

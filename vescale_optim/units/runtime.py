@@ -102,8 +102,8 @@ class Runtime:
         over = over_dtensors(params, config)  # FSDP2's shards: units of this rank alone (`fsdp_shards`)
         refused = (shards_problem if over else dtensor_problem)(params, config, labels)
         groups = shard_groups() if over else resolve_mesh(config.mesh, config.process_group)
-        self.comm, self.replicate, self.world = groups.shard, groups.replicate, groups.world
-        self.topology, self.root_world = groups.topology, groups.root_world
+        self.comm, self.replicate, self.dp = groups.shard, groups.replicate, groups.dp
+        self.topology, self.all_ranks = groups.topology, groups.all_ranks
         # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
         self.tp = [] if over else [Comm(g) for g in tp_groups(params)]
         problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
@@ -113,9 +113,9 @@ class Runtime:
             problem, members, modules, names = problem or str(e), [], [], {}
         structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
         if not over:  # every rank: see tp_plan
-            problem = tp_plan_problem(params, self.root_world, labels) or problem
+            problem = tp_plan_problem(params, self.all_ranks, labels) or problem
         if agree is not None:
-            agree(self.world, problem, structure)
+            agree(self.dp, problem, structure)
         elif problem is not None:
             raise ValueError(problem)
         group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
@@ -136,7 +136,7 @@ class Runtime:
                 ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
                 sharded=config.sharded, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
                 device=config.device, sync_params=config.sync_params, replicate=self.replicate,
-                world=self.world, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
+                dp=self.dp, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
                 gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
                 external=over, reduce_comm=reduce_comm,
             )  # fmt: skip
@@ -147,12 +147,12 @@ class Runtime:
                 self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
         listed = [m for m in modules if m is not None]
         if needs_materializing(self.units, listed):
-            materialize(self.units, listed, config.param_init_fn, self.root_world or self.world)
+            materialize(self.units, listed, config.param_init_fn, self.all_ranks or self.dp)
         self.schedule = Schedule(
             self.units, modules, reshard_after_forward=config.reshard_after_forward,
             backward_prefetch=config.backward_prefetch, on_grad=self._on_grad, enclosing=self._listed,
         )  # fmt: skip
-        self.tracker = GradTracker(self.units, self.segments, self.schedule, self.world, labels)
+        self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, labels)
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
         claim([p for u in self.units if u.sharded for p in u.params], self)
@@ -160,7 +160,7 @@ class Runtime:
         self.wrapper: DDPGrads | FsdpGrads | None = None
         if over:
             self.schedule.remove()
-            self.wrapper = FsdpGrads.of(self.units, self.tracker, params, self.world, labels)
+            self.wrapper = FsdpGrads.of(self.units, self.tracker, params, self.dp, labels)
         watch(self)
 
     def under_ddp(self, ddp: nn.Module) -> None:
@@ -244,7 +244,7 @@ class Runtime:
                 self.schedule.finish()
                 self.tracker.reattach()
             pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.world),
+                                         lambda: hyper_mismatch(self._groups, self.dp),
                                          nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
             self.schedule.drain(pending)
         self._reduced = True
@@ -297,7 +297,7 @@ class Runtime:
         # summed in float64, so that how parameters are grouped into units does not round it;
         # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
         if isinstance(self.wrapper, FsdpGrads):  # over the world, each element counted once
-            all_reduce_(total := self.wrapper.norm_parts(norm_type, self.device), self.world, op)
+            all_reduce_(total := self.wrapper.norm_parts(norm_type, self.device), self.dp, op)
         else:
             total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
             all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")

@@ -147,7 +147,7 @@ class Schedule:
         """A backward event: the round's first issues the ranks' agreement on no_sync(), read at
         the round's first reduction (`reduction`'s docstring)."""
         if self.units:
-            self.reductions.issue_agreement(self.units[0].world)
+            self.reductions.issue_agreement(self.units[0].dp)
 
     def _end_if_done(self) -> None:
         """RUNNING, every unit expected to reduce has: wait for them all, the round ENDED."""
@@ -232,7 +232,7 @@ class Schedule:
         """`unit`'s gradients of this backward are done: reduce-scatter them (unless under
         `no_sync()`; added to what its shard holds), one in flight; the last expected ends
         the round."""
-        self.reductions.settle(unit.world)  # before any reduce-scatter of the round, on every rank
+        self.reductions.settle(unit.dp)  # before any reduce-scatter of the round, on every rank
         self.reductions.reduced.add(unit.index)
         rec = self._rec(unit)
         rec.complete = False
@@ -277,7 +277,7 @@ class Schedule:
                 unit.reshard()
             self._rec(unit).forget()
         if self.static.units and not self.static.settled:
-            self.static.settle(self.units[0].world)
+            self.static.settle(self.units[0].dp)
         self.round = Round.ENDED
         self._open()
         self.round = Round.IDLE

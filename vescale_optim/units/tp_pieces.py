@@ -247,7 +247,7 @@ def muon_tp_world(
     if not (cut or (experts and (None in flat or normuon))):
         return None
     index = next(k.index for k in flat if k is not None)
-    return tp_world(runtime.world, runtime.tp[0], runtime.topology, index)
+    return tp_world(runtime.dp, runtime.tp[0], runtime.topology, index)
 
 
 def assemble(received: torch.Tensor, rowwise: Sequence[tuple[int, int, int, TPMatrix]], back: bool) -> None:

@@ -33,7 +33,7 @@ def tp_plan_problem(
 ) -> str | None:
     """Why this rank and its tensor-parallel peers hold different TP plans, if some do anywhere in
     the world (the same answer on every rank; collective over `everyone`, the root world that every
-    rank joins: `Groups.root_world`). None (and no exchange) without one: the data-parallel mesh
+    rank joins: `Groups.all_ranks`). None (and no exchange) without one: the data-parallel mesh
     spans every rank, so a DTensor's mesh meets it in more than one rank, which `dtensor_problem`
     refuses first, or holds this rank alone."""
     if everyone is None or not everyone.active:

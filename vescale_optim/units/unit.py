@@ -81,7 +81,7 @@ class Unit:
         device: torch.device | None = None,
         sync_params: bool = True,
         replicate: Comm | None = None,
-        world: Comm | None = None,
+        dp: Comm | None = None,
         labels: Sequence[str] | None = None,
         gather_bits: int | None = None,
         reduce_bits: int | None = None,
@@ -95,7 +95,7 @@ class Unit:
         self.labels = list(labels or (f"'{n}' (shape {tuple(p.shape)})" for n, p in zip(names, params)))
         self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
         self.reduce_comm = reduce_comm or comm  # `comm`'s ranks: the reductions' own communicator (`streams`)
-        self.world = world or comm  # every rank: parameters start from world rank 0's
+        self.dp = dp or comm  # every rank of the mesh: parameters start from its rank 0's
         self.index, self.name, self.sharded, self.external = index, name, sharded, external
         self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
         # the wire codecs of the all-gathers and the gradient reductions (None: full precision)
@@ -167,13 +167,13 @@ class Unit:
         """The shard from the parameters' current values (rank 0's with `sync_params`), and
         the whole parameters of an unsharded unit."""
         s, rank = self.layout.shard_size, self.comm.rank
-        if sync_params and self.world.active:
+        if sync_params and self.dp.active:
             staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
             for i, p in enumerate(self.params):
                 start = self.layout.offsets[i]
                 value = local(p).detach()
                 staged[start : start + value.numel()].copy_(value.reshape(-1))
-            broadcast_(staged, 0, self.world, what=f"unit {self.name}'s initial parameters")
+            broadcast_(staged, 0, self.dp, what=f"unit {self.name}'s initial parameters")
             self.shard.copy_(staged[rank * s : (rank + 1) * s])
             # a finished broadcast's work can outlive wait() and keep `staged` (seen on gloo): free it now
             staged.untyped_storage().resize_(0)

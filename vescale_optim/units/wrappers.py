@@ -61,7 +61,7 @@ def watch(runtime: Any) -> None:
     """Call `runtime.under_ddp(ddp)` at every forward of a DDP holding some of its parameters."""
     global _hook
     _runtimes.add(runtime)
-    _built_alone[runtime] = not runtime.world.distributed
+    _built_alone[runtime] = not runtime.dp.distributed
     if _hook is None:
         _hook = nn.modules.module.register_module_forward_pre_hook(_on_forward)
 
