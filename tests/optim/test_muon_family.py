@@ -226,7 +226,7 @@ VARIANTS = {
     "polar": ({"ns_coefficients": "polar_express"}, {}),
     "normuon_qkv": ({"normuon": True}, {0: {"split_sizes": (Q, KV, KV)}, 3: {"num_heads": 3}}),
     "normuon_8bit": ({"normuon": True, "state_bits": 8}, {0: {"num_heads": 2}}),
-}  # SHAPES are below lowbit.QUANT_MIN_NUMEL (fp32 tier at state_bits=8); Q8_SHAPES reach the q8 tier
+}  # SHAPES are below state_tiers.QUANT_MIN_NUMEL (fp32 tier at state_bits=8); Q8_SHAPES reach the q8 tier
 
 
 def _params():

@@ -1,7 +1,7 @@
-"""A new state tier is `optim/lowbit.py` alone (docs/extending.md counts the files): `Halves`, an
-fp16 tier this file defines, is given the three entries a tier written in lowbit.py would have
+"""A new state tier is `optim/state_tiers.py` alone (docs/extending.md counts the files): `Halves`, an
+fp16 tier this file defines, is given the three entries a tier written in state_tiers.py would have
 (`STATE_BITS`, `_BY_BITS`, `_BY_TIER`) and nothing else of the library changes. AdamW, Muon (its
-AdamW part too) and NorMuon's owned `variance_neuron` (`lowbit.Kept`) then keep their state in it:
+AdamW part too) and NorMuon's owned `variance_neuron` (`state_tiers.Kept`) then keep their state in it:
 after one step it is the fp32 run's state rounded to fp16, and torch's and DCP's state dicts
 round-trip it, in one process and on 2 ranks."""
 
@@ -17,12 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import vescale_optim as vo
-from vescale_optim.optim import lowbit
+from vescale_optim.optim import state_tiers
 
 HALF_BITS = 12  # the `state_bits` that picks the tier: any value no tier takes names it
 
 
-class Halves(lowbit.Rounded):
+class Halves(state_tiers.Rounded):
     """Test-only: state in fp16, rounded to nearest, decoded to fp32 copies."""
 
     tier = "fp16"
@@ -33,15 +33,15 @@ class Halves(lowbit.Rounded):
 
 @contextmanager
 def _added():
-    """`Halves` in lowbit's tables for the duration (what lowbit.py itself would list)."""
-    halves, bits = Halves(), lowbit.STATE_BITS
-    lowbit.STATE_BITS = (*bits, HALF_BITS)
-    lowbit._BY_BITS[HALF_BITS], lowbit._BY_TIER[halves.tier] = halves, halves
+    """`Halves` in state_tiers's tables for the duration (what state_tiers.py itself would list)."""
+    halves, bits = Halves(), state_tiers.STATE_BITS
+    state_tiers.STATE_BITS = (*bits, HALF_BITS)
+    state_tiers._BY_BITS[HALF_BITS], state_tiers._BY_TIER[halves.tier] = halves, halves
     try:
         yield
     finally:
-        lowbit.STATE_BITS = bits
-        del lowbit._BY_BITS[HALF_BITS], lowbit._BY_TIER[halves.tier]
+        state_tiers.STATE_BITS = bits
+        del state_tiers._BY_BITS[HALF_BITS], state_tiers._BY_TIER[halves.tier]
 
 
 def _build(kind: str, state_bits: int) -> tuple[nn.Module, vo.ShardedOptimizer]:
@@ -77,7 +77,7 @@ def _through_halves(world_size: int, folder: str) -> list[str]:
             got, want = opt.state_dict()["state"], _stepped(kind, 32, rank)[1].state_dict()["state"]
             params = [p for g in opt.param_groups for p in g["params"]]
             for i, entry in got.items():
-                if params[i].numel() < lowbit.QUANT_MIN_NUMEL:
+                if params[i].numel() < state_tiers.QUANT_MIN_NUMEL:
                     continue  # a small tensor's state stays fp32
                 for name, value in entry.items():
                     if name != "step":  # fp16: rounded to nearest (half its 2**-10 step; subnormals 2**-25)
@@ -107,12 +107,12 @@ STATE["normuon"] = [*STATE["muon"], "variance_neuron"]
 WANT = [f"{kind} {name}" for kind, names in STATE.items() for name in names]
 
 
-def test_a_tier_added_to_lowbit_alone_serves_every_optimizer_in_one_process(tmp_path):
+def test_a_tier_added_to_state_tiers_alone_serves_every_optimizer_in_one_process(tmp_path):
     assert _through_halves(1, str(tmp_path)) == WANT
-    assert HALF_BITS not in lowbit.STATE_BITS and "fp16" not in lowbit._BY_TIER  # taken out again
+    assert HALF_BITS not in state_tiers.STATE_BITS and "fp16" not in state_tiers._BY_TIER  # taken out again
     with pytest.raises(ValueError, match="state_bits must be one of"):
         _build("adamw", HALF_BITS)
 
 
-def test_a_tier_added_to_lowbit_alone_serves_every_optimizer_on_two_ranks(world, tmp_path):
+def test_a_tier_added_to_state_tiers_alone_serves_every_optimizer_on_two_ranks(world, tmp_path):
     assert world(2).run(_through_halves, 2, str(tmp_path), timeout=180) == [WANT, WANT]

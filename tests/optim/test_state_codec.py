@@ -10,11 +10,11 @@ import torch
 
 import vescale_optim as vo
 from vescale_optim.kernels import dequantize_blockwise, quantize_blockwise
-from vescale_optim.optim import _step_stats, lowbit, muon
+from vescale_optim.optim import _step_stats, muon, state_tiers
 from vescale_optim.units.segment import FROZEN, StateSpec
 
 OPTIM = Path(vo.__file__).resolve().parent / "optim"
-TIERS = {lowbit.FP32.tier, lowbit.BF16.tier, lowbit.Q8.tier}
+TIERS = {state_tiers.FP32.tier, state_tiers.BF16.tier, state_tiers.Q8.tier}
 
 
 def tier_names(source: str) -> list[tuple[int, str]]:
@@ -32,14 +32,14 @@ def test_the_tier_names_are_the_ones_this_test_looks_for():
 def test_no_optimizer_module_names_a_tier_outside_the_codecs():
     found = {path.name: tier_names(path.read_text()) for path in sorted(OPTIM.glob("*.py"))}
     assert "base.py" in found and "adamw.py" in found and "state_dict.py" in found
-    assert found.pop("lowbit.py"), "the codec definitions name their tiers"
+    assert found.pop("state_tiers.py"), "the codec definitions name their tiers"
     assert {name: hits for name, hits in found.items() if hits} == {}
 
 
-@pytest.mark.parametrize("codec", [lowbit.FP32, lowbit.BF16, lowbit.Q8], ids=lambda c: c.tier)
+@pytest.mark.parametrize("codec", [state_tiers.FP32, state_tiers.BF16, state_tiers.Q8], ids=lambda c: c.tier)
 @pytest.mark.parametrize("sqrt", [False, True])
 def test_a_codec_round_trips_within_its_precision(codec, sqrt):
-    spec, n = StateSpec("v", stored_as_sqrt=sqrt), 3 * lowbit.BLOCK + 17
+    spec, n = StateSpec("v", stored_as_sqrt=sqrt), 3 * state_tiers.BLOCK + 17
     x = torch.rand(n, generator=torch.Generator().manual_seed(0)) + 0.5
     state = codec.allocate([spec], n, torch.device("cpu"), torch.float32)
     assert not codec.decode(state, spec).any()
@@ -49,30 +49,32 @@ def test_a_codec_round_trips_within_its_precision(codec, sqrt):
     torch.testing.assert_close(got, x, rtol=tol, atol=tol)
     stored = {t.data_ptr() for t in state.values()}
     assert (codec.decode(state, spec).data_ptr() in stored) == codec.exact  # exact: the state itself
-    for start, stop in ((0, n), (5, 300), (lowbit.BLOCK, 2 * lowbit.BLOCK + 3), (n - 4, n)):
+    for start, stop in ((0, n), (5, 300), (state_tiers.BLOCK, 2 * state_tiers.BLOCK + 3), (n - 4, n)):
         assert torch.equal(codec.decode_range(state, spec, start, stop), got[start:stop])
 
 
 def test_an_8_bit_codec_stores_a_square_root_spec_as_its_root():
-    plain, root, n = StateSpec("m"), StateSpec("v", stored_as_sqrt=True), lowbit.BLOCK
+    plain, root, n = StateSpec("m"), StateSpec("v", stored_as_sqrt=True), state_tiers.BLOCK
     x = torch.linspace(0, 4, n)
-    state = lowbit.Q8.allocate([plain, root], n, torch.device("cpu"), torch.float32)
-    lowbit.Q8.encode_(state, root, x)
-    codes, scales = lowbit.Q8.parts(state, "v")
-    want_codes, want_scales = quantize_blockwise(x.sqrt(), lowbit.BLOCK)
+    state = state_tiers.Q8.allocate([plain, root], n, torch.device("cpu"), torch.float32)
+    state_tiers.Q8.encode_(state, root, x)
+    codes, scales = state_tiers.Q8.parts(state, "v")
+    want_codes, want_scales = quantize_blockwise(x.sqrt(), state_tiers.BLOCK)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
-    assert torch.equal(lowbit.Q8.decode(state, root), dequantize_blockwise(codes, scales, n).square())
-    assert not lowbit.Q8.parts(state, "m")[0].any()  # each spec its own codes
+    assert torch.equal(state_tiers.Q8.decode(state, root), dequantize_blockwise(codes, scales, n).square())
+    assert not state_tiers.Q8.parts(state, "m")[0].any()  # each spec its own codes
 
 
 def test_tiers_by_size_and_state_bits():
-    small, large = torch.zeros(lowbit.QUANT_MIN_NUMEL - 1), torch.zeros(lowbit.QUANT_MIN_NUMEL)
-    assert [lowbit.codec_for(small, b) for b in lowbit.STATE_BITS] == [lowbit.FP32] * 3
-    assert [lowbit.codec_for(large, b) for b in lowbit.STATE_BITS] == [lowbit.FP32, lowbit.BF16, lowbit.Q8]
-    assert lowbit.codec_of(FROZEN) is lowbit.FP32
-    assert lowbit.Q8.granule(torch.zeros(3 * lowbit.BLOCK), 7) == lowbit.BLOCK
-    assert lowbit.Q8.granule(torch.zeros(lowbit.BLOCK + 1), 7) == lowbit.BLOCK + 1  # whole on one rank
-    assert lowbit.FP32.granule(large, 7) == lowbit.BF16.granule(large, 7) == 7
+    small, large = torch.zeros(state_tiers.QUANT_MIN_NUMEL - 1), torch.zeros(state_tiers.QUANT_MIN_NUMEL)
+    assert [state_tiers.codec_for(small, b) for b in state_tiers.STATE_BITS] == [state_tiers.FP32] * 3
+    tiers = [state_tiers.FP32, state_tiers.BF16, state_tiers.Q8]
+    assert [state_tiers.codec_for(large, b) for b in state_tiers.STATE_BITS] == tiers
+    assert state_tiers.codec_of(FROZEN) is state_tiers.FP32
+    assert state_tiers.Q8.granule(torch.zeros(3 * state_tiers.BLOCK), 7) == state_tiers.BLOCK
+    block = state_tiers.BLOCK
+    assert state_tiers.Q8.granule(torch.zeros(block + 1), 7) == block + 1  # whole on one rank
+    assert state_tiers.FP32.granule(large, 7) == state_tiers.BF16.granule(large, 7) == 7
 
 
 @pytest.mark.parametrize("state_bits", [32, 16, 8])

@@ -11,7 +11,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ..kernels import adamw8bit_update_
 from ..shard.comm import host_to_device
 from ..units.segment import Segment, StateSpec
-from . import lowbit
+from . import state_tiers
 from ._checks import check_adamw_group, check_impl_flags, check_params_arg
 from .base import ShardedOptimizer
 
@@ -102,7 +102,7 @@ class AdamW(ShardedOptimizer):
         check_impl_flags(
             "AdamW", foreach=foreach, fused=fused, capturable=capturable, differentiable=differentiable
         )
-        lowbit.check_state_bits(state_bits)
+        state_tiers.check_state_bits(state_bits)
         self.state_bits = state_bits
         super().__init__(params, defaults, sharding)
 
@@ -146,7 +146,7 @@ def adamw_segment_step(seg: Segment, grads: torch.Tensor) -> None:
         maximize=g.get("maximize", False),
     )  # fmt: skip
     params, codec = seg.local_params, seg.codec
-    if isinstance(codec, lowbit.Blocks):
+    if isinstance(codec, state_tiers.Blocks):
         (mq, ms), (vq, vs) = codec.parts(seg.state, "exp_avg"), codec.parts(seg.state, "exp_avg_sq")
         blk = codec.block
         for lo, hi, step in runs:

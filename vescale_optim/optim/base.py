@@ -1,7 +1,7 @@
 """The sharded-optimizer base: a `torch.optim.Optimizer` that holds a sharding runtime.
 
 A subclass declares each parameter's layout granule (`_granule`), its flat state per segment
-(`_state_specs`, stored by the tier's codec: `lowbit`), how to update a segment (`_update`:
+(`_state_specs`, stored by the tier's codec: `state_tiers`), how to update a segment (`_update`:
 pure math on its flat tensors, or a `Move` for whole matrices or tiles), optionally work that
 spans a step's segments (`_step_phase`), state kept whole on one rank (`_owned_state`) and
 the step statistics it counts (`step_stat_names`). The runtime (`units.Runtime`) does the
@@ -29,7 +29,7 @@ from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment
 from ..units.tensor_parallel import local, refuse_for
 from ..units.unit import Unit
-from . import _step_stats, lowbit
+from . import _step_stats, state_tiers
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .declarations import Declarations
@@ -78,7 +78,7 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         except ValueError as e:
             local = str(e)
         self._labels = label_params(self.param_groups)
-        local = local or lowbit.precision_problem(all_params, self.state_bits, self._labels)
+        local = local or state_tiers.precision_problem(all_params, self.state_bits, self._labels)
 
         def agree(world, problem: str | None, structure: list) -> None:
             check_same_on_every_rank(self.param_groups, world, local or problem, structure)
@@ -89,7 +89,8 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         self.runtime = runtime
         self._sent_until = runtime.collective_bytes()  # at the end of the last step
         for seg in runtime.segments:
-            seg.set_state([] if seg.tier == FROZEN else self._state_specs(seg), lowbit.codec_of(seg.tier))
+            specs = [] if seg.tier == FROZEN else self._state_specs(seg)
+            seg.set_state(specs, state_tiers.codec_of(seg.tier))
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
         self._built_over = [list(g["params"]) for g in self.param_groups]  # `_follow_swapped`
         self._io = StateIO(
@@ -123,7 +124,7 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         if not p.requires_grad:
             return Declaration(1, FROZEN)
         p = local(p)  # a DTensor parameter is laid out by its local shard
-        codec = lowbit.codec_for(p, self.state_bits)
+        codec = state_tiers.codec_for(p, self.state_bits)
         granule = codec.granule(p, self._granule(p, self.param_groups[group]))
         return Declaration(granule, codec.tier, align=codec.align)
 

@@ -22,7 +22,7 @@ from ..units.fsdp_shards import FsdpGrads
 from ..units.segment import FROZEN, Segment, StateSpec
 from ..units.tensor_parallel import local_shape
 from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, tp_kind
-from . import lowbit
+from . import state_tiers
 from ._checks import check_betas, check_params_arg
 from ._muon_fsdp import FsdpMuon
 from ._muon_fsdp import refused as over_fsdp_refused
@@ -105,7 +105,7 @@ class Muon(ShardedOptimizer):
         check_muon_group(defaults)
         check_betas(betas)
         check_params_arg(params)
-        lowbit.check_state_bits(state_bits)
+        state_tiers.check_state_bits(state_bits)
         self.state_bits = state_bits
         self.ns_backend = ns_backend
         self.orthogonalized = 0  # matrices this rank orthogonalized in the last step
@@ -162,7 +162,7 @@ class Muon(ShardedOptimizer):
         owners = keep_homes(self.plan.owners, keys, holders)  # equal costs trade owners: loads stay
         whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
         self._blocks = [w.blocks for w in work]  # per segment, (param, block) per matrix
-        self._variance: dict[tuple[int, int], lowbit.Kept] = {}  # NorMuon's v of the matrices owned here
+        self._variance: dict[tuple[int, int], state_tiers.Kept] = {}  # NorMuon's v of the matrices owned here
         self._owners: list[list[int | None]] = []
         for s, (seg, w) in enumerate(zip(segs, work)):
             keep = [k for k in range(len(w.items)) if owners[pos + k] is not None]
@@ -171,8 +171,8 @@ class Muon(ShardedOptimizer):
             self._owners.append(owners[pos : pos + len(w.items)])
             for k in keep if seg.group["normuon"] else ():
                 if owners[pos + k] == rank:
-                    codec, device = lowbit.codec_of(seg.tier), seg.local_params.device  # momentum's tier
-                    self._variance[s, k] = lowbit.Kept(codec, self.VARIANCE, w.shapes[k][0], device)
+                    codec, device = state_tiers.codec_of(seg.tier), seg.local_params.device  # momentum's tier
+                    self._variance[s, k] = state_tiers.Kept(codec, self.VARIANCE, w.shapes[k][0], device)
             pos += len(w.items)
         if tp is None:  # one part per segment
             fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]

@@ -29,7 +29,7 @@ MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dic
 
 
 class Coded(Protocol):
-    """How an owned tensor is stored when not as its values (`lowbit.Kept`)."""
+    """How an owned tensor is stored when not as its values (`state_tiers.Kept`)."""
 
     def decode(self) -> torch.Tensor: ...
     def encode_(self, x: torch.Tensor) -> None: ...

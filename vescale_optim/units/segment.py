@@ -42,7 +42,7 @@ class StateSpec:
 
 
 class StateCodec(Protocol):
-    """How one storage tier keeps a segment's state (`optim.lowbit` defines the tiers).
+    """How one storage tier keeps a segment's state (`optim.state_tiers` defines the tiers).
     `exact`: the stored tensor is the working copy itself, at the parameters' update
     precision (so `decode` returns it and in-place math needs no `encode_`)."""
 
