@@ -56,7 +56,7 @@ class Lion(vo.ShardedOptimizer):
 
     def _update(self, seg: Segment, grads: Tensor) -> None:
         lr, betas, weight_decay = seg.group["lr"], seg.group["betas"], seg.group["weight_decay"]
-        params, exp_avg = seg.local_params, seg.moment("exp_avg")  # this rank's flat slices
+        params, exp_avg = seg.local_params, seg.read("exp_avg")  # this rank's flat slices
         for lo, hi, _ in seg.runs():  # the ranges of parameters that step
             lion_update_(params[lo:hi], grads[lo:hi], exp_avg[lo:hi], lr, betas, weight_decay)
         seg.store("exp_avg", exp_avg)  # encodes it back (a no-op for fp32 state)

@@ -87,10 +87,10 @@ def test_a_segment_reads_and_writes_state_through_its_codec(state_bits):
     seg = next(s for s in opt.segments if s.params[0] is model.weight)
     lo, hi = seg.local_range(0)
     for name in ("exp_avg", "exp_avg_sq"):
-        torch.testing.assert_close(seg.moment(name)[lo:hi].view(64, 128), sd[0][name], rtol=0, atol=0)
-    v = seg.moment("exp_avg_sq") * 4
+        torch.testing.assert_close(seg.read(name)[lo:hi].view(64, 128), sd[0][name], rtol=0, atol=0)
+    v = seg.read("exp_avg_sq") * 4
     seg.store("exp_avg_sq", v)
-    assert (seg.moment("exp_avg_sq") - v).abs().max() <= 0.01 * v.abs().max()  # 8-bit: to its block's max
+    assert (seg.read("exp_avg_sq") - v).abs().max() <= 0.01 * v.abs().max()  # 8-bit: to its block's max
 
 
 def test_each_optimizer_counts_its_own_step_stats_and_all_report_the_same_keys():

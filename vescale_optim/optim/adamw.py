@@ -160,12 +160,12 @@ def adamw_segment_step(seg: Segment, grads: torch.Tensor) -> None:
         # copied to the device without a stall (pinned, non-blocking on CUDA)
         steps = host_to_device([float(s - 1) for _, _, s in runs], torch.float32, params.device).unbind()
         _torch_adamw(
-            cut(params), cut(grads), cut(seg.moment("exp_avg")), cut(seg.moment("exp_avg_sq")),
-            cut(seg.moment("max_exp_avg_sq")) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad,
+            cut(params), cut(grads), cut(seg.read("exp_avg")), cut(seg.read("exp_avg_sq")),
+            cut(seg.read("max_exp_avg_sq")) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad,
             **hyper,
         )  # fmt: skip
     else:
-        m, v = seg.moment("exp_avg"), seg.moment("exp_avg_sq")
+        m, v = seg.read("exp_avg"), seg.read("exp_avg_sq")
         for lo, hi, step in runs:
             adamw_update_(params[lo:hi], grads[lo:hi], m[lo:hi], v[lo:hi], None, step=step, **hyper)
         seg.store("exp_avg", m)

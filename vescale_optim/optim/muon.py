@@ -248,7 +248,7 @@ class Muon(ShardedOptimizer):
             if self._over_fsdp is not None:
                 return self._later.append((seg, grads))
             return adamw_segment_step(seg, grads)
-        g, buf = seg.group, seg.moment("momentum_buffer")
+        g, buf = seg.group, seg.read("momentum_buffer")
         runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
         update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
         seg.store("momentum_buffer", buf)

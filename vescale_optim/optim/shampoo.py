@@ -183,8 +183,8 @@ class Shampoo(ShardedOptimizer):
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         g = seg.group
         second_spec = _SECOND.get(g["grafting"])
-        exp_avg = seg.moment(_EXP_AVG.name)
-        second = seg.moment(second_spec.name) if second_spec else None
+        exp_avg = seg.read(_EXP_AVG.name)
+        second = seg.read(second_spec.name) if second_spec else None
         update, mhat = torch.empty_like(exp_avg), torch.empty_like(exp_avg)
         runs = list(seg.runs())
         for lo, hi, step in runs:

@@ -142,7 +142,7 @@ class StateIO:
         State its tier keeps exactly is returned as itself (so loading writes it in place);
         other state is decoded into copies (by the segment's codec, from its `StateSpec`s),
         and `_commit` encodes them back."""
-        return {n: seg.moment(n) for n in seg.state_names}
+        return {n: seg.read(n) for n in seg.state_names}
 
     @staticmethod
     def _commit(seg: Segment, local: dict[str, torch.Tensor]) -> None:
@@ -351,10 +351,10 @@ class StateIO:
         if name == MASTER:
             return dcp_piece(shape, start, stop, seg.master[lo:hi], **box)
         if seg.codec.exact:
-            return dcp_piece(shape, start, stop, seg.moment(name)[lo:hi], **box)
+            return dcp_piece(shape, start, stop, seg.read(name)[lo:hi], **box)
 
         def read(a: int, z: int) -> torch.Tensor:
-            return seg.moment_range(name, lo + a, lo + z)
+            return seg.read_range(name, lo + a, lo + z)
 
         device = seg.local_params.device
         return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device, **box)

@@ -10,7 +10,7 @@ its block grid is the tensors'.
 
 Each tier is a codec (`units.segment.StateCodec`) that a segment holds: it allocates the
 state, decodes it to the update precision and encodes it back; the optimizers and the state
-dicts reach the state only through it (`Segment.moment` / `Segment.store`). This module is
+dicts reach the state only through it (`Segment.read` / `Segment.store`). This module is
 the one place that names the tiers. `Kept` holds one state tensor kept whole on one rank
 through a segment's codec. A q8 codec stores a `StateSpec(stored_as_sqrt=True)` as
 `sqrt(v)` (see `kernels.adamw8bit_update_`).

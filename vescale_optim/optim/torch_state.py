@@ -155,9 +155,9 @@ class LocalState(dict):
         out.add("step", (0, 1), view=self._counts()[k])
         for name in seg.state_names:
             if seg.codec.exact:  # the stored tensor is the state itself
-                out.add(name, cut, view=shaped(seg.moment(name)[lo:hi]))
+                out.add(name, cut, view=shaped(seg.read(name)[lo:hi]))
             else:
-                out.add(name, cut, decode=lambda name=name: shaped(seg.moment_range(name, lo, hi)))
+                out.add(name, cut, decode=lambda name=name: shaped(seg.read_range(name, lo, hi)))
         if seg.master is not None:
             out.add(MASTER, cut, view=shaped(seg.master[lo:hi]))
         if id(seg) not in self._owned_of:

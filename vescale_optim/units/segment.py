@@ -12,7 +12,7 @@ parameter has a gradient (`marked`) and whether it takes the current step (`acti
 agreed over ranks); the optimizer sets its state (`StateSpec`s, stored by the `StateCodec`
 of the segment's tier in `state`: flat tensors as long as the segment) and step counts
 (`steps`; 0 means never stepped, so no state), each through a method of this class. The
-optimizer's math reads a state tensor decoded (`moment`) and writes it back (`store`),
+optimizer's math reads a state tensor decoded (`read`) and writes it back (`store`),
 never knowing how its tier stores it. `runs()` cuts the segment into maximal ranges that
 one element-wise call can update.
 """
@@ -150,13 +150,13 @@ class Segment:
 
     # --- state, decoded ---------------------------------------------------------------------
 
-    def moment(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         """State `name` in the update precision: the stored tensor itself in an exact tier
         (in-place math updates it), else a decoded copy for `store` to write back."""
         return self.codec.decode(self.state, self.specs[name])
 
-    def moment_range(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements `[start, stop)` of `moment(name)`, decoding no more than it must."""
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements `[start, stop)` of `read(name)`, decoding no more than it must."""
         return self.codec.decode_range(self.state, self.specs[name], start, stop)
 
     def store(self, name: str, value: torch.Tensor) -> None:
