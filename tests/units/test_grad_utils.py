@@ -18,7 +18,7 @@ from torch import nn
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import traced
-from vescale_optim.units import Partial, ShardedGradError
+from vescale_optim.units import ShardedGradError, Unreduced
 
 INF = math.inf
 NORMS = (2.0, 1.0, 3.0, INF, 0.0)
@@ -56,7 +56,7 @@ def _full(g: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _value(v):
-    return v.value() if isinstance(v, Partial) else v
+    return v.value() if isinstance(v, Unreduced) else v
 
 
 # every case takes the parameters (their gradients are the mean gradient) and returns values

@@ -2,7 +2,7 @@
 runtime object an optimizer holds."""
 
 from .config import ShardingConfig
-from .reduced_grad import Partial, ReducedGrad, Sharded, ShardedGradError
+from .reduced_grad import ReducedGrad, Sharded, ShardedGradError, Unreduced
 from .reduction import NoSyncMismatchError
 from .runtime import Declaration, Runtime
 from .segment import Segment
@@ -13,7 +13,7 @@ from .wrappers import WrapperError
 __all__ = [
     "Declaration",
     "NoSyncMismatchError",
-    "Partial",
+    "Unreduced",
     "ReducedGrad",
     "ReshardedParameterError",
     "Runtime",

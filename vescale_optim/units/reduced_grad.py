@@ -16,7 +16,7 @@ for FSDP2:
   is sliced out). Out-of-place results are `Sharded` tensors of the same layout;
 - reductions over the whole tensor (`norm` / `linalg.vector_norm` of any order,
   `_foreach_norm`, `sum`, `mean`, `max`, `min`, `amax`, `amin`, `all`, `any`,
-  `count_nonzero`) return a `Partial`: this rank's contribution, reduced over the ranks only
+  `count_nonzero`) return a `Unreduced`: this rank's contribution, reduced over the ranks only
   when its value is used. `torch.stack` of partials stays partial, so the norm of stacked
   per-parameter norms (what `torch.nn.utils.clip_grad_norm_` and `get_total_norm` compute)
   costs one small all-reduce for all parameters together. Every rank must use a partial's
@@ -38,9 +38,10 @@ import torch
 
 from ..shard.collectives import full_tensor
 from ..shard.comm import Comm
-from .partial import (
-    Partial,
+from .tp_grads import TPPlace
+from .unreduced import (
     ShardedGradError,
+    Unreduced,
     _name,
     _norm,
     _norm_call,
@@ -52,7 +53,6 @@ from .partial import (
     _stack,
     use_dispatch,
 )
-from .tp_grads import TPPlace
 
 if TYPE_CHECKING:
     from .unit_view import UnitView
@@ -272,7 +272,7 @@ def _map(args: Any, f: Callable[[Any], Any]) -> Any:
 
 def _localize(value: Any, like: Sharded, func: Any) -> Any:
     """`value` as an operand of an element-wise op on `like`'s piece."""
-    if isinstance(value, Partial):
+    if isinstance(value, Unreduced):
         return value.value()
     if isinstance(value, Sharded):
         if tuple(value.shape) != tuple(like.shape) or value._ranges != like._ranges:
@@ -330,10 +330,10 @@ def _foreach(func, args, kwargs):
         like = first[k]
         if isinstance(like, Sharded):
             return _localize(x, like, func)
-        return x.value() if isinstance(x, Partial) else x
+        return x.value() if isinstance(x, Unreduced) else x
 
     def whole(a: Any) -> Any:
-        return a.value() if isinstance(a, Partial) else a
+        return a.value() if isinstance(a, Unreduced) else a
 
     mapped = [[operand(x, k) for k, x in enumerate(a)] if isinstance(a, (list, tuple)) else whole(a)
               for a in args]  # fmt: skip
@@ -360,9 +360,9 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
         return ReducedGrad._of(self._unit, self._index, self.shape, probe.dtype, probe.device, self._tp)
     if func in _CASTS and isinstance(self, Sharded):
         return Sharded._of(func(self.local(), *args[1:], **kwargs), self)
-    if func in _CASTS and isinstance(self, Partial):
+    if func in _CASTS and isinstance(self, Unreduced):
         return _partial_cast(self, func, args, kwargs)
-    if func in _FACTORIES and isinstance(self, (Sharded, Partial)):  # new tensors of this dtype and device
+    if func in _FACTORIES and isinstance(self, (Sharded, Unreduced)):  # new tensors of this dtype and device
         return func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
     if func is torch._has_compatible_shallow_copy_type:
         return False  # so `model.to(...)` assigns the cast placeholder instead of mutating this one
@@ -373,9 +373,9 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
             stacked = _stack(*args, **kwargs)
             if stacked is not None:
                 return stacked
-        partials = [v for v in flat if isinstance(v, Partial)]
+        partials = [v for v in flat if isinstance(v, Unreduced)]
         values = dict(zip(map(id, partials), _resolve(partials)))
-        plain = lambda a: values[id(a)] if isinstance(a, Partial) else a  # noqa: E731
+        plain = lambda a: values[id(a)] if isinstance(a, Unreduced) else a  # noqa: E731
         return func(*_map(args, plain), **_map(kwargs, plain))
     name = _name(func)
     if name.startswith("_foreach_") or name == "_amp_foreach_non_finite_check_and_unscale_":
@@ -394,6 +394,6 @@ def _dispatch(func, types, args: tuple, kwargs: dict):
     raise _refuse(func)
 
 
-use_dispatch(_dispatch)  # Partial's values dispatch here too
+use_dispatch(_dispatch)  # Unreduced's values dispatch here too
 
-__all__ = ["Partial", "ReducedGrad", "Sharded", "ShardedGradError"]
+__all__ = ["Unreduced", "ReducedGrad", "Sharded", "ShardedGradError"]

@@ -1,4 +1,4 @@
-"""Partial values of sharded gradients (DTensor's `Partial`): whole-tensor reductions of a
+"""Unreduced values of sharded gradients (DTensor's `Partial`): whole-tensor reductions of a
 rank's pieces, reduced over the ranks only when the value is used, all of a call's partial
 values together (one all-reduce per group and reduction kind). See `reduced_grad`."""
 
@@ -32,12 +32,12 @@ class Pieces(Protocol):
 
 
 # The one dispatch of sharded and partial tensors (`reduced_grad._dispatch`): installed by
-# `reduced_grad` when it is imported, which it is before any Partial exists (only its ops make them).
+# `reduced_grad` when it is imported, which it is before any Unreduced exists (only its ops make them).
 _dispatch: Callable[[Any, Any, tuple, dict], Any] | None = None
 
 
 def use_dispatch(dispatch: Callable[[Any, Any, tuple, dict], Any]) -> None:
-    """Make `dispatch` the torch-function dispatch of `Partial` values (see `_dispatch`)."""
+    """Make `dispatch` the torch-function dispatch of `Unreduced` values (see `_dispatch`)."""
     global _dispatch
     _dispatch = dispatch
 
@@ -91,9 +91,9 @@ class _Term:
     across: Comm | None = None
 
 
-class Partial(torch.Tensor):
+class Unreduced(torch.Tensor):
     """A value of the whole averaged gradient, of which this rank holds its contribution
-    (DTensor's `Partial`): a reduction of sharded gradients (`p.grad.norm()`,
+    (as a DTensor with a `Partial` placement does): a reduction of sharded gradients (`p.grad.norm()`,
     `torch.isfinite(p.grad).all()`), or a `torch.stack` of such values and ordinary ones.
 
     Using its value in any way (`.item()`, printing, arithmetic, a further norm) reduces it
@@ -106,8 +106,8 @@ class Partial(torch.Tensor):
 
     @staticmethod
     def _of(items: list[_Term | torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
-            device: torch.device) -> Partial:  # fmt: skip
-        out = _shell(Partial, shape, dtype, device)
+            device: torch.device) -> Unreduced:  # fmt: skip
+        out = _shell(Unreduced, shape, dtype, device)
         out._items = items
         return out
 
@@ -116,14 +116,14 @@ class Partial(torch.Tensor):
         return _resolve([self])[0]
 
     def __repr__(self) -> str:  # a repr reduces, on every rank alike (as printing any value would)
-        return f"Partial({self.value()!r})"
+        return f"Unreduced({self.value()!r})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, types, args, kwargs or {})
 
 
-def _resolve(partials: Sequence[Partial]) -> list[torch.Tensor]:
+def _resolve(partials: Sequence[Unreduced]) -> list[torch.Tensor]:
     """The values of `partials`: for all their terms of one process group and reduction, one
     all-reduce over that group, then one over each TP group for the terms of its tensor-parallel
     shards (laid side by side in the wire, so each is a slice). Groups are told apart by the
@@ -178,18 +178,18 @@ def _then(item: _Term | torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor])
     return f(item)
 
 
-def _partial_cast(self: Partial, func, args, kwargs) -> Partial:
+def _partial_cast(self: Unreduced, func, args, kwargs) -> Unreduced:
     """`.to(...)`, `.float()`, ... of a partial value: still partial."""
     probe = func(torch.empty((), dtype=self.dtype, device=self.device), *args[1:], **kwargs)
     if probe.dtype == self.dtype and probe.device == self.device:
         return self
     items = [_then(item, lambda v: v.to(probe.dtype).to(probe.device)) for item in self._items]
-    return Partial._of(items, self.shape, probe.dtype, probe.device)
+    return Unreduced._of(items, self.shape, probe.dtype, probe.device)
 
 
-def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Partial | None:
+def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Unreduced | None:
     """`torch.stack` of 0-dim values some of which are partial, kept partial (else None)."""
-    if dim != 0 or not tensors or any(t.dim() != 0 or type(t) not in (Partial, torch.Tensor)
+    if dim != 0 or not tensors or any(t.dim() != 0 or type(t) not in (Unreduced, torch.Tensor)
                                       for t in tensors):  # fmt: skip
         return None
     first = tensors[0]
@@ -197,15 +197,15 @@ def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Partial | None:
     for t in tensors:
         if t.dtype != first.dtype or t.device != first.device:
             return None
-        items.extend(t._items if isinstance(t, Partial) else [t])
-    return Partial._of(items, (len(items),), first.dtype, first.device)
+        items.extend(t._items if isinstance(t, Unreduced) else [t])
+    return Unreduced._of(items, (len(items),), first.dtype, first.device)
 
 
 def _float_dtype(x: torch.Tensor) -> torch.dtype | None:
     return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else None
 
 
-def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Partial:
+def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Unreduced:
     """The vector norm of order `ord_` of the whole tensor, partial."""
     if ord_ is None or ord_ == "fro":
         ord_ = 2.0
@@ -238,10 +238,10 @@ def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Part
             return r.pow(1.0 / p).to(out_dtype)
 
     term = _Term(local.to(torch.float64).reshape(()), op, self._comm, finish, self._across)
-    return Partial._of([term], (), out_dtype, self.device)
+    return Unreduced._of([term], (), out_dtype, self.device)
 
 
-def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Partial:
+def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Unreduced:
     """A whole-tensor reduction (`sum`, `max`, `all`, ...) of a sharded tensor, partial."""
     dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
     keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
@@ -287,11 +287,11 @@ def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Partial:
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.to(out_dtype)
 
-    return Partial._of([_Term(local.reshape(()), op, self._comm, finish, self._across)], shape, out_dtype,
+    return Unreduced._of([_Term(local.reshape(()), op, self._comm, finish, self._across)], shape, out_dtype,
                        self.device)  # fmt: skip
 
 
-def _norm_call(func, args, kwargs) -> Partial:
+def _norm_call(func, args, kwargs) -> Unreduced:
     self = args[0]
     rest = list(args[1:])
     if func is torch.linalg.vector_norm:
@@ -311,5 +311,5 @@ def _norm_call(func, args, kwargs) -> Partial:
             raise _refuse(func, f" over dim={dim} (only norms of the whole tensor)")
     out = _norm(self, ord_, kwargs.get("dtype"))
     if keepdim:
-        out = Partial._of(out._items, (1,) * self.dim(), out.dtype, out.device)
+        out = Unreduced._of(out._items, (1,) * self.dim(), out.dtype, out.device)
     return out
