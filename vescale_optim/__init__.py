@@ -1,4 +1,8 @@
-"""vescale_optim: structure-aware distributed optimizers over RaggedShard layouts."""
+"""vescale_optim: structure-aware distributed optimizers over RaggedShard layouts.
+
+The public API: the optimizers, `ShardingConfig`, the checkpoint API and the errors. The layout
+building blocks (`RaggedShard`, `plan_layout`, `Layout`) are public in `vescale_optim.shard`.
+"""
 
 from .checkpoint import CheckpointError, CheckpointManager
 from .distributed import init_distributed
@@ -7,9 +11,6 @@ from .optim._muon_plan import CostModel, MuonPlan, muon_plan
 from .shard import (
     CollectiveError,
     DeviceMismatchError,
-    Layout,
-    RaggedShard,
-    plan_layout,
     set_collective_timeout,
 )
 from .units import (
@@ -28,11 +29,9 @@ __all__ = [
     "CollectiveError",
     "CostModel",
     "DeviceMismatchError",
-    "Layout",
     "Muon",
     "MuonPlan",
     "NoSyncMismatchError",
-    "RaggedShard",
     "ReshardedParameterError",
     "ShardedGradError",
     "ShardedOptimizer",
@@ -43,7 +42,6 @@ __all__ = [
     "init_distributed",
     "muon_param_groups",
     "muon_plan",
-    "plan_layout",
     "set_collective_timeout",
 ]
 
