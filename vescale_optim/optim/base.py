@@ -6,7 +6,7 @@ pure math on its flat tensors, or a `Move` for whole matrices or tiles), optiona
 spans a step's segments (`_step_phase`), state kept whole on one rank (`_owned_state`) and
 the step statistics it counts (`step_stat_names`). The runtime (`units.Runtime`) does the
 rest: units, hooks, gradient reduction, which parameters step, clipping, memory; the state
-dicts go through `StateIO`.
+dicts go through `StateIO` (the sharded one for DCP, keyed by parameter name: `sharded_state`).
 
 A parameter takes a step iff some rank has a gradient for it, as in torch; the ranks
 agree on that with one small all-reduce per step.
@@ -33,11 +33,12 @@ from . import _step_stats, state_tiers
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
 from .declarations import Declarations
+from .sharded_state import ShardedStateDict
 from .state_dict import Gather, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
 
 
-class ShardedOptimizer(Declarations, torch.optim.Optimizer):
+class ShardedOptimizer(Declarations, ShardedStateDict, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
     With `shard_modules`, each listed module is a unit whose parameters are gathered before its
@@ -357,26 +358,6 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
                 g.update(new)
             state = {k: v for k, v in state.items() if k not in ("param_groups", "state")}  # ours stays
         super().__setstate__(state)
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies).
-
-        Pass it to `torch.distributed.checkpoint.save`; to restore, build the optimizer
-        (any world size), call `dcp.load` on a fresh `sharded_state_dict()` and then
-        `load_sharded_state_dict` with it. fp32 state is handed as views; bf16 and 8-bit
-        state is decoded chunk by chunk only while DCP writes it. The param groups'
-        hyperparameters ride along (a scheduler's learning rates come back). Not collective
-        itself."""
-        self._follow_swapped()
-        return self._io.sharded()
-
-    def load_sharded_state_dict(self, state_dict: dict) -> None:
-        """Finish a DCP load (collective): fp32 state and masters were filled in place;
-        buffers DCP decoded into are encoded into the low-bit state and dropped."""
-        self._follow_swapped()
-        self._used = True
-        self._io.load_sharded(state_dict)
-        self.state.changed()
 
     # --- memory -------------------------------------------------------------------------
 
