@@ -23,7 +23,7 @@ def save_and_load(kind: str, path: str, model, opt, step: int, whole: Callable, 
     state for "full"."""
     weights = saved = None
     if kind == "dcp":
-        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
+        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)},
                  checkpoint_id=path)  # fmt: skip
     elif kind == "manager":
         vo.CheckpointManager(path, model, opt).save(step)
@@ -32,10 +32,10 @@ def save_and_load(kind: str, path: str, model, opt, step: int, whole: Callable, 
     torch.distributed.barrier()
     model, opt, dp_rank = build(weights)
     if kind == "dcp":
-        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}
         dcp.load(pieces, checkpoint_id=path)
         opt.load_sharded_model_state_dict(pieces["model"])
-        opt.load_sharded_state_dict(pieces["optim"])
+        opt.load_sharded_state_dict(pieces["optim"], model)
     elif kind == "manager":
         assert vo.CheckpointManager(path, model, opt).load().step == step
     else:

@@ -303,7 +303,7 @@ def test_staged_buffers_are_reused_and_hold_the_values_of_their_save(kind):
     reuses every buffer (no new bytes) and holds the values of that moment."""
     model, opt, sched = make(kind)
     stager = HostStager(policy=lambda device, asynchronous: Staging.PINNED)
-    state = lambda: {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}  # noqa: E731
+    state = lambda: {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}  # noqa: E731
     train(model, opt, sched, Counter(), 0, 1, False)
     first = stager.stage(state(), asynchronous=True)
     live = {k: _stage_values(v) for k, v in _tensors(state()).items()}
@@ -349,7 +349,7 @@ def test_a_cpu_save_stages_as_before(tmp_path):
     background.save(1)
     background.close()
     got = background.last_staging
-    state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+    state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}
     want = sum(v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
                for v in _tensors(state).values())  # fmt: skip
     assert got.copied_bytes == want > 0 and got.pinned_bytes == got.device_bytes == got.syncs == 0

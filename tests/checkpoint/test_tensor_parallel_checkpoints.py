@@ -79,8 +79,7 @@ def _pieces_are_global():
     """The DCP pieces of a TP parameter carry its global shape and its TP shard's offsets."""
     model, opt, _ = _setup(2, 2)
     piece = opt.sharded_model_state_dict(model)["wq.weight"]
-    index = [n for n, _ in model.named_parameters()].index("wq.weight")
-    state = opt.sharded_state_dict()["state"][str(index)]["exp_avg"]
+    state = opt.sharded_state_dict(model)["state.wq.weight.exp_avg"]
     rows = [tuple(c.offsets) for c in piece.__create_chunk_list__()]
     return tuple(piece.shape), tuple(state.shape), rows
 

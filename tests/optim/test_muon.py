@@ -155,18 +155,19 @@ def _dcp(path, mode, values=None):
             for p, v in zip(muon + adam, values):
                 p.copy_(v)
     opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False}], lr=0.02)
+    names = torch.nn.ParameterList(muon + adam)  # the names its state is keyed by
     steps = range(2) if mode == "save" else range(2, 4)
     if mode == "load":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
     for t in steps if mode != "straight" else range(4):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
             p.grad = mean_grad(p.shape, t, 4, i)
         opt.step()
     if mode == "save":
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     return [p.detach().clone() for p in muon + adam]
 
 

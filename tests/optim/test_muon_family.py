@@ -399,16 +399,17 @@ def _normuon_q8_dcp(path, mode):
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in Q8_SHAPES]
     opt = vo.Muon(params, **HYPER, normuon=True, state_bits=8)
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
     if mode == "load":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
         return opt.state_dict()
     for t in range(2):
         for i, p in enumerate(params):
             p.grad = _grad(p.shape, t, i)
         opt.step()
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     return opt.state_dict()
 
 

@@ -279,7 +279,7 @@ def _dcp_save(path, steps):
     params = make_params()
     opt = vo.Shampoo(groups(params, MIXED))
     _run(opt, params, range(steps))
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(torch.nn.ParameterList(params)), checkpoint_id=path)
     return [p.detach().clone() for p in params]
 
 
@@ -289,9 +289,10 @@ def _dcp_resume(path, values, steps):
         for p, v in zip(params, values):
             p.copy_(v)
     opt = vo.Shampoo(groups(params, MIXED))
-    sd = opt.sharded_state_dict()
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
+    sd = opt.sharded_state_dict(names)
     dcp.load(sd, checkpoint_id=path)
-    opt.load_sharded_state_dict(sd)
+    opt.load_sharded_state_dict(sd, names)
     loaded = opt.state_dict()
     _run(opt, params, steps)
     return [p.detach().clone() for p in params], loaded, dist.get_rank()

@@ -303,7 +303,7 @@ def _through_dcp(kind: str, layout: str, path: str, api: str):
     opt = _optimizer(kind, model, True)
     _steps(model, opt, dp_rank, range(STEPS - 1))
     if api == "ours":
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(model), checkpoint_id=path)
     else:
         dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -315,9 +315,9 @@ def _through_dcp(kind: str, layout: str, path: str, api: str):
             v.copy_(params[k])
     opt = _optimizer(kind, model, True)
     if api == "ours":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(model)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, model)
     else:
         sd = get_optimizer_state_dict(model, opt)
         dcp.load(sd, checkpoint_id=path)

@@ -216,11 +216,10 @@ def validate(
 
 
 @torch.no_grad()
-def load(io: StateIO, state_dict: dict, names: Sequence[str] | None) -> None:
-    """Finish a DCP load into `sharded`'s dict (either layout): fp32 state, masters and owned
-    tensors were filled in place; buffers DCP decoded into are encoded into the low-bit state
-    and dropped, and so are low-bit owned tensors' decoded copies."""
-    entries, groups = validate(io, state_dict, names)
+def load(io: StateIO, entries: dict[int, dict], groups: list[dict] | None) -> None:
+    """Finish a DCP load into `sharded`'s dict (either layout), as `validate` read it: fp32 state,
+    masters and owned tensors were filled in place; buffers DCP decoded into are encoded into the
+    low-bit state and dropped, and so are low-bit owned tensors' decoded copies."""
     if groups is not None:
         for g, saved in zip(io.param_groups, groups):
             g.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_HYPER})
@@ -285,6 +284,7 @@ class ShardedStateDict:
         changing anything."""
         self._follow_swapped()
         names = None if is_by_index(state_dict) else self._names(model)
+        entries, groups = validate(self._io, state_dict, names)
         self._used = True
-        load(self._io, state_dict, names)
+        load(self._io, entries, groups)
         self.state.changed()
