@@ -94,7 +94,7 @@ class CheckpointManager:
     model's; each optimizer over its stage's data-parallel ranks). Parameters and
     optimizer state are keyed by parameter name, so the stages' parts merge into one
     checkpoint that loads at another pipeline degree, data-parallel size or without
-    pipelining. The `scheduler` when given, `scheduler` when given, `stateful` objects (by name) with
+    pipelining. Also saved: `scheduler` when given, `stateful` objects (by name) with
     their `state_dict()`, which every rank has the same (rank 0's is kept), and each
     rank's random states (torch's, CUDA's when in use, Python's, numpy's; restored when
     the world size is unchanged). `keep` is how many checkpoints up to the newest stay
