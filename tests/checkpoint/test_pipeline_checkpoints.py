@@ -169,3 +169,39 @@ def _whole_model_over_half_the_world():
 
 def test_an_optimizer_over_part_of_the_world_without_stages_is_refused(world):
     world(4).run(_whole_model_over_half_the_world, timeout=60)
+
+
+def _two_stages_per_rank(folder: str, save: bool):
+    """Each rank of pp2 x dp2 holds two single-layer stages, r and r + 2 of 4 (an interleaved
+    schedule's placement), with an optimizer each: one step from gradients named after their
+    parameters, then saved (or, `save=False`, the checkpoint loaded at pp1 x dp4 from other
+    weights); the whole state by name."""
+    from types import SimpleNamespace
+
+    from _pipeline import model, optimizer, stage_of
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = (2, 2) if save else (1, 4)
+    world = init_device_mesh("cpu", layout, mesh_dim_names=("pp", "dp"))
+    pp_rank = world["pp"].get_local_rank()
+    parts = [stage_of(model(), 4, s) for s in (pp_rank, pp_rank + 2)] if save else [model(seed=1)]
+    opts = [optimizer("adamw", part, world["dp"], zero=2) for part in parts]
+    manager = vo.CheckpointManager(folder, parts, opts)
+    if save:
+        for part, opt in zip(parts, opts):
+            for name, p in part.named_parameters():
+                p.grad = torch.randn(
+                    p.shape, generator=torch.Generator().manual_seed(len(name) * 31 + p.numel())
+                )
+            opt.step()
+        manager.save(1)
+    else:
+        assert manager.load().step == 1
+    return merged([full_state(SimpleNamespace(part=part, opt=opt)) for part, opt in zip(parts, opts)])
+
+
+def test_a_rank_with_two_stages_saves_both_and_the_checkpoint_loads_without_stages(world, tmp_path):
+    saved = merged(world(4).run(_two_stages_per_rank, str(tmp_path), True, timeout=120))
+    assert len(saved["optim"]) == len(list(Reference("adamw").model.parameters()))
+    for loaded in world(4).run(_two_stages_per_rank, str(tmp_path), False, timeout=120):
+        assert_same(loaded, saved)
