@@ -63,12 +63,17 @@ def loss_fn(model, inputs, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def train(model, opt, steps, rank: int) -> None:
-    """`opt` trains `model` on this rank's batch of each step number in `steps`."""
+def train(model, opt, steps, rank: int, stat: str | None = None) -> list:
+    """`opt` trains `model` on this rank's batch of each step number in `steps`; with `stat`, that
+    entry of `opt.step_stats` after each step (else nothing)."""
+    seen = []
     for t in steps:
         loss_fn(model, *batch(t, rank)).backward()
         opt.step()
         opt.zero_grad()
+        if stat is not None:
+            seen.append(opt.step_stats[stat])
+    return seen
 
 
 def world_grads(model, step: int, world: int, micro: int = 1, reversed_order: bool = False) -> None:

@@ -4,6 +4,7 @@ at every world size and layout (ZeRO-2, ZeRO-3, HSDP, 8-bit state, resumed at an
 
 import pytest
 import torch
+from _muon_cases import normuon_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,15 +46,6 @@ def _bf16_in_torchs_order(g: torch.Tensor) -> torch.Tensor:
         s = x @ x.mT
         x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
-
-
-def normuon_reference(o: torch.Tensor, v: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon (arXiv 2510.05491, Algorithm 1): per-neuron second moment, row normalization,
-    then back to O's Frobenius norm."""
-    o = o.float()
-    v = beta2 * v + (1 - beta2) * (o * o).mean(dim=1)
-    on = o / (v.sqrt() + 1e-8)[:, None]
-    return on * (o.norm() / on.norm().clamp(min=1e-8)), v
 
 
 @given(st.integers(2, 24), st.integers(2, 24), st.integers(0, 2**16))
