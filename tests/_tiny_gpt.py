@@ -8,7 +8,7 @@ from torch.nn import functional as F
 VOCAB, DIM, SEQ = 37, 16, 6
 
 
-class Block(nn.Module):
+class GPTBlock(nn.Module):
     def __init__(self, dim: int = DIM):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
@@ -26,7 +26,7 @@ class TinyGPT(nn.Module):
     def __init__(self, layers: int = 3, dim: int = DIM, checkpoint: bool = False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(GPTBlock(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight

@@ -256,7 +256,7 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
     assert len(muon["params"]) == 2 and len(warned) == 1
     assert "'2' (the model's last Linear)" in warned[0] and "exclude=" in warned[0]
 
-    class Net(torch.nn.Module):
+    class LikelyHeads(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(50, 8)
@@ -264,7 +264,7 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
             self.expand = torch.nn.Linear(8, 2048)  # vocabulary-sized
             self.mix = torch.nn.Linear(8, 8)
 
-    _, _, warned = _split(Net())
+    _, _, warned = _split(LikelyHeads())
     assert len(warned) == 1
     for part in ("'decode' (out_features equals an embedding's rows)", "'expand' (vocabulary-sized",
                  "'mix' (the model's last Linear)"):  # fmt: skip

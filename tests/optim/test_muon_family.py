@@ -287,7 +287,7 @@ def test_split_newton_schulz_takes_polar_express(world, single):
             assert torch.equal(a, b)
 
 
-class _Net(torch.nn.Module):
+class _FusedQKVNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -298,7 +298,7 @@ class _Net(torch.nn.Module):
 def _modules(layout: str = "zero2"):
     """Three steps of a fused-QKV layer and an output layer (NorMuon, per-block and per-head)
     from one input, under `layout`; the model's full state dict after."""
-    net = _Net()
+    net = _FusedQKVNet()
     groups = [{"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
               {"params": [net.out.weight], "num_heads": 2},
               {"params": [net.out.bias], "use_muon": False}]  # fmt: skip
