@@ -96,7 +96,9 @@ def reference(kind, world, steps=STEPS, micro=1, meta=False, checkpoint=False, r
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(kind, steps=STEPS, micro=1, accumulate=None, meta=False, checkpoint=False, **sharding) -> tuple:
+def train_sharded(
+    kind, steps=STEPS, micro=1, accumulate=None, meta=False, checkpoint=False, **sharding
+) -> tuple:
     """A rank's run: `make_ours(kind, ...)` over `sharded_model(meta, checkpoint)` with `sharding`
     (a unit per block and the root's unless `shard_modules` is given), `micro` micro-batches a step,
     each but the last inside `accumulate` (None, or the optimizer's "no_sync" or "no_all_reduce"

@@ -155,12 +155,12 @@ def test_no_test_module_is_imported_by_another_module():
     no file under tests/ imports a test module (tests/**/test_*.py), so each reads and runs alone."""
     from conftest import TESTS
 
-    seen = _test_modules_imported(
+    seen = _test_modules_imported(  # the check sees every form (a relative import is a package's)
         "import test_a\nfrom test_b.c import d\ndef f():\n    from test_c import e as g\n"
         "importlib.import_module('test_d')\nimport _helper\nfrom . import test_e\n",
         {"test_a", "test_b", "test_c", "test_d", "test_e"},
     )
-    assert sorted(seen) == [(1, "test_a"), (2, "test_b.c"), (4, "test_c"), (5, "test_d")], seen  # it sees them
+    assert sorted(seen) == [(1, "test_a"), (2, "test_b.c"), (4, "test_c"), (5, "test_d")], seen
     test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
     found = [
         f"{path.relative_to(TESTS)}:{line} imports {module}"

@@ -19,9 +19,9 @@ from _fsdp_cases import (
     make_ours,
     reference,
     reference_model,
-    train,
+    train_sharded,
 )
-from _tiny_gpt import batch, build, loss_fn, world_grads
+from _tiny_gpt import batch, build, loss_fn, train, world_grads
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import delayed
@@ -32,7 +32,7 @@ from vescale_optim.units import State
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fully_sharded_equals_one_process(world, kind, world_size):
     want = reference(kind, world_size)
-    for got, _ in world(world_size).run(train, kind):
+    for got, _ in world(world_size).run(train_sharded, kind):
         assert_equal(got, want, TOL[kind])
 
 
@@ -52,7 +52,7 @@ def test_variants_equal_one_process(world, kind, case):
     args = CASES[case]
     keys = ("micro", "meta", "checkpoint")
     want = reference(kind, 3, **{k: args[k] for k in keys if k in args})
-    for got, _ in world(3).run(train, kind, **args):
+    for got, _ in world(3).run(train_sharded, kind, **args):
         assert_equal(got, want, TOL[kind])
 
 
@@ -70,7 +70,7 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
     assert world(2).run(_bf16_dtypes)[0] == {(torch.bfloat16, torch.float32, torch.float32)}
     want = reference("adamw", 2)
     init = build().state_dict()
-    for got, _ in world(2).run(train, "adamw", param_dtype=torch.bfloat16):
+    for got, _ in world(2).run(train_sharded, "adamw", param_dtype=torch.bfloat16):
         diff = torch.cat([(got[k] - want[k]).abs().flatten() for k in want])
         moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
         assert diff.max() <= 2 * ADAMW["lr"] * STEPS
@@ -103,7 +103,9 @@ def test_bf16_gradients_reduced_in_fp32(world):
         assert after == 0 and sent == fp32_bytes // 2  # ring bytes of one fp32 shard at W=2
     want = reference("adamw", 2)
     init = build().state_dict()
-    for got, _ in world(2).run(train, "adamw", param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+    for got, _ in world(2).run(
+        train_sharded, "adamw", param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    ):
         diff = torch.cat([(got[k] - want[k]).abs().flatten() for k in want])
         moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
         assert diff.max() <= 2 * ADAMW["lr"] * STEPS

@@ -5,8 +5,7 @@ once in the whole world, checkpoints across topologies, clear errors for bad mes
 import pytest
 import torch
 import torch.distributed as dist
-from _fsdp_cases import SHAMPOO, STEPS, TOL, assert_equal, make_ours, reference
-from _fsdp_cases import train as train_sharded
+from _fsdp_cases import SHAMPOO, STEPS, TOL, assert_equal, make_ours, reference, train_sharded
 from _tiny_gpt import batch, build, loss_fn, train
 from torch.distributed.device_mesh import init_device_mesh
 
