@@ -63,12 +63,15 @@ def loss_fn(model, inputs, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def train(model, opt, steps, rank: int, stat: str | None = None) -> list:
-    """`opt` trains `model` on this rank's batch of each step number in `steps`; with `stat`, that
-    entry of `opt.step_stats` after each step (else nothing)."""
+def train(model, opt, steps, rank: int, stat: str | None = None, clip: float | None = None) -> list:
+    """`opt` trains `model` on this rank's batch of each step number in `steps` (with `clip`, the
+    library's `opt.clip_grad_norm_(clip)` before each step); with `stat`, that entry of
+    `opt.step_stats` after each step (else nothing)."""
     seen = []
     for t in steps:
         loss_fn(model, *batch(t, rank)).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
         if stat is not None:

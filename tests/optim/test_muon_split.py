@@ -210,16 +210,13 @@ def test_a_world_of_4_with_split_matrices_equals_torch_muon(world, cap):
 
 
 def _hsdp(shape):
-    from _tiny_gpt import batch, build, loss_fn
+    from _tiny_gpt import build, train
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, model = dist.get_rank(), build(layers=1)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     opt = make_ours("muon", model, mesh=mesh, shard_modules=[*model.layers, model], cost_model=FREE_COMM)
-    for t in range(STEPS):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(STEPS), rank)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, len(opt.plan.groups)
 
 

@@ -228,10 +228,7 @@ def _first_block_prefetched():
     seen = []
     gathering = lambda p: seen.append(first.state is not State.RESHARDED)  # noqa: E731
     model.head.weight.register_post_accumulate_grad_hook(gathering)  # after the schedule's hook
-    for t in range(2):
-        loss_fn(model, *batch(t, dist.get_rank())).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(2), dist.get_rank())
     return seen
 
 
