@@ -1,8 +1,8 @@
 """The tensor-parallel tests' model, plan and data: a seeded Llama-like block under torch's TP plan
 (dp x tp gloo meshes), its batches and loss, the one-process mean gradient over the data-parallel
-ranks, the loop that trains it, and whole tensors out of DTensor state dicts. Also the block's
-sequence-parallel form (attention and MLP as modules of their own) and a block wide enough for
-8-bit state."""
+ranks and torch.optim.AdamW's run on it, the loop that trains the block, and whole tensors out of
+DTensor state dicts. Also the block's sequence-parallel form (attention and MLP as modules of their
+own) and a block wide enough for 8-bit state."""
 
 from __future__ import annotations
 
@@ -78,6 +78,25 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def mean_grad(model: nn.Module, step: int, dp: int, seq: int = SEQ) -> None:
     """One process: `model`'s gradients, the mean over `dp` data-parallel ranks' batches of `step`."""
     mean_grad_reference(model.parameters(), dp, lambda r: loss(model, *batch(step, r, seq)).backward())
+
+
+def adamw_reference(dp: int = 2, steps: int = STEPS, clip=None, clip_value=None, grads: bool = False) -> dict:
+    """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
+    dp ranks' batches (clipped to norm `clip`: then each step's norm before clipping too, as
+    `norm{t}`; or to `clip_value`), and with `grads` the first step's mean gradients as `grad.{name}`."""
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    extra = {}
+    for t in range(steps):
+        mean_grad(model, t, dp)
+        if t == 0 and grads:
+            extra.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
+        if clip is not None:
+            extra[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        opt.step()
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **extra}
 
 
 def train(model: nn.Module, opt, dp_rank: int, steps: Iterable[int], stat: str | None = None) -> list:

@@ -14,12 +14,12 @@ from _tp import (
     WIDE,
     WIDE_PLAN,
     Wide,
+    adamw_reference,
     batch,
     build,
     full,
     local,
     loss,
-    mean_grad,
     mesh,
     placements,
     replicated_mesh,
@@ -34,25 +34,6 @@ import vescale_optim as vo
 from vescale_optim.units import ReducedGrad
 
 pytestmark = pytest.mark.slow
-
-
-def reference(dp=2, steps=STEPS, clip=None, clip_value=None, grads=False):
-    """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
-    dp ranks' batches (clipped to norm `clip`: then each step's norm before clipping too, as
-    `norm{t}`; or to `clip_value`), and with `grads` the first step's mean gradients as `grad.{name}`."""
-    model = build()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    extra = {}
-    for t in range(steps):
-        mean_grad(model, t, dp)
-        if t == 0 and grads:
-            extra.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
-        if clip is not None:
-            extra[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
-        opt.step()
-    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **extra}
 
 
 def _train(kind, steps=STEPS, clip=None):
@@ -83,7 +64,7 @@ def _train(kind, steps=STEPS, clip=None):
 
 
 def test_dp2_tp2_adamw_equals_one_process(world):
-    want = reference()
+    want = adamw_reference()
     for got in world(4).run(_train, "ours"):
         for k in want:
             torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -189,7 +170,7 @@ def test_what_cannot_be_sharded_is_refused_on_every_rank(world, case, error, wor
 def test_clip_grad_norm_sums_tp_shards_and_counts_replicated_parameters_once(world):
     """opt.clip_grad_norm_ under TP (FSDP2 2-D cannot run torch's clip_grad_norm_ here: its
     per-parameter norms live on two meshes, dp and dp x tp, which torch.stack refuses)."""
-    want = reference(clip=0.05)
+    want = adamw_reference(clip=0.05)
     for got in world(4).run(_train, "ours", clip=0.05):
         for t in range(STEPS):  # the norm before clipping
             torch.testing.assert_close(got[t]["norm"], want[f"norm{t}"], rtol=1e-5, atol=1e-7)
@@ -240,7 +221,7 @@ def test_torch_gradient_utilities_see_the_whole_model(world, shape, zero3, how):
     """The norm torch's clipping computes is the whole model's (TP shards summed over TP, a
     replicated parameter counted once), the same on every rank as one process's; the clipped
     step and `p.grad.full_tensor()` equal one process's on the mean gradient."""
-    want = reference(dp=shape[0], clip=None if how == "clip_grad_value_" else 0.05,
+    want = adamw_reference(dp=shape[0], clip=None if how == "clip_grad_value_" else 0.05,
                      clip_value=1e-3 if how == "clip_grad_value_" else None, grads=True)  # fmt: skip
     for got in world(4).run(_torch_utils, shape, zero3, how):
         for k in want:
@@ -286,7 +267,7 @@ def _train_zero3(steps=STEPS):
 
 
 def test_zero3_dp2_tp2_equals_one_process_and_fsdp2_step_for_step(world):
-    want, theirs = reference(), world(4).run(_train, "fsdp2")
+    want, theirs = adamw_reference(), world(4).run(_train, "fsdp2")
     for (ours, refused, seen), fsdp in zip(world(4).run(_train_zero3), theirs):
         for k in want:
             torch.testing.assert_close(ours[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -319,7 +300,7 @@ def _train_hsdp(shape, zero3):
 @pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
 @pytest.mark.parametrize("zero3", [False, True])
 def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
-    want = reference()
+    want = adamw_reference()
     for got in world(4).run(_train_hsdp, shape, zero3):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -354,7 +335,7 @@ def _train_with(dp, options, steps=STEPS, poison=None, same_batch=False, wide=Fa
 def test_skip_nonfinite_skips_on_every_tp_rank(world):
     """A NaN in one TP rank's shard of a gradient skips the step on all four ranks: the run equals
     one that never took that step's data (the TP shards of wq stay one matrix)."""
-    want = reference(steps=1)
+    want = adamw_reference(steps=1)
     for got, _ in world(4).run(_train_with, 2, dict(skip_nonfinite=True), 2, (1, 0)):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -382,7 +363,7 @@ def test_8bit_state_is_identical_at_any_dp_size_for_one_tp_size(world):
 def test_8bit_collectives_under_tp_stay_near_fp32(world, options):
     """Within STEPS steps of lr of the fp32 run (Adam's updates of tiny gradients may flip with the
     wire's rounding), and the parameters left out of the plan still equal on every TP rank."""
-    want, runs = reference(), world(4).run(_train_with, 2, options)
+    want, runs = adamw_reference(), world(4).run(_train_with, 2, options)
     for got, _ in runs:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=STEPS * ADAMW["lr"], msg=k)
