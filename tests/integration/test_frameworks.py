@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from wrapped._common import Rows, TrainerModel, loss, net
+from wrapped._common import Rows, TrainerModel, lightning_module
 
 import vescale_optim as vo
 
@@ -59,23 +59,9 @@ def test_hf_trainer_with_max_grad_norm_trains_like_torch_adamw(tmp_path):
 
 def _lightning(kind: str, tmp: str, clip: str) -> list[torch.Tensor]:
     L = pytest.importorskip("lightning")
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            cls = vo.AdamW if kind == "vo" else torch.optim.AdamW
-            return cls(self.parameters(), lr=1e-2, weight_decay=0.01)
-
     x, y = _data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    module = Module()
+    module = lightning_module("vo_adamw" if kind == "vo" else "torch")  # lr 1e-2, weight decay 0.01
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     trainer = L.Trainer(
         max_steps=STEPS, accelerator="cpu", devices=1, gradient_clip_val=0.5 if clip == "norm" else 0.02,

@@ -46,6 +46,28 @@ class TrainerModel(nn.Module):
         return {"loss": loss(out, labels), "logits": out}
 
 
+def lightning_module(opt: str):
+    """`net()` as a Lightning module: `loss` its training step, `optimizers(opt, module)` its
+    optimizer (test_frameworks.py trains it in one process, lightning_ddp.py on two ranks). Lightning
+    is imported here, when asked for: the other scripts run without it."""
+    import lightning as L
+
+    class NetModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            (optimizer,) = optimizers(opt, self)
+            return optimizer
+
+    return NetModule()
+
+
 class Rows(torch.utils.data.Dataset):
     """The rows of inputs `x` and targets `y` as Trainer reads them: `{"x": ..., "labels": ...}`."""
 
