@@ -32,7 +32,7 @@ MESHES = {"W2": (2,), "W3": (3,), "hsdp2x2": (2, 2)}
 # same model is 5.9e-6 off at W=1 and 4.6e-6 at W=2 (test_fsdp), the embedding's tiles with
 # near-singular factors (unused rows) amplifying eigh's rounding; FSDP2 reducing the gradient in
 # its own order adds 2e-7 to 5e-7 (the reference fed FSDP2's gradients vs fed the mean). So
-# test_fsdp's tolerance, 1e-5 with rtol 1e-5.
+# the fully sharded tests' tolerance (`_fsdp_cases.TOL`), 1e-5 with rtol 1e-5.
 TOL = 1e-5
 # Inverse roots, relative to their tile's largest entry: the embedding's last tile (5 rows) has a
 # rank-deficient R whose null space takes epsilon^-1/4 = 1000, where eigh(F + eps*I) (ours) and the

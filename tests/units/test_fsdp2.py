@@ -36,7 +36,7 @@ MUON = dict(lr=0.02, weight_decay=0.1)
 AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 # Both runs see FSDP2's reduced gradient, so only the update math differs. Measured after 3
 # steps here: AdamW 2.7e-7, Muon 6e-8 (both Newton-Schulz on whole bf16 matrices); Muon's
-# tolerance stays at the library's Muon floor (test_fsdp's 2e-3), since another host's bf16
+# tolerance stays at the library's Muon floor (`_fsdp_cases.TOL`, 2e-3), since another host's bf16
 # matmuls may flip an output rounding that this one does not.
 TOL = {"adamw": 1e-6, "muon": 2e-3}
 MATRICES = 12  # TinyGPT's Muon matrices: 3 layers x (attn, proj, mlp.0, mlp.2)

@@ -200,8 +200,8 @@ def test_a_colwise_cut_through_a_block_is_refused_on_every_rank(world):
 
 # NorMuon on TP-cut matrices: the owner holds the full matrix (a ColwiseParallel shard's whole heads,
 # a RowwiseParallel matrix's column blocks put side by side), so it keeps each matrix's per-row
-# second moment as without TP. Reference: the loop written out (test_muon_family's NorMuon) on the
-# unparallelised model, per block.
+# second moment as without TP. Reference: the loop written out (`_muon_cases.normuon_reference`) on
+# the unparallelised model, per block.
 NORMUON_BLOCKS = {"wq": dict(num_heads=4), "w2": dict(split_sizes=(4, 12))}  # Shard(0) heads, Shard(1) blocks
 BETA2 = 0.9
 BEFORE = 2  # steps before a checkpoint
@@ -365,7 +365,7 @@ def test_normuon_state_under_tp_resumes_exactly(world, tmp_path, kind, dp, tp):
 
 # 8-bit NorMuon under TP: the momentum's and v's int8 blocks lie in each TP shard (q8 from
 # QUANT_MIN_NUMEL elements of the local shard), so at one TP size they are bitwise the same at any
-# dp size, and near the fp32 state's run (test_tensor_parallel's Wide: 64 x 64 shards reach q8).
+# dp size, and near the fp32 state's run (`_tp.Wide`: 64 x 64 shards reach q8).
 
 
 def _wide_normuon(dp, state_bits):

@@ -189,8 +189,8 @@ def test_matrices_replicated_over_tp_next_to_cut_ones_equal_one_process_each_til
 
 
 def _sequence_parallel():
-    """vo.Shampoo on test_sequence_parallel's plan (SequenceParallel norms, Replicate DTensors
-    whose gradients arrive Partial): the whole model after its steps."""
+    """vo.Shampoo on the sequence-parallel plan (`_tp.SP_PLAN`: SequenceParallel norms, Replicate
+    DTensors whose gradients arrive Partial): the whole model after its steps."""
     world = mesh(2, SP_TP)
     model = parallelize_module(build(SequenceParallelBlock), world["tp"], SP_PLAN)
     opt = vo.Shampoo(model.parameters(), mesh=world["dp"], **SHAMPOO)
