@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_resume import Counter, assert_same, full, make, train
+from _resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST, checksum
