@@ -127,6 +127,49 @@ def test_tests_mirror_the_packages():
         assert path.stem[len("test_"):] in top | {"layers", "one_door", "references"}, path.name
 
 
+def _test_modules_imported(source: str, test_modules: set[str]) -> list[tuple[int, str]]:
+    """(line, module) of each import in `source` of a module named in `test_modules`: `import`,
+    `from ... import` (at module level or inside a function) and `importlib.import_module` of a
+    literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            targets = [node.module or ""]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            targets = [str(node.args[0].value)]
+        else:
+            continue
+        found += [(node.lineno, t) for t in targets if t.split(".")[0] in test_modules]
+    return found
+
+
+def test_no_test_module_is_imported_by_another_module():
+    """What tests share (models, training loops, references, tolerances) lives in helpers, tests/_*.py;
+    no file under tests/ imports a test module (tests/**/test_*.py), so each reads and runs alone."""
+    from conftest import TESTS
+
+    seen = _test_modules_imported(  # the check sees every form (a relative import is a package's)
+        "import test_a\nfrom test_b.c import d\ndef f():\n    from test_c import e as g\n"
+        "importlib.import_module('test_d')\nimport _helper\nfrom . import test_e\n",
+        {"test_a", "test_b", "test_c", "test_d", "test_e"},
+    )
+    assert sorted(seen) == [(1, "test_a"), (2, "test_b.c"), (4, "test_c"), (5, "test_d")], seen
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
+    found = [
+        f"{path.relative_to(TESTS)}:{line} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line, module in _test_modules_imported(path.read_text(), test_modules)
+    ]
+    assert not found, "move what is shared into a tests/_*.py helper:\n" + "\n".join(found)
+
+
 def map_imports(name: str, path: Path) -> str:
     """The imports cell of module `name`'s row in ARCHITECTURE.md's map: every package module it
     imports (all of them, as `_imports` counts): those of its own package first, by file name

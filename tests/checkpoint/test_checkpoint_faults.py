@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _fsdp_cases import SHAMPOO
+from _resume import Counter, assert_same, full, make, train
 from _tiny_gpt import build
-from test_fsdp import SHAMPOO
-from test_resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_resume import Counter, assert_same, full, make, train
+from _resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST, checksum

@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _tiny_gpt import batch, build, loss_fn
-from test_fsdp import make_ours
+from _resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST
@@ -30,71 +29,6 @@ from vescale_optim.shard.dcp import DcpPiece
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-class Counter:
-    """A stateful object: how many batches this run has seen."""
-
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-
-def make(kind, sharded=True, mesh=None, seed=0, comm_bits=None):
-    """A tiny GPT (wider for 8-bit state, which needs tensors of 4096+ elements), its
-    optimizer and a scheduler; `comm_bits=8`: 8-bit all-gathers and gradient reductions
-    (what is saved stays full precision)."""
-    model = build(seed=seed, dim=64 if kind == "adamw8" else 16)
-    sharding = {"shard_modules": [*model.layers, model] if sharded else None}
-    if comm_bits is not None:
-        sharding.update(gather_bits=comm_bits, reduce_bits=comm_bits, comm_block=16)
-    if mesh is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        sharding["mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
-    if kind == "adamw8":
-        opt = vo.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_bits=8, **sharding)
-    else:
-        opt = make_ours(kind, model, **sharding)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.25 * s))
-    return model, opt, sched
-
-
-def train(model, opt, sched, counter, first, last, noise):
-    """Steps `first`..`last`; with `noise` the loss is scaled by draws from torch's and
-    Python's random generators, so the trajectory depends on the random states too."""
-    for t in range(first, last):
-        loss = loss_fn(model, *batch(t, _rank()))
-        if noise:
-            loss = loss * (1 + 0.1 * torch.rand(()).item() + 0.1 * random.random())
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        counter.n += 1
-
-
-def full(model, opt, sched):
-    """Everything in torch's format, copied (collective)."""
-    weights = {k: v.clone() for k, v in model.state_dict().items()}  # without units: the live tensors
-    return {"model": weights, "optim": opt.state_dict(), "sched": sched.state_dict()}
-
-
-def assert_same(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got.keys(), want.keys())
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
 
 
 @contextlib.contextmanager

@@ -8,36 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _muon_cases import STEPS, grad, hyper, make_params, mean_grad, n_matrices, reference
 from _reference import mean_of
 
 import vescale_optim as vo
 from vescale_optim.optim._muon_math import ns_flops
 from vescale_optim.owners.balance import assign_owners, imbalance
-
-# tall, wide, square, tiny, a 3-D stack of 3 wide matrices, a 4-D conv, and two repeats
-MUON_SHAPES = [(12, 5), (4, 10), (8, 8), (2, 3), (3, 4, 6), (6, 2, 3, 3), (8, 8), (12, 5)]
-ADAM_SHAPES = [(7,), (5, 3)]
-STEPS = 3
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    muon = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
-    adam = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ADAM_SHAPES]
-    return muon, adam
-
-
-def grad(shape, step, rank, i):
-    g = torch.Generator().manual_seed(7919 * step + 101 * rank + i)
-    return torch.randn(shape, generator=g) * (1 + rank)
-
-
-def mean_grad(shape, step, world, i):
-    return mean_of(grad(shape, step, r, i) for r in range(world))
-
-
-def hyper(adjust, nesterov):
-    return dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
 
 
 def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
@@ -59,40 +35,6 @@ def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
     if state:
         out["state"] = opt.state_dict()
     return out
-
-
-def reference(world, adjust, nesterov, steps=STEPS):
-    """torch.optim.Muon on every matrix (3-D stacks slice by slice, 4-D viewed as 2-D)."""
-    muon, adam = make_params()
-    mats, owners = [], []
-    for i, p in enumerate(muon):
-        if p.ndim == 3:
-            for s in range(p.shape[0]):
-                mats.append(torch.nn.Parameter(p.detach()[s].clone()))
-                owners.append((i, s))
-        else:
-            mats.append(torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()))
-            owners.append((i, None))
-    adam = [torch.nn.Parameter(p.detach().clone()) for p in adam]
-    mopt = torch.optim.Muon(mats, **hyper(adjust, nesterov))
-    aopt = torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
-    for t in range(steps):
-        full = [mean_grad(p.shape, t, world, i) for i, p in enumerate(muon)]
-        for m, (i, s) in zip(mats, owners):
-            m.grad = (full[i][s] if s is not None else full[i].reshape(m.shape)).clone()
-        for j, p in enumerate(adam):
-            p.grad = mean_grad(p.shape, t, world, len(muon) + j)
-        mopt.step()
-        aopt.step()
-    out = []
-    for i, p in enumerate(muon):
-        pieces = [m.detach() for m, (k, _) in zip(mats, owners) if k == i]
-        out.append(torch.stack(pieces) if p.ndim == 3 else pieces[0].reshape(p.shape))
-    return out + [p.detach() for p in adam], mopt
-
-
-def n_matrices():
-    return sum(s[0] if len(s) == 3 else 1 for s in MUON_SHAPES)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
@@ -315,7 +257,7 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
     assert len(muon["params"]) == 2 and len(warned) == 1
     assert "'2' (the model's last Linear)" in warned[0] and "exclude=" in warned[0]
 
-    class Net(torch.nn.Module):
+    class LikelyHeads(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(50, 8)
@@ -323,7 +265,7 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
             self.expand = torch.nn.Linear(8, 2048)  # vocabulary-sized
             self.mix = torch.nn.Linear(8, 8)
 
-    _, _, warned = _split(Net())
+    _, _, warned = _split(LikelyHeads())
     assert len(warned) == 1
     for part in ("'decode' (out_features equals an embedding's rows)", "'expand' (vocabulary-sized",
                  "'mix' (the model's last Linear)"):  # fmt: skip

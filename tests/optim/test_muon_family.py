@@ -4,6 +4,7 @@ at every world size and layout (ZeRO-2, ZeRO-3, HSDP, 8-bit state, resumed at an
 
 import pytest
 import torch
+from _muon_cases import normuon_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,15 +46,6 @@ def _bf16_in_torchs_order(g: torch.Tensor) -> torch.Tensor:
         s = x @ x.mT
         x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
-
-
-def normuon_reference(o: torch.Tensor, v: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon (arXiv 2510.05491, Algorithm 1): per-neuron second moment, row normalization,
-    then back to O's Frobenius norm."""
-    o = o.float()
-    v = beta2 * v + (1 - beta2) * (o * o).mean(dim=1)
-    on = o / (v.sqrt() + 1e-8)[:, None]
-    return on * (o.norm() / on.norm().clamp(min=1e-8)), v
 
 
 @given(st.integers(2, 24), st.integers(2, 24), st.integers(0, 2**16))
@@ -295,7 +287,7 @@ def test_split_newton_schulz_takes_polar_express(world, single):
             assert torch.equal(a, b)
 
 
-class _Net(torch.nn.Module):
+class _FusedQKVNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -306,7 +298,7 @@ class _Net(torch.nn.Module):
 def _modules(layout: str = "zero2"):
     """Three steps of a fused-QKV layer and an output layer (NorMuon, per-block and per-head)
     from one input, under `layout`; the model's full state dict after."""
-    net = _Net()
+    net = _FusedQKVNet()
     groups = [{"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
               {"params": [net.out.weight], "num_heads": 2},
               {"params": [net.out.bias], "use_muon": False}]  # fmt: skip

@@ -16,7 +16,7 @@ import vescale_optim as vo
 from vescale_optim.shard.comm import _group_device
 
 
-class Rotary(nn.Module):
+class BufferOnlyRotary(nn.Module):
     """A buffer-only module, as a rotary embedding: `inv_freq` is computed, not learned."""
 
     def __init__(self, dim: int):
@@ -33,12 +33,12 @@ class Rotary(nn.Module):
         return x * torch.cos(self.inv_freq).repeat(2)
 
 
-class Block(nn.Module):
+class BufferedBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, dim)
-        self.rope = Rotary(dim)
+        self.rope = BufferOnlyRotary(dim)
         self.register_buffer("count", torch.zeros(3))
 
     def reset_parameters(self) -> None:
@@ -49,10 +49,10 @@ class Block(nn.Module):
         return x + self.fc(self.rope(self.norm(x))) * self.count.sum()
 
 
-class Net(nn.Module):
+class BufferedNet(nn.Module):
     def __init__(self, dim: int = 8, layers: int = 2):
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(BufferedBlock(dim) for _ in range(layers))
         self.head = nn.Linear(dim, 3)
 
     def forward(self, x):
@@ -65,9 +65,9 @@ def _built(meta: bool, **sharding):
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
-            model = Net()
+            model = BufferedNet()
     else:
-        model = Net()
+        model = BufferedNet()
         for block in model.layers:
             block.reset_parameters()
     opt = vo.AdamW(model.parameters(), lr=0.1, shard_modules=[*model.layers, model], **sharding)
@@ -96,7 +96,7 @@ class Extra(nn.Module):
 
 
 def test_a_meta_buffer_nothing_can_initialise_is_named():
-    class WithExtra(Net):
+    class WithExtra(BufferedNet):
         def __init__(self):
             super().__init__()
             self.extra = Extra()

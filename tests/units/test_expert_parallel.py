@@ -242,9 +242,9 @@ def test_expert_stack_state_dict_resumes_exactly(world):
 
 
 def _normuon_reference():
-    """One process, the loop written out (test_muon_family's NorMuon) on each expert and on
+    """One process, the loop written out (`_muon_cases.normuon_reference`) on each expert and on
     `proj`, AdamW on the bias; the stack, `proj`, and the state under the one-process keys."""
-    from test_muon_family import normuon_reference
+    from _muon_cases import normuon_reference
 
     from vescale_optim.kernels import newton_schulz
     from vescale_optim.optim._muon_math import adjusted_lr

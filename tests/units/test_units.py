@@ -207,7 +207,7 @@ def test_blocks_under_a_root_without_parameters_are_freed_after_forward():
 # --- several forwards before their backwards: any interleaving torch accepts ------------------
 
 
-class _Net(torch.nn.Module):
+class _ReusedBlockNet(torch.nn.Module):
     """A root with parameters of its own around two blocks (the second called twice when
     `shared`): the root is watched (its input needs no gradient), the blocks have triggers."""
 
@@ -266,7 +266,7 @@ def interleavings(draw):
 def _interleaved(events, mode, shared, steps):
     """Each step's `.grad` right after its backwards (gathered whole), and the parameters
     after `steps` AdamW steps."""
-    model = _Net(shared)
+    model = _ReusedBlockNet(shared)
     sharding = {} if mode == "zero2" else dict(shard_modules=[*model.blocks, model],
                                                reshard_after_forward=mode == "zero3")  # fmt: skip
     opt = vo.AdamW(model.parameters(), lr=0.01, **sharding)
@@ -296,7 +296,7 @@ def _interleaved_reference(events, shared, steps, world):
     """torch's: each backward's gradients averaged over the ranks as a reduction does (summed
     in rank order, then divided: `mean_of`), added up over the backwards in their order;
     torch.optim.AdamW stepping on them."""
-    model = _Net(shared)
+    model = _ReusedBlockNet(shared)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     grads = []
     for t in range(steps):
