@@ -185,6 +185,7 @@ def _refuses_amsgrad_state():
     theirs = torch.optim.AdamW(groups(twins, amsgrad=True))
     set_grads(twins, 0, 0)
     theirs.step()
+
     def with_state(index, entry):
         return {**before, "state": {**before["state"], index: entry}}
 
