@@ -87,8 +87,10 @@ def _groups(theirs: list[dict], ours: list[dict]) -> list[str]:
             problems.append(f"param group {i} has {t['params']} parameters there, {o['params']} here")
         for key in o.keys() - {"params"}:
             if t.get(key) != o[key]:
-                problems.append(f"param group {i} has {key}={t.get(key)!r} there, {o[key]!r} here (it shapes "
-                                f"the state: build the optimizer with {key}={t.get(key)!r})")  # fmt: skip
+                problems.append(
+                    f"param group {i} has {key}={t.get(key)!r} there, {o[key]!r} here (it shapes "
+                    f"the state: build the optimizer with {key}={t.get(key)!r})"
+                )
     return problems
 
 
@@ -112,8 +114,10 @@ def mismatches(theirs: dict, ours: dict) -> list[str]:
         problems += _groups(theirs["groups"], ours["groups"])
         bits = theirs.get("state_bits", ours["state_bits"])
         if bits != ours["state_bits"]:
-            problems.append(f"its optimizer state is stored in {bits} bits, this optimizer's in "
-                            f"{ours['state_bits']} (build it with state_bits={bits})")  # fmt: skip
+            problems.append(
+                f"its optimizer state is stored in {bits} bits, this optimizer's in "
+                f"{ours['state_bits']} (build it with state_bits={bits})"
+            )
     if theirs["scheduler"] != ours["scheduler"]:
         problems.append(f"its LR scheduler is {theirs['scheduler']}, this one is {ours['scheduler']}")
     problems += _model(theirs["model"], ours["model"])

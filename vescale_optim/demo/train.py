@@ -116,8 +116,14 @@ def train_one(
         print(f"resumed from {checkpoints.manager.path(first)}", flush=True)
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
-    bar = tqdm(range(first, cfg.steps), desc=name, initial=first, total=cfg.steps,
-               disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        range(first, cfg.steps),
+        desc=name,
+        initial=first,
+        total=cfg.steps,
+        disable=world.rank != 0 or not cfg.progress,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
     before = next((t for t in reversed(seconds) if math.isfinite(t)), 0.0)  # trained before a resume
     for step in bar:
@@ -267,8 +273,10 @@ def write_report(summary: dict, out: Path) -> None:
     starts = {r["init_params_sha256"] for r in runs.values()}
     if len(runs) > 1:
         same = "the same initial weights" if len(starts) == 1 else "DIFFERENT initial weights"
-        print(f"{', '.join(runs)} trained from {same} (SHA-256 {', '.join(sorted(s[:12] for s in starts))}) "
-              "on the same batches")  # fmt: skip
+        print(
+            f"{', '.join(runs)} trained from {same} (SHA-256 {', '.join(sorted(s[:12] for s in starts))}) "
+            "on the same batches"
+        )
     print(format_table(*memory_table(summary)))
     print(
         "held between steps, from opt.memory_stats(): parameter and gradient shards (whole parameters "
@@ -277,15 +285,17 @@ def write_report(summary: dict, out: Path) -> None:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_losses(summary, out / "loss.png")
-    print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'} "
-          "(loss vs step and vs training wall time)")  # fmt: skip
+    print(
+        f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'} "
+        "(loss vs step and vs training wall time)"
+    )
 
 
 def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     """The mean of each value and its neighbours, `window` of them centred on it (fewer at the ends)."""
     half = window // 2
-    return [sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
-            for i in range(len(values))]  # fmt: skip
+    windows = [values[max(0, i - half) : i + half + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
 def plot_losses(summary: dict, path: Path) -> None:

@@ -31,8 +31,19 @@ from torch import Tensor
 from ._triton_common import INTERPRET, Launch, cast_rne, device_of, upcast
 
 __all__ = [
-    "INTERPRET", "adamw8bit", "adamw8bit_launch", "block_config", "dequantize", "dequantize_launch",
-    "pack", "pack_launch", "quantize", "quantize_launch", "unpack", "unpack_launch", "unpack_sum",
+    "INTERPRET",
+    "adamw8bit",
+    "adamw8bit_launch",
+    "block_config",
+    "dequantize",
+    "dequantize_launch",
+    "pack",
+    "pack_launch",
+    "quantize",
+    "quantize_launch",
+    "unpack",
+    "unpack_launch",
+    "unpack_sum",
     "unpack_sum_launch",
 ]
 
@@ -123,8 +134,17 @@ def _tile_at(tile, n, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
-                     INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    n,
+    nblocks,
+    block_size,
+    INTERPRETED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
     x_ptr += start
     q_ptr += start
@@ -136,8 +156,17 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, nblocks, block_size,
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, s_ptr, out_ptr, n, nblocks, block_size,
-                       INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _dequantize_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    n,
+    nblocks,
+    block_size,
+    INTERPRETED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
     q_ptr += start
     s_ptr += first
@@ -173,8 +202,9 @@ def _row_tile(tiles, numel, nblocks, block_size, ROWS: tl.constexpr, BLOCK: tl.c
     """This program's packed row (int64) and its tile there (``_tile_at``)."""
     pid = tl.program_id(0)
     row = pid // tiles
-    start, first, rows, offs, mask, row_mask = _tile_at(pid - row * tiles, numel, nblocks, block_size,
-                                                        ROWS, BLOCK)
+    start, first, rows, offs, mask, row_mask = _tile_at(
+        pid - row * tiles, numel, nblocks, block_size, ROWS, BLOCK
+    )
     return row.to(tl.int64), start, first, rows, offs, mask, row_mask
 
 
@@ -187,8 +217,18 @@ def _unpack_rows(p_ptr, numel, start, first, rows, offs, mask, row_mask):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, p_ptr, numel, nblocks, width, tiles, block_size,
-                 INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_kernel(
+    x_ptr,
+    p_ptr,
+    numel,
+    nblocks,
+    width,
+    tiles,
+    block_size,
+    INTERPRETED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Quantize a tile of row ``row`` of ``x`` (``numel`` elements a row) straight into the
     packed ``[rows, width]`` bytes: codes at the tile's elements, scales after the codes."""
     row, start, first, rows, offs, mask, row_mask = _row_tile(tiles, numel, nblocks, block_size, ROWS, BLOCK)
@@ -201,8 +241,18 @@ def _pack_kernel(x_ptr, p_ptr, numel, nblocks, width, tiles, block_size,
 
 
 @triton.jit
-def _unpack_kernel(p_ptr, out_ptr, numel, nblocks, width, tiles, block_size,
-                   INTERPRETED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _unpack_kernel(
+    p_ptr,
+    out_ptr,
+    numel,
+    nblocks,
+    width,
+    tiles,
+    block_size,
+    INTERPRETED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Dequantize a tile of packed row ``row`` into ``out[row * numel:]`` in ``out``'s dtype."""
     row, start, first, rows, offs, mask, row_mask = _row_tile(tiles, numel, nblocks, block_size, ROWS, BLOCK)
     p_ptr += row * width  # both bases before the loads: ptxas then spills nowhere (sm_90, BLOCK 8192)
@@ -212,8 +262,9 @@ def _unpack_kernel(p_ptr, out_ptr, numel, nblocks, width, tiles, block_size,
 
 
 @triton.jit
-def _unpack_sum_kernel(p_ptr, out_ptr, nrows, numel, nblocks, width, block_size,
-                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _unpack_sum_kernel(
+    p_ptr, out_ptr, nrows, numel, nblocks, width, block_size, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
     """fp32 sum over the ``nrows`` packed rows of a tile's dequantized values, in row order
     (row 0, then ``+=`` each next row: exactly the reference's sequence of fp32 adds; a
     contracted ``q * s + acc`` changes nothing, since ``q * s`` is exact)."""
@@ -227,9 +278,26 @@ def _unpack_sum_kernel(p_ptr, out_ptr, nrows, numel, nblocks, width, block_size,
 
 @triton.jit(do_not_specialize=["salt"])
 def _adamw8bit_kernel(
-    p_ptr, g_ptr, qm_ptr, sm_ptr, qv_ptr, sv_ptr, n, nblocks, block_size,
-    sign, salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    p_ptr,
+    g_ptr,
+    qm_ptr,
+    sm_ptr,
+    qv_ptr,
+    sv_ptr,
+    n,
+    nblocks,
+    block_size,
+    sign,
+    salt,
+    decay,
+    w1,
+    beta2,
+    w2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One fused 8-bit AdamW step; ``sign`` is -1.0 to maximize (exact, and one kernel for both)."""
     start, first, rows, offs, mask, row_mask = _tile(n, nblocks, block_size, ROWS, BLOCK)
@@ -368,20 +436,55 @@ def unpack_sum(packed: Tensor, out: Tensor, rows: int, block_size: int) -> None:
         launch()
 
 
-def adamw8bit_launch(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
-                     block_size: int, *, salt: int, decay: float, w1: float, beta2: float,
-                     w2: float, step_size: float, bc2_sqrt: float, eps: float, maximize: bool) -> Launch:
+def adamw8bit_launch(
+    p: Tensor,
+    g: Tensor,
+    qm: Tensor,
+    sm: Tensor,
+    qv: Tensor,
+    sv: Tensor,
+    block_size: int,
+    *,
+    salt: int,
+    decay: float,
+    w1: float,
+    beta2: float,
+    w2: float,
+    step_size: float,
+    bc2_sqrt: float,
+    eps: float,
+    maximize: bool,
+) -> Launch:
     """The launch of ``adamw8bit``."""
     n = p.numel()
     config = block_config(block_size)
     grid, nblocks = _grid(n, block_size, config)
-    args = (p, g, qm, sm, qv, sv, n, nblocks, block_size,
-            -1.0 if maximize else 1.0, salt, decay, w1, beta2, w2, step_size, bc2_sqrt, eps)
+    args = (
+        p,
+        g,
+        qm,
+        sm,
+        qv,
+        sv,
+        n,
+        nblocks,
+        block_size,
+        -1.0 if maximize else 1.0,
+        salt,
+        decay,
+        w1,
+        beta2,
+        w2,
+        step_size,
+        bc2_sqrt,
+        eps,
+    )
     return Launch(_adamw8bit_kernel, grid, args, config)
 
 
-def adamw8bit(p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor,
-              block_size: int, **hyper) -> None:
+def adamw8bit(
+    p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor, block_size: int, **hyper
+) -> None:
     """Triton ``adamw8bit_update_``: one fused pass, each block read and written once;
     ``hyper`` as in ``adamw8bit_launch``."""
     launch = adamw8bit_launch(p, g, qm, sm, qv, sv, block_size, **hyper)

@@ -62,7 +62,15 @@ from .packed import packed_width
 from .quant import MAX_TRITON_BLOCK
 
 __all__ = [
-    "SMEM_LIMIT", "Case", "build", "cases", "check", "main", "markdown", "ptxas_usage", "tensor_core_ops",
+    "SMEM_LIMIT",
+    "Case",
+    "build",
+    "cases",
+    "check",
+    "main",
+    "markdown",
+    "ptxas_usage",
+    "tensor_core_ops",
 ]
 
 SMEM_LIMIT = {80: 166912, 90: 232448}
@@ -132,8 +140,17 @@ def cases() -> Iterator[Case]:
         for launch in plan:
             if isinstance(launch, Launch):
                 yield Case("newton_schulz", name, launch)
-    hyper = dict(salt=1, decay=0.99, w1=0.1, beta2=0.999, w2=0.001, step_size=1e-3, bc2_sqrt=0.03, eps=1e-8,
-                 maximize=False)
+    hyper = dict(
+        salt=1,
+        decay=0.99,
+        w1=0.1,
+        beta2=0.999,
+        w2=0.001,
+        step_size=1e-3,
+        bc2_sqrt=0.03,
+        eps=1e-8,
+        maximize=False,
+    )
     for block_size, n in _quant_inputs():
         for dtype in QUANT_DTYPES:
             name = f"{_DTYPE[dtype]} n={n} block_size={block_size}"
@@ -218,10 +235,24 @@ def _plan(archs: Sequence[int], case_list: Sequence[Case], out: Path) -> list[_J
             key = hashlib.sha256(f"{name}|{sorted(meta.items())}|{text}".encode()).hexdigest()[:10]
             job_id = f"{name}-sm{arch}-{key}"
             if job_id not in jobs:
-                config = {**meta, "num_warps": options.num_warps, "num_stages": options.num_stages,
-                          "signature": text}
-                jobs[job_id] = _Job(name, case.role, arch, config, signature, constexprs, attrs,
-                                    options.__dict__, str(out / f"{job_id}.ptx"), [])
+                config = {
+                    **meta,
+                    "num_warps": options.num_warps,
+                    "num_stages": options.num_stages,
+                    "signature": text,
+                }
+                jobs[job_id] = _Job(
+                    name,
+                    case.role,
+                    arch,
+                    config,
+                    signature,
+                    constexprs,
+                    attrs,
+                    options.__dict__,
+                    str(out / f"{job_id}.ptx"),
+                    [],
+                )
             if case.input not in jobs[job_id].inputs:
                 jobs[job_id].inputs.append(case.input)
     return list(jobs.values())
@@ -251,9 +282,20 @@ def _kernel_fn(name: str):
 
 
 def _compile(job: _Job) -> dict:
-    record = dict(kernel=job.kernel, role=job.role, arch=job.arch, config=job.config, smem_bytes=None,
-                  regs=None, spills=None, tensor_cores=None, mma=None, ptx=Path(job.ptx).name,
-                  inputs=job.inputs, error=None)
+    record = dict(
+        kernel=job.kernel,
+        role=job.role,
+        arch=job.arch,
+        config=job.config,
+        smem_bytes=None,
+        regs=None,
+        spills=None,
+        tensor_cores=None,
+        mma=None,
+        ptx=Path(job.ptx).name,
+        inputs=job.inputs,
+        error=None,
+    )
     try:
         src = ASTSource(_kernel_fn(job.kernel), job.signature, job.constexprs, job.attrs)
         log = io.StringIO()
@@ -302,8 +344,15 @@ def warm(archs: Sequence[int], case_list: Sequence[Case] | None = None, jobs: in
 def _ptxas_log(job: _Job) -> str:
     """``ptxas -v`` on the written PTX with Triton's flags, if Triton did not print its own."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [knobs.nvidia.ptxas.path, "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(job.arch)}", job.ptx, "-o", f"{tmp}/k.cubin"]
+        cmd = [
+            knobs.nvidia.ptxas.path,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(job.arch)}",
+            job.ptx,
+            "-o",
+            f"{tmp}/k.cubin",
+        ]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
 
 
@@ -322,8 +371,12 @@ def check(record: dict) -> list[str]:
     return problems
 
 
-def build(out: Path, archs: Sequence[int] = (80, 90), case_list: Sequence[Case] | None = None,
-          jobs: int | None = None) -> list[dict]:
+def build(
+    out: Path,
+    archs: Sequence[int] = (80, 90),
+    case_list: Sequence[Case] | None = None,
+    jobs: int | None = None,
+) -> list[dict]:
     """Compile every distinct kernel of ``case_list`` (default: ``cases()``) for ``archs`` into
     ``out``; write and return the records, each with its ``problems``."""
     if INTERPRET:
@@ -353,43 +406,62 @@ def _config_text(config: dict) -> str:
 
 def markdown(records: Sequence[dict]) -> str:
     """The report as a Markdown table, one row per record."""
-    lines = ["| kernel | arch | config | example input (of n) | smem B | regs | spills | TC | status |",
-             "|---|---|---|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| kernel | arch | config | example input (of n) | smem B | regs | spills | TC | status |",
+        "|---|---|---|---|---:|---:|---:|---|---|",
+    ]
     for r in records:
         status = "; ".join(r["problems"]) or "ok"
         tc = "" if r["tensor_cores"] is None else (r["mma"] or "no")
         example = f"{r['inputs'][0]} ({len(r['inputs'])})"
-        cells = [r["kernel"], f"sm_{r['arch']}", _config_text(r["config"]), example,
-                 r["smem_bytes"], r["regs"], r["spills"], tc, status]
+        cells = [
+            r["kernel"],
+            f"sm_{r['arch']}",
+            _config_text(r["config"]),
+            example,
+            r["smem_bytes"],
+            r["regs"],
+            r["spills"],
+            tc,
+            status,
+        ]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None, case_list: Sequence[Case] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vescale_optim.kernels.aot",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m vescale_optim.kernels.aot", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, help="directory for report.json and the PTX (not with --warm)")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
-    parser.add_argument("--warm", action="store_true",
-                        help="only fill Triton's cache (TRITON_CACHE_DIR) for --arch: no PTX, no report")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="only fill Triton's cache (TRITON_CACHE_DIR) for --arch: no PTX, no report",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.warm:
         failed = warm(args.arch, case_list, args.jobs)
         print(*failed, sep="\n")
         where = os.environ.get("TRITON_CACHE_DIR") or "Triton's default cache"
-        print(f"Triton's cache ({where}) warmed for {', '.join(f'sm_{a}' for a in args.arch)} in "
-              f"{time.perf_counter() - start:.0f} s; {len(failed)} kernels failed to compile")
+        print(
+            f"Triton's cache ({where}) warmed for {', '.join(f'sm_{a}' for a in args.arch)} in "
+            f"{time.perf_counter() - start:.0f} s; {len(failed)} kernels failed to compile"
+        )
         return 1 if failed else 0
     if args.out is None:
         parser.error("--out is required (or --warm)")
     records = build(args.out, args.arch, case_list, args.jobs)
     print(markdown(records))
     bad = [r for r in records if r["problems"]]
-    print(f"\n{len(records)} kernels compiled for {', '.join(f'sm_{a}' for a in args.arch)} "
-          f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems; "
-          f"report: {args.out / 'report.json'}")
+    print(
+        f"\n{len(records)} kernels compiled for {', '.join(f'sm_{a}' for a in args.arch)} "
+        f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems; "
+        f"report: {args.out / 'report.json'}"
+    )
     return 1 if bad else 0
 
 

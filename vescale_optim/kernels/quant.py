@@ -32,9 +32,7 @@ _MASK32 = 0xFFFFFFFF
 _COL_MIX, _STEP_MIX, _FMIX1, _FMIX2 = 0x9E3779B1, 0x27D4EB2F, 0x85EBCA6B, 0xC2B2AE35
 
 
-def quantize_blockwise(
-    x: Tensor, block_size: int = 256, backend: str = "auto"
-) -> tuple[Tensor, Tensor]:
+def quantize_blockwise(x: Tensor, block_size: int = 256, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Quantize ``x`` to ``(q, scales)``: flat int8 codes and one fp32 scale per block.
 
     ``q`` has ``x.numel()`` elements, ``scales`` has ``ceil(numel / block_size)``.
@@ -161,9 +159,23 @@ def adamw8bit_update_(
 
 
 def _adamw8bit_torch(
-    p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor, block_size: int, *,
-    decay: float, w1: float, beta2: float, w2: float, step_size: float, bc2_sqrt: float,
-    eps: float, maximize: bool, salt: int,
+    p: Tensor,
+    g: Tensor,
+    qm: Tensor,
+    sm: Tensor,
+    qv: Tensor,
+    sv: Tensor,
+    block_size: int,
+    *,
+    decay: float,
+    w1: float,
+    beta2: float,
+    w2: float,
+    step_size: float,
+    bc2_sqrt: float,
+    eps: float,
+    maximize: bool,
+    salt: int,
 ) -> None:
     """Reference: torch.optim.AdamW's single-tensor ops, a chunk of blocks at a time."""
     n, bs = p.numel(), block_size

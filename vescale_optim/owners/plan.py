@@ -131,10 +131,16 @@ class SegmentMoves:
         back = src.new_empty(self.back_numel if returns else 0)
         gather_program, scatter_program = self.programs
         return Move(
-            gather=self.gather, src=src, scatter=self.scatter if returns else None, dst=back,
-            programs=(gather_program, scatter_program if returns else None), label=label,
-            local=local, compute=compute, finish=lambda: finish(back),
-        )  # fmt: skip
+            gather=self.gather,
+            src=src,
+            scatter=self.scatter if returns else None,
+            dst=back,
+            programs=(gather_program, scatter_program if returns else None),
+            label=label,
+            local=local,
+            compute=compute,
+            finish=lambda: finish(back),
+        )
 
 
 @dataclass(frozen=True)
@@ -182,15 +188,22 @@ def plan_owners(
         segments.append(_segment(items, owners[pos : pos + len(items)], topology, rank, channels, numel))
         pos += len(items)
     return OwnerPlan(
-        segments, owners, rank_loads(costs, owners, topology.world_size),
-        rank_loads(costs, homes, topology.world_size), sum(len(s.moved) for s in segments),
-    )  # fmt: skip
+        segments,
+        owners,
+        rank_loads(costs, owners, topology.world_size),
+        rank_loads(costs, homes, topology.world_size),
+        sum(len(s.moved) for s in segments),
+    )
 
 
 def _segment(
-    items: Sequence[WorkItem], owners: list[int], topo: Topology, rank: int, channels: int,
+    items: Sequence[WorkItem],
+    owners: list[int],
+    topo: Topology,
+    rank: int,
+    channels: int,
     source_numel: Sequence[int] | None,
-) -> SegmentMoves:  # fmt: skip
+) -> SegmentMoves:
     """One segment's moves: an item travels unless its owner holds it whole (with replicas,
     every item travels: its result goes to every replica). The owner gathers from the pieces
     of its own replica and scatters to the pieces of every replica."""
@@ -241,13 +254,18 @@ def _segment(
     owned = [j for j, o in enumerate(to) if o == rank]
     travels = set(moved)
     out = SegmentMoves(
-        owners=list(owners), moved=moved,
+        owners=list(owners),
+        moved=moved,
         local=[k for k, o in enumerate(owners) if o == rank and k not in travels],
         arriving=sorted(moved[j] for j in owned),
         received_at={moved[j]: received[channels * j] for j in owned},
-        result_at={moved[j]: results[j] for j in owned}, result_numel=result_numel[rank],
-        send_numel=send_numel[rank], back_numel=0, pack=pack, returned=[],
-    )  # fmt: skip
+        result_at={moved[j]: results[j] for j in owned},
+        result_numel=result_numel[rank],
+        send_numel=send_numel[rank],
+        back_numel=0,
+        pack=pack,
+        returned=[],
+    )
     if not moved:
         return out
     out.gather = plan_gather_to_owner(gather, wide, wide_to, world, send_numel)

@@ -39,7 +39,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 __all__ = [
-    "CollectiveError", "Comm", "Handle", "forced", "get_collective_timeout", "set_collective_timeout",
+    "CollectiveError",
+    "Comm",
+    "Handle",
+    "forced",
+    "get_collective_timeout",
+    "set_collective_timeout",
 ]
 
 
@@ -83,16 +88,21 @@ def _gather_in_place(
     if comm.gloo:
         op = Op("all-gather", what, data, comm)
         works = [
-            issue(op, lambda r=r: dist.broadcast(_movable(data[r * s : (r + 1) * s]), comm.global_rank(r),
-                                                 group=comm.group, async_op=True))
+            issue(
+                op,
+                lambda r=r: dist.broadcast(
+                    _movable(data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group, async_op=True
+                ),
+            )
             for r in range(comm.world_size)
-        ]  # fmt: skip
+        ]
         handle = Handle(works, op=op)
     else:
         local = data[comm.rank * s : (comm.rank + 1) * s]
         op = Op("all-gather", what, data, comm)
-        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(local), group=comm.group,
-                                                    async_op=True))  # fmt: skip
+        work = issue(
+            op, lambda: _all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True)
+        )
         handle = Handle(work, op=op)
     if not async_op:
         handle.wait()
@@ -114,8 +124,9 @@ def all_gather_into_(
         return _gather_in_place(data, s, comm, async_op, what)
     if comm.active and not comm.gloo and shard.dtype == data.dtype:
         op = Op("all-gather", what, data, comm)
-        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(shard), group=comm.group,
-                                                    async_op=True))  # fmt: skip
+        work = issue(
+            op, lambda: _all_gather_single(_movable(data), _movable(shard), group=comm.group, async_op=True)
+        )
         handle = Handle(work, op=op)
         if not async_op:
             handle.wait()
@@ -153,8 +164,9 @@ def reduce_scatter_into_(
     elif comm.active:
         direct = not accumulate and out.dtype == data.dtype
         src = out if direct else data.new_empty(s)
-        work = issue(desc, lambda: _reduce_scatter_single(src, data, op=reduce_op, group=comm.group,
-                                                          async_op=True))  # fmt: skip
+        work = issue(
+            desc, lambda: _reduce_scatter_single(src, data, op=reduce_op, group=comm.group, async_op=True)
+        )
         divisor = 1
         if direct:
             handle = Handle(work, op=desc)
@@ -185,8 +197,9 @@ def broadcast_(
     if not comm.active:
         return Handle()
     desc = Op(f"broadcast from rank {src}", what, tensor, comm)
-    work = issue(desc, lambda: dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group,
-                                              async_op=True))  # fmt: skip
+    work = issue(
+        desc, lambda: dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=True)
+    )
     handle = Handle(work, op=desc)
     if not async_op:
         handle.wait()
@@ -207,32 +220,48 @@ def all_reduce_(
     return handle
 
 
-def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False,
-                what: str | None = None) -> Handle:  # fmt: skip
+def all_to_all_(
+    out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False, what: str | None = None
+) -> Handle:
     """Rank r's r-th equal piece of every rank's flat `inp`, in rank order, into its `out`
     (one `all_to_all_single` with equal splits; `out` may not alias `inp`)."""
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group,
-                                                      async_op=True))  # fmt: skip
+    work = issue(
+        desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group, async_op=True)
+    )
     handle = Handle(work, op=desc)
     if not async_op:
         handle.wait()
     return handle
 
 
-def all_to_all_v_(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                  comm: Comm, async_op: bool = False, what: str | None = None) -> Handle:  # fmt: skip
+def all_to_all_v_(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    comm: Comm,
+    async_op: bool = False,
+    what: str | None = None,
+) -> Handle:
     """`in_splits[r]` elements of the flat `inp` (in rank order) to rank r, and `out_splits[r]` from
     rank r into the flat `out` (one `all_to_all_single` with uneven splits, which gloo takes too)."""
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(
-        _movable(out), _movable(inp), _scale(out_splits, out), _scale(in_splits, inp), group=comm.group,
-        async_op=True,
-    ))  # fmt: skip
+    work = issue(
+        desc,
+        lambda: dist.all_to_all_single(
+            _movable(out),
+            _movable(inp),
+            _scale(out_splits, out),
+            _scale(in_splits, inp),
+            group=comm.group,
+            async_op=True,
+        ),
+    )
     handle = Handle(work, op=desc)
     if not async_op:
         handle.wait()
@@ -278,10 +307,17 @@ def run_plan(
                 pos += n
 
     desc = Op("all-to-all", what, send, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(
-        _movable(recv), _movable(send), _scale(prog.recv_splits, recv), _scale(prog.send_splits, send),
-        group=comm.group, async_op=True,
-    ))  # fmt: skip
+    work = issue(
+        desc,
+        lambda: dist.all_to_all_single(
+            _movable(recv),
+            _movable(send),
+            _scale(prog.recv_splits, recv),
+            _scale(prog.send_splits, send),
+            group=comm.group,
+            async_op=True,
+        ),
+    )
     handle = Handle(work, finish, desc)
     if not async_op:
         handle.wait()
@@ -314,15 +350,21 @@ def full_tensor(
         return out, Handle()
     gather = Op("all-gather", "a ragged tensor", local, comm)
     if all(n == width for n in lengths):
-        work = issue(gather, lambda: _all_gather_single(_movable(out.view(-1)), _movable(local),
-                                                        group=comm.group, async_op=True))  # fmt: skip
+        work = issue(
+            gather,
+            lambda: _all_gather_single(
+                _movable(out.view(-1)), _movable(local), group=comm.group, async_op=True
+            ),
+        )
         handle = Handle(work, op=gather)
     else:
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = issue(gather, lambda: _all_gather_single(_movable(gathered), _movable(padded),
-                                                        group=comm.group, async_op=True))  # fmt: skip
+        work = issue(
+            gather,
+            lambda: _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=True),
+        )
 
         def unpad() -> None:
             flat = out.view(-1)
@@ -359,8 +401,12 @@ def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
         return local
     out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
     desc = Op("all-gather", "equal pieces", local, comm)
-    work = issue(desc, lambda: _all_gather_single(_movable(out), _movable(local.reshape(-1)),
-                                                  group=comm.group, async_op=True))  # fmt: skip
+    work = issue(
+        desc,
+        lambda: _all_gather_single(
+            _movable(out), _movable(local.reshape(-1)), group=comm.group, async_op=True
+        ),
+    )
     Handle(work, op=desc).wait()
     return out
 

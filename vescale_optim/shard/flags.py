@@ -22,8 +22,15 @@ from .handle import Handle, Op, issue
 Flag = bool | torch.Tensor  # a host value, or a one-element tensor computed on the device
 
 
-def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = None, what: str | None = None,
-             *, tail: Sequence[Flag] = (), tail_over: Sequence[Comm] = ()) -> list[bool]:  # fmt: skip
+def any_rank(
+    flags: Sequence[bool],
+    comm: Comm,
+    device: torch.device | None = None,
+    what: str | None = None,
+    *,
+    tail: Sequence[Flag] = (),
+    tail_over: Sequence[Comm] = (),
+) -> list[bool]:
     """For each flag, whether some rank of `comm` has it set (one all-reduce), then for each
     flag of `tail`, whether some rank of `comm` and of every group of `tail_over` has it set
     (one all-reduce more per active group of `tail_over`, of the tail alone). One read of the

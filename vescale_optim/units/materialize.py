@@ -76,8 +76,9 @@ def _reset(module: nn.Module) -> None:
     module.reset_parameters()
 
 
-def _take_replaced_parameters(module: nn.Module, held: dict[str, nn.Parameter], prefix: str,
-                              how: str) -> None:  # fmt: skip
+def _take_replaced_parameters(
+    module: nn.Module, held: dict[str, nn.Parameter], prefix: str, how: str
+) -> None:
     """Parameters the initialisation replaced (`self.weight = nn.Parameter(...)`) instead of
     writing into: the new values go into the parameter the optimizer holds (a view of its
     unit), which takes its place in the module again. One of another shape, or left on the
@@ -107,8 +108,9 @@ def _whole_stand_ins(module: nn.Module, device: torch.device) -> dict[str, nn.Pa
     return dtensors
 
 
-def _shard_stand_ins(module: nn.Module, fresh: set[int], attempt: Attempt,
-                     at: str) -> dict[str, nn.Parameter]:  # fmt: skip
+def _shard_stand_ins(
+    module: nn.Module, fresh: set[int], attempt: Attempt, at: str
+) -> dict[str, nn.Parameter]:
     """The module's DTensor parameters by name, each replaced in the module by a stand-in of
     its global shape on the meta device whose writes reach this rank's TP shard (`shard_init`);
     one initialised before (shared with an earlier module) only draws what it would."""
@@ -135,9 +137,12 @@ def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.devi
     return found
 
 
-def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
-                init: Callable[[nn.Module], None] | None = None,
-                world: Comm | None = None) -> None:  # fmt: skip
+def materialize(
+    units: Sequence[Unit],
+    modules: Sequence[nn.Module],
+    init: Callable[[nn.Module], None] | None = None,
+    world: Comm | None = None,
+) -> None:
     """Initialise every parameter of `units` (the units of `modules`) and every buffer of
     `modules` that is on the meta device, by `init(module)` (default: `reset_parameters()`),
     from the random state of rank 0 of `world` (default: the units' world; every rank of a
@@ -182,8 +187,9 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
                 unit.open_empty()
             fresh = {id(unit.params[i]) for unit, i in mine} - done
             params = dict(module.named_parameters(recurse=False))
-            kept = [(p, p.detach().clone()) for p in params.values()
-                    if id(p) not in fresh and not is_dtensor(p)]  # fmt: skip
+            kept = [
+                (p, p.detach().clone()) for p in params.values() if id(p) not in fresh and not is_dtensor(p)
+            ]
             at = f"{names[id(module)]}."
             attempt = Attempt(device) if any(is_dtensor(p) for p in params.values()) else None
             try:
@@ -205,16 +211,28 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
                 remaining[unit.index] -= 1
                 if remaining[unit.index] == 0:
                     unit.adopt_full()
-    left = [f"{name}.{n}" for name, m in module_order(modules)
-            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t.is_meta]
-    if left:  # fmt: skip
+    left = [
+        f"{name}.{n}"
+        for name, m in module_order(modules)
+        for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+        if t.is_meta
+    ]
+    if left:
         how = "param_init_fn" if custom else "every module's reset_parameters()"
         raise ValueError(f"{left[0]} is still on the meta device after {how}: nothing initialised it")
 
 
-def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[int], buffers: Sequence[str],
-                device: torch.device, init: Callable[[nn.Module], None], at: str, how: str,
-                attempt: Attempt | None) -> list[str]:  # fmt: skip
+def _initialise(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    fresh: set[int],
+    buffers: Sequence[str],
+    device: torch.device,
+    init: Callable[[nn.Module], None],
+    at: str,
+    how: str,
+    attempt: Attempt | None,
+) -> list[str]:
     """Run `init(module)` once: its DTensor parameters stood in for by shards' stand-ins
     (`attempt`, which `NeedsWhole` ends) or by whole tensors (`attempt` None); the names of the
     parameters and buffers it left uninitialised."""
@@ -225,8 +243,11 @@ def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[i
     else:
         stand_ins = _shard_stand_ins(module, fresh, attempt, at)
     # what the initialisation must write starts as NaN: one it skips is found below
-    blank = [(n, getattr(module, n)) for n, p in params.items()
-             if id(p) in fresh and (attempt is None or n not in stand_ins)]  # fmt: skip
+    blank = [
+        (n, getattr(module, n))
+        for n, p in params.items()
+        if id(p) in fresh and (attempt is None or n not in stand_ins)
+    ]
     blank += [(b, getattr(module, b)) for b in buffers]
     for _, t in blank:
         if t.is_floating_point():
