@@ -146,11 +146,9 @@ def main() -> None:
         start = loaded.step if loaded else 0
         if rank == 0:
             n_params = sum(p.numel() for p in model.parameters())
-            print(
-                f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
-                + (f"resumed from {loaded.path}" if loaded else "from scratch"),
-                flush=True,
-            )
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
+            where = f"{len(opt.units)} units on {world} rank(s), {device.type}"
+            print(f"{n_params:,} parameters in {where}; {origin}", flush=True)
 
         model.train()
         for step in range(start, args.steps):

@@ -137,11 +137,9 @@ def main() -> None:
             loaded = manager.load()  # the newest complete checkpoint, or None
         start = loaded.step if loaded else 0
         if rank == 0:
-            print(
-                f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
-                + (f"resumed from {loaded.path}" if loaded else "from scratch"),
-                flush=True,
-            )
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
+            where = f"{len(opt.units)} units on {world} rank(s), {device.type}"
+            print(f"{n_params:,} parameters in {where}; {origin}", flush=True)
 
         for step in range(start, args.steps):
             x, y = batch(step, rank, args, device)
@@ -171,10 +169,9 @@ def main() -> None:
         if rank == 0:  # equal for equal weights, bit for bit
             data = b"".join(v.float().cpu().numpy().tobytes() for v in weights.values())
             fingerprint = hashlib.sha256(data).hexdigest()[:16]
-            memory = opt.memory_stats()
+            memory = ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in opt.memory_stats().items())
             print(
-                f"done at step {args.steps}; weights fingerprint {fingerprint}; held on rank 0: "
-                + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in memory.items()),
+                f"done at step {args.steps}; weights fingerprint {fingerprint}; held on rank 0: {memory}",
                 flush=True,
             )
     finally:

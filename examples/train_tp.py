@@ -155,9 +155,9 @@ def main() -> None:
             loaded = manager.load()  # the newest complete checkpoint, or None
         start = loaded.step if loaded else 0
         if rank == 0:
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
             print(
-                f"{args.optimizer} on dp{world_size // args.tp} x tp{args.tp}, {device.type}; "
-                + (f"resumed from {loaded.path}" if loaded else "from scratch"),
+                f"{args.optimizer} on dp{world_size // args.tp} x tp{args.tp}, {device.type}; {origin}",
                 flush=True,
             )
 

@@ -68,10 +68,47 @@ def _local(run, out: torch.Tensor, async_op: bool, garble: bool = True) -> Handl
     stream (a side stream, perhaps), and the handle orders whoever waits for it after that
     (`handle.local_copy`); `garble`: whether `out` may be garbled until then under `delayed()`
     (not when `run` reads it)."""
-    handle = Handle(local_copy(run, out.device, (out,), garble))
+    return _waited(Handle(local_copy(run, out.device, (out,), garble)), async_op)
+
+
+def _waited(handle: Handle, async_op: bool) -> Handle:
+    """`handle`, waited for now unless `async_op`."""
     if not async_op:
         handle.wait()
     return handle
+
+
+# Each issues one torch.distributed call through the door (`issue`), fp8 moved as bytes.
+
+
+def _issue_all_gather(desc: Op, out: torch.Tensor, inp: torch.Tensor, comm: Comm):
+    """Every rank's `inp` into `out`, in rank order."""
+    group = comm.group
+    return issue(desc, lambda: _all_gather_single(_movable(out), _movable(inp), group=group, async_op=True))
+
+
+def _issue_broadcast(desc: Op, tensor: torch.Tensor, src: int, comm: Comm):
+    """`src`: a rank of `comm`'s group."""
+    root, group = comm.global_rank(src), comm.group
+    return issue(desc, lambda: dist.broadcast(_movable(tensor), root, group=group, async_op=True))
+
+
+def _issue_all_to_all(
+    desc: Op,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    comm: Comm,
+    out_splits: Sequence[int] | None = None,
+    in_splits: Sequence[int] | None = None,
+):
+    """Equal pieces without splits; `out_splits[r]` and `in_splits[r]` elements from and to
+    rank r with them."""
+    out_sizes = None if out_splits is None else _scale(out_splits, out)
+    in_sizes = None if in_splits is None else _scale(in_splits, inp)
+    recv, send, group = _movable(out), _movable(inp), comm.group
+    return issue(
+        desc, lambda: dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, async_op=True)
+    )
 
 
 def _gather_in_place(
@@ -87,26 +124,11 @@ def _gather_in_place(
     s = shard_size
     if comm.gloo:
         op = Op("all-gather", what, data, comm)
-        works = [
-            issue(
-                op,
-                lambda r=r: dist.broadcast(
-                    _movable(data[r * s : (r + 1) * s]), comm.global_rank(r), group=comm.group, async_op=True
-                ),
-            )
-            for r in range(comm.world_size)
-        ]
-        handle = Handle(works, op=op)
-    else:
-        local = data[comm.rank * s : (comm.rank + 1) * s]
-        op = Op("all-gather", what, data, comm)
-        work = issue(
-            op, lambda: _all_gather_single(_movable(data), _movable(local), group=comm.group, async_op=True)
-        )
-        handle = Handle(work, op=op)
-    if not async_op:
-        handle.wait()
-    return handle
+        works = [_issue_broadcast(op, data[r * s : (r + 1) * s], r, comm) for r in range(comm.world_size)]
+        return _waited(Handle(works, op=op), async_op)
+    local = data[comm.rank * s : (comm.rank + 1) * s]
+    op = Op("all-gather", what, data, comm)
+    return _waited(Handle(_issue_all_gather(op, data, local, comm), op=op), async_op)
 
 
 def all_gather_into_(
@@ -124,13 +146,7 @@ def all_gather_into_(
         return _gather_in_place(data, s, comm, async_op, what)
     if comm.active and not comm.gloo and shard.dtype == data.dtype:
         op = Op("all-gather", what, data, comm)
-        work = issue(
-            op, lambda: _all_gather_single(_movable(data), _movable(shard), group=comm.group, async_op=True)
-        )
-        handle = Handle(work, op=op)
-        if not async_op:
-            handle.wait()
-        return handle
+        return _waited(Handle(_issue_all_gather(op, data, shard, comm), op=op), async_op)
     if not comm.active:
         return _local(lambda: local.copy_(shard), local, async_op)
     local.copy_(shard)
@@ -169,10 +185,7 @@ def reduce_scatter_into_(
         )
         divisor = 1
         if direct:
-            handle = Handle(work, op=desc)
-            if not async_op:
-                handle.wait()
-            return handle
+            return _waited(Handle(work, op=desc), async_op)
     else:
         src, work, divisor = data, None, 1
 
@@ -184,10 +197,7 @@ def reduce_scatter_into_(
         else:
             out.copy_(src)
 
-    handle = Handle(work, finish, desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(work, finish, desc), async_op)
 
 
 def broadcast_(
@@ -197,13 +207,7 @@ def broadcast_(
     if not comm.active:
         return Handle()
     desc = Op(f"broadcast from rank {src}", what, tensor, comm)
-    work = issue(
-        desc, lambda: dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group, async_op=True)
-    )
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(_issue_broadcast(desc, tensor, src, comm), op=desc), async_op)
 
 
 def all_reduce_(
@@ -214,10 +218,7 @@ def all_reduce_(
         return Handle()
     desc = Op(f"all-reduce ({op})", what, tensor, comm)
     work = issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True))
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(work, op=desc), async_op)
 
 
 def all_to_all_(
@@ -228,13 +229,7 @@ def all_to_all_(
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(
-        desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group, async_op=True)
-    )
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(_issue_all_to_all(desc, out, inp, comm), op=desc), async_op)
 
 
 def all_to_all_v_(
@@ -251,21 +246,8 @@ def all_to_all_v_(
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(
-        desc,
-        lambda: dist.all_to_all_single(
-            _movable(out),
-            _movable(inp),
-            _scale(out_splits, out),
-            _scale(in_splits, inp),
-            group=comm.group,
-            async_op=True,
-        ),
-    )
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    work = _issue_all_to_all(desc, out, inp, comm, out_splits, in_splits)
+    return _waited(Handle(work, op=desc), async_op)
 
 
 def run_plan(
@@ -307,21 +289,8 @@ def run_plan(
                 pos += n
 
     desc = Op("all-to-all", what, send, comm)
-    work = issue(
-        desc,
-        lambda: dist.all_to_all_single(
-            _movable(recv),
-            _movable(send),
-            _scale(prog.recv_splits, recv),
-            _scale(prog.send_splits, send),
-            group=comm.group,
-            async_op=True,
-        ),
-    )
-    handle = Handle(work, finish, desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    work = _issue_all_to_all(desc, recv, send, comm, prog.recv_splits, prog.send_splits)
+    return _waited(Handle(work, finish, desc), async_op)
 
 
 def full_tensor(
@@ -350,21 +319,12 @@ def full_tensor(
         return out, Handle()
     gather = Op("all-gather", "a ragged tensor", local, comm)
     if all(n == width for n in lengths):
-        work = issue(
-            gather,
-            lambda: _all_gather_single(
-                _movable(out.view(-1)), _movable(local), group=comm.group, async_op=True
-            ),
-        )
-        handle = Handle(work, op=gather)
+        handle = Handle(_issue_all_gather(gather, out.view(-1), local, comm), op=gather)
     else:
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = issue(
-            gather,
-            lambda: _all_gather_single(_movable(gathered), _movable(padded), group=comm.group, async_op=True),
-        )
+        work = _issue_all_gather(gather, gathered, padded, comm)
 
         def unpad() -> None:
             flat = out.view(-1)
@@ -372,9 +332,7 @@ def full_tensor(
                 flat[a:b].copy_(gathered[r * width : r * width + b - a])
 
         handle = Handle(work, unpad, gather)
-    if not async_op:
-        handle.wait()
-    return out, handle
+    return out, _waited(handle, async_op)
 
 
 def redistribute(
@@ -401,13 +359,7 @@ def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
         return local
     out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
     desc = Op("all-gather", "equal pieces", local, comm)
-    work = issue(
-        desc,
-        lambda: _all_gather_single(
-            _movable(out), _movable(local.reshape(-1)), group=comm.group, async_op=True
-        ),
-    )
-    Handle(work, op=desc).wait()
+    Handle(_issue_all_gather(desc, out, local.reshape(-1), comm), op=desc).wait()
     return out
 
 
