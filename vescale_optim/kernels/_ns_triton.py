@@ -82,8 +82,7 @@ def _syrk_kernel(
     pid = tl.program_id(0)
     bid = (pid // num_tiles).to(tl.int64)
     pid = pid % num_tiles
-    ti = tl.load(tiles_ptr + 2 * pid)
-    tj = tl.load(tiles_ptr + 2 * pid + 1)
+    ti, tj = tl.load(tiles_ptr + 2 * pid), tl.load(tiles_ptr + 2 * pid + 1)  # the tile's block row, column
     ri = ti * BLOCK + tl.arange(0, BLOCK)
     rj = tj * BLOCK + tl.arange(0, BLOCK)
     rk = tl.arange(0, BLOCK_K)

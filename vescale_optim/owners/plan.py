@@ -221,34 +221,7 @@ def _segment(
     moved.sort(key=lambda k: (first[k], k))
     numels, to = [items[k].numel for k in moved], [owners[k] for k in moved]
     wide, wide_to = [n for n in numels for _ in range(channels)], [o for o in to for _ in range(channels)]
-    held: dict[int, list[tuple[int, Piece]]] = {}  # by shard rank, in send order (by owner)
-    for j in sorted(range(len(moved)), key=lambda j: (to[j], j)):
-        for p in items[moved[j]].pieces:
-            if p.stop > p.start:
-                held.setdefault(p.rank, []).append((j, p))
-    in_place = source_numel is not None
-    gather, scatter, pack, send_numel, back_numel = [], [], [], [], []
-    mine: dict[int, tuple[int, Piece]] = {}  # this rank's result pieces, by destination offset
-    for w, (replica, shard) in enumerate(coords):
-        sent = back = 0
-        for j, p in held.get(shard, ()):
-            n = p.stop - p.start
-            if coords[to[j]][0] == replica:  # the owner gathers from its own replica
-                if in_place:
-                    gather.append(Piece(w, j, p.offset, p.start, p.stop))
-                else:
-                    for c in range(channels):  # channels of a piece one after the other
-                        gather.append(Piece(w, channels * j + c, sent + c * n, p.start, p.stop))
-                    if w == rank:
-                        pack.append((moved[j], p, sent))
-                    sent += channels * n
-            dst = p.offset if in_place else back
-            scatter.append(Piece(w, j, dst, p.start, p.stop))
-            if w == rank:
-                mine[dst] = (moved[j], p)
-            back += n
-        send_numel.append(source_numel[shard] if in_place else sent)
-        back_numel.append(source_numel[shard] if in_place else back)
+    routes = _routes(items, moved, to, coords, rank, channels, source_numel)
     received, _ = owner_offsets(wide, wide_to, world)
     results, result_numel = owner_offsets(numels, to, world)
     owned = [j for j, o in enumerate(to) if o == rank]
@@ -261,16 +234,74 @@ def _segment(
         received_at={moved[j]: received[channels * j] for j in owned},
         result_at={moved[j]: results[j] for j in owned},
         result_numel=result_numel[rank],
-        send_numel=send_numel[rank],
+        send_numel=routes.send_numel[rank],
         back_numel=0,
-        pack=pack,
+        pack=routes.pack,
         returned=[],
     )
     if not moved:
         return out
-    out.gather = plan_gather_to_owner(gather, wide, wide_to, world, send_numel)
-    out.scatter, where = in_arrival_order(plan_scatter_from_owner(scatter, numels, to, world, back_numel))
+    out.gather = plan_gather_to_owner(routes.gather, wide, wide_to, world, routes.send_numel)
+    scatter = plan_scatter_from_owner(routes.scatter, numels, to, world, routes.back_numel)
+    out.scatter, where = in_arrival_order(scatter)
     out.back_numel = out.scatter.dst_numel[rank]
-    out.returned = [(*mine[dst], offset) for dst, offset, _ in where[rank]]
+    out.returned = [(*routes.mine[dst], offset) for dst, offset, _ in where[rank]]
     out.programs = (out.gather.program(rank), out.scatter.program(rank))
+    return out
+
+
+@dataclass
+class _Routes:
+    """Where each moved item's pieces go, over every world rank: `gather` (to the owner, from
+    its own replica) and `scatter` (the results back, to every replica) as `Piece`s of moved
+    item `j` (channel `c` of it as `channels * j + c` when staged); each rank's `send_numel`
+    and `back_numel`; this rank's `pack` (item, piece, offset in the staged source) and `mine`
+    (its result pieces, by destination offset)."""
+
+    gather: list[Piece] = field(default_factory=list)
+    scatter: list[Piece] = field(default_factory=list)
+    pack: list[tuple[int, Piece, int]] = field(default_factory=list)
+    send_numel: list[int] = field(default_factory=list)
+    back_numel: list[int] = field(default_factory=list)
+    mine: dict[int, tuple[int, Piece]] = field(default_factory=dict)
+
+
+def _routes(
+    items: Sequence[WorkItem],
+    moved: list[int],
+    to: list[int],
+    coords: list[tuple[int, int]],
+    rank: int,
+    channels: int,
+    source_numel: Sequence[int] | None,
+) -> _Routes:
+    """The pieces of the `moved` items (their owners `to`), sent in place from the sources
+    (`source_numel` given) or staged (see the module's docstring)."""
+    held: dict[int, list[tuple[int, Piece]]] = {}  # by shard rank, in send order (by owner)
+    for j in sorted(range(len(moved)), key=lambda j: (to[j], j)):
+        for p in items[moved[j]].pieces:
+            if p.stop > p.start:
+                held.setdefault(p.rank, []).append((j, p))
+    in_place = source_numel is not None
+    out = _Routes()
+    for w, (replica, shard) in enumerate(coords):
+        sent = back = 0
+        for j, p in held.get(shard, ()):
+            n = p.stop - p.start
+            if coords[to[j]][0] == replica:  # the owner gathers from its own replica
+                if in_place:
+                    out.gather.append(Piece(w, j, p.offset, p.start, p.stop))
+                else:
+                    for c in range(channels):  # channels of a piece one after the other
+                        out.gather.append(Piece(w, channels * j + c, sent + c * n, p.start, p.stop))
+                    if w == rank:
+                        out.pack.append((moved[j], p, sent))
+                    sent += channels * n
+            dst = p.offset if in_place else back
+            out.scatter.append(Piece(w, j, dst, p.start, p.stop))
+            if w == rank:
+                out.mine[dst] = (moved[j], p)
+            back += n
+        out.send_numel.append(source_numel[shard] if in_place else sent)
+        out.back_numel.append(source_numel[shard] if in_place else back)
     return out
