@@ -214,12 +214,11 @@ class GradBuffers:
         # over ranks every trainable parameter of the unit gets its reduced gradient, so that
         # every rank holds the same `.grad`s (utilities that reduce over them pair up)
         together = u.comm.active or u.replicate.active
-        live = [
-            i
-            for i, p in enumerate(u.params)
-            if self.is_live(i)
-            or (together and p.requires_grad and p.grad is None and u.placement_problem(i) is None)
-        ]
+
+        def absent(i: int, p: torch.Tensor) -> bool:  # trainable, no gradient on this rank, placeable
+            return p.requires_grad and p.grad is None and u.placement_problem(i) is None
+
+        live = [i for i, p in enumerate(u.params) if self.is_live(i) or (together and absent(i, p))]
         buf, self.full = self.full, self._new_buffer()
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{u.name}]"):

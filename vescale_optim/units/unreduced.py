@@ -190,11 +190,9 @@ def _partial_cast(self: Unreduced, func, args, kwargs) -> Unreduced:
 
 def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Unreduced | None:
     """`torch.stack` of 0-dim values some of which are partial, kept partial (else None)."""
-    if (
-        dim != 0
-        or not tensors
-        or any(t.dim() != 0 or type(t) not in (Unreduced, torch.Tensor) for t in tensors)
-    ):
+    if dim != 0 or not tensors:
+        return None
+    if any(t.dim() != 0 or type(t) not in (Unreduced, torch.Tensor) for t in tensors):
         return None
     first = tensors[0]
     items: list[_Term | torch.Tensor] = []
