@@ -18,6 +18,7 @@ setup: $(STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup lint
 	$(PY) -m pytest -q tests

@@ -44,4 +44,3 @@ __all__ = [
     "muon_plan",
     "set_collective_timeout",
 ]
-

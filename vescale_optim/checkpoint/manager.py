@@ -168,8 +168,11 @@ class CheckpointManager:
         """Steps of the complete checkpoints in the directory, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [int(m[1]) for d in self.directory.iterdir()
-                 if (m := _NAME.fullmatch(d.name)) and (d / MANIFEST).is_file()]  # fmt: skip
+        found = [
+            int(m[1])
+            for d in self.directory.iterdir()
+            if (m := _NAME.fullmatch(d.name)) and (d / MANIFEST).is_file()
+        ]
         return sorted(found)
 
     def latest(self) -> int | None:
@@ -218,9 +221,12 @@ class CheckpointManager:
         newer = [s for s in self.steps() if s > step and s not in self._skipped]
         if set(newer) - self._rewinds:
             self._rewinds.update(newer)
-            warnings.warn(f"saving step {step} while {self.directory} holds newer checkpoints "
-                          f"{[f'step-{s}' for s in newer]}: latest() and load() still choose "
-                          f"step-{newer[-1]}; remove them to resume from this run", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"saving step {step} while {self.directory} holds newer checkpoints "
+                f"{[f'step-{s}' for s in newer]}: latest() and load() still choose "
+                f"step-{newer[-1]}; remove them to resume from this run",
+                stacklevel=3,
+            )
 
     def save(self, step: int, *, extra: dict | None = None) -> Path:
         """Save everything as `step` (collective); returns the folder it becomes.
@@ -395,8 +401,11 @@ class CheckpointManager:
         if same_world:
             set_rng_state(loaded["rng"][str(self.rank)].value)
         elif self.rank == 0:
-            warnings.warn(f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
-                          f"{self.world_size}: the random states are not restored", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
+                f"{self.world_size}: the random states are not restored",
+                stacklevel=2,
+            )
         return Loaded(chosen, path, loaded["extra"].value)
 
 

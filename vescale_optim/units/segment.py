@@ -48,13 +48,15 @@ class StateCodec(Protocol):
 
     exact: bool
 
-    def allocate(self, specs: Sequence[StateSpec], n: int, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]: ...  # fmt: skip
+    def allocate(
+        self, specs: Sequence[StateSpec], n: int, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]: ...
 
     def decode(self, state: dict[str, torch.Tensor], spec: StateSpec) -> torch.Tensor: ...
 
-    def decode_range(self, state: dict[str, torch.Tensor], spec: StateSpec, start: int,
-                     stop: int) -> torch.Tensor: ...  # fmt: skip
+    def decode_range(
+        self, state: dict[str, torch.Tensor], spec: StateSpec, start: int, stop: int
+    ) -> torch.Tensor: ...
 
     def encode_(self, state: dict[str, torch.Tensor], spec: StateSpec, x: torch.Tensor) -> None: ...
 
