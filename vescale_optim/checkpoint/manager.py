@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -138,7 +137,7 @@ class CheckpointManager:
         self.rank = handle.group_rank() if self._distributed else 0
         self.world_size = handle.group_size() if self._distributed else 1
         # under tensor parallelism the optimizer spans the data-parallel ranks, its TP groups the rest
-        tp = math.prod(c.world_size for c in getattr(optimizer.runtime, "tp", ()))
+        tp = optimizer.runtime.tensor_parallel.size
         if optimizer.runtime.dp.world_size * tp != self.world_size:
             raise ValueError(
                 f"the optimizer spans {optimizer.runtime.dp.world_size} of the {self.world_size} ranks"

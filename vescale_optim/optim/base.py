@@ -94,10 +94,16 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
         self._built_over = [list(g["params"]) for g in self.param_groups]  # `_follow_swapped`
         self._io = StateIO(
-            runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.dp,
-            replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
+            runtime.segments,
+            self.param_groups,
+            self.structural_keys,
+            comm=runtime.comm,
+            world=runtime.dp,
+            replicas=runtime.topology.replicas,
+            stepless=self._stepless,
+            owned=self._owned_state,
             publish=lambda: runtime.publish(),
-        )  # fmt: skip
+        )
         self.state = LocalState(runtime.segments, self._owned_state)
         self._plan_work()
 
@@ -268,8 +274,9 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
             yield
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
 
         Returns the total norm before clipping (the same on every rank, and what
@@ -403,8 +410,12 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         across replicas inside `no_all_reduce()`), `state` (`local_state_bytes()`, masters
         included), `unsharded` (gathered parameters and unreduced gradients between gather and free)."""
         stats = self.runtime.memory_stats()
-        return {"parameters": stats["parameters"], "gradients": stats["gradients"],
-                "state": self.local_state_bytes(), "unsharded": stats["unsharded"]}  # fmt: skip
+        return {
+            "parameters": stats["parameters"],
+            "gradients": stats["gradients"],
+            "state": self.local_state_bytes(),
+            "unsharded": stats["unsharded"],
+        }
 
 
 __all__ = ["Segment", "ShardedOptimizer"]

@@ -130,8 +130,11 @@ def check_muon_group(group: dict) -> None:
         raise ValueError(f"ns_steps must be an integer >= 1; got {steps!r}")
     if isinstance(coefficients, str):
         ns_schedule(coefficients, steps)  # a name it knows, or ValueError naming the known ones
-    elif not (isinstance(coefficients, tuple | list) and len(coefficients) == 3
-              and all(isinstance(c, Real) for c in coefficients)):  # fmt: skip
+    elif not (
+        isinstance(coefficients, tuple | list)
+        and len(coefficients) == 3
+        and all(isinstance(c, Real) for c in coefficients)
+    ):
         try:
             ns_schedule(coefficients, steps)
         except ValueError:

@@ -13,7 +13,7 @@ from ..shard.collectives import all_reduce_
 from ..units.config import ShardingConfig
 from ..units.fsdp_shards import FsdpGrads, over_dtensors
 from ..units.segment import FROZEN, Segment, StateSpec
-from ..units.tensor_parallel import is_tp_sharded, local_shape
+from ..units.tp_view import param_cut
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel, label_params
 from ._shampoo_fsdp import FsdpShampoo
@@ -22,13 +22,12 @@ from ._shampoo_math import (
     bias_correction,
     check_hyperparameters,
     grafting_step_,
-    matrix_shape,
     schedule,
     stripe_granule,
     tiles_of,
 )
-from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work, tp_tile_offset
-from ._shampoo_tp import TPTiles, plan_tp_tiles
+from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, rows_held, tile_work
+from ._shampoo_tp import TPTiles, plan_tp_tiles, tp_tile_offset
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
@@ -125,11 +124,17 @@ class Shampoo(ShardedOptimizer):
         **sharding: Any,
     ):
         defaults = dict(
-            lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
-            max_preconditioner_dim=max_preconditioner_dim, precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step, grafting=grafting,
-            grafting_epsilon=grafting_epsilon, root_dtype=root_dtype,
-        )  # fmt: skip
+            lr=lr,
+            betas=tuple(betas),
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            grafting=grafting,
+            grafting_epsilon=grafting_epsilon,
+            root_dtype=root_dtype,
+        )
         check_hyperparameters(defaults)
         check_params_arg(params)
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
@@ -171,7 +176,7 @@ class Shampoo(ShardedOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    tp_tile_offset(p, group["max_preconditioner_dim"], labels[id(p)])
+                    tp_tile_offset(param_cut(p), group["max_preconditioner_dim"], labels[id(p)])
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
@@ -189,10 +194,16 @@ class Shampoo(ShardedOptimizer):
         runs = list(seg.runs())
         for lo, hi, step in runs:
             grafting_step_(
-                grads[lo:hi], exp_avg[lo:hi], None if second is None else second[lo:hi], update[lo:hi],
-                step=step, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"],
+                grads[lo:hi],
+                exp_avg[lo:hi],
+                None if second is None else second[lo:hi],
+                update[lo:hi],
+                step=step,
+                beta1=g["betas"][0],
+                beta2=g["betas"][1],
+                eps=g["grafting_epsilon"],
                 grafting=g["grafting"],
-            )  # fmt: skip
+            )
             torch.div(exp_avg[lo:hi], bias_correction(g["betas"][0], step), out=mhat[lo:hi])
         seg.store(_EXP_AVG.name, exp_avg)  # nothing to write back while the state is exact (fp32)
         if second_spec:
@@ -292,24 +303,32 @@ class Shampoo(ShardedOptimizer):
         self._fsdp: FsdpShampoo | None = None
         if isinstance(self.runtime.wrapper, FsdpGrads):
             return self._plan_over_fsdp()
-        topo, shared = self.runtime.topology, bool(self.runtime.tp)
-        segs, cut, rep = [], [], []
-        for seg in self.runtime.segments:
-            d = seg.group["max_preconditioner_dim"]
-            params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
-            first = [tp_tile_offset(p, d, self._labels[id(p)]) for p in params]  # a TP shard's first tile
-            found = [t for i, p in enumerate(params) for t in tiles_of(local_shape(p), d, i, first[i])]
-            mixed = [shared and not is_tp_sharded(params[t.param]) for t in found]  # computed once in dp x tp
-            segs.append(seg)
-            for kind, tiles in ((cut, [t for t, m in zip(found, mixed) if not m]),
-                                (rep, [t for t, m in zip(found, mixed) if m])):  # fmt: skip
-                held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in tiles]
-                kind.append((tiles, tile_work(tiles, held)))
-        plan = plan_owners([w for _, w in cut], topo, self.runtime.dp.rank, slack=_SLACK,
-                           tolerate=_TOLERATE, channels=CHANNELS)  # fmt: skip
+        runtime, tp = self.runtime, self.runtime.tensor_parallel
+        segs, shared = list(runtime.segments), tp.group is not None
+        shapes = [[tp.cut(p).local_shape for p in seg.params] for seg in segs]
+        cut, rep = [], []  # per segment (tiles, work): those of this TP rank, those replicated over TP
+        for seg, seg_shapes in zip(segs, shapes):
+            found = self._tiles_of(seg, seg_shapes)
+            mixed = [shared and not tp.cut(seg.params[t.param]).sharded for t in found]  # once in dp x tp
+            for kind, tiles in (
+                (cut, [t for t, m in zip(found, mixed) if not m]),
+                (rep, [t for t, m in zip(found, mixed) if m]),
+            ):
+                rows = [
+                    [rows_held(seg, t, r, seg_shapes) for r in range(runtime.topology.shards)] for t in tiles
+                ]
+                kind.append((tiles, tile_work(tiles, rows)))
+        plan = plan_owners(
+            [w for _, w in cut],
+            runtime.topology,
+            runtime.dp.rank,
+            slack=_SLACK,
+            tolerate=_TOLERATE,
+            channels=CHANNELS,
+        )
         self._tiles: dict[int, SegmentTiles] = {
-            id(seg): SegmentTiles(seg, tiles, moves)
-            for seg, (tiles, _), moves in zip(segs, cut, plan.segments)
+            id(seg): SegmentTiles(seg, tiles, moves, seg_shapes)
+            for seg, (tiles, _), moves, seg_shapes in zip(segs, cut, plan.segments, shapes)
         }
         self._shared: dict[int, SegmentTiles] = {}  # tiles replicated over TP, moved over the dp x tp world
         self._shared_moves: list[Move] = []
@@ -318,35 +337,38 @@ class Shampoo(ShardedOptimizer):
         if not shared:
             self.native_root_work, self.root_work = tuple(plan.home_loads), tuple(plan.loads)
             self.num_tiles, self.moved_tiles = len(plan.owners), plan.moved
-            return
-        tp = plan_tp_tiles(self.runtime, plan, [t for t, _ in cut], [t for t, _ in rep], [w for _, w in rep],
-                           _SLACK, _TOLERATE)  # fmt: skip
-        self._tp = tp
-        self._shared = {id(seg): SegmentTiles(seg, tiles, moves)
-                        for seg, (tiles, _), moves in zip(segs, rep, tp.shared) if tiles}  # fmt: skip
-        self._io.owned_world = tp.world.comm  # every tile's owner is a rank of the dp x tp world
-        self.native_root_work, self.root_work = tp.home_loads, tp.loads
-        self.num_tiles, self.moved_tiles = tp.tiles, tp.moved
+            return None
+        cut_tiles, rep_tiles, rep_work = [t for t, _ in cut], [t for t, _ in rep], [w for _, w in rep]
+        self._tp = plan_tp_tiles(tp, plan, cut_tiles, rep_tiles, rep_work, _SLACK, _TOLERATE)
+        self._shared = {
+            id(seg): SegmentTiles(seg, tiles, moves, seg_shapes)
+            for seg, (tiles, _), moves, seg_shapes in zip(segs, rep, self._tp.shared, shapes)
+            if tiles
+        }
+        self._io.owned_world = self._tp.world.comm  # every tile's owner is a rank of the dp x tp world
+        self.native_root_work, self.root_work = self._tp.home_loads, self._tp.loads
+        self.num_tiles, self.moved_tiles = self._tp.tiles, self._tp.moved
+        return None
+
+    def _tiles_of(self, seg: Segment, shapes: list[tuple[int, ...]]) -> list[Tile]:
+        """The tiles of the segment's parameters' local tensors (`shapes`), keyed by the full
+        tensor's tile indices (a TP shard's first tile: `tp_tile_offset`); none for frozen ones."""
+        if seg.tier == FROZEN:  # frozen parameters have no preconditioners
+            return []
+        tp, d = self.runtime.tensor_parallel, seg.group["max_preconditioner_dim"]
+        first = [tp_tile_offset(tp.cut(p), d, self._labels[id(p)]) for p in seg.params]
+        return [t for i, shape in enumerate(shapes) for t in tiles_of(shape, d, i, first[i])]
 
     def _plan_over_fsdp(self) -> None:
         """Over FSDP2's shards, whole matrices at owners balanced by their tiles' root work over the
         world (`_shampoo_fsdp`); no tile of the other layouts."""
         runtime = self.runtime
         segs = [seg for seg in runtime.segments if seg.tier != FROZEN]
-        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.dp)
+        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.dp, runtime.tensor_parallel)
         self._tiles, self._shared, self._shared_moves, self._tp = {}, {}, [], None
         self._position = {id(seg): i for i, seg in enumerate(segs)}
         self.native_root_work, self.root_work = tuple(self._fsdp.home_loads), tuple(self._fsdp.loads)
         self.num_tiles, self.moved_tiles = self._fsdp.num_tiles, self._fsdp.moved_tiles
-
-    @staticmethod
-    def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
-        """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
-        n = matrix_shape(local_shape(seg.params[t.param]))[1]
-        start, stop = seg.layout.rank_range(t.param, rank)
-        first, last = (start - seg.layout.offsets[t.param]) // n, (stop - seg.layout.offsets[t.param]) // n
-        a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
-        return (a, z) if z > a else (0, 0)
 
     def _preconditioners(self):
         for seg_tiles in self._parts():

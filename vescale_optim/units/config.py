@@ -103,8 +103,10 @@ class ShardingConfig:
                 try:
                     wire.codec(bits)
                 except ValueError:
-                    raise ValueError(f"{name} must be None (full precision) or the bits of a wire codec: "
-                                     f"{wire.known()}; got {bits!r}") from None  # fmt: skip
+                    raise ValueError(
+                        f"{name} must be None (full precision) or the bits of a wire codec: "
+                        f"{wire.known()}; got {bits!r}"
+                    ) from None
         # the codecs in use say what a block may be (without one, the default "q8" does)
         used = {wire.codec(b) for b in (self.gather_bits, self.reduce_bits) if b is not None}
         for c in used or {wire.codec(8)}:

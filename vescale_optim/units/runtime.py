@@ -41,6 +41,7 @@ from .step_agreement import GradTracker
 from .streams import reduction_comm
 from .tensor_parallel import dtensor_problem, local_numel, tp_groups, tp_norm_parts
 from .tp_plan import tp_plan_problem
+from .tp_view import TensorParallel
 from .unit import LOW_PRECISION, Unit
 from .wrappers import DDPGrads, first_step, unwatch, watch
 
@@ -104,8 +105,10 @@ class Runtime:
         groups = shard_groups() if over else resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.dp = groups.shard, groups.replicate, groups.dp
         self.topology, self.all_ranks = groups.topology, groups.all_ranks
-        # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
-        self.tp = [] if over else [Comm(g) for g in tp_groups(params)]
+        # tensor parallelism, as the optimizers see it (`tp_view`): each parameter's cut, the group
+        # a parameter is sharded over (norms sum over it), the dp x tp world
+        tp_comms = [] if over else [Comm(g) for g in tp_groups(params)]
+        self.tensor_parallel = TensorParallel(params, self.dp, self.topology, tp_comms)
         problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
         try:
             members, modules, names = self._plan(params, over)
@@ -130,16 +133,35 @@ class Runtime:
             block = config.quantized_block or 1  # wire codecs: no cut inside a block either
             aligns = [math.lcm(config.align, d.align, block) for d in declared]
             granules = [whole_blocks(d.granule, block, local_numel(p)) for p, d in zip(ps, declared)]
-            layout = plan_layout([local_numel(p) for p in ps], granules, self.comm.world_size,
-                                 math.lcm(config.align, block), aligns=aligns, segments=keys)  # fmt: skip
+            layout = plan_layout(
+                [local_numel(p) for p in ps],
+                granules,
+                self.comm.world_size,
+                math.lcm(config.align, block),
+                aligns=aligns,
+                segments=keys,
+            )
             unit = Unit(
-                ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
-                sharded=config.sharded, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                device=config.device, sync_params=config.sync_params, replicate=self.replicate,
-                dp=self.dp, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
-                gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
-                external=over, reduce_comm=reduce_comm,
-            )  # fmt: skip
+                ps,
+                [names[i] for i in idx],
+                layout,
+                self.comm,
+                index=k,
+                name=self._unit_name(k, module),
+                sharded=config.sharded,
+                param_dtype=config.param_dtype,
+                reduce_dtype=config.reduce_dtype,
+                device=config.device,
+                sync_params=config.sync_params,
+                replicate=self.replicate,
+                dp=self.dp,
+                labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
+                gather_bits=config.gather_bits,
+                reduce_bits=config.reduce_bits,
+                comm_block=config.comm_block,
+                external=over,
+                reduce_comm=reduce_comm,
+            )
             self.units.append(unit)
             for key in dict.fromkeys(keys):
                 mine = [j for j, kk in enumerate(keys) if kk == key]
@@ -149,9 +171,13 @@ class Runtime:
         if needs_materializing(self.units, listed):
             materialize(self.units, listed, config.param_init_fn, self.all_ranks or self.dp)
         self.schedule = Schedule(
-            self.units, modules, reshard_after_forward=config.reshard_after_forward,
-            backward_prefetch=config.backward_prefetch, on_grad=self._on_grad, enclosing=self._listed,
-        )  # fmt: skip
+            self.units,
+            modules,
+            reshard_after_forward=config.reshard_after_forward,
+            backward_prefetch=config.backward_prefetch,
+            on_grad=self._on_grad,
+            enclosing=self._listed,
+        )
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, labels)
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
@@ -201,8 +227,9 @@ class Runtime:
         # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
         # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
         group = {id(p): gi for gi, g in enumerate(self._groups) for p in g["params"]}
-        keys = [i if over and own_unit(p) else (p.dtype, p.device, group[id(p)])
-                for i, p in enumerate(params)]  # fmt: skip
+        keys = [
+            i if over and own_unit(p) else (p.dtype, p.device, group[id(p)]) for i, p in enumerate(params)
+        ]
         members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
         return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
 
@@ -243,9 +270,13 @@ class Runtime:
             else:
                 self.schedule.finish()
                 self.tracker.reattach()
-            pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.dp),
-                                         nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
+            pending = self.tracker.agree(
+                self._check(),
+                hyper_digest(self._groups),
+                lambda: hyper_mismatch(self._groups, self.dp),
+                nonfinite=self.config.skip_nonfinite,
+                tp=self.tensor_parallel.groups,
+            )
             self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
@@ -266,7 +297,7 @@ class Runtime:
     def any_nonfinite(self) -> bool:
         """Whether the reduced gradients hold inf or NaN on some rank (under TP: on every TP
         rank alike); with `skip_nonfinite` the step's agreement carried it (no read of its own)."""
-        return self.tracker.any_nonfinite(self.tp)
+        return self.tracker.any_nonfinite(self.tensor_parallel.groups)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -286,23 +317,25 @@ class Runtime:
                 u.grads.keep_unsynced(False)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards (see
         the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [u.grads.shard for u in self.units if u.grads.shard_bytes and not u.grads.borrowed]
         inf, op = math.isinf(norm_type), "max" if math.isinf(norm_type) else "sum"
+        tp = self.tensor_parallel.group
         # summed in float64, so that how parameters are grouped into units does not round it;
         # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
         if isinstance(self.wrapper, FsdpGrads):  # over the world, each element counted once
             all_reduce_(total := self.wrapper.norm_parts(norm_type, self.device), self.dp, op)
         else:
-            total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
+            total = tp_norm_parts(self.units, norm_type, self.device, tp is not None)
             all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")
-        if self.tp:
-            all_reduce_(total[1:], self.tp[0], op, what="clip_grad_norm_'s norm over tensor parallelism")
+        if tp is not None:
+            all_reduce_(total[1:], tp, op, what="clip_grad_norm_'s norm over tensor parallelism")
         total = total.max() if inf else total.sum()
         total = (total if inf else total ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
@@ -399,8 +432,9 @@ class Runtime:
         if root is None:
             raise ValueError("pass the model: without shard_modules the optimizer does not know it")
         if to_rank is not None and not (isinstance(to_rank, int) and 0 <= to_rank < self.comm.world_size):
-            raise ValueError(f"to_rank must be a rank of the shard group, 0..{self.comm.world_size - 1}; "
-                             f"got {to_rank!r}")  # fmt: skip
+            raise ValueError(
+                f"to_rank must be a rank of the shard group, 0..{self.comm.world_size - 1}; got {to_rank!r}"
+            )
         with self.model_state.to_rank(to_rank):
             return root.state_dict()
 

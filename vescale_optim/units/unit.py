@@ -118,8 +118,14 @@ class Unit:
         self.compute_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.shard_dtype = shard_dtype_for(self.orig_dtype)
-        self.full = FlatBuffer(layout, [local_shape(p) for p in params], comm.rank, self.compute_dtype,
-                               self.device, allocate=not external)  # fmt: skip
+        self.full = FlatBuffer(
+            layout,
+            [local_shape(p) for p in params],
+            comm.rank,
+            self.compute_dtype,
+            self.device,
+            allocate=not external,
+        )
         size = 0 if external else layout.shard_size  # external: FSDP2's local tensor, or a copy (`copy_in`)
         self.shard = torch.zeros(size, dtype=self.shard_dtype, device=self.device)
         self.grads, self.state, self.borrowed = GradBuffers(self), State.GATHERED, False
@@ -136,8 +142,10 @@ class Unit:
             for i, p in enumerate(params):
                 grad = local(p.grad)
                 if p.is_meta and not is_dtensor(p):  # a real parameter in its place (the same object)
-                    real = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
-                                              requires_grad=p.requires_grad)  # fmt: skip
+                    real = torch.nn.Parameter(
+                        torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                        requires_grad=p.requires_grad,
+                    )
                     real.data = self.full.view(i)  # its own version counter, as for `.data` below
                     torch.utils.swap_tensors(p, real)
                 else:
