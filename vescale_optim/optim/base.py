@@ -32,12 +32,13 @@ from ..units.unit import Unit
 from . import _step_stats, state_tiers
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
+from ._memory import MemoryAccounting
 from .declarations import Declarations
 from .state_dict import Gather, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
 
 
-class ShardedOptimizer(Declarations, torch.optim.Optimizer):
+class ShardedOptimizer(Declarations, MemoryAccounting, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
     With `shard_modules`, each listed module is a unit whose parameters are gathered before its
@@ -384,38 +385,6 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         self._used = True
         self._io.load_sharded(state_dict)
         self.state.changed()
-
-    # --- memory -------------------------------------------------------------------------
-
-    def local_state_numel(self) -> int:
-        """Elements of optimizer state (masters included) held by this rank."""
-        return sum(t.numel() for t in self._local_state_tensors())
-
-    def local_state_bytes(self) -> int:
-        """Bytes of every persistent tensor the optimizer holds on this rank besides the parameters and
-        gradients: state, fp32 masters of bf16/fp16 parameters, owned state (Shampoo's), opt.state's steps."""
-        return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
-
-    def _local_state_tensors(self) -> Iterator[torch.Tensor]:
-        for seg in self.runtime.segments:
-            yield from seg.state.values()
-            for per_param in self._owned_state(seg):
-                yield from (o.tensor for o in per_param if o.tensor is not None)
-        yield from self.runtime.masters()
-        yield from self.state.held()  # the step counts `opt.state` shows, once read
-
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by unsharded
-        units, in their dtypes), `gradients` (averaged-gradient shards, and those kept unsynced
-        across replicas inside `no_all_reduce()`), `state` (`local_state_bytes()`, masters
-        included), `unsharded` (gathered parameters and unreduced gradients between gather and free)."""
-        stats = self.runtime.memory_stats()
-        return {
-            "parameters": stats["parameters"],
-            "gradients": stats["gradients"],
-            "state": self.local_state_bytes(),
-            "unsharded": stats["unsharded"],
-        }
 
 
 __all__ = ["Segment", "ShardedOptimizer"]
