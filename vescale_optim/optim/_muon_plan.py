@@ -234,14 +234,21 @@ def plan_matrices(
         for r in members:
             received[r] += nbytes
             times[r] += seconds
-    if groups:  # every matrix whole (LPT alone) is the plan when it finishes no later
-        whole = assign_owners(costs, world, homes, allowed=allowed)
-        flat = [0.0] * world
-        for c, o in zip(costs, whole):
-            flat[o] += c
-        if max(flat) / cost.flops <= max(times):
-            return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
+    if groups and (unsplit := _unsplit(costs, world, homes, allowed, cost, max(times))) is not None:
+        return unsplit  # every matrix whole (LPT alone) is the plan when it finishes no later
     return MuonPlan(owners, groups, splits, loads, received, times, cost)
+
+
+def _unsplit(costs, world: int, homes, allowed, cost: CostModel, limit: float) -> MuonPlan | None:
+    """The plan with every matrix whole on one owner (the balancer alone), if its busiest rank
+    finishes within `limit` modelled seconds (the split plan's); else None."""
+    whole = assign_owners(costs, world, homes, allowed=allowed)
+    flat = [0.0] * world
+    for c, o in zip(costs, whole):
+        flat[o] += c
+    if max(flat) / cost.flops > limit:
+        return None
+    return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
 
 
 def _pools(line: list[int], dims, costs, world: int, mean: float, cost: CostModel):

@@ -150,6 +150,18 @@ class SegmentTiles:
         lo, hi, first, n = self.where[t.param]
         return flat[lo:hi].view(-1, n)[t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
 
+    def _pack(self, flats: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """What this rank sends of the tiles that travel: their rows of each flat (gradient, mhat,
+        grafting update), one channel after the other, at the plan's offsets."""
+        send = self.like.new_empty(self.moves.send_numel)
+        for k, p, off in self.moves.pack:
+            t = self.tiles[k]
+            a, b = p.start // t.w, p.stop // t.w
+            out = send[off : off + CHANNELS * (b - a) * t.w].view(CHANNELS, b - a, t.w)
+            for c, flat in enumerate(flats):
+                out[c].copy_(self._rows(flat, t, a, b))
+        return send
+
     def step(
         self,
         group: dict,
@@ -181,14 +193,7 @@ class SegmentTiles:
                 for view, u in zip(views[2], out if out is not None else ()):
                     view.copy_(u)
 
-        moves = self.moves
-        send = self.like.new_empty(moves.send_numel)
-        for k, p, off in moves.pack:
-            t = self.tiles[k]
-            a, b = p.start // t.w, p.stop // t.w
-            out = send[off : off + CHANNELS * (b - a) * t.w].view(CHANNELS, b - a, t.w)
-            for c, flat in enumerate(flats):
-                out[c].copy_(self._rows(flat, t, a, b))
+        moves, send = self.moves, self._pack(flats)
 
         def compute(recv: torch.Tensor) -> torch.Tensor:
             result = self.like.new_empty(moves.result_numel if apply else 0)

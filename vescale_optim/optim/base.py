@@ -27,7 +27,7 @@ from ..owners.moves import run_moves
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment
-from ..units.tensor_parallel import local, refuse_for
+from ..units.tensor_parallel import is_dtensor, local
 from ..units.unit import Unit
 from . import _step_stats, state_tiers
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
@@ -36,6 +36,19 @@ from ._memory import MemoryAccounting
 from .declarations import Declarations
 from .state_dict import Gather, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
+
+
+def refuse_dtensors(owner: str, params: list[torch.Tensor], takes_dtensors: bool) -> None:
+    """An optimizer whose math is not element-wise (`takes_dtensors=False`) refuses DTensor
+    parameters by name: it would need each whole matrix or tile across the TP shards, and
+    orthogonalizing the local shards alone would depend on the TP size."""
+    if takes_dtensors or not any(is_dtensor(p) for p in params):
+        return
+    raise NotImplementedError(
+        f"{owner} does not support DTensor (tensor-parallel) parameters yet: its math needs whole "
+        "matrices or tiles across the TP shards; use vo.AdamW for them, or give this optimizer "
+        "plain (non-DTensor) parameters only"
+    )
 
 
 class ShardedOptimizer(Declarations, MemoryAccounting, torch.optim.Optimizer):
@@ -139,7 +152,7 @@ class ShardedOptimizer(Declarations, MemoryAccounting, torch.optim.Optimizer):
         """Refuse what cannot be sharded (subclasses add their own conditions); a ValueError
         is raised on every rank, whichever rank found it."""
         check_params(params)
-        refuse_for(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
+        refuse_dtensors(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
 
     # --- the step ---------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from ..kernels import wire
 class ShardingConfig:
     """How an optimizer shards its parameters, gradients and state over ranks.
 
-    `vo.AdamW`, `vo.Muon` and `vo.Shampoo` take every field as a keyword
-    (`vo.AdamW(params, lr=1e-3, shard_modules=[*model.layers, model])`):
+    Every optimizer of the library takes every field as a keyword
+    (`opt = Optimizer(params, lr=1e-3, shard_modules=[*model.layers, model])`):
 
     - `process_group`: the group to shard over (default: the world, or one process
       when `torch.distributed` is not initialised); or `mesh`: a 1-D `DeviceMesh`, or a

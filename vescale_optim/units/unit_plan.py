@@ -93,8 +93,8 @@ def plan_units(
                 f"parameter {labels[id(p)]} is on the meta device; building a model there needs "
                 "shard_modules, whose modules' reset_parameters() initialise it"
             )
-    # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
-    # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
+    # a bucket per param group too: groups may keep different state (a momentum here, two
+    # moments there), and each bucket's layout gives every rank 1/W of its elements, so of its state
     group = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     keys = [i if over and own_unit(p) else (p.dtype, p.device, group[id(p)]) for i, p in enumerate(params)]
     members = bucket_indices([local_numel(p) for p in params], keys, config.bucket_cap_numel)
