@@ -19,10 +19,12 @@ The runtime builds it from the parameters and its groups; optimizers consume it
 (`runtime.tensor_parallel`), and checks that run before the runtime exists read `param_cut`.
 Over FSDP2's shards its DTensors are FSDP2's cuts and there is no TP group.
 
-The dp x tp world's group is the one group this object makes. Today its members make it alone
-(`new_group` with local synchronization, or the default group when it spans every rank). Under
-pipeline parallelism each stage builds its own optimizer over its own dp (x tp) ranks, so the
-group must stay creatable by a stage's ranks alone: it is made here and nowhere else.
+The dp x tp world's group is the one group this object makes (`dp_tp_world`). Today its members
+make it alone (`new_group` with local synchronization, or the default group when it spans every
+rank). Under pipeline parallelism each stage builds its own optimizer over its own dp (x tp)
+ranks, so the group must be creatable by a stage's ranks alone, which a device-bound NCCL world
+does not allow yet (a subgroup splits its parent's communicator, every rank of the parent taking
+part: ARCHITECTURE.md, "Process groups"); it is made here and nowhere else, the one place to change.
 """
 
 from __future__ import annotations
