@@ -30,32 +30,6 @@ MAX_FUNCTION_LINES = 60
 # functions that may be longer, each a data table or an argparse table that reads best whole:
 # "module.qualified_name" -> why
 LONG_FUNCTIONS: dict[str, str] = {}
-# TEMPORARY (issue 42): the files another helper is restructuring (item 1), formatting and
-# splitting their long functions as it goes; the function-length and formatter checks leave them
-# out until that work lands. EMPTY THIS SET THEN.
-PENDING = {
-    "units/tp_pieces.py",
-    "units/tensor_parallel.py",
-    "units/tp_plan.py",
-    "units/tp_grads.py",
-    "units/unit.py",
-    "units/runtime.py",
-    "units/config.py",
-    "optim/muon.py",
-    "optim/_muon_plan.py",
-    "optim/_muon_work.py",
-    "optim/_muon_split.py",
-    "optim/_muon_fsdp.py",
-    "optim/_muon_math.py",
-    "optim/_split_ns.py",
-    "optim/muon_groups.py",
-    "optim/shampoo.py",
-    "optim/_shampoo_tp.py",
-    "optim/_shampoo_tiles.py",
-    "optim/_shampoo_fsdp.py",
-    "optim/_shampoo_math.py",
-    "optim/base.py",
-}
 # `# fmt: skip` / `# fmt: off` lines in the package, at most; each keeps a table whose alignment
 # carries meaning, with a comment on the line above the statement it keeps saying why
 MAX_FORMATTER_OFF = 15
@@ -165,8 +139,6 @@ def test_functions_stay_short():
     MAX_FUNCTION_LINES lines, but the data tables of LONG_FUNCTIONS."""
     long, stale = [], set(LONG_FUNCTIONS)
     for name, path in _modules().items():
-        if path.relative_to(PACKAGE).as_posix() in PENDING:
-            continue
         for qualified, node in _functions(ast.parse(path.read_text())):
             key = f"{name}.{qualified}"
             stale.discard(key)
@@ -198,8 +170,6 @@ def test_the_formatter_is_off_for_a_few_tables_only():
     switch it off, each under a comment that says why."""
     found, unexplained = [], []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).as_posix() in PENDING:
-            continue
         text = path.read_text()
         lines = text.splitlines()
         tree = ast.parse(text)

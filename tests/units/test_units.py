@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 import vescale_optim as vo
 from vescale_optim.shard import plan_layout
 from vescale_optim.shard.collectives import Comm
-from vescale_optim.units import State, Unit
+from vescale_optim.units import ShardingConfig, State, Unit
 from vescale_optim.units.assign import assign_units
 from vescale_optim.units.reduced_grad import ReducedGrad
 from vescale_optim.units.schedule import Schedule
+from vescale_optim.units.unit import UnitComms
 
 LR = 0.1
 # test_adamw.TOL. Measured over 80 interleavings at W=2: the first step's gradients equal the
@@ -36,12 +37,13 @@ def make_units(model, shard_modules, comm, sharded=True, param_dtype=None):
         order = sorted(set(unit_of), key=unit_of.index)
         groups = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
         modules = [listed[k] for k in order]
+    config = ShardingConfig(shard_modules=shard_modules if sharded else None, param_dtype=param_dtype)
     units = []
     for idx in groups:
         ps = [params[i] for i in idx]
         layout = plan_layout([p.numel() for p in ps], [1] * len(ps), comm.world_size, 4)
-        units.append(Unit(ps, [names[i] for i in idx], layout, comm, index=len(units),
-                          name=str(len(units)), sharded=sharded, param_dtype=param_dtype))  # fmt: skip
+        units.append(Unit(ps, [names[i] for i in idx], layout, UnitComms(comm), config, index=len(units),
+                          name=str(len(units))))  # fmt: skip
     return units, modules
 
 

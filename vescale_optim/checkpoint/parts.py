@@ -31,7 +31,7 @@ def _listed(x) -> list:
 def _span(optimizer) -> int:
     """The ranks an optimizer's state spans: its data-parallel ranks times its tensor-parallel ones."""
     runtime = optimizer.runtime
-    return runtime.dp.world_size * math.prod(c.world_size for c in runtime.tp)
+    return runtime.dp.world_size * math.prod(c.world_size for c in runtime.tensor_parallel.groups)
 
 
 class Parts:
