@@ -23,7 +23,7 @@ from torch import nn
 import vescale_optim as vo
 
 __all__ = ["ADAMW", "MUON", "MUON_ADAMW", "PEERS", "FullTensorMuon", "Steps", "fsdp2", "fully_shard_gpt"]
-__all__ += ["muon_groups", "muon_names", "ours", "peer"]
+__all__ += ["muon_groups", "muon_names", "ours", "peer", "state_bytes"]
 
 PEERS = ("FSDP2", "DDP", "ZeRO", "torch")
 
@@ -43,6 +43,20 @@ def muon_names(model: nn.Module) -> set[str]:
     """Names of the parameters `muon_groups` puts in the Muon group."""
     ids = {id(p) for p in muon_groups(model)[0]["params"]}
     return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the optimizer state this rank holds: ours `local_state_bytes()` (checked against
+    `memory_stats()["state"]`); a torch optimizer's (each of a `Steps`, ZeRO's local one) every
+    state tensor, a DTensor by its local shard."""
+    if hasattr(opt, "local_state_bytes"):
+        held, counted = opt.local_state_bytes(), opt.memory_stats()["state"]
+        if held != counted:  # two public counts of the same tensors
+            raise RuntimeError(f"local_state_bytes() {held} != memory_stats()['state'] {counted}")
+        return held
+    states = [s for o in getattr(opt, "opts", [opt]) for s in getattr(o, "optim", o).state.values()]
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in states for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if isinstance(v, torch.Tensor))
 
 
 class Steps:
