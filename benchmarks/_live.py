@@ -50,9 +50,9 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["LiveBytes", "Trace"]
+__all__ = ["LiveBytes", "Trace", "live_steps"]
 
 LIBRARY = ("FSDP::", "vescale::", "vescale_optim.")
 
@@ -102,6 +102,15 @@ class Trace:
             if t0 <= when < t1:
                 alive[who] += nbytes
         return {"bytes": best, "where": where, "by": dict(alive.most_common())}
+
+    def summary(self) -> dict:
+        """What `live_steps` measured, as a result's `live_*` keys: the peak of the steady steps
+        (bytes, the windows open then, by whom), the first step's, the bytes alive as the steady
+        steps began, and the blocks freed unseen."""
+        peak = self.peak("bench::steady")
+        out = {"live_peak": peak["bytes"], "live_where": peak["where"], "live_by": peak["by"]}
+        out.update(live_first=self.peak("bench::first")["bytes"], live_start=self.at_start("bench::steady"))
+        return {**out, "live_unseen_frees": self.unseen_frees}
 
 
 def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]], int]:
@@ -200,6 +209,19 @@ def _who(open_: list[tuple], on_main: bool) -> str:
     if library:
         return f"{phase}: {_region(library[-1])}"
     return f"{phase}: {'AccumulateGrad' if any('AccumulateGrad' in n for n in names) else 'compute'}"
+
+
+def live_steps(build, pool: list, steps: int, tail: bool = True) -> tuple:
+    """`build()` (a trainer of `benchmarks._train`) and `steps` of its steps on `pool`'s batches, all
+    under the recorder: `bench::first`, then `bench::steady`, then (with `tail`) one more step,
+    not measured, that lets the blocks the last steady step freed unseen show themselves. Returns
+    the trainer and the trace."""
+    recorder = LiveBytes().start()
+    tr = build()
+    for s, window in enumerate(["bench::first"] + ["bench::steady"] * (steps - 1) + ["bench::tail"] * tail):
+        with record_function(window):
+            tr.step(*pool[s % len(pool)], record=False)
+    return tr, recorder.stop()
 
 
 class LiveBytes:

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
 from benchmarks._gpt import gpt_loss, param_count, random_batch, shaped_gpt
-from benchmarks._measure import median_ratio
+from benchmarks._measure import median_ratio, slowest
 
 __all__ = ["PHASES", "Trainer", "against_peers", "barrier_timed", "batches", "device", "interleave", "ms",
            "train_step"]  # fmt: skip
@@ -152,10 +152,30 @@ class Trainer:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         return self.loss(x, y).item()
 
+    def result(self, x: torch.Tensor, y: torch.Tensor, **more) -> dict:
+        """What the recorded steps measured, for the parent (`timed_row` reads it): the parameter
+        count, each phase's seconds per step, every step's loss, the loss on `(x, y)` after
+        training, this rank's device type, and `more`."""
+        out = dict(params=self.params, times_s=self.times, losses=self.losses, device=device().type)
+        return {**out, "loss_after": self.eval_loss(x, y), **more}
+
 
 def ms(per_step: list[float]) -> float:
     """The median of per-step seconds, in ms."""
     return 1e3 * statistics.median(per_step)
+
+
+def timed_row(config: str, res: list[dict]) -> dict:
+    """One configuration's row from every rank's `Trainer.result()`: each phase's `ms` (the median
+    over steps of the slowest rank's), `train ms` their sum, the first step's loss and the loss after
+    training (means over ranks); `_train` and `_step`, per step, for `against_peers`."""
+    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
+    train = [sum(t) for t in zip(*phases.values())]
+    row = {"config": config, "params": res[0]["params"], "_train": train, "_step": phases["step"]}
+    row.update({"train ms": ms(train), **{f"{k} ms": ms(v) for k, v in phases.items()}})
+    row["loss first"] = statistics.mean(r["losses"][0] for r in res)
+    row["loss after"] = statistics.mean(r["loss_after"] for r in res)
+    return row
 
 
 def against_peers(rows: dict[str, dict], peer: Callable[[str], str], keys: Sequence[str]) -> list[dict]:
