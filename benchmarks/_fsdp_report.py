@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks._measure import load_average
 from benchmarks._report import host_line, pyplot, save_png, table
-from benchmarks._verdict import shown, time_note, verdict
+from benchmarks._verdict import shape_words, shown, time_note, verdict
 
 TIME = "config|train ms|train x|step ms|step x|update ms|update x|update % step|fwd ms|bwd ms|zero_grad ms"
 TIME = [*TIME.split("|"), "stand-in ms", "stand-in % fwd", "exposed comm ms", "MB sent", "copies"]
@@ -22,12 +22,6 @@ SCALING = [
     "at step start B/param x W",
 ]
 PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
-
-
-def _shape(shape: dict) -> str:
-    """A GPT's shape and its tokens, in words."""
-    model = f"vocab {shape['vocab']}, d {shape['d_model']}, {shape['n_layers']} layers"
-    return f"({model}), {shape['batch']}x{shape['seq']} tokens/rank/step"
 
 
 def _on_cuda(run: dict) -> bool:
@@ -122,7 +116,7 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
 def _print_model(model: str, mine: list[dict], run: dict) -> None:
     shape, w, cuda = run["shapes"][model], run["world"], _on_cuda(run)
     backend = f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
-    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params {_shape(shape)}, W={w} ({backend});")
+    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}, W={w} ({backend});")
     print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank;")
     print("x = vs FSDP2 with the same optimizer\n")
     print(f"{host_line(run['threads'])}\n")
