@@ -37,8 +37,10 @@ def save_and_load(kind: str, path: str, model, opt, step: int, whole: Callable, 
     state for "full"."""
     weights = saved = None
     if kind == "dcp":
-        dcp.save({"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)},
-                 checkpoint_id=path)  # fmt: skip
+        dcp.save(
+            {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)},
+            checkpoint_id=path,
+        )
     elif kind == "manager":
         vo.CheckpointManager(path, model, opt).save(step)
     else:

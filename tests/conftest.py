@@ -45,4 +45,3 @@ def world():
     pool = WorldPool()
     yield pool
     pool.close()
-

@@ -26,10 +26,12 @@ SCALED_BY_WORLD = re.compile(r"/\s*\(?\s*world\w*\b[^\n]*\)\s*\.backward\(")
 
 
 def test_no_reference_scales_each_loss_by_one_over_world():
-    for old in ["(loss_fn(model, batch(t, r)) / world).backward()",
-                "(sum(_loss(model, t, r) for r in range(world)) / world).backward()",
-                "(sum(_loss(model, 0, r) for r in range(world_size)) / world_size).backward()",
-                "(loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()"]:  # fmt: skip
+    for old in [
+        "(loss_fn(model, batch(t, r)) / world).backward()",
+        "(sum(_loss(model, t, r) for r in range(world)) / world).backward()",
+        "(sum(_loss(model, 0, r) for r in range(world_size)) / world_size).backward()",
+        "(loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()",
+    ]:
         assert SCALED_BY_WORLD.search(old), old  # the pattern this test refuses is recognised
     assert not SCALED_BY_WORLD.search("(loss_fn(model, *batch(t, rank, m)) / micro).backward()")
     found = [

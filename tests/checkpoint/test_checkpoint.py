@@ -293,8 +293,10 @@ def test_bf16_state_cross_loads_with_torch_and_a_stale_master_loses_to_the_param
     _run(theirs, twins, range(2, 4), rank=0)
     back = theirs.state_dict()  # its masters are now two steps old
     trained = [p.detach().clone() for p in twins]
-    without = {**back, "state": {i: {k: v for k, v in st.items() if k != "master"}
-                                 for i, st in back["state"].items()}}  # fmt: skip
+    without = {
+        **back,
+        "state": {i: {k: v for k, v in st.items() if k != "master"} for i, st in back["state"].items()},
+    }
     got = _bf16_train(range(4, 6), trained, back)[0]
     want = _bf16_train(range(4, 6), trained, without)[0]
     for a, b in zip(got, want):

@@ -28,9 +28,12 @@ def _flip_a_tensor_bit(step_dir) -> str:
     """Flip one mantissa bit in the middle of the largest fp32 tensor's data (a finite value
     changes a little, the file's structure does not): the data file's name."""
     md = dcp.FileSystemReader(step_dir).read_metadata()
-    tensors = [(info.length, info) for index, info in md.storage_data.items()
-               if getattr(md.state_dict_metadata[index.fqn], "properties", None) is not None
-               and md.state_dict_metadata[index.fqn].properties.dtype == torch.float32]  # fmt: skip
+    tensors = [
+        (info.length, info)
+        for index, info in md.storage_data.items()
+        if getattr(md.state_dict_metadata[index.fqn], "properties", None) is not None
+        and md.state_dict_metadata[index.fqn].properties.dtype == torch.float32
+    ]
     _, info = max(tensors, key=lambda t: t[0])
     path = step_dir / info.relative_path
     data = bytearray(path.read_bytes())

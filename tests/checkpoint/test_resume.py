@@ -56,8 +56,9 @@ def _save_run(kind, directory, config, async_save=False, noise=True):
     random.seed(rank)
     model, opt, sched = make(kind, **config)
     counter = Counter()
-    manager = vo.CheckpointManager(directory, model, opt, sched, stateful={"counter": counter},
-                                   async_save=async_save)  # fmt: skip
+    manager = vo.CheckpointManager(
+        directory, model, opt, sched, stateful={"counter": counter}, async_save=async_save
+    )
     with slow_writes(1.0 if async_save else 0.0):
         train(model, opt, sched, counter, 0, 2, noise)
         start = time.perf_counter()
@@ -129,8 +130,9 @@ def test_resume_at_another_world_size_continues_exactly(world, tmp_path, case):
     for (got_two, got_final, _), final in zip(resumed, want):
         assert_same(got_two, at_two)
         assert_same(got_final, final)
-    assert any("saved by 2 ranks and is loaded by 3: the random states are not restored" in m
-               for m in resumed[0][2])  # fmt: skip
+    assert any(
+        "saved by 2 ranks and is loaded by 3: the random states are not restored" in m for m in resumed[0][2]
+    )
     if case == "adamw-zero2":  # and in one process, without a process group
         got_two, _, _ = _resume(kind, str(tmp_path), config, False)
         assert_same(got_two, at_two)
@@ -284,8 +286,10 @@ def test_a_cpu_save_stages_as_before(tmp_path):
     background.close()
     got = background.last_staging
     state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}
-    want = sum(v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
-               for v in _tensors(state).values())  # fmt: skip
+    want = sum(
+        v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
+        for v in _tensors(state).values()
+    )
     assert got.copied_bytes == want > 0 and got.pinned_bytes == got.device_bytes == got.syncs == 0
 
 

@@ -27,8 +27,20 @@ EXAMPLE = ROOT / "examples" / "train_torchrun.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
 SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]
 HF_EXAMPLE = ROOT / "examples" / "hf_llama.py"
-HF_SMALL = ["--vocab", "64", "--hidden", "32", "--intermediate", "48", "--layers", "2", "--batch-size", "4",
-            "--seq-len", "16"]  # fmt: skip
+HF_SMALL = [
+    "--vocab",
+    "64",
+    "--hidden",
+    "32",
+    "--intermediate",
+    "48",
+    "--layers",
+    "2",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "16",
+]
 
 
 def _losses(out: str) -> dict[int, float]:
@@ -63,8 +75,20 @@ def test_example_trains_saves_and_resumes(tmp_path):
 def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
     pytest.importorskip("transformers")
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    args = [str(HF_EXAMPLE), *HF_SMALL, "--steps", "4", "--log-every", "2", "--save-every", "2",
-            "--checkpoint-dir", str(ckpt), "--out", str(out)]  # fmt: skip
+    args = [
+        str(HF_EXAMPLE),
+        *HF_SMALL,
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--save-every",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
     first = run_script([*TORCHRUN, *args], tmp_path)
     assert "in 3 units on 2 rank(s), cpu; from scratch" in first
     assert f"saved {ckpt / 'step-2'}" in first and f"saved {ckpt / 'step-4'}" in first

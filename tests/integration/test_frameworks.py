@@ -34,10 +34,19 @@ def _hf(kind: str, tmp: str) -> list[torch.Tensor]:
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
     args = transformers.TrainingArguments(
-        output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=4, max_grad_norm=0.5, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0,
-        disable_tqdm=True, data_seed=0,
-    )  # fmt: skip
+        output_dir=tmp,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        data_seed=0,
+    )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Rows(*_data()), optimizers=(opt, sched)
     )
@@ -64,10 +73,17 @@ def _lightning(kind: str, tmp: str, clip: str) -> list[torch.Tensor]:
     module = lightning_module("vo_adamw" if kind == "vo" else "torch")  # lr 1e-2, weight decay 0.01
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, gradient_clip_val=0.5 if clip == "norm" else 0.02,
-        gradient_clip_algorithm=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp,
-    )  # fmt: skip
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        gradient_clip_val=0.5 if clip == "norm" else 0.02,
+        gradient_clip_algorithm=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
     trainer.fit(module, loader)
     return [p.detach().clone() for p in module.parameters()]
 

@@ -46,8 +46,13 @@ def _train(kind: str, optimizer: str, checkpointing: bool = False, steps: int = 
 # (model, optimizer, HF gradient checkpointing, steps). Mixtral under Muon takes one step:
 # the update's bf16 rounding flips (above) move the router's logits, and at the next step a
 # token whose top-2 experts nearly tie may pick another expert here than in the reference.
-CASES = [("llama", "adamw", False, 2), ("llama", "muon", False, 2), ("llama", "muon", True, 2),
-         ("mixtral", "adamw", True, 2), ("mixtral", "muon", False, 1)]  # fmt: skip
+CASES = [
+    ("llama", "adamw", False, 2),
+    ("llama", "muon", False, 2),
+    ("llama", "muon", True, 2),
+    ("mixtral", "adamw", True, 2),
+    ("mixtral", "muon", False, 1),
+]
 
 
 @pytest.mark.parametrize("kind,optimizer,checkpointing,steps", CASES)

@@ -29,8 +29,20 @@ def _losses(out: str) -> dict[int, float]:
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_tp_example_trains_saves_and_resumes_exactly(tmp_path, optimizer):
     ckpt = tmp_path / "ckpt"
-    args = [str(EXAMPLE), *SMALL, "--optimizer", optimizer, "--steps", "8", "--log-every", "4",
-            "--save-every", "4", "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    args = [
+        str(EXAMPLE),
+        *SMALL,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        "8",
+        "--log-every",
+        "4",
+        "--save-every",
+        "4",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
     first = run_script([*TORCHRUN, *args], tmp_path)
     assert f"{optimizer} on dp2 x tp2, cpu; from scratch" in first
     assert f"saved {ckpt / 'step-4'}" in first and f"saved {ckpt / 'step-8'}" in first

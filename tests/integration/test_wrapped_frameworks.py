@@ -102,10 +102,14 @@ def test_accelerate_fsdp2_plugin_trains_like_torch(launch):
     under DDP: torch's Muon on FSDP2's shards would orthogonalize each rank's rows apart (not
     Muon), while the library's brings each matrix whole to one owner, so it must end where
     whole-matrix Muon does (FSDP2 and DDP average the same two gradients)."""
-    _same(launch("accelerate_loop.py", "--opt", "vo_adamw", "--wrap", "fsdp2"),
-          launch("accelerate_loop.py", "--opt", "torch", "--wrap", "fsdp2"))  # fmt: skip
-    _same(launch("accelerate_loop.py", "--opt", "vo_muon", "--wrap", "fsdp2"),
-          launch("accelerate_loop.py", "--opt", "torch_muon"))  # fmt: skip
+    _same(
+        launch("accelerate_loop.py", "--opt", "vo_adamw", "--wrap", "fsdp2"),
+        launch("accelerate_loop.py", "--opt", "torch", "--wrap", "fsdp2"),
+    )
+    _same(
+        launch("accelerate_loop.py", "--opt", "vo_muon", "--wrap", "fsdp2"),
+        launch("accelerate_loop.py", "--opt", "torch_muon"),
+    )
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "bucket_view"])

@@ -228,9 +228,13 @@ def test_muon_param_groups_inherit_the_optimizers_hyperparameters():
     assert opt.param_groups[1]["betas"] == (0.8, 0.9) and "betas" not in opt.param_groups[0]
     # asked for: a separate AdamW lr, betas and weight decay, a Muon momentum
     groups = vo.muon_param_groups(
-        model, exclude=["lm_head"], momentum=0.9,
-        adamw_lr=3e-4, adamw_betas=(0.9, 0.99), adamw_weight_decay=0.01,
-    )  # fmt: skip
+        model,
+        exclude=["lm_head"],
+        momentum=0.9,
+        adamw_lr=3e-4,
+        adamw_betas=(0.9, 0.99),
+        adamw_weight_decay=0.01,
+    )
     opt = vo.Muon(groups, lr=0.05)
     muon, adam = opt.param_groups
     assert (muon["lr"], muon["weight_decay"], muon["momentum"]) == (0.05, 0.1, 0.9)
@@ -267,8 +271,11 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
 
     _, _, warned = _split(LikelyHeads())
     assert len(warned) == 1
-    for part in ("'decode' (out_features equals an embedding's rows)", "'expand' (vocabulary-sized",
-                 "'mix' (the model's last Linear)"):  # fmt: skip
+    for part in (
+        "'decode' (out_features equals an embedding's rows)",
+        "'expand' (vocabulary-sized",
+        "'mix' (the model's last Linear)",
+    ):
         assert part in warned[0]
     _, _, warned = _split(Tiny())  # a head found by name only before: now Muon, with a warning
     assert len(warned) == 1 and "'lm_head' (named like one, the model's last Linear" in warned[0]

@@ -159,8 +159,10 @@ def _build(group=None, adam=None, cls=vo.Muon, **kwargs):
     )
     if cls is vo.AdamW:
         return cls([{"params": [w, b], "param_names": ["w", "b"], **(group or {})}], **kwargs)
-    groups = [{"params": [w], "param_names": ["w"], **(group or {})},
-              {"params": [b], "param_names": ["b"], "use_muon": False, **(adam or {})}]  # fmt: skip
+    groups = [
+        {"params": [w], "param_names": ["w"], **(group or {})},
+        {"params": [b], "param_names": ["b"], "use_muon": False, **(adam or {})},
+    ]
     return cls(groups, **kwargs)
 
 
@@ -193,12 +195,15 @@ def test_other_keys_pass_through_and_normuon_on_muon_groups_only():
     assert opt.param_groups[0]["normuon"] and not opt.param_groups[1]["normuon"]
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(ns_coefficients="polar"), "param group 0: unknown ns_coefficients name"),
-    (dict(normuon_beta2=-0.5), "param group 0: normuon_beta2"),
-    (dict(split_sizes=(4, 8)), "param group 0: 'split_sizes' changed"),
-    (dict(normuon=True), "param group 0: 'normuon' changed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(ns_coefficients="polar"), "param group 0: unknown ns_coefficients name"),
+        (dict(normuon_beta2=-0.5), "param group 0: normuon_beta2"),
+        (dict(split_sizes=(4, 8)), "param group 0: 'split_sizes' changed"),
+        (dict(normuon=True), "param group 0: 'normuon' changed"),
+    ],
+)
 def test_refused_at_a_step_changes_nothing(change, match):
     opt = _build()
     w = opt.param_groups[0]["params"][0]
@@ -299,9 +304,11 @@ def _modules(layout: str = "zero2"):
     """Three steps of a fused-QKV layer and an output layer (NorMuon, per-block and per-head)
     from one input, under `layout`; the model's full state dict after."""
     net = _FusedQKVNet()
-    groups = [{"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
-              {"params": [net.out.weight], "num_heads": 2},
-              {"params": [net.out.bias], "use_muon": False}]  # fmt: skip
+    groups = [
+        {"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
+        {"params": [net.out.weight], "num_heads": 2},
+        {"params": [net.out.bias], "use_muon": False},
+    ]
     sharding = {}
     if layout == "zero3":
         sharding["shard_modules"] = [net.qkv, net.out]

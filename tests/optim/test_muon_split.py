@@ -156,8 +156,12 @@ def _params():
 def _train(cap):
     rank, params = dist.get_rank(), _params()
     muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
-    opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
-                  bucket_cap_numel=cap, cost_model=FREE_COMM)  # fmt: skip
+    opt = vo.Muon(
+        [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}],
+        **HYPER,
+        bucket_cap_numel=cap,
+        cost_model=FREE_COMM,
+    )
     stats = []
     for t in range(STEPS):
         for i, p in enumerate(params):
@@ -171,21 +175,28 @@ def _reference(world):
     params = _params()
     muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
     mats = [(i, s) for i, p in enumerate(muon) for s in (range(p.shape[0]) if p.ndim == 3 else [None])]
-    views = [torch.nn.Parameter((muon[i].detach()[s] if s is not None else muon[i].detach()).clone())
-             for i, s in mats]  # fmt: skip
-    mopt, aopt = torch.optim.Muon(views, **HYPER), torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95),
-                                                                    weight_decay=0.1)  # fmt: skip
+    views = [
+        torch.nn.Parameter((muon[i].detach()[s] if s is not None else muon[i].detach()).clone())
+        for i, s in mats
+    ]
+    mopt, aopt = (
+        torch.optim.Muon(views, **HYPER),
+        torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
+    )
     for t in range(STEPS):
-        mean = [mean_of(grad(p.shape, t, r, i) for r in range(world))
-                for i, p in enumerate(params)]  # fmt: skip
+        mean = [mean_of(grad(p.shape, t, r, i) for r in range(world)) for i, p in enumerate(params)]
         for v, (i, s) in zip(views, mats):
             v.grad = (mean[i][s] if s is not None else mean[i]).clone()
         for j, p in enumerate(adam):
             p.grad = mean[len(muon) + j]
         mopt.step()
         aopt.step()
-    out = [torch.stack([v.detach() for v, (k, _) in zip(views, mats) if k == i]) if p.ndim == 3
-           else views[[k for k, _ in mats].index(i)].detach() for i, p in enumerate(muon)]  # fmt: skip
+    out = [
+        torch.stack([v.detach() for v, (k, _) in zip(views, mats) if k == i])
+        if p.ndim == 3
+        else views[[k for k, _ in mats].index(i)].detach()
+        for i, p in enumerate(muon)
+    ]
     return out + [p.detach() for p in adam]
 
 
@@ -286,8 +297,12 @@ def _on_three_of_four(bound):
             return calls, None, None
         me, params = dist.get_rank(sub), _params()
         muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
-        opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
-                      cost_model=FREE_COMM, process_group=sub)  # fmt: skip
+        opt = vo.Muon(
+            [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}],
+            **HYPER,
+            cost_model=FREE_COMM,
+            process_group=sub,
+        )
         for t in range(STEPS):
             for i, p in enumerate(params):
                 p.grad = grad(p.shape, t, me, i)

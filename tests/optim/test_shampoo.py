@@ -22,10 +22,19 @@ SHAPES = [(10, 7), (8, 3, 2), (13,), (5, 12), (1, 6), (6,), (9, 2, 2), (21, 16)]
 # preconditioning every other step from step 2
 MIXED = [
     ([0, 1, 2, 7], dict(max_preconditioner_dim=4, weight_decay=0.1)),
-    ([3, 4, 5], dict(max_preconditioner_dim=5, grafting="adagrad", betas=(0.5, 1.0), lr=3e-3,
-                     precondition_frequency=2, start_preconditioning_step=2)),
+    (
+        [3, 4, 5],
+        dict(
+            max_preconditioner_dim=5,
+            grafting="adagrad",
+            betas=(0.5, 1.0),
+            lr=3e-3,
+            precondition_frequency=2,
+            start_preconditioning_step=2,
+        ),
+    ),
     ([6], dict(max_preconditioner_dim=3, grafting="sgd", lr=0.05)),
-]  # fmt: skip
+]
 COMMON = dict(epsilon=1e-6, root_dtype=torch.float64)
 FP32_ROOTS = [(idx, {**hyper, "root_dtype": torch.float32}) for idx, hyper in MIXED]  # the default
 STEPS = 5
@@ -365,9 +374,12 @@ def test_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "change, match",
-    [(dict(start_preconditioning_step=None), "start_preconditioning_step"), (dict(lr=-1.0), "learning rate"),
-     (dict(precondition_frequency=0), "precondition_frequency")],
-)  # fmt: skip
+    [
+        (dict(start_preconditioning_step=None), "start_preconditioning_step"),
+        (dict(lr=-1.0), "learning rate"),
+        (dict(precondition_frequency=0), "precondition_frequency"),
+    ],
+)
 def test_a_bad_hyperparameter_set_after_construction_is_refused_before_anything_changes(change, match):
     params = make_params()
     opt = vo.Shampoo(groups(params, MIXED))

@@ -19,8 +19,11 @@ TIERS = {state_tiers.FP32.tier, state_tiers.BF16.tier, state_tiers.Q8.tier}
 
 def tier_names(source: str) -> list[tuple[int, str]]:
     """`(line, literal)` of every string literal in `source` that is a tier's name."""
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and node.value in TIERS]  # fmt: skip
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value in TIERS
+    ]
 
 
 def test_the_tier_names_are_the_ones_this_test_looks_for():

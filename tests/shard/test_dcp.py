@@ -45,8 +45,9 @@ def test_piece_chunks_tile_its_flat_range_exactly(shape, data):
     full, flat = _full(shape), _full(shape).reshape(-1)
     index = torch.arange(n).view(shape)
     view = dcp_piece(shape, start, stop, flat[start:stop])
-    reader = dcp_piece(shape, start, stop, read=lambda a, b: flat[start + a : start + b].clone(),
-                       dtype=torch.float64)  # fmt: skip
+    reader = dcp_piece(
+        shape, start, stop, read=lambda a, b: flat[start + a : start + b].clone(), dtype=torch.float64
+    )
     for piece in (view, reader):
         assert isinstance(piece, torch.Tensor) and piece.shape == shape and piece.dtype == torch.float64
         items = piece.__create_write_items__("x", piece)
@@ -107,8 +108,10 @@ def _rank():
 
 def _save_pieces(path, cuts):
     r = _rank()
-    sd = {f"t{k}": {"x": dcp_piece(s, c[r], c[r + 1], _full(s).reshape(-1)[c[r] : c[r + 1]])}
-          for k, (s, c) in enumerate(zip(SHAPES, cuts))}  # fmt: skip
+    sd = {
+        f"t{k}": {"x": dcp_piece(s, c[r], c[r + 1], _full(s).reshape(-1)[c[r] : c[r + 1]])}
+        for k, (s, c) in enumerate(zip(SHAPES, cuts))
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=NO_DIST)

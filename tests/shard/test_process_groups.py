@@ -95,8 +95,11 @@ def _on_subgroup(kind):
     muon, adam = muon_params()
     opt = vo.Muon(
         [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01, "weight_decay": 0.05}],
-        lr=0.02, weight_decay=0.1, bucket_cap_numel=64, process_group=sub,
-    )  # fmt: skip
+        lr=0.02,
+        weight_decay=0.1,
+        bucket_cap_numel=64,
+        process_group=sub,
+    )
     for t in range(MUON_STEPS):
         for i, p in enumerate(muon + adam):
             p.grad = muon_grad(p.shape, t, me, i)

@@ -56,8 +56,11 @@ def _split(model: nn.Module) -> tuple[list, list]:
 
 def _optimizers(kind: str, model: nn.Module, ours: bool, **sharding) -> list[torch.optim.Optimizer]:
     if kind == "adamw":
-        return [vo.AdamW(model.parameters(), **ADAMW, **sharding) if ours else
-                torch.optim.AdamW(model.parameters(), **ADAMW)]  # fmt: skip
+        return [
+            vo.AdamW(model.parameters(), **ADAMW, **sharding)
+            if ours
+            else torch.optim.AdamW(model.parameters(), **ADAMW)
+        ]
     if kind == "muon":
         mats, rest = _split(model)
         if ours:

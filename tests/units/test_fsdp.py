@@ -80,8 +80,13 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
 def _reduced_in_fp32():
     """A unit's bf16 gradients reduce-scattered in fp32: what is alive while that runs."""
     model = build()
-    opt = make_ours("adamw", model, shard_modules=[*model.layers, model], param_dtype=torch.bfloat16,
-                    reduce_dtype=torch.float32)  # fmt: skip
+    opt = make_ours(
+        "adamw",
+        model,
+        shard_modules=[*model.layers, model],
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
     with opt.no_sync():  # keep the full gradients, to reduce one unit by hand
         loss_fn(model, *batch(0, dist.get_rank())).backward()
     unit = opt.units[0]

@@ -101,8 +101,11 @@ class _WholeMuon:
 
 def _optimizer(kind: str, model: nn.Module, ours: bool, **kwargs):
     if kind == "adamw":
-        return vo.AdamW(model.parameters(), **ADAMW, **kwargs) if ours else torch.optim.AdamW(
-            model.parameters(), **ADAMW)  # fmt: skip
+        return (
+            vo.AdamW(model.parameters(), **ADAMW, **kwargs)
+            if ours
+            else torch.optim.AdamW(model.parameters(), **ADAMW)
+        )
     mats, rest = _split(model)
     if ours:
         return vo.Muon([{"params": mats}, {"params": rest, "use_muon": False, **AUX}], **MUON, **kwargs)

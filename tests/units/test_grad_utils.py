@@ -262,8 +262,11 @@ def _train(kind: str, steps: int = 4) -> list[torch.Tensor]:
     if kind == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        opt = vo.AdamW(model.parameters(), lr=1e-2, **({"shard_modules": [*model.blocks, model]}
-                                                         if kind == "zero3" else {}))  # fmt: skip
+        opt = vo.AdamW(
+            model.parameters(),
+            lr=1e-2,
+            **({"shard_modules": [*model.blocks, model]} if kind == "zero3" else {}),
+        )
     for t in range(steps):
         opt.zero_grad(set_to_none=True)
         _loss(model, t, rank).backward()

@@ -44,8 +44,9 @@ def test_any_mesh_equals_one_process(world, kind, mesh, sharded):
 @pytest.mark.parametrize("accumulate", ["reduce", "no_all_reduce"])
 def test_2x2_without_backward_prefetch_equals_one_process(world, accumulate):
     want = reference("adamw", 4, micro=2)
-    for got, _ in world(4).run(_train, "adamw", MESHES["2x2"], micro=2, accumulate=accumulate,
-                               backward_prefetch=False):  # fmt: skip
+    for got, _ in world(4).run(
+        _train, "adamw", MESHES["2x2"], micro=2, accumulate=accumulate, backward_prefetch=False
+    ):
         assert_equal(got, want, TOL["adamw"])
 
 
@@ -164,8 +165,10 @@ def _load(path, kind, shape, steps=0, first=0, save_to=None):
     opt.load_sharded_state_dict(sd["optim"])
     loaded = (model.state_dict(), opt.state_dict())
     if save_to is not None:
-        dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()},
-                 checkpoint_id=save_to)  # fmt: skip
+        dcp.save(
+            {"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()},
+            checkpoint_id=save_to,
+        )
     train(model, opt, range(first, first + steps), rank)
     return loaded, {k: v.clone() for k, v in model.state_dict().items()}
 

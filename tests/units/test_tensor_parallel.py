@@ -90,8 +90,11 @@ def _local_views_and_state():
         assert local(p).untyped_storage().data_ptr() == base  # zero copy: a view of the unit's buffer
     dp_rank = world["dp"].get_local_rank()
     loss(model, *batch(0, dp_rank)).backward()
-    grads = {n: (type(p.grad), tuple(p.grad.placements)) for n, p in model.named_parameters()
-             if isinstance(p, DTensor)}  # fmt: skip
+    grads = {
+        n: (type(p.grad), tuple(p.grad.placements))
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
     opt.step()
     opt.zero_grad()
     sd = model.state_dict()
@@ -106,8 +109,10 @@ def _local_views_and_state():
             loss(m, *batch(t, dp_rank)).backward()
             o.step()
             o.zero_grad()
-    same = all(torch.equal(local(a), local(b)) for a, b in zip(model.state_dict().values(),
-                                                                model2.state_dict().values()))  # fmt: skip
+    same = all(
+        torch.equal(local(a), local(b))
+        for a, b in zip(model.state_dict().values(), model2.state_dict().values())
+    )
     return grads, kinds, same
 
 
@@ -214,15 +219,23 @@ def _torch_utils(shape, zero3, how, clip=0.05):
 
 @pytest.mark.parametrize(
     "shape, zero3, how",
-    [((2, 2), False, "clip_grad_norm_"), ((2, 2), True, "titan"), ((1, 4), False, "clip_grad_norm_"),
-     ((2, 2), True, "clip_grad_value_")],
-)  # fmt: skip
+    [
+        ((2, 2), False, "clip_grad_norm_"),
+        ((2, 2), True, "titan"),
+        ((1, 4), False, "clip_grad_norm_"),
+        ((2, 2), True, "clip_grad_value_"),
+    ],
+)
 def test_torch_gradient_utilities_see_the_whole_model(world, shape, zero3, how):
     """The norm torch's clipping computes is the whole model's (TP shards summed over TP, a
     replicated parameter counted once), the same on every rank as one process's; the clipped
     step and `p.grad.full_tensor()` equal one process's on the mean gradient."""
-    want = adamw_reference(dp=shape[0], clip=None if how == "clip_grad_value_" else 0.05,
-                     clip_value=1e-3 if how == "clip_grad_value_" else None, grads=True)  # fmt: skip
+    want = adamw_reference(
+        dp=shape[0],
+        clip=None if how == "clip_grad_value_" else 0.05,
+        clip_value=1e-3 if how == "clip_grad_value_" else None,
+        grads=True,
+    )
     for got in world(4).run(_torch_utils, shape, zero3, how):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)

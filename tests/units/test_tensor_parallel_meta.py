@@ -146,8 +146,9 @@ def _train_meta(shape, steps=STEPS, muon=False, meta=True):
 SHAPES = [((2, 2), False), ((1, 4), False), ((4, 1), False), ((2, 2), True), ((1, 4), True)]
 
 
-@pytest.mark.parametrize("shape, muon", SHAPES,
-                         ids=[f"dp{d}xtp{t}" + ("-muon" if m else "") for (d, t), m in SHAPES])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, muon", SHAPES, ids=[f"dp{d}xtp{t}" + ("-muon" if m else "") for (d, t), m in SHAPES]
+)
 def test_meta_dtensors_equal_the_model_built_normally_then_one_process(world, shape, muon):
     """With Muon, also bitwise the same TP model built normally and trained alike: bf16 Newton–Schulz
     of this block's gradients is ill-conditioned (a relative 1e-6 of noise in the reference's

@@ -105,9 +105,15 @@ def _train(shape, zero3, extra, one_group=False):
         ((1, 2, 2), False, True, True),
         ((2, 1, 2), False, True, True),
     ],
-    ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2", "dp2xtp2-plain-matrix", "dp2xtp2-plain-matrix-one-group",
-         "hsdp2x1xtp2-plain-matrix-one-group"],
-)  # fmt: skip
+    ids=[
+        "dp2xtp2",
+        "dp2xtp2-zero3",
+        "hsdp2x1xtp2",
+        "dp2xtp2-plain-matrix",
+        "dp2xtp2-plain-matrix-one-group",
+        "hsdp2x1xtp2-plain-matrix-one-group",
+    ],
+)
 def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, extra, one_group):
     want = reference(extra=extra)
     if not extra:
@@ -125,8 +131,13 @@ def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, 
 # orthogonalizes them where they lie (no TP traffic); a RowwiseParallel shard holds a column slice
 # of every block, made whole over TP by its owner. Reference: torch.optim.Muon on each block as a
 # parameter of its own.
-BLOCKS = {"wq": dict(num_heads=4), "wk": dict(num_heads=4), "wo": dict(num_heads=4),
-          "w1": dict(split_sizes=(16, 16)), "w2": dict(split_sizes=(4, 12))}  # fmt: skip
+BLOCKS = {
+    "wq": dict(num_heads=4),
+    "wk": dict(num_heads=4),
+    "wo": dict(num_heads=4),
+    "w1": dict(split_sizes=(16, 16)),
+    "w2": dict(split_sizes=(4, 12)),
+}
 
 
 def _sizes(name, rows, blocks=BLOCKS):
@@ -310,8 +321,9 @@ def normuon_reference():
     return _normuon_reference()
 
 
-@pytest.mark.parametrize("zero3, replicas", [(False, 1), (True, 1), (False, 2)],
-                         ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "zero3, replicas", [(False, 1), (True, 1), (False, 2)], ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"]
+)
 def test_normuon_under_tp_equals_one_process_each_matrix_once(world, normuon_reference, zero3, replicas):
     want, want_state = normuon_reference
     results = world(4).run(_normuon_train, zero3, replicas)
@@ -335,8 +347,9 @@ def _normuon_round_trip(path, kind, dp, tp):
     straight = full(model.state_dict())
     model, opt, dp_rank = _normuon_setup(2, 2)
     _normuon_steps(model, opt, dp_rank, range(BEFORE))
-    model, opt, dp_rank = save_and_load(kind, path, model, opt, BEFORE, lambda m: full(m.state_dict()),
-                                        lambda w: _normuon_setup(dp, tp, w))  # fmt: skip
+    model, opt, dp_rank = save_and_load(
+        kind, path, model, opt, BEFORE, lambda m: full(m.state_dict()), lambda w: _normuon_setup(dp, tp, w)
+    )
     _normuon_steps(model, opt, dp_rank, range(BEFORE, BEFORE + 1))
     return full(model.state_dict()), straight
 
@@ -374,8 +387,11 @@ def _wide_normuon(dp, state_bits):
     state by (name, key), and the Muon segments' tiers."""
     world = mesh(dp, 2)
     model = parallelize_module(Wide(), world["tp"], WIDE_PLAN)
-    groups = [{"params": [model.up.weight], "num_heads": 4}, {"params": [model.down.weight]},
-              {"params": [model.norm.weight], "use_muon": False, **ADAM}]  # fmt: skip
+    groups = [
+        {"params": [model.up.weight], "num_heads": 4},
+        {"params": [model.down.weight]},
+        {"params": [model.norm.weight], "use_muon": False, **ADAM},
+    ]
     opt = vo.Muon(groups, mesh=world["dp"], normuon=True, normuon_beta2=BETA2, state_bits=state_bits, **MUON)
     for t in range(STEPS):
         loss(model, *batch(t, 0, dim=WIDE)).backward()

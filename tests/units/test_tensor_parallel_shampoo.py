@@ -47,10 +47,11 @@ def _parallelize(model, tp, plan):
     model = parallelize_module(model, tp, plan)
     if plan is MLP_PLAN:
         distribute_module(
-            model.wo, tp,
+            model.wo,
+            tp,
             input_fn=lambda _, xs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()]) for x in xs),
             output_fn=lambda _, out, mesh: out.to_local(),
-        )  # fmt: skip
+        )
     return model
 
 
@@ -147,8 +148,13 @@ def test_full_state_dict_under_tp_is_one_processs_and_resumes_exactly(world, dp,
             for key, v in entry.items():
                 assert not isinstance(v, DTensor), (i, key)
                 ref = torch.as_tensor(state[i][key]).double()
-                torch.testing.assert_close(v.double(), ref, rtol=ROOTS if "inv_root" in key else 1e-5,
-                                           atol=1e-6 * float(ref.abs().max()), msg=f"{i} {key}")  # fmt: skip
+                torch.testing.assert_close(
+                    v.double(),
+                    ref,
+                    rtol=ROOTS if "inv_root" in key else 1e-5,
+                    atol=1e-6 * float(ref.abs().max()),
+                    msg=f"{i} {key}",
+                )
                 assert torch.equal(v, results[0][0][i][key]), (i, key)  # the same on every rank
                 assert torch.equal(again[i][key], v), (i, key)  # fp32 state bitwise after the load
         for k in want:

@@ -42,8 +42,17 @@ def make_units(model, shard_modules, comm, sharded=True, param_dtype=None):
     for idx in groups:
         ps = [params[i] for i in idx]
         layout = plan_layout([p.numel() for p in ps], [1] * len(ps), comm.world_size, 4)
-        units.append(Unit(ps, [names[i] for i in idx], layout, UnitComms(comm), config, index=len(units),
-                          name=str(len(units))))  # fmt: skip
+        units.append(
+            Unit(
+                ps,
+                [names[i] for i in idx],
+                layout,
+                UnitComms(comm),
+                config,
+                index=len(units),
+                name=str(len(units)),
+            )
+        )
     return units, modules
 
 
@@ -62,8 +71,9 @@ def _train(steps, mode, micro=1, no_sync=False, reshard=True, checkpoint=False, 
     model = build(checkpoint=checkpoint)
     shard_modules = None if mode == "zero2" else [*model.layers, model]
     units, modules = make_units(model, shard_modules, comm, sharded=mode == "zero3", param_dtype=param_dtype)
-    assert all(u.shard.dtype == torch.float32 and u.full.data.dtype == (param_dtype or torch.float32)
-               for u in units)  # fmt: skip
+    assert all(
+        u.shard.dtype == torch.float32 and u.full.data.dtype == (param_dtype or torch.float32) for u in units
+    )
     sched = Schedule(units, modules, reshard_after_forward=reshard)
     peak = []
 
@@ -104,8 +114,9 @@ def test_sgd_on_shards_equals_one_process(world, world_size, mode):
             assert peak <= 3  # the root, the running layer and the prefetched one
 
 
-@pytest.mark.parametrize("case", [dict(reshard=False), dict(micro=2), dict(micro=3, no_sync=True),
-                                  dict(checkpoint=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", [dict(reshard=False), dict(micro=2), dict(micro=3, no_sync=True), dict(checkpoint=True)]
+)
 def test_variants(world, case):
     results = world(3).run(_train, 2, "zero3", **case)
     want = reference(3, 2, micro=case.get("micro", 1), checkpoint=case.get("checkpoint", False))
@@ -217,8 +228,9 @@ class _ReusedBlockNet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(6, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-                                          for _ in range(2))  # fmt: skip
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)
+        )
         self.head = torch.nn.Linear(8, 1)
         self.shared = shared
 
@@ -269,8 +281,11 @@ def _interleaved(events, mode, shared, steps):
     """Each step's `.grad` right after its backwards (gathered whole), and the parameters
     after `steps` AdamW steps."""
     model = _ReusedBlockNet(shared)
-    sharding = {} if mode == "zero2" else dict(shard_modules=[*model.blocks, model],
-                                               reshard_after_forward=mode == "zero3")  # fmt: skip
+    sharding = (
+        {}
+        if mode == "zero2"
+        else dict(shard_modules=[*model.blocks, model], reshard_after_forward=mode == "zero3")
+    )
     opt = vo.AdamW(model.parameters(), lr=0.01, **sharding)
     blocks = [u for u in opt.units if u.name.startswith("blocks.")]
 

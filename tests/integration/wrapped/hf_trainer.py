@@ -24,10 +24,19 @@ def main() -> None:
 
     def arguments() -> transformers.TrainingArguments:  # under torchrun this creates the process group
         return transformers.TrainingArguments(
-            output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=BATCH, max_grad_norm=0.5,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-            seed=0, data_seed=0, disable_tqdm=True,
-        )  # fmt: skip
+            output_dir=out_dir,
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            max_grad_norm=0.5,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+            data_seed=0,
+            disable_tqdm=True,
+        )
 
     args = arguments() if a.built == "after" else None
     model = TrainerModel()

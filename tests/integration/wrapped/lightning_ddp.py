@@ -23,9 +23,16 @@ def main() -> None:
     # Lightning gives each rank its own rows: a DistributedSampler, unshuffled
     module = lightning_module(a.opt)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, gradient_clip_val=0.5, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader)
     assert trainer.world_size == 2 and trainer.global_step == STEPS, (trainer.world_size, trainer.global_step)
     save(a.out, [q.detach() for q in module.parameters()], opt=trainer.optimizers[0])
