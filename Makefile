@@ -33,10 +33,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/padding.py
 	$(PY) benchmarks/collectives.py
-	$(PY) benchmarks/adamw.py
 	$(PY) benchmarks/fsdp.py
-	$(PY) benchmarks/hsdp.py
-	$(PY) benchmarks/muon.py
 	$(PY) benchmarks/shampoo.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/kernels.py

@@ -1,7 +1,10 @@
-"""The tables, goals, plot and JSON of `benchmarks/fsdp.py` (see its docstring)."""
+"""The tables, goals, plot and JSON of `benchmarks/fsdp.py` (see its docstring): the `zero3`
+section's here, the others' in `benchmarks._fsdp_sections`."""
 
 from __future__ import annotations
 
+from benchmarks._fsdp_sections import print_hsdp, print_peers
+from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import host_line, pyplot, save_png, table
 from benchmarks._verdict import shape_words, shown, time_note, verdict
@@ -73,53 +76,30 @@ def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
     return rows
 
 
-def _plot(rows: list[dict], scaling: list[dict], name: str):
+def _plot(scaling: list[dict], name: str):
+    """The wide model's bytes per parameter against W: peak (o) and between steps (x)."""
     plt = pyplot()
-    if plt is None:
+    if plt is None or not scaling:
         return None
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, 1 + len(models), figsize=(5 + 5 * len(models), 4.4))
-    ax = axes[0]
+    fig, ax = plt.subplots(figsize=(5.5, 4.4))
     for config in dict.fromkeys(r["config"] for r in scaling):
         mine = [r for r in scaling if r["config"] == config]
         ws = [r["W"] for r in mine]
         line = ax.plot(ws, [r["peak B/param"] for r in mine], "o-", label=f"{config}")[0]
         ax.plot(ws, [r["at step start B/param"] for r in mine], "x--", color=line.get_color(), alpha=0.6)
-    if scaling:
-        ws = sorted({r["W"] for r in scaling})
-        ax.plot(ws, [16 / w for w in ws], ":", color="gray", label="16/W (AdamW param+grad+2 states)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xticks(ws, [str(w) for w in ws])
-        ax.legend(fontsize=7)
+    ws = sorted({r["W"] for r in scaling})
+    ax.plot(ws, [16 / w for w in ws], ":", color="gray", label="16/W (AdamW param+grad+2 states)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(ws, [str(w) for w in ws])
+    ax.legend(fontsize=7)
     ax.set(xlabel="world size W", ylabel="bytes per parameter")
     ax.set_title("wide model: peak (o) and between steps (x)", fontsize=9)
-    colors = {"fwd": "tab:blue", "bwd": "tab:orange", "step": "tab:green", "zero_grad": "tab:gray"}
-    for ax, model in zip(axes[1:], models):
-        mine = [r for r in rows if r["model"] == model]
-        x, bottom = range(len(mine)), [0.0] * len(mine)
-        for phase, color in colors.items():
-            vals = [r[f"{phase} ms"] for r in mine]
-            ax.bar(x, vals, bottom=bottom, color=color, label=phase)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        if all("exposed comm ms" in r for r in mine):
-            exposed = [r["exposed comm ms"] for r in mine]
-            ax.scatter(x, exposed, marker="_", s=400, color="black", label="exposed comm", zorder=3)
-        ax.set_xticks(x, [r["config"] for r in mine], rotation=30, ha="right", fontsize=8)
-        ax.set(ylabel="ms per train step (median of each phase)")
-        ax.set_title(f"{model}: time by phase", fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
     return save_png(name, fig)
 
 
-def _print_model(model: str, mine: list[dict], run: dict) -> None:
-    shape, w, cuda = run["shapes"][model], run["world"], _on_cuda(run)
-    backend = f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
-    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}, W={w} ({backend});")
-    print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank;")
-    print("x = vs FSDP2 with the same optimizer\n")
-    print(f"{host_line(run['threads'])}\n")
+def _print_zero3(mine: list[dict], run: dict) -> dict[str, bool]:
+    cuda = _on_cuda(run)
     print(table(mine, shown(TIME, mine, run), floatfmt=".4g"))
     time_note(run, "exposed comm, update and copies", "fsdp.py")
     what = "what moved" if cuda else "exposed comm ms by phase (median, slowest rank) and what moved"
@@ -127,35 +107,43 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
     comm = [_comm_row(r) for r in mine]
     print(table(comm, shown(COMM, comm, run), floatfmt=".4g"))
     if "peak live MB" not in mine[0]:
-        return
+        return _goals(mine)
     if cuda:
         after = f"{run['memory_steps'] - 1} step(s) after the first"
         print(f"\nmemory: torch.cuda.max_memory_allocated() over {after}, less what the rank held before the")
         print("configuration; each config in turn in the same processes\n")
         print(table(mine, shown(MEMORY, mine, run), floatfmt=".4g"))
-        return
+        return _goals(mine)
     alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
     print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and one after them, then one")
     print(f"more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
     print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))
+    return _goals(mine)
 
 
-def report(rows: list[dict], scaling: list, run: dict) -> dict:
-    quick, w = run["quick"], run["world"]
-    if quick:
+PRINT = {"zero3": _print_zero3, "peers": print_peers, "hsdp": print_hsdp}
+
+
+def report(sections: dict[str, dict], run: dict) -> dict:
+    """Print every section's tables and goals (one table set per run), then the loss check, and write
+    the JSON (see `benchmarks._verdict.verdict`)."""
+    if run["quick"]:
         print("--quick: a smoke run on tiny models; its ratios say nothing about the goals")
-    for model in dict.fromkeys(r["model"] for r in rows):
-        _print_model(model, [r for r in rows if r["model"] == model], run)
-    scale = _scaling_rows(scaling)
-    if scale:
-        print(
-            f"\n## Peak live bytes per parameter, wide model, by world size; load average {load_average()}\n"
-        )
-        print(table(scale, SCALING, floatfmt=".4g"))
-    goals_for, plot = (
-        f"ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}",
-        lambda name: _plot(rows, scale, name),
-    )
-    return verdict("fsdp", rows, run, _goals(rows), goals_for, "FSDP2", plot, scaling=scale)
+    goals, backend = {}, f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
+    for name, section in sections.items():
+        for model in dict.fromkeys(r["model"] for r in section["rows"]):
+            mine, shape = [r for r in section["rows"] if r["model"] == model], run["shapes"][model]
+            w = run["hsdp_world"] if name == "hsdp" else run["world"]
+            params = f"{mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}"
+            print(f"\n## {name if model == name else f'{name}, {model}'}: {params}, W={w} ({backend});")
+            print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank\n")
+            print(host_line(run["threads"]))
+            goals.update(print_goals(f"Goals ({name}, {model}, W={w}):", PRINT[name](mine, run)))
+        if section.get("scaling"):
+            section["scaling"] = _scaling_rows(section["scaling"])
+            print(f"\n## Peak live bytes per parameter, wide model, by W; load average {load_average()}\n")
+            print(table(section["scaling"], SCALING, floatfmt=".4g"))
+    scaling = sections.get("zero3", {}).get("scaling", [])
+    return verdict(run, goals, sections, plot=lambda name: _plot(scaling, name))

@@ -1,8 +1,8 @@
 """The multi-GPU validation (8 GPUs of one machine, under torchrun); `benchmarks/gpu_multi.sh` is
 its wrapper. Each stage runs in its own process under its own time limit (`STAGES` says what each
 checks: the README's torchrun script, a resume chain 8 -> 4 -> 2 ranks, HSDP 2x4 against 1x8, a
-rank killed in backward, TP training resumed exactly, fsdp.py and hsdp.py under torchrun against
-FSDP2), reported in `benchmarks/results/gpu_multi/report.json` and `report.md`.
+rank killed in backward, TP training resumed exactly, fsdp.py's zero3 and hsdp sections under
+torchrun against FSDP2), reported in `benchmarks/results/gpu_multi/report.json` and `report.md`.
 
     bash benchmarks/gpu_multi.sh [OUT]            # 8 GPUs
     bash benchmarks/gpu_multi.sh --cpu [OUT]      # rehearsal: gloo CPU ranks under torchrun, 2 ranks
@@ -280,54 +280,63 @@ def stage_tp(r: Result, *, out: Path, mode: str) -> None:
                 r.check(f"{optimizer}.exact_resume", same, measured=pair, bound=bound, detail=what)
 
 
-# the benchmarks' configurations the stage runs (hsdp.py names them at 4 ranks: 2x2 is 2 x W/2) and
-# each run's limit on GPUs (3x on CPU, see _run)
+# the sections of benchmarks/fsdp.py the stage runs, their configurations (named at 4 ranks: 2x2 is
+# 2 x W/2) and each run's limit on GPUs (3x on CPU, see _run)
 BENCH = {
-    "fsdp": (["ours Z3 AdamW", "FSDP2 AdamW", "ours Z3 Muon", "FSDP2 Muon"], 120),
+    "zero3": (["ours Z3 AdamW", "FSDP2 AdamW", "ours Z3 Muon", "FSDP2 Muon"], 120),
     "hsdp": (["ours 2x2 AdamW", "FSDP2 2x2 AdamW", "ours 2x2 Muon", "FSDP2 2x2 Muon"], 80),
 }
 RATIOS = ["train x", "step x", "peak live x", "train ms", "peak live MB"]  # those a row has
 
 
-def bench_cmd(mode: str, script: str, results: Path | str) -> list[str]:
-    """`benchmarks/<script>.py --torchrun` on the stage's ranks: `--quick` sizes on CPU; on GPUs
-    the benchmark's own models, 1 warm-up and 4 measured steps. Its JSON goes to `results`."""
+def bench_cmd(mode: str, section: str, results: Path | str) -> list[str]:
+    """`benchmarks/fsdp.py --torchrun` of one section on the stage's ranks: `--quick` sizes on CPU; on
+    GPUs the benchmark's own models, 1 warm-up and 4 measured steps. Its JSON goes to `results`."""
     size = ["--quick"] if mode == "cpu" else ["--steps", "4", "--warmup", "1"]
-    args = ["--torchrun", *size, "--configs", *BENCH[script][0], "--results", str(results)]
-    return torchrun(RANKS[mode]["bench"], str(ROOT / "benchmarks" / f"{script}.py"), *args)
+    args = [
+        "--torchrun",
+        *size,
+        "--sections",
+        section,
+        "--configs",
+        *BENCH[section][0],
+        "--results",
+        str(results),
+    ]
+    return torchrun(RANKS[mode]["bench"], str(ROOT / "benchmarks" / "fsdp.py"), *args)
 
 
 def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
     results = out / "fsdp_bench"
     results.mkdir(exist_ok=True)
-    for script, (_, limit) in BENCH.items():
-        path = results / f"{script}_torchrun{'_quick' if mode == 'cpu' else ''}.json"
+    for section, (_, limit) in BENCH.items():
+        path = results / f"fsdp_{section}_torchrun{'_quick' if mode == 'cpu' else ''}.json"
         path.unlink(missing_ok=True)
-        log = f"{script}_bench.log"
-        rc, _, seconds = _run(bench_cmd(mode, script, results), ROOT, log, out, limit)
+        log, name = f"{section}_bench.log", f"fsdp.py {section}"
+        rc, _, seconds = _run(bench_cmd(mode, section, results), ROOT, log, out, limit)
         if rc != 0 or not path.exists():
-            r.fail(f"{script}.py", f"exit {rc} after {seconds:.0f} s, no {path.name}; see {out / log}")
+            r.fail(name, f"exit {rc} after {seconds:.0f} s, no {path.name}; see {out / log}")
             continue
         res = json.loads(path.read_text())
         ours = {}
-        for row in res["rows"]:
+        for row in res[section]["rows"]:
             if row["config"].startswith("ours"):
-                name = " ".join(filter(None, [row.get("model"), row["config"]]))
-                ours[name] = {k: row[k] for k in RATIOS if k in row}
-        run = dict(world=res["world"], backend=res.get("backend"), device=res.get("device"))
-        r.measure(**{script: dict(run, seconds=round(seconds, 1), ours_vs_fsdp2=ours)})
-        need = ["train x", "step x"] + (["peak live x"] if script == "fsdp" else [])
+                label = row["config"] if row["model"] == section else f"{row['model']} {row['config']}"
+                ours[label] = {k: row[k] for k in RATIOS if k in row}
+        world = res["hsdp_world" if section == "hsdp" else "world"]
+        run = dict(world=world, backend=res.get("backend"), device=res.get("device"))
+        r.measure(**{section: dict(run, seconds=round(seconds, 1), ours_vs_fsdp2=ours)})
+        need = ["train x", "step x"] + (["peak live x"] if section == "zero3" else [])
         measured = all(math.isfinite(v.get(k, math.nan)) for v in ours.values() for k in need)
         ratios = lambda v, need=need: ", ".join(f"{k} {v[k]:.3g}" for k in need if k in v)  # noqa: E731
-        said_ratios = "; ".join(f"{name}: {ratios(v)}" for name, v in ours.items())
+        said_ratios = "; ".join(f"{label}: {ratios(v)}" for label, v in ours.items())
         check = "OK" if res["loss_check_ok"] else "MISMATCH"
-        said = f"seconds; {res['world']} ranks on {res.get('backend')}; loss check {check}; ours vs FSDP2: "
-        said += said_ratios or "no ratios"
+        said = f"seconds; {world} ranks on {res.get('backend')}; loss check {check}; ours vs FSDP2: "
         r.check(
-            f"{script}.py",
+            name,
             bool(res["loss_check_ok"] and ours and measured),
             measured=round(seconds, 1),
-            detail=said,
+            detail=said + (said_ratios or "no ratios"),
         )
 
 
@@ -338,7 +347,9 @@ STAGES = [
     Stage("hsdp", stage_hsdp, {"gpu": 90, "cpu": 330}, "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)"),
     Stage("kill", stage_kill, {"gpu": 150, "cpu": 510}, "kill -9 of a rank in backward: the others name it"),
     Stage("tp", stage_tp, {"gpu": 150, "cpu": 600}, "examples/train_tp.py, dp4 x tp2, resumed exactly"),
-    Stage("fsdp_bench", stage_fsdp_bench, {"gpu": 210, "cpu": 450}, "fsdp.py, hsdp.py --torchrun vs FSDP2"),
+    Stage(
+        "fsdp_bench", stage_fsdp_bench, {"gpu": 210, "cpu": 450}, "fsdp.py zero3, hsdp --torchrun vs FSDP2"
+    ),
 ]
 _sh = " ".join
 PLANS = {  # what each stage runs, by mode (for --dry-run)

@@ -115,14 +115,18 @@ def window_seconds(prof, prefix: str) -> float | None:
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def matmul_flops(prof) -> int:
+def matmul_flops(prof, within: str | None = None) -> int:
     """FLOPs of the innermost matrix products a finished `profile(..., with_flops=True)` saw (a
-    product that calls another, as a DTensor's calls its local one, counts as the inner one)."""
+    product that calls another, as a DTensor's calls its local one, counts as the inner one); with
+    `within`, only those that started inside a `record_function(within)` window."""
 
     def calls_product(e) -> bool:
         return any(c.name in PRODUCTS or calls_product(c) for c in e.cpu_children)
 
-    return sum(e.flops or 0 for e in prof.events() if e.name in PRODUCTS and not calls_product(e))
+    events = list(prof.events())
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == within]
+    inside = lambda e: within is None or any(s <= e.time_range.start <= t for s, t in spans)  # noqa: E731
+    return sum(e.flops or 0 for e in events if e.name in PRODUCTS and inside(e) and not calls_product(e))
 
 
 def peak_bytes(prof) -> int:

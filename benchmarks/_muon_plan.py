@@ -1,8 +1,8 @@
 """What `vo.Muon` plans for a step, rebuilt from the library's public pure functions: each bucket's
 layout, every matrix's home and Newton-Schulz cost, and one plan over all of them (`vo.muon_plan`:
 owners of whole matrices, groups of split ones), owners traded toward homes as `vo.Muon` does.
-`benchmarks/muon.py` runs it on real model shapes (part b) and checks it against `vo.Muon`'s own
-`opt.units` and `opt.ns_load` (part a).
+`benchmarks/scale.py` runs it on real model shapes (its `owners` section), `benchmarks/fsdp.py`'s
+`peers` section holds it to `vo.Muon`'s own `opt.units` and `opt.ns_load`.
 
     assignment(default_buckets(shapes), world)   # {"costs", "homes", "owners", "layouts", "load", ...}
     model_buckets("llama3-8b", "block")           # the hidden matrices, one bucket per block
@@ -32,7 +32,7 @@ __all__ = [
     "imbalance",
     "matrix_view",
 ]
-__all__ += ["model_buckets", "ns_flops"]
+__all__ += ["matrix_homes", "model_buckets", "ns_flops", "rank_loads"]
 
 BUCKET_CAP = vo.ShardingConfig().bucket_cap_numel  # the optimizers' defaults
 ALIGN = vo.ShardingConfig().align
@@ -51,6 +51,19 @@ def model_buckets(model: str, bucketing: str) -> list[list[tuple[int, ...]]]:
     return blocks if bucketing == "block" else default_buckets([s for b in blocks for s in b])
 
 
+def matrix_homes(shapes, offsets, shard_size: int, dims: list, homes: list) -> None:
+    """Append each matrix of `shapes` (a stack's slices one each), laid out at `offsets` in shards of
+    `shard_size`, to `dims` as `(rows, cols)` and to `homes` as the rank holding all of it (None
+    when it spans ranks)."""
+    for shape, start in zip(shapes, offsets):
+        count, rows, cols = matrix_view(shape)
+        for k in range(count):
+            lo = start + k * rows * cols
+            first, last = lo // shard_size, (lo + rows * cols - 1) // shard_size
+            homes.append(first if first == last else None)
+            dims.append((rows, cols))
+
+
 def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
     """What `vo.Muon` computes for these buckets of one Muon group: each laid out with a granule of
     one row; a matrix's home is the rank whose shard holds all of it (None when it spans ranks), its
@@ -63,13 +76,7 @@ def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
     for shapes in buckets:
         layout = plan_layout([math.prod(s) for s in shapes], [s[-1] for s in shapes], world, ALIGN)
         layouts.append((layout.shard_size, tuple(layout.offsets)))
-        for shape, start in zip(shapes, layout.offsets):
-            count, rows, cols = matrix_view(shape)
-            for k in range(count):
-                lo = start + k * rows * cols
-                first, last = lo // layout.shard_size, (lo + rows * cols - 1) // layout.shard_size
-                homes.append(first if first == last else None)
-                dims.append((rows, cols))
+        matrix_homes(shapes, layout.offsets, layout.shard_size, dims, homes)
     t0 = time.perf_counter()
     plan = vo.muon_plan(dims, world, ns_steps=MUON["ns_steps"], homes=homes)
     seconds = time.perf_counter() - t0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 import vescale_optim as vo
 
@@ -57,14 +58,16 @@ def state_bytes(opt) -> int:
 
 
 class Steps:
-    """Several optimizers stepped as one (torch.optim.Muon, and AdamW for the rest)."""
+    """Several optimizers stepped as one (torch.optim.Muon, and AdamW for the rest), each in a
+    profiler window `bench::NAME` (its class's, ZeRO's inner one's)."""
 
     def __init__(self, *opts):
         self.opts = opts
 
     def step(self):
         for o in self.opts:
-            o.step()
+            with record_function(f"bench::{type(getattr(o, 'optim', o)).__name__}"):
+                o.step()
 
     def zero_grad(self):
         for o in self.opts:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import FSDP2_ON_CPU, environment, save_json
 
@@ -61,28 +60,20 @@ def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[s
 
 
 def verdict(
-    name: str,
-    rows: list[dict],
-    run: dict,
-    goals: dict[str, bool],
-    goals_for: str,
-    peer: str,
-    plot: Callable[[str], Path | None],
-    **more,
+    run: dict, goals: dict[str, bool], sections: dict[str, dict], plot: Callable[[str], Path | None]
 ) -> dict:
-    """Print the goals (`goals_for` says against what) and the loss check against `peer`, plot to
-    and write NAME.json (NAME_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`),
-    and return what was written: the environment, `run`, the goals, the check, `rows` and `more`."""
-    print_goals(f"Goals ({goals_for}):", goals)
-    sane, notes = loss_check(rows)
+    """Print the loss check of every section's rows against their FSDP2 peers, plot to and write
+    `run["name"]`.json (_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`), and return
+    what was written: the environment, `run`, the goals, the check and each section."""
+    sane, notes = loss_check([r for s in sections.values() for r in s["rows"]])
     tol = f"relative tolerance AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}"
-    print(f"\nLoss check (loss after training vs {peer} with the same optimizer, {tol}; every config")
+    print(f"\nLoss check (loss after training vs FSDP2 with the same optimizer, {tol}; every config")
     print(f"lowered the loss): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))
-    name = f"{name}_torchrun" if run.get("torchrun") else name
+    name = f"{run['name']}_torchrun" if run.get("torchrun") else run["name"]
     name = f"{name}_quick" if run["quick"] else name
     png = plot(name)
     payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals}
-    payload.update(loss_check_ok=sane, rows=rows, **more)
+    payload.update(loss_check_ok=sane, **sections)
     path = save_json(name, payload)
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
     return payload

@@ -4,7 +4,7 @@
 #   env, readme (the README's torchrun script at 2 and 8 ranks), resume (8 -> 4 -> 2 ranks),
 #   hsdp (2x4 equals 1x8), kill (kill -9 of a rank in backward: the others exit naming the
 #   collective), tp (examples/train_tp.py on dp4 x tp2, AdamW and Muon, resumed exactly),
-#   fsdp_bench (benchmarks/fsdp.py / hsdp.py --torchrun vs FSDP2 on NCCL);
+#   fsdp_bench (benchmarks/fsdp.py's zero3 and hsdp --torchrun vs FSDP2 on NCCL);
 # writes OUT/report.md and OUT/report.json (each stage's log beside them).
 #
 #   bash benchmarks/gpu_multi.sh [OUT]            # default OUT: benchmarks/results/gpu_multi

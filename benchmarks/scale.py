@@ -19,8 +19,16 @@ and runs all of Newton–Schulz). Memory per rank: shards and state, two gathere
 unit's gradients in flight, the step's buffers (activations left out: the same for both). `plan
 s`: the planners' measured wall time.
 
-    python benchmarks/scale.py            # three models, W in {64, 1024, 8192, 16384}
-    python benchmarks/scale.py --quick    # Llama-3-70B, W in {64, 1024}
+Owners (section `owners`): Llama-3-8B/70B, DeepSeek-V3 and GPT-OSS-120B at W in {8, 64, 256}, the
+hidden matrices one bucket per block (`block`) or in `vo.Muon`'s default buckets (`default`), each
+laid out as the optimizer lays out a unit (`plan_layout`, a granule of one row), a matrix's home
+the rank holding all of it, its cost its Newton–Schulz FLOPs, then one plan over the whole step as
+`vo.Muon` makes it (`benchmarks._muon_plan`): `max/mean` the per-rank FLOPs' (goal <= 1.10 wherever
+there are 4 matrices per rank), `LPT` the same without homes, `no gather %` owner == home, `split %`
+matrices over more than one rank, `assign ms` the planning call.
+
+    python benchmarks/scale.py            # three models, W in {64, 1024, 8192, 16384}; owners
+    python benchmarks/scale.py --quick    # Llama-3-70B, W in {64, 1024}; owners of two models at 8, 64
 """
 
 from __future__ import annotations
@@ -34,10 +42,18 @@ if __package__ in (None, ""):
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks._main import finish, parse, print_goals  # noqa: E402
+from benchmarks._muon_plan import (  # noqa: E402
+    BUCKET_CAP,
+    assign_owners,
+    assignment,
+    imbalance,
+    matrix_homes,
+    model_buckets,
+    ns_flops,
+    rank_loads,
+)
 from benchmarks._report import pyplot, require_finite, save_png, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
-from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: E402
-from vescale_optim.owners.balance import assign_owners, rank_loads  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
 COST = vo.CostModel.H200
@@ -108,16 +124,12 @@ def _matrices(us: list[dict]) -> tuple[list[tuple[int, ...]], list[tuple[int, in
     shard rank holding it whole in its unit's layout, or None)."""
     shapes, dims, homes = [], [], []
     for u in us:
-        lay = u["layout"]
-        for (_, s, h), start in zip(u["params"], lay.offsets):
-            if h:
-                shapes.append(s)
-                count, rows, cols = matrix_view(s)
-                for k in range(count):
-                    lo = start + k * rows * cols
-                    first, last = lo // lay.shard_size, (lo + rows * cols - 1) // lay.shard_size
-                    dims.append((rows, cols))
-                    homes.append(first if first == last else None)
+        lay, hidden = (
+            u["layout"],
+            [(s, start) for (_, s, h), start in zip(u["params"], u["layout"].offsets) if h],
+        )
+        shapes += [s for s, _ in hidden]
+        matrix_homes([s for s, _ in hidden], [start for _, start in hidden], lay.shard_size, dims, homes)
     return shapes, dims, homes
 
 
@@ -245,9 +257,26 @@ def plot(rows: list[dict]):
     return save_png("scale_quick" if len(rows) <= 4 else "scale", fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "Llama-3-70B at W in {64, 1024}")
-    models, worlds = (QUICK_RUN, QUICK_WORLDS) if args.quick else (RUN, WORLDS)
+def owners(models: list[str], worlds: tuple[int, ...]) -> list[dict]:
+    """The `owners` section's rows (see the module's docstring)."""
+    rows = []
+    for model, w, bucketing in ((m, w, b) for m in models for w in worlds for b in ("block", "default")):
+        buckets = model_buckets(model, bucketing)
+        a = assignment(buckets, w)
+        costs, homes, n = a["costs"], a["homes"], len(a["costs"])
+        row = {"model": model, "W": w, "bucketing": bucketing, "buckets": len(buckets), "matrices": n}
+        row.update({"per rank": n / w, "max/mean": imbalance(costs, a["owners"], w)})
+        row["LPT max/mean"] = imbalance(costs, assign_owners(costs, w), w)
+        row["no gather %"] = 100 * sum(h == o for h, o in zip(homes, a["owners"])) / n
+        rows.append({**row, "split %": 100 * homes.count(None) / n, "assign ms": 1e3 * a["seconds"]})
+    print(f"\n## Owners on real shapes: per-rank Newton-Schulz FLOPs (default buckets: cap {BUCKET_CAP:,})\n")
+    print(table(rows, floatfmt=".4g"))
+    return rows
+
+
+def _step(quick: bool) -> tuple[list[dict], dict[str, bool], dict]:
+    """The `step` section: its rows, goals and the rest of what it writes."""
+    models, worlds = (QUICK_RUN, QUICK_WORLDS) if quick else (RUN, WORLDS)
     rows, plans = [], []
     for model in models:
         for world in worlds:
@@ -256,29 +285,42 @@ def main(argv: list[str] | None = None) -> dict:
             plans.append(extra)
     require_finite(rows, NUMBERS)
     print(table(rows, COLUMNS))
-    print(
-        "\nNewton–Schulz per rank: FLOPs max/mean and the busiest rank's modelled ms (H200, split exchanges"
-    )
-    print("included) of the plan, of every matrix whole (LPT: today's owners) and of the plan made as if")
-    print("communication were free; the plan's time max/mean, its split matrices and exchanges:\n")
+    print("\nNewton–Schulz per rank: FLOPs max/mean and the busiest rank's modelled ms (H200, split")
+    print("exchanges included) of the plan, of every matrix whole (LPT: today's owners) and of the plan made")
+    print("as if communication were free; the plan's time max/mean, its split matrices and exchanges:\n")
     print(table(plans))
     goals = {}
     for (model, world), bound in GOALS.items():
         got = next((p["NS max/mean"] for p in plans if p["model"] == model and p["W"] == world), None)
         if got is not None:
             goals[f"{model} W={world}: Newton–Schulz max/mean <= {bound:.2f} (got {got:.3f})"] = got <= bound
-    print_goals("Goals:", goals)
     png = plot(rows)
-    out = {
-        "cost": vars(COST),
-        "tokens_per_rank": TOKENS,
-        "mfu": MFU,
-        "rows": rows,
-        "plans": plans,
-        "goals": goals,
-    }
-    out["png"] = str(png) if png else None
-    return finish("scale", args, out, png=png)
+    out = {"cost": vars(COST), "tokens_per_rank": TOKENS, "mfu": MFU, "plans": plans}
+    return rows, goals, {**out, "png": str(png) if png else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    sections = dict(nargs="+", choices=["step", "owners"], default=["step", "owners"])
+    args = parse(
+        __doc__, argv, "Llama-3-70B at W in {64, 1024}; owners of 2 models at W 8, 64", sections=sections
+    )
+    out: dict = {"goals": {}}
+    if "step" in args.sections:
+        out["rows"], out["goals"], more = _step(args.quick)
+        out.update(more)
+    if "owners" in args.sections:
+        models = ["llama3-8b", "gpt-oss-120b"] if args.quick else list(MODELS)
+        out["owners"] = owners(models, (8, 64) if args.quick else (8, 64, 256))
+        for bucketing in ("block", "default"):
+            due = [r for r in out["owners"] if r["bucketing"] == bucketing and r["per rank"] >= 4]
+            over = "".join(
+                f"; {r['model']} W={r['W']}: {r['max/mean']:.3f}" for r in due if r["max/mean"] > 1.1
+            )
+            out["goals"][
+                f"owners max/mean <= 1.10, {bucketing} buckets, >= 4 per rank ({len(due)}){over}"
+            ] = not over
+    print_goals("Goals:", out["goals"])
+    return finish("scale", args, out)
 
 
 if __name__ == "__main__":

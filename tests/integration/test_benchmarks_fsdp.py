@@ -1,10 +1,14 @@
-"""`benchmarks/fsdp.py --quick` end to end (tiny model, 2 gloo ranks): every configuration trains
-to its FSDP2 peer's loss, the measurements see what each configuration holds and moves."""
+"""`benchmarks/fsdp.py --quick` end to end (tiny models; `zero3` and `peers` on 2 gloo ranks, `hsdp`
+on 4 as 2x2 and 1x4): every configuration trains to its FSDP2 peer's loss, the measurements see
+what each configuration holds and moves, the peers' profiler windows and Muon's Newton–Schulz work
+per rank are measured, and bytes are placed inside or across shard groups."""
+
+import math
 
 import pytest
 from _bench import config_row, results_in
 
-pytestmark = pytest.mark.slow  # make test-fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # make test-fast leaves it out; one run, ~2 min
 
 
 @pytest.fixture(scope="module")
@@ -15,29 +19,28 @@ def result(tmp_path_factory):
         yield fsdp.main(["--quick"])
 
 
-@pytest.mark.timeout(240)
 def test_every_config_trains_like_its_fsdp2_peer(result):
-    from benchmarks.fsdp import CONFIGS
+    from benchmarks.fsdp import SECTIONS
 
-    assert sorted(r["config"] for r in result["rows"]) == sorted(CONFIGS)
     assert result["loss_check_ok"]
-    for r in result["rows"]:
-        assert r["loss after"] < r["loss first"]
-        assert r["train ms"] > 0 and r["step ms"] > 0
+    for name, section in SECTIONS.items():
+        assert sorted(r["config"] for r in result[name]["rows"]) == sorted(section["configs"])
+        for r in result[name]["rows"]:
+            assert r["loss after"] < r["loss first"]
+            assert r["train ms"] > 0 and r["step ms"] > 0
 
 
-@pytest.mark.timeout(240)
 def test_copies_are_counted_on_the_collective_path(result):
-    ours, fsdp2 = config_row(result, "ours Z3 AdamW"), config_row(result, "FSDP2 AdamW")
+    zero3 = result["zero3"]
+    ours, fsdp2 = config_row(zero3, "ours Z3 AdamW"), config_row(zero3, "FSDP2 AdamW")
     assert ours["copies"] == 0
     assert ours["own slice copies"] > 0  # gloo: the shard is copied into the gathered buffer
     assert fsdp2["copies"] > 0  # FSDP2's copy-in and copy-out
-    assert config_row(result, "ours Z2 AdamW")["own slice copies"] == 0  # whole parameters: nothing gathered
+    assert config_row(zero3, "ours Z2 AdamW")["own slice copies"] == 0  # whole parameters: nothing gathered
 
 
-@pytest.mark.timeout(240)
 def test_communication_is_measured(result):
-    ours, fsdp2 = config_row(result, "ours Z3 AdamW"), config_row(result, "FSDP2 AdamW")
+    ours, fsdp2 = config_row(result["zero3"], "ours Z3 AdamW"), config_row(result["zero3"], "FSDP2 AdamW")
     assert {"broadcast", "all-reduce"} <= set(ours["MB sent by kind"])
     assert {"all-gather", "reduce-scatter"} <= set(fsdp2["MB sent by kind"])
     for r in (ours, fsdp2):
@@ -47,29 +50,83 @@ def test_communication_is_measured(result):
     assert sent[0] == pytest.approx(sent[1], rel=0.05)
 
 
-@pytest.mark.timeout(240)
 def test_live_bytes_see_what_the_optimizer_holds(result):
-    for r in result["rows"]:
-        assert 0 < r["at step start MB"] < r["peak live MB"]
-    ours = config_row(result, "ours Z3 AdamW")
+    for r in result["zero3"]["rows"] + result["peers"]["rows"]:
+        assert 0 < r["at step start MB"] < r["peak live MB"] and r["peak RSS MB"] > 0
+    ours = config_row(result["zero3"], "ours Z3 AdamW")
     for m in ours["memory"]:  # between steps a rank holds its shards (+ a batch and such)
         held = sum(m["memory_stats"].values())
         assert held <= m["live_start"] <= 1.05 * held + 2**20
-    fsdp2 = config_row(result, "FSDP2 AdamW")
+    fsdp2 = config_row(result["zero3"], "FSDP2 AdamW")
     assert any(k.endswith("FSDP::all_gather") for m in fsdp2["memory"] for k in m["live_by"])
 
 
-@pytest.mark.timeout(240)
 def test_state_between_steps_scales_as_one_over_w(result):
-    by = {(r["config"], r["W"]): r for r in result["scaling"]}
+    by = {(r["config"], r["W"]): r for r in result["zero3"]["scaling"]}
     assert {w for _, w in by} == {1, 2}
     assert by[("FSDP2 AdamW", 1)]["at step start B/param"] == pytest.approx(12, rel=0.05)  # grads freed
     one, two = by[("ours Z3 AdamW", 1)], by[("ours Z3 AdamW", 2)]
     # param, exp_avg, exp_avg_sq: zero_grad() freed the gradient shard, as FSDP2's gradients
     assert one["at step start B/param"] == pytest.approx(12, rel=0.05)
     assert two["at step start B/param x W"] == pytest.approx(one["at step start B/param x W"], rel=0.05)
-    zero2, zero3 = config_row(result, "ours Z2 AdamW"), config_row(result, "ours Z3 AdamW")
+    zero2, zero3 = config_row(result["zero3"], "ours Z2 AdamW"), config_row(result["zero3"], "ours Z3 AdamW")
     assert zero2["at step start MB"] > zero3["at step start MB"]  # whole parameters on every rank
+
+
+def test_the_peers_windows_and_state_are_measured(result, capsys):
+    peers = result["peers"]
+    ours, fsdp2 = config_row(peers, "ours Z2 AdamW"), config_row(peers, "FSDP2 AdamW")
+    for r, windows in ((ours, ("RS", "update", "AG")), (fsdp2, ("RS", "AG"))):  # ours' and FSDP2's windows
+        assert all(r[f"{k} win ms"] > 0 for k in windows), r
+    for who in ("FSDP2", "ZeRO", "DDP"):  # the peers' two torch optimizers, each in its window
+        muon = config_row(peers, f"{who} Muon")
+        assert muon["Muon win ms"] > 0 and muon["AdamW win ms"] > 0
+    assert ours["opt state MB"] == pytest.approx(fsdp2["opt state MB"], rel=0.01)
+    assert config_row(peers, "DDP AdamW")["opt state MB"] == pytest.approx(2 * ours["opt state MB"], rel=0.01)
+    for r in peers["rows"]:
+        for c in ("train ms", "step ms", "fwd ms", "bwd ms", "peak RSS MB", "opt state MB"):
+            assert isinstance(r[c], float) and math.isfinite(r[c]), (r["config"], c)
+
+
+def test_muon_against_its_peers(result):
+    peers = result["peers"]
+    goals = {k: ok for k, ok in result["goals"].items() if k.startswith("Muon:")}
+    assert all(ok for k, ok in goals.items() if "faster" not in k), goals  # the checks a quick run can hold
+    assert any("owners planned here" in k for k in goals) and any("measured ==" in k for k in goals)
+    ours, ddp = config_row(peers, "ours Z2 Muon"), config_row(peers, "DDP Muon")
+    assert ddp["NS sum / total"] == pytest.approx(2, rel=1e-6)  # each of 2 ranks does it all
+    assert ours["NS sum / total"] == pytest.approx(1, rel=1e-6)  # every matrix once
+    assert sum(ours["orthogonalized"]) == ours["NS matrices"] and ours["Δ/update"] <= 0.05
+    for variant in ("polar_express", "normuon"):
+        r = config_row(peers, f"ours Z2 {variant} Muon")
+        assert sum(r["NS matrices per rank"]) == ours["NS matrices"] and r["step ms"] > 0
+
+
+def test_hsdp_newton_schulz_work_per_rank_adds_up_to_the_total(result):
+    hsdp = result["hsdp"]
+    for mesh in ("2x2", "1x4"):
+        r = config_row(hsdp, f"ours {mesh} Muon")
+        total, stats = r["NS total GF"], r["NS GF per rank (stats)"]
+        assert len(stats) == 4 and total > 0
+        assert sum(stats) == pytest.approx(total, rel=1e-12)
+        assert sum(r["NS matrices per rank"]) == r["NS matrices"]
+        # the profiler's count of the products ours ran is the same work
+        assert sum(r["NS GF per rank (measured)"]) == pytest.approx(total, rel=1e-6)
+    # FSDP2's replicas each repeat the whole iteration, so its ranks together do more than the total
+    assert config_row(hsdp, "FSDP2 2x2 Muon")["NS sum / total"] > 1.5
+
+
+def test_hsdp_bytes_are_placed_inside_and_across_shard_groups(result):
+    hsdp = result["hsdp"]
+    for family in ("AdamW", "Muon"):
+        two, one, fsdp2 = (config_row(hsdp, f"{c} {family}") for c in ("ours 2x2", "ours 1x4", "FSDP2 2x2"))
+        assert two["MB inside"] > 0 and two["MB across"] > 0  # shard group gathers, replicas all-reduce
+        assert one["MB across"] == 0 and one["MB inside"] > 0  # one replica: every byte stays inside
+        assert fsdp2["MB inside"] > 0 and fsdp2["MB across"] > 0
+        assert two["MB unknown"] == one["MB unknown"] == fsdp2["MB unknown"] == 0
+        # ours's own count of its step's moves and the meter's agree
+        for r in (two, one):
+            assert r["stats MB"] == pytest.approx(r["step MB all-to-all"], rel=1e-6, abs=1e-9)
 
 
 def _mem(ts, addr, nbytes, tid=1):
@@ -126,63 +183,36 @@ def test_a_call_of_a_later_step_shows_that_the_earlier_steps_block_was_freed_uns
 
 def test_a_cuda_run_reports_only_what_cuda_measures(tmp_path, capsys):
     """A torchrun run on CUDA (summarized from made-up per-rank results, no processes): time and
-    allocator-peak ratios; no exposed comm, update, copies, RSS nor place of the peak."""
+    allocator-peak ratios; no exposed comm, update, windows, copies, RSS nor place of the peak."""
     from benchmarks import fsdp
     from benchmarks._fsdp_report import report
+    from benchmarks._fsdp_rows import NOT_ON_CUDA, summarize
     from benchmarks._train import PHASES
 
     def timed(seconds):
-        return [
-            {
-                "params": 100,
-                "times_s": {k: [seconds] * 2 for k in PHASES},
-                "exposed_s": {k: [0.0] * 2 for k in PHASES},
-                "losses": [2.0, 1.5],
-                "loss_after": 1.0,
-                "comm": {"calls": {"all-gather": 2}, "sent": {"all-gather": 2**20}},
-                "copies": None,
-                "device": "cuda",
-            }
-        ] * 2
+        sent = {"inside all-gather": 2**20}
+        rank = {"params": 100, "times_s": {k: [seconds] * 2 for k in PHASES}, "losses": [2.0, 1.5]}
+        rank.update(exposed_s={k: [0.0] * 2 for k in PHASES}, loss_after=1.0, device="cuda", copies=None)
+        rank.update(comm={"calls": {"all-gather": 2}, "sent": {"all-gather": 2**20}}, sent=[sent] * 2)
+        rank.update(step_sent=[{}] * 2, windows_s={"RS": 0.001}, stand_ins_s=0.0, state_bytes=800, stats=[])
+        return [{**rank, "ns_measured": None}] * 2
 
     def memory(config, peak):
-        return [
-            {
-                "model": "wide",
-                "config": config,
-                "params": 100,
-                "live_peak": peak,
-                "live_start": peak // 2,
-                "memory_stats": None,
-                "source": "torch.cuda.max_memory_allocated",
-            }
-        ] * 2
+        mem = {"run": "wide", "config": config, "params": 100, "live_peak": peak, "live_start": peak // 2}
+        return [{**mem, "memory_stats": None, "source": "torch.cuda.max_memory_allocated"}] * 2
 
     configs = {"ours Z3 AdamW": (0.01, 2**20), "FSDP2 AdamW": (0.02, 2**21)}
-    rows = fsdp.summarize(
-        "wide",
-        {c: timed(t) for c, (t, _) in configs.items()},
-        {c: memory(c, m) for c, (_, m) in configs.items()},
+    timings = {c: timed(t) for c, (t, _) in configs.items()}
+    rows = summarize(
+        "wide", fsdp.QUICK["wide"], timings, {c: memory(c, m) for c, (_, m) in configs.items()}, 2
     )
-    run = dict(
-        world=2,
-        steps=2,
-        warmup=1,
-        memory_steps=2,
-        malloc=None,
-        shapes={"wide": fsdp.QUICK["wide"]},
-        quick=True,
-        threads=[1, 1],
-        wall_s=1.0,
-        torchrun=True,
-        device="cuda",
-        backend="nccl",
-    )
+    run = dict(name="fsdp_zero3", world=2, hsdp_world=2, steps=2, warmup=1, memory_steps=2, malloc=None)
+    run.update(shapes={"wide": fsdp.QUICK["wide"]}, quick=True, threads=[1, 1], wall_s=1.0, torchrun=True)
     with results_in(tmp_path):
-        out = report(rows, [], run)
-    ours = config_row(out, "ours Z3 AdamW")
+        out = report({"zero3": {"rows": rows, "scaling": []}}, {**run, "device": "cuda", "backend": "nccl"})
+    ours = config_row(out["zero3"], "ours Z3 AdamW")
     assert ours["train x"] == pytest.approx(0.5) and ours["peak live x"] == pytest.approx(0.5)
-    assert not {*fsdp.NOT_ON_CUDA, "peak RSS MB", "peak at", "update x"} & set(ours)
+    assert not {*NOT_ON_CUDA, "peak RSS MB", "peak at", "update x"} & set(ours)
     printed = capsys.readouterr().out
     assert "nccl under torchrun" in printed and "exposed fwd" not in printed and "peak RSS" not in printed
-    assert (tmp_path / "fsdp_torchrun_quick.json").exists()
+    assert (tmp_path / "fsdp_zero3_torchrun_quick.json").exists()

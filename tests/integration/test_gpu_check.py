@@ -384,8 +384,9 @@ def test_multi_dry_run_names_every_stage(tmp_path):
         n = "8" if not args else "2"
         assert any(f"--nproc-per-node {n} " in line and "_gpu_worker.py kill" in line for line in runs)
         assert any("train_torchrun.py" in line and "--checkpoint-dir" in line for line in runs)
-        for script in ("fsdp.py", "hsdp.py"):
-            assert any(f"--nproc-per-node {n} " in line and f"{script} --torchrun" in line for line in runs)
+        for section in ("zero3", "hsdp"):
+            bench = ("fsdp.py --torchrun", f"--sections {section}", f"--nproc-per-node {n} ")
+            assert any(all(b in line for b in bench) for line in runs)
     assert not (tmp_path / "out").exists()
 
 
@@ -415,8 +416,8 @@ def test_multi_cpu_rehearsal_of_hsdp_and_kill(tmp_path):
     assert got["hsdp"]["status"] == "passed" and got["kill"]["status"] == "passed", proc.stdout[-4000:]
     bench = got["fsdp_bench"]
     assert bench["status"] == "passed", bench
-    assert [c["name"] for c in bench["checks"]] == ["fsdp.py", "hsdp.py"]
-    fsdp, hsdp = bench["measurements"]["fsdp"], bench["measurements"]["hsdp"]
+    assert [c["name"] for c in bench["checks"]] == ["fsdp.py zero3", "fsdp.py hsdp"]
+    fsdp, hsdp = bench["measurements"]["zero3"], bench["measurements"]["hsdp"]
     assert fsdp["world"] == hsdp["world"] == 2 and fsdp["backend"] == "gloo"
     assert set(fsdp["ours_vs_fsdp2"]) == {"wide ours Z3 AdamW", "wide ours Z3 Muon"}
     assert set(hsdp["ours_vs_fsdp2"]) == {"ours 2x1 AdamW", "ours 2x1 Muon"}

@@ -1,0 +1,167 @@
+"""The rows of `benchmarks/fsdp.py`: one per configuration of a run, from every rank's results of
+`benchmarks._fsdp_run` (see fsdp.py's docstring for the columns), with the ratios to its peer."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks._fsdp_run import VARIANTS, WINDOWS, mesh_of
+from benchmarks._gpt import shaped_gpt
+from benchmarks._measure import slowest
+from benchmarks._muon_plan import matrix_view, ns_flops
+from benchmarks._optim import MUON, muon_groups, muon_names
+from benchmarks._train import PHASES, against_peers, ms, timed_row
+
+# row keys with no meaning on CUDA (fsdp.py's docstring says why)
+NOT_ON_CUDA = ["_update", "update ms", "update % step", "exposed comm ms", "exposed/phase ms", "copies"]
+NOT_ON_CUDA += [
+    "own slice copies",
+    "c10d copies",
+    "compute copies",
+    "copy events",
+    "NS GF per rank (measured)",
+]
+NOT_ON_CUDA += [f"{k} win ms" for k in WINDOWS]
+
+
+def peer(config: str, world: int = 4) -> str | None:
+    """The FSDP2 configuration a configuration is compared with: FSDP2's HSDP (2 x W/2) for one on a
+    mesh, else FSDP2 with the same optimizer; none for a Muon variant (another algorithm)."""
+    if set(config.split()) & set(VARIANTS):
+        return None
+    return f"FSDP2 2x{world // 2} {config.split()[-1]}" if mesh_of(config) else f"FSDP2 {config.split()[-1]}"
+
+
+def ns_total(shape: dict) -> tuple[int, int]:
+    """Newton–Schulz FLOPs of one step over every Muon matrix of the GPT, each once, and how many."""
+    hidden = [matrix_view(tuple(p.shape)) for p in muon_groups(shaped_gpt(shape, device="meta"))[0]["params"]]
+    total = sum(n * ns_flops(rows, cols, MUON["ns_steps"]) for n, rows, cols in hidden)
+    return total, sum(n for n, _, _ in hidden)
+
+
+def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> float:
+    """Median over steps of the mean over ranks of the bytes sent `where` (of the `kind`), in MB."""
+    sent = lambda d: sum(v for k, v in d.items() if k.startswith(where) and k.endswith(kind))  # noqa: E731
+    per_step = [statistics.mean(sent(d) for d in col) for col in zip(*per_rank)]
+    return statistics.median(per_step) / 2**20 if per_step else 0.0
+
+
+def _comm(row: dict, res: list[dict]) -> None:
+    """Exposed communication, what is left of the step without it, and the bytes sent (by kind, and
+    inside / across shard groups)."""
+    exposed = {k: slowest([r["exposed_s"][k] for r in res]) for k in PHASES}
+    row["_update"] = slowest(
+        [[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])] for r in res]
+    )
+    row["update ms"] = ms(row["_update"])
+    row["update % step"] = 100 * row["update ms"] / row["step ms"] if row["step ms"] else 0.0
+    row["exposed comm ms"] = ms([sum(t) for t in zip(*exposed.values())])
+    row["exposed/phase ms"] = {k: ms(v) for k, v in exposed.items()}
+    sent = res[0]["comm"].get("sent", {})
+    row.update(
+        {"MB sent": sum(sent.values()) / 2**20, "MB sent by kind": {k: v / 2**20 for k, v in sent.items()}}
+    )
+    row["calls"] = res[0]["comm"].get("calls", {})
+    by, step = [r["sent"] for r in res], [r["step_sent"] for r in res]
+    row.update({f"MB {w}": _mean_mb(by, w) for w in ("inside", "across", "mixed", "unknown")})
+    row.update({f"step MB {w}": _mean_mb(step, w) for w in ("inside", "across", "mixed")})
+    row["step MB all-to-all"] = _mean_mb(step, kind="all-to-all")
+
+
+def _profiled(row: dict, res: list[dict]) -> None:
+    """The profiled step: rank 0's copies by path and stand-in time, the slowest rank's seconds in
+    each profiler window, ours' own counts (`step_stats`) and the optimizer state."""
+    r0, copies = res[0], res[0]["copies"] or {}
+    row["copies"] = sum(copies.get(p, {}).get("copies", 0) for p in ("collective path", "grad accum"))
+    row.update({f"{p} copies": copies.get(p, {}).get("copies", 0) for p in ("own slice", "c10d", "compute")})
+    row["copy events"] = copies
+    row["stand-in ms"] = 1e3 * (r0.get("stand_ins_s") or 0.0)
+    row["stand-in % fwd"] = 100 * row["stand-in ms"] / row["fwd ms"] if row["fwd ms"] else 0.0
+    for k in r0["windows_s"]:
+        row[f"{k} win ms"] = 1e3 * max(r["windows_s"].get(k, 0.0) for r in res)
+    row["opt state MB"] = max(r["state_bytes"] for r in res) / 2**20
+    if r0["stats"]:
+        stats = [r["stats"][-1] for r in res]
+        row["stats MB"] = statistics.mean(s.get("bytes_sent", 0) for s in stats) / 2**20
+        if row["config"].endswith("Muon"):
+            row["NS GF per rank (stats)"] = [s["ns_flops"] / 1e9 for s in stats]
+            row["NS matrices per rank"] = [s["ns_matrices"] for s in stats]
+    if "ns_load" in r0:  # ours Muon: the plan's load of every rank, and what each did
+        row.update(ns_load=r0["ns_load"], construction=r0["construction"])
+        row["orthogonalized"] = [r["orthogonalized"] for r in res]
+
+
+def _newton_schulz(row: dict, res: list[dict], total: int, count: int) -> None:
+    """Newton–Schulz work per rank against the model's total (measured on the CPU; from ours' stats
+    on CUDA, `NS from`)."""
+    row.update({"NS total GF": total / 1e9, "NS matrices": count})
+    row["NS GF per rank (measured)"] = [(r["ns_measured"] or 0) / 1e9 for r in res]
+    measured = row["NS GF per rank (measured)"]
+    if res[0]["device"] == "cuda":
+        measured = row.get("NS GF per rank (stats)")
+        row["NS from"] = "stats"
+    if measured:
+        row["NS max rank / total"] = max(measured) * 1e9 / total
+        row["NS sum / total"] = sum(measured) * 1e9 / total
+        row["NS max/mean"] = max(measured) / statistics.mean(measured) if sum(measured) else 1.0
+
+
+def _memory(row: dict, mem: list[dict]) -> None:
+    if "source" in mem[0]:  # CUDA: the allocator's peak; no place nor RSS
+        peak, start = (max(m[k] for m in mem) / 2**20 for k in ("live_peak", "live_start"))
+        row.update({"peak live MB": peak, "at step start MB": start, "memory": mem})
+        return
+    top = max(mem, key=lambda m: m["live_peak"])
+    row["peak live MB"] = top["live_peak"] / 2**20
+    row["at step start MB"] = max(m["live_start"] for m in mem) / 2**20
+    row.update({"peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"]})
+    row["peak RSS MB"] = max(m["rss_peak_kb"] for m in mem) / 1024
+    row["RSS-base MB"] = max(m["rss_peak_kb"] - m["rss_base_kb"] for m in mem) / 1024
+    row["memory"] = mem
+
+
+def _row(model: str, config: str, res: list[dict], mem: list[dict] | None, ns: tuple[int, int]) -> dict:
+    """One configuration's row from every rank's timing (and memory) results."""
+    row = {"model": model, **timed_row(config, res)}
+    _comm(row, res)
+    _profiled(row, res)
+    if config.endswith("Muon"):
+        _newton_schulz(row, res, *ns)
+    if res[0]["device"] == "cuda":
+        for k in NOT_ON_CUDA:
+            row.pop(k, None)
+    if mem:
+        _memory(row, mem)
+    return row
+
+
+def _first_step(rows: dict, timed: dict[str, list[dict]], shape: dict) -> None:
+    """Each Muon row's parameters after the first step against DDP's (rank 0): max |Δ| of the Muon
+    group's and of the rest, and the Muon one over the largest change DDP's step made."""
+    ref = timed.get("DDP Muon", [{}])[0].get("first")
+    if ref is None:
+        return
+    model = shaped_gpt(shape)
+    init, names = dict(model.named_parameters()), muon_names(model)
+    for config, row in rows.items():
+        got = timed[config][0].get("first")
+        if got is None or config == "DDP Muon":
+            continue
+        diff = {k: (got[k] - ref[k]).abs().max().item() for k in ref}
+        row["max|Δ| Muon"] = max(diff[k] for k in names)
+        row["max|Δ| AdamW"] = max(v for k, v in diff.items() if k not in names)
+        row["Δ/update"] = row["max|Δ| Muon"] / max((ref[k] - init[k]).abs().max().item() for k in names)
+
+
+def summarize(model: str, shape: dict, timed: dict, memory: dict, world: int) -> list[dict]:
+    """Table rows for one run, with ratios against each configuration's FSDP2 peer."""
+    ns = ns_total(shape)
+    rows = {c: _row(model, c, res, memory.get(c), ns) for c, res in timed.items()}
+    _first_step(rows, timed, shape)
+    for row in rows.values():
+        base = rows.get(peer(row["config"], world))
+        for k in ("peak live MB", "peak RSS MB"):
+            if base is not None and row.get(k) and base.get(k):
+                row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
+    keys = ["train", "step", "update"] if all("_update" in r for r in rows.values()) else ["train", "step"]
+    return against_peers(rows, lambda c: peer(c, world), keys)

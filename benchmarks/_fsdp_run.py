@@ -1,0 +1,262 @@
+"""The ranks' side of `benchmarks/fsdp.py`: a trainer per configuration, every configuration of a run
+interleaved in one world with a profiled step each after them, and the memory runs (each
+configuration's live tensor bytes and peak RSS; on CUDA the allocator's peak).
+
+A configuration is `WHO [HOW ...] FAMILY`: `WHO` ours (`vo.AdamW` / `vo.Muon`) or a peer set-up of
+`benchmarks._optim.peer` (FSDP2, ZeRO, DDP); `HOW` `Z3` (a unit per block and the root), `Z2` (no
+units), `no-bwd-prefetch`, a mesh `RxS` (replicate x shard), `reshard=False` (FSDP2's), a Muon
+variant (`polar_express`, `normuon`).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmarks import _train
+from benchmarks._comm import CommMeter
+from benchmarks._copies import copies_by_path
+from benchmarks._gpt import shaped_gpt
+from benchmarks._live import live_steps
+from benchmarks._measure import live_malloc, matmul_flops, reset_peak, status_kb, window_seconds
+from benchmarks._muon_plan import assignment, default_buckets
+from benchmarks._optim import MUON, muon_groups, ours, peer, state_bytes
+from benchmarks._train import PHASES, batches, device, interleave
+
+VARIANTS = {"polar_express": {"ns_coefficients": "polar_express"}, "normuon": {"normuon": True}}
+# a profiled step's columns: the profiler windows (name prefixes) each adds up, ours' and the peers'
+WINDOWS = {
+    "RS": ["vescale_optim.sync_grads", "FSDP::post_backward_reduce"],
+    "update": ["vescale_optim.update"],
+}
+WINDOWS.update(AG=["vescale_optim.gather_params", "FSDP::all_gather"], NS=["vescale_optim.newton_schulz"])
+WINDOWS.update(moves=["vescale_optim.moves"], Muon=["bench::Muon"], AdamW=["bench::AdamW"])
+# innermost frames of ours that are the optimizers' math, not communication (kernels/packed.py,
+# the 8-bit wire format, is communication)
+MATH_CODE = ("optim/", "kernels/newton_schulz.py", "kernels/quant.py")
+COLLECTIVE_CODE = ("vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params", "FSDP::", "fsdp::")
+COLLECTIVE_CODE += ("vescale_optim/shard/collectives.py", "vescale_optim/units/", "torch/distributed/fsdp/")
+COLLECTIVE_CODE += tuple(f"torch/distributed/{m}" for m in ("tensor/_redistribute", "tensor/placement_types"))
+COLLECTIVE_CODE += ("torch/distributed/tensor/_collective_utils", "torch/distributed/_functional_collectives")
+
+
+def mesh_of(config: str) -> str | None:
+    """The mesh word of a configuration (`2x2`), if any."""
+    return next((w for w in config.split() if w[0].isdigit() and "x" in w), None)
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every whole parameter, copied (under FSDP2 a collective), named as in the bare model."""
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
+    return {n.removeprefix("module."): p.detach().clone() for n, p in full.items()}
+
+
+class Trainer(_train.Trainer):
+    """One configuration (see the module's docstring) on its mesh, with ours' `step_stats` after each
+    recorded step and, with `keep_first`, its parameters after the first step."""
+
+    def __init__(self, config: str, shape: dict, meter=None, meshes=None, keep_first: bool = False):
+        self.meshes, self.keep_first, self.first = meshes or {}, keep_first, None
+        self.stats: list[dict] = []
+        mesh = self.meshes.get(mesh_of(config))
+        self.replica_of = (
+            None if mesh is None else {r: i for i, row in enumerate(mesh.mesh.tolist()) for r in row}
+        )
+        super().__init__(config, shape, meter)
+
+    def optimizer(self, model: torch.nn.Module):
+        words, family = self.config.split(), self.config.split()[-1]
+        mesh = self.meshes.get(mesh_of(self.config))
+        if words[0] != "ours":
+            self.module, opt = peer(
+                model, words[0], family, mesh=mesh, reshard_after_forward="reshard=False" not in words
+            )
+            return opt
+        kw = {"mesh": mesh} if mesh is not None else {}
+        for variant in set(words) & set(VARIANTS):
+            kw.update(VARIANTS[variant])
+        if "Z2" not in words:
+            kw["shard_modules"] = [*model.blocks, model]
+        if "no-bwd-prefetch" in words:
+            kw["backward_prefetch"] = False
+        return ours(model, family, **kw)
+
+    def step(self, x, y, record: bool = True, around=None) -> None:
+        if self.meter is not None:
+            self.meter.replica_of = self.replica_of
+        super().step(x, y, record, around)
+        if record and hasattr(self.opt, "step_stats"):  # ours
+            self.stats.append(dict(self.opt.step_stats))
+        if self.keep_first and self.first is None:  # every rank takes part; rank 0 keeps it
+            full = full_params(self.model)
+            self.first = full if dist.get_rank() == 0 else {}
+
+    def comm_result(self) -> dict:
+        """Per phase the seconds exposed in each recorded step; the calls and bytes of the last by
+        kind; per recorded step the bytes sent by "where kind", over the step and inside opt.step()."""
+        total = {"calls": Counter(), "sent": Counter()}
+        for c in (self.comm[-1] if self.comm else {}).values():
+            total["calls"].update(c["calls"])
+            total["sent"].update(c["sent"])
+        sent = [dict(sum((Counter(c["sent_by"]) for c in comm.values()), Counter())) for comm in self.comm]
+        out = {"exposed_s": {k: [c[k]["exposed_s"] for c in self.comm] for k in PHASES}, "sent": sent}
+        out["step_sent"] = [comm["step"]["sent_by"] for comm in self.comm]
+        return {**out, "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}}
+
+
+def _profiled(tr: Trainer, x, y) -> dict:
+    """One step under the profiler (CPU events; FLOPs on the CPU): the seconds inside each of
+    `WINDOWS`, the units' stand-in work (`vescale::stand_ins[...]`, host time) and the FLOPs of the
+    matrix products inside opt.step()."""
+    cpu = device().type == "cpu"
+    with profile(activities=[ProfilerActivity.CPU], with_flops=cpu) as prof:
+        tr.step(x, y, record=False)
+    seconds = {
+        k: [s for s in (window_seconds(prof, w) for w in ws) if s is not None] for k, ws in WINDOWS.items()
+    }
+    stand_ins = sum(e.cpu_time_total for e in prof.events() if e.name.startswith("vescale::stand_ins["))
+    out = {"windows_s": {k: sum(s) for k, s in seconds.items() if s}, "stand_ins_s": stand_ins / 1e6}
+    return {**out, "ns_measured": matmul_flops(prof, within="bench::step") if cpu else None}
+
+
+def _classify(event, context: list[str]) -> str:
+    text = " | ".join(context)
+    if "vescale::unshard[" in text:
+        return "own slice"
+    mine = [c.split("vescale_optim/", 1)[1] for c in context if "vescale_optim/" in c and ".py(" in c]
+    if mine and mine[0].startswith(MATH_CODE):  # the optimizers' math, even where the runtime calls it
+        return "compute"
+    if any(m in text for m in COLLECTIVE_CODE):
+        return "collective path"
+    return "grad accum" if "AccumulateGrad" in text else "compute"
+
+
+def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
+    """One step of `tr`, under the profiler on rank 0: its copies by path (CPU only: see fsdp.py)."""
+    if rank != 0 or device().type == "cuda":
+        tr.step(x, y, record=False)
+        return None
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True)
+    with prof, record_function("bench::train"):
+        tr.step(x, y, record=False)
+    return copies_by_path(prof, "bench::train", _classify)
+
+
+def _construction(shape: dict, world: int) -> dict[str, bool]:
+    """`benchmarks._muon_plan`'s construction on the GPT's hidden matrices against a `vo.Muon` of them
+    alone (collective: every rank builds one): the same units, layouts and per-rank load."""
+    import vescale_optim as vo
+
+    hidden = muon_groups(shaped_gpt(shape))[0]["params"]
+    opt = vo.Muon(hidden, **MUON)
+    buckets = default_buckets([tuple(p.shape) for p in hidden])
+    mine = assignment(buckets, world)
+    units = [[tuple(p.shape) for p in u.params] for u in opt.units]
+    layouts = [(u.layout.shard_size, tuple(u.layout.offsets)) for u in opt.units]
+    return {
+        "units": units == buckets,
+        "layouts": mine["layouts"] == layouts,
+        "ns_load": mine["load"] == list(opt.ns_load),
+    }
+
+
+def _meshes(world: int, configs: list[str]) -> dict:
+    names = {m for m in map(mesh_of, configs) if m}
+    shapes = {m: tuple(map(int, m.split("x"))) for m in names}
+    return {
+        m: init_device_mesh(device().type, s, mesh_dim_names=("replicate", "shard"))
+        for m, s in shapes.items()
+    }
+
+
+def _first(run: dict, config: str) -> bool:
+    """Whether a configuration keeps its parameters after the first step: Muon's but its variants'
+    in a run that compares them with DDP's (`first`)."""
+    return run["first"] and config.endswith("Muon") and not set(config.split()) & set(VARIANTS)
+
+
+def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -> dict:
+    """Per run (`name`, `shape`, `configs`, `copies`, `first`): every configuration in this world,
+    interleaved step by step, then a profiled step each (and with `copies` one counting them)."""
+    meter = CommMeter().install()
+    meshes = _meshes(world, [c for run in runs for c in run["configs"]])
+    out = {}
+    for run in runs:
+        shape, pool = run["shape"], batches(run["shape"], rank, world)
+        trainers = [Trainer(c, shape, meter, meshes, keep_first=_first(run, c)) for c in run["configs"]]
+        interleave(trainers, pool, warmup, steps)
+        built = (
+            _construction(shape, world)
+            if any(c.startswith("ours") and c.endswith("Muon") for c in run["configs"])
+            else None
+        )
+        out[run["name"]] = {}
+        for tr in trainers:
+            more = _profiled(tr, *pool[0])
+            more["copies"] = _count_copies(rank, tr, *pool[0]) if run["copies"] else None
+            more.update(
+                state_bytes=state_bytes(tr.opt), stats=tr.stats, first=tr.first if rank == 0 else None
+            )
+            if tr.config.startswith("ours") and tr.config.endswith("Muon"):
+                more.update(
+                    ns_load=list(tr.opt.ns_load), orthogonalized=tr.opt.orthogonalized, construction=built
+                )
+            out[run["name"]][tr.config] = tr.result(*pool[0], **more, **tr.comm_result())
+        del trainers
+        gc.collect()
+    return out
+
+
+def memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
+    """Each (run, shape, config) in turn: live tensor bytes over `steps` profiled steps (+1), then
+    peak RSS over one more without the profiler; on CUDA the allocator's peak (`_cuda_memory`)."""
+    meshes = _meshes(world, [c for _, _, c in jobs])
+    if device().type == "cuda":
+        return [_cuda_memory(rank, world, job, steps, meshes) for job in jobs]
+    tuned = live_malloc() if live else False
+    results = []
+    for run, shape, config in jobs:
+        gc.collect()
+        base_kb = status_kb("VmRSS")
+        pool = batches(shape, rank, world)
+        tr, trace = live_steps(lambda: Trainer(config, shape, meshes=meshes), pool, steps)  # noqa: B023
+        stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
+        gc.collect()
+        reset = reset_peak()
+        tr.step(*pool[(steps + 1) % 2])
+        result = {"run": run, "config": config, "params": tr.params, **trace.summary(), "memory_stats": stats}
+        result.update(
+            rss_base_kb=base_kb, rss_peak_kb=status_kb("VmHWM"), peak_reset=reset, live_malloc=tuned
+        )
+        results.append(result)
+        del tr, trace
+        gc.collect()
+    return results
+
+
+def _cuda_memory(rank: int, world: int, job: tuple[str, dict, str], steps: int, meshes: dict) -> dict:
+    """CUDA: the caching allocator's peak over `steps - 1` steps after the first (the peak reset
+    after it), and what is allocated after the first, less what the rank held before building it."""
+    run, shape, config = job
+    gc.collect()
+    torch.cuda.empty_cache()
+    pool = batches(shape, rank, world)
+    base = torch.cuda.memory_allocated()
+    tr = Trainer(config, shape, meshes=meshes)
+    tr.step(*pool[0])
+    start = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    for s in range(1, steps):
+        tr.step(*pool[s % 2])
+    result = {"run": run, "config": config, "params": tr.params, "live_start": start}
+    result["live_peak"] = torch.cuda.max_memory_allocated() - base
+    result["memory_stats"] = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
+    result["source"] = "torch.cuda.max_memory_allocated"
+    del tr
+    gc.collect()
+    return result

@@ -1,0 +1,159 @@
+"""The `peers` and `hsdp` sections' tables and goals of `benchmarks/fsdp.py` (see its docstring)."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks._fsdp_run import VARIANTS
+from benchmarks._measure import load_average
+from benchmarks._report import table
+from benchmarks._verdict import shown, time_note
+
+PEERS_TIME = "config|train ms|train x|step ms|step x|fwd ms|bwd ms|zero_grad ms|RS win ms|update win ms"
+PEERS_TIME = [*PEERS_TIME.split("|"), "AG win ms", "NS win ms", "moves win ms", "Muon win ms", "AdamW win ms"]
+PEERS_TIME += ["MB sent", "stats MB"]
+PEERS_MEMORY = ["config", "peak RSS MB", "peak RSS x", "RSS-base MB", "peak live MB", "peak live x"]
+PEERS_MEMORY += ["opt state MB", "loss first", "loss after", "|Δ loss|"]
+PEERS_NS = ["config", "NS GF per rank (measured)", "NS GF per rank (stats)", "NS max/mean", "NS sum / total"]
+PEERS_NS += ["NS matrices per rank", "max|Δ| Muon", "max|Δ| AdamW", "Δ/update"]
+# what one opt.step() contains, by the configuration's first words
+CONTAINS = {"ours": "the rest of RS (begun in bwd), the update (Muon: the moves and NS), AG"}
+CONTAINS.update(
+    {"FSDP2 reshard=False": "update (RS in bwd, AG in fwd)", "FSDP2": "update (RS in bwd, AG in fwd+bwd)"}
+)
+CONTAINS.update({"ZeRO": "update + param broadcast (AR in bwd)", "DDP": "full update (AR in bwd)"})
+HSDP_TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms"]
+HSDP_TIME += ["exposed comm ms"]
+HSDP_BYTES = (
+    "config|MB inside|MB across|MB mixed|step MB inside|step MB across|step MB mixed|step MB all-to-all"
+)
+HSDP_BYTES = [*HSDP_BYTES.split("|"), "stats MB", "MB by kind"]
+HSDP_NS = (
+    "config|NS total GF|NS GF per rank (stats)|NS GF per rank (measured)|NS max rank / total|NS sum / total"
+)
+HSDP_NS = [*HSDP_NS.split("|"), "NS matrices per rank"]
+LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
+BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
+
+
+def _listed(rows: list[dict]) -> list[dict]:
+    """Per-rank lists and dicts as text, for a table."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        for k, v in r.items():
+            if isinstance(v, list):
+                r[k] = " / ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in v)
+            elif isinstance(v, dict):
+                r[k] = ", ".join(f"{n} {x:.3g}" for n, x in sorted(v.items()) if not isinstance(x, dict))
+        out.append(r)
+    return out
+
+
+def _contains(config: str) -> str:
+    return next(text for who, text in CONTAINS.items() if config.startswith(who))
+
+
+def _peer_goals(by: dict[str, dict], world: int) -> dict[str, bool]:
+    goals, o, base = {}, by.get("ours Z2 AdamW"), by.get("FSDP2 AdamW")
+    if o and base and "step x" in o:
+        goals[f"AdamW: opt.step() <= 0.5x FSDP2 ({o['step x']:.3f}x)"] = o["step x"] <= 0.5
+        goals[f"AdamW: train step <= 1.0x FSDP2 ({o['train x']:.3f}x)"] = o["train x"] <= 1.0
+        if "update win ms" in o:
+            local = o["update win ms"] / base["step ms"]
+            goals[f"AdamW: the local update <= 0.5x FSDP2's opt.step() ({local:.3f}x)"] = local <= 0.5
+        if "peak RSS x" in o:
+            goals[f"AdamW: peak RSS <= FSDP2 ({o['peak RSS x']:.3f}x)"] = o["peak RSS x"] <= 1.0
+    m = by.get("ours Z2 Muon")
+    if not m:
+        return goals
+    for p, x in (("DDP", 2.5), ("FSDP2", 5.0)):
+        if f"{p} Muon" in by:
+            faster = by[f"{p} Muon"]["step ms"] / m["step ms"]
+            goals[f"Muon: opt.step() >= {x}x faster than {p} + torch Muon ({faster:.3g}x)"] = faster >= x
+    n, done = m["NS matrices"], m.get("NS matrices per rank", [])
+    goals[f"Muon: each matrix orthogonalized once ({sum(done)} of {n})"] = (
+        sum(done) == n and m["orthogonalized"] == done
+    )
+    if m.get("NS GF per rank (measured)"):
+        loads = zip(m["NS GF per rank (measured)"], m["NS GF per rank (stats)"], m["ns_load"])
+        same = all(
+            math.isclose(a * 1e9, b * 1e9, rel_tol=1e-6) and math.isclose(b * 1e9, c, rel_tol=1e-9)
+            for a, b, c in loads
+        )
+        goals["Muon: each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load"] = same
+    goals["Muon: the owners planned here (benchmarks._muon_plan) == vo.Muon's units, layouts, ns_load"] = all(
+        m["construction"].values()
+    )
+    if n >= 4 * world:
+        goals[f"Muon: NS max/mean <= 1.10 ({m['NS max/mean']:.3f})"] = m["NS max/mean"] <= 1.10
+    if "Δ/update" in m:
+        goals[f"Muon: the parameters of DDP + torch Muon after a step (Δ {m['Δ/update']:.3g} of it)"] = (
+            m["Δ/update"] <= 0.05
+        )
+    variants = [r for c, r in by.items() if c.endswith("Muon") and set(c.split()) & set(VARIANTS)]
+    every = all(sum(r.get("NS matrices per rank", [])) == n for r in variants)
+    goals[f"Muon: every variant ({', '.join(VARIANTS)}) steps every matrix"] = every
+    return goals
+
+
+def print_peers(rows: list[dict], run: dict) -> dict[str, bool]:
+    by = {r["config"]: r for r in rows}
+    print(
+        "\nx = vs FSDP2 with the same optimizer; win = the profiled step's profiler windows (slowest rank)\n"
+    )
+    print(table(rows, shown(PEERS_TIME, rows, run), floatfmt=".4g"))
+    time_note(run, "profiler windows, exposed comm", "fsdp.py")
+    if "peak live MB" in rows[0]:
+        alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
+        print(f"\nmemory: each config {alone}; load average {load_average()}\n")
+        print(table(rows, shown(PEERS_MEMORY, rows, run), floatfmt=".4g"))
+    muon = [r for r in rows if r["config"].endswith("Muon")]
+    if muon:
+        print("\nNewton–Schulz GFLOP per rank and step; Δ: after the first step against DDP + torch Muon\n")
+        print(table(_listed(muon), shown(PEERS_NS, muon, run), floatfmt=".4g"))
+    print(f"\n{table([{'config': c, 'opt.step() contains': _contains(c)} for c in by])}")
+    return _peer_goals(by, run["world"])
+
+
+def _hsdp_goals(rows: list[dict], world: int) -> dict[str, bool]:
+    goals = {}
+    for r in rows:
+        if not r["config"].endswith("Muon"):
+            continue
+        name, total = r["config"], r["NS total GF"]
+        replicas = int(name.split()[1].split("x")[0])
+        if "NS GF per rank (stats)" in r:
+            s, done, n = sum(r["NS GF per rank (stats)"]), sum(r["NS matrices per rank"]), r["NS matrices"]
+            goals[f"{name}: step_stats ns_flops over ranks = the total ({s:.4g} of {total:.4g} GF)"] = (
+                abs(s - total) <= 1e-9 * total
+            )
+            goals[f"{name}: every matrix once in the world ({done} of {n})"] = done == n
+        if name.startswith("ours"):
+            worst, source = r["NS max rank / total"], r.get("NS from", "measured")
+            what = f"busiest rank <= {BALANCE} x total/{world} ({worst:.3f} x total, {source})"
+            goals[f"{name}: {what}"] = worst <= BALANCE / world
+        elif "NS max rank / total" in r:  # measured (not on CUDA)
+            worst, together = r["NS max rank / total"], r["NS sum / total"]
+            what = f"busiest rank {worst:.3f} x total, ranks together {together:.3f} x total"
+            what += f" ({replicas} replicas)"
+            goals[f"{name} (peer, for reference): {what}"] = True
+    return goals
+
+
+def print_hsdp(rows: list[dict], run: dict) -> dict[str, bool]:
+    world = run["hsdp_world"]
+    print(f"\nx = vs FSDP2 2x{world // 2} with the same optimizer\n")
+    print(table(rows, shown(HSDP_TIME, rows, run), floatfmt=".4g"))
+    time_note(run, "exposed comm and measured FLOPs", "fsdp.py")
+    print("\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes;")
+    print(f"step = inside opt.step(); load average {load_average()}\n")
+    listed = _listed([{**r, "MB by kind": r["MB sent by kind"]} for r in rows])
+    print(table(listed, HSDP_BYTES, floatfmt=".4g"))
+    muon = [r for r in rows if r["config"].endswith("Muon")]
+    if muon:
+        ranks = " / ".join(map(str, range(world)))
+        print(f"\nNewton–Schulz GFLOP per step, per rank (ranks {ranks}); load average {load_average()}\n")
+        print(table(_listed(muon), shown(HSDP_NS, muon, run), floatfmt=".4g"))
+    print(f"\n{table(rows, LOSS, floatfmt='.5g')}")
+    return _hsdp_goals(rows, world)
