@@ -34,8 +34,7 @@ bench: setup
 	$(PY) benchmarks/padding.py
 	$(PY) benchmarks/collectives.py
 	$(PY) benchmarks/fsdp.py
-	$(PY) benchmarks/shampoo.py
-	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/costs.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/compile.py

@@ -56,12 +56,12 @@ def test_model_shapes(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_memory(tmp_path):
-    from benchmarks import memory
+def test_costs_state(tmp_path):
+    from benchmarks import costs
 
     with results_in(tmp_path):
-        out = memory.main(["--quick", "--world-size", "2"])
-    by = {(r["optimizer"], r["bits"]): r for r in out["rows"]}
+        out = costs.main(["--quick", "--world-size", "2", "--sections", "state"])
+    by = {(r["optimizer"], r["bits"]): r for r in out["state"]["rows"]}
     torch_adamw = by[("torch.optim.AdamW (every DDP rank)", 32)]
     assert torch_adamw["bytes/param (all ranks)"] == pytest.approx(8, rel=0.01)  # two fp32 moments
     full, half, low = (by[("vo.AdamW", b)]["bytes/param (all ranks)"] for b in (32, 16, 8))
@@ -71,13 +71,14 @@ def test_memory(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_shampoo(tmp_path):
-    from benchmarks import shampoo
+def test_costs_shampoo(tmp_path):
+    from benchmarks import costs
 
     with results_in(tmp_path):
-        out = shampoo.main(["--quick", "--world-size", "2"])
-    rep, shard = (next(r for r in out["rows"] if r["optimizer"] == k) for k in ("replicated", "sharded"))
-    _finite(out["rows"], shampoo.NUMBERS)
+        out = costs.main(["--quick", "--world-size", "2", "--sections", "shampoo"])
+    rows = out["shampoo"]["rows"]
+    rep, shard = (next(r for r in rows if r["optimizer"] == k) for k in ("replicated", "sharded"))
+    _finite(rows, costs.NUMBERS)
     assert rep["step s"] > 0 and shard["step s"] > 0 and shard["speedup"] > 0
     assert shard["root work / rank"] < rep["root work / rank"]  # the roots are split between the ranks
     assert shard["preconditioner MiB / rank"] < rep["preconditioner MiB / rank"]
@@ -132,31 +133,33 @@ def test_scale(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_grad_clip(tmp_path):
-    from benchmarks import grad_clip
+def test_costs_clip(tmp_path):
+    from benchmarks import costs
 
     with results_in(tmp_path):
-        out = grad_clip.main(["--quick", "--world-size", "2"])
-    counts = {(r["sharding"], r["method"]): r["collectives"] for r in out["rows"]}
+        out = costs.main(["--quick", "--world-size", "2", "--sections", "clip"])
+    rows = out["clip"]["rows"]
+    counts = {(r["sharding"], r["method"]): r["collectives"] for r in rows}
     for mode in ("ZeRO-2", "ZeRO-3"):
         # torch's clip: one all-reduce for all parameters, not one per parameter
         for method in ("foreach=None", "foreach=True", "norm_type=inf"):
             assert counts[(mode, f"torch clip_grad_norm_ ({method})")] == 1
         assert counts[(mode, "torch clip_grad_value_")] == 0
         assert counts[(mode, "opt.clip_grad_norm_")] == 2  # the step's agreement, then the norm
-        assert counts[(mode, "float(p.grad.norm()) per parameter")] == out["rows"][0]["parameters"]
-    _finite(out["rows"], ["median ms"])
+        assert counts[(mode, "float(p.grad.norm()) per parameter")] == rows[0]["parameters"]
+    _finite(rows, ["median ms"])
     _host(out, threads=2)
 
 
 @pytest.mark.timeout(120)
-def test_sync_check(tmp_path):
-    from benchmarks import sync_check
+def test_costs_sync(tmp_path):
+    from benchmarks import costs
 
     with results_in(tmp_path):
-        out = sync_check.main(["--quick", "--world-size", "2"])
-    assert [r["check"] for r in out["rows"]] == list(sync_check.MODES)
-    _finite(out["rows"], ["median ms", "x as shipped", "backward ms (no_sync)", "backward ms (reducing)"])
+        out = costs.main(["--quick", "--world-size", "2", "--sections", "sync"])
+    rows = out["sync"]["rows"]
+    assert [r["check"] for r in rows] == list(costs.MODES)
+    _finite(rows, ["median ms", "x as shipped", "backward ms (no_sync)", "backward ms (reducing)"])
     _host(out, threads=2)
 
 
