@@ -25,18 +25,20 @@ NOT_ON_CUDA += [f"{k} win ms" for k in WINDOWS]
 
 
 def peer(config: str, world: int = 4) -> str | None:
-    """The FSDP2 configuration a configuration is compared with: FSDP2's HSDP (2 x W/2) for one on a
-    mesh, else FSDP2 with the same optimizer; none for a Muon variant (another algorithm)."""
+    """The configuration a configuration is compared with: FSDP2's HSDP (2 x W/2) for one on a mesh,
+    torch's optimizer under the same wrapper for ours inside one (`reference`), else FSDP2 with the
+    same optimizer; none for a Muon variant (another algorithm)."""
     if set(config.split()) & set(VARIANTS):
         return None
+    if config.startswith("ours") and {"DDP", "FSDP2"} & set(config.split()):  # inside a wrapper
+        return reference(config)
     return f"FSDP2 2x{world // 2} {config.split()[-1]}" if mesh_of(config) else f"FSDP2 {config.split()[-1]}"
 
 
-def ns_total(shape: dict) -> tuple[int, int]:
-    """Newton–Schulz FLOPs of one step over every Muon matrix of the GPT, each once, and how many."""
+def hidden_flops(shape: dict) -> list[int]:
+    """Newton–Schulz FLOPs of one step of each Muon matrix of the GPT (a stack's slices one each)."""
     hidden = [matrix_view(tuple(p.shape)) for p in muon_groups(shaped_gpt(shape, device="meta"))[0]["params"]]
-    total = sum(n * ns_flops(rows, cols, MUON["ns_steps"]) for n, rows, cols in hidden)
-    return total, sum(n for n, _, _ in hidden)
+    return [ns_flops(rows, cols, MUON["ns_steps"]) for n, rows, cols in hidden for _ in range(n)]
 
 
 def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> float:
@@ -80,6 +82,7 @@ def _profiled(row: dict, res: list[dict]) -> None:
     for k in r0["windows_s"]:
         row[f"{k} win ms"] = 1e3 * max(r["windows_s"].get(k, 0.0) for r in res)
     row["opt state MB"] = max(r["state_bytes"] for r in res) / 2**20
+    row["opt state MB mean"] = statistics.mean(r["state_bytes"] for r in res) / 2**20
     if r0["stats"]:
         stats = [r["stats"][-1] for r in res]
         row["stats MB"] = statistics.mean(s.get("bytes_sent", 0) for s in stats) / 2**20
@@ -91,10 +94,14 @@ def _profiled(row: dict, res: list[dict]) -> None:
         row["orthogonalized"] = [r["orthogonalized"] for r in res]
 
 
-def _newton_schulz(row: dict, res: list[dict], total: int, count: int) -> None:
+def _newton_schulz(row: dict, res: list[dict], flops: list[int], world: int) -> None:
     """Newton–Schulz work per rank against the model's total (measured on the CPU; from ours' stats
-    on CUDA, `NS from`)."""
-    row.update({"NS total GF": total / 1e9, "NS matrices": count})
+    on CUDA, `NS from`), and the goal of the busiest rank: the FLOPs of the ceil(n/W) largest of the
+    n matrices, the most a rank carries when whole matrices are spread as evenly by count as they
+    can be and it drew the largest."""
+    total = sum(flops)
+    row.update({"NS total GF": total / 1e9, "NS matrices": len(flops)})
+    row["NS goal GF"] = sum(sorted(flops, reverse=True)[: -(-len(flops) // world)]) / 1e9
     row["NS GF per rank (measured)"] = [(r["ns_measured"] or 0) / 1e9 for r in res]
     measured = row["NS GF per rank (measured)"]
     if res[0]["device"] == "cuda":
@@ -120,13 +127,13 @@ def _memory(row: dict, mem: list[dict]) -> None:
     row["memory"] = mem
 
 
-def _row(model: str, config: str, res: list[dict], mem: list[dict] | None, ns: tuple[int, int]) -> dict:
+def _row(model: str, config: str, res: list[dict], mem: list[dict] | None, ns: list[int], world: int) -> dict:
     """One configuration's row from every rank's timing (and memory) results."""
     row = {"model": model, **timed_row(config, res)}
     _comm(row, res)
     _profiled(row, res)
     if config.endswith("Muon"):
-        _newton_schulz(row, res, *ns)
+        _newton_schulz(row, res, ns, world)
     if res[0]["device"] == "cuda":
         for k in NOT_ON_CUDA:
             row.pop(k, None)
@@ -135,33 +142,44 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None, ns: t
     return row
 
 
-def _first_step(rows: dict, timed: dict[str, list[dict]], shape: dict) -> None:
-    """Each Muon row's parameters after the first step against DDP's (rank 0): max |Δ| of the Muon
-    group's and of the rest, and the Muon one over the largest change DDP's step made."""
-    ref = timed.get("DDP Muon", [{}])[0].get("first")
-    if ref is None:
-        return
+def reference(config: str) -> str:
+    """Whose parameters a configuration's are held to: torchtitan's over FSDP2 for ours over FSDP2,
+    else DDP's with the same optimizer."""
+    return "FSDP2 full_tensor Muon" if config.startswith("ours FSDP2") else f"DDP {config.split()[-1]}"
+
+
+def _same_parameters(rows: dict, timed: dict[str, list[dict]], shape: dict) -> None:
+    """Each row's parameters (rank 0) after the first step and after training against its
+    `reference`'s: `max|Δ| 1st` and `max|Δ|`, the latter over the most training moved one of the
+    reference's (`Δ/moved`); Muon's, the first over the largest change the reference's first step
+    made to a matrix (`Δ/update`: bf16 Newton–Schulz rounds apart)."""
     model = shaped_gpt(shape)
     init, names = dict(model.named_parameters()), muon_names(model)
+    most = lambda a, b, keys: max((a[k] - b[k]).abs().max().item() for k in keys)  # noqa: E731
     for config, row in rows.items():
-        got = timed[config][0].get("first")
-        if got is None or config == "DDP Muon":
+        mine, ref = timed[config][0], timed.get(reference(config), [{}])[0]
+        if mine.get("first") is None or ref.get("first") is None or config == reference(config):
             continue
-        diff = {k: (got[k] - ref[k]).abs().max().item() for k in ref}
-        row["max|Δ| Muon"] = max(diff[k] for k in names)
-        row["max|Δ| AdamW"] = max(v for k, v in diff.items() if k not in names)
-        row["Δ/update"] = row["max|Δ| Muon"] / max((ref[k] - init[k]).abs().max().item() for k in names)
+        row["max|Δ| 1st"], row["max|Δ|"] = (
+            most(mine["first"], ref["first"], init),
+            most(mine["last"], ref["last"], init),
+        )
+        row["Δ/moved"] = row["max|Δ|"] / most(ref["last"], init, init)
+        if config.endswith("Muon"):
+            row["Δ/update"] = most(mine["first"], ref["first"], names) / most(ref["first"], init, names)
 
 
 def summarize(model: str, shape: dict, timed: dict, memory: dict, world: int) -> list[dict]:
     """Table rows for one run, with ratios against each configuration's FSDP2 peer."""
-    ns = ns_total(shape)
-    rows = {c: _row(model, c, res, memory.get(c), ns) for c, res in timed.items()}
-    _first_step(rows, timed, shape)
+    ns = hidden_flops(shape)
+    rows = {c: _row(model, c, res, memory.get(c), ns, world) for c, res in timed.items()}
+    _same_parameters(rows, timed, shape)
     for row in rows.values():
         base = rows.get(peer(row["config"], world))
-        for k in ("peak live MB", "peak RSS MB"):
+        for k in ("peak live MB", "peak RSS MB", "opt state MB"):
             if base is not None and row.get(k) and base.get(k):
                 row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
+        if base is not None and base.get("opt state MB"):
+            row["opt state x mean"] = row["opt state MB mean"] / base["opt state MB"]
     keys = ["train", "step", "update"] if all("_update" in r for r in rows.values()) else ["train", "step"]
     return against_peers(rows, lambda c: peer(c, world), keys)

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks import _train
@@ -25,7 +26,7 @@ from benchmarks._gpt import shaped_gpt
 from benchmarks._live import live_steps
 from benchmarks._measure import live_malloc, matmul_flops, reset_peak, status_kb, window_seconds
 from benchmarks._muon_plan import assignment, default_buckets
-from benchmarks._optim import MUON, muon_groups, ours, peer, state_bytes
+from benchmarks._optim import MUON, FullTensorMuon, fully_shard_gpt, muon_groups, ours, peer, state_bytes
 from benchmarks._train import PHASES, batches, device, interleave
 
 VARIANTS = {"polar_express": {"ns_coefficients": "polar_express"}, "normuon": {"normuon": True}}
@@ -72,6 +73,12 @@ class Trainer(_train.Trainer):
     def optimizer(self, model: torch.nn.Module):
         words, family = self.config.split(), self.config.split()[-1]
         mesh = self.meshes.get(mesh_of(self.config))
+        if "full_tensor" in words:  # torchtitan's Muon over FSDP2: whole matrices on every rank
+            return FullTensorMuon(fully_shard_gpt(model))
+        if words[:2] == ["ours", "DDP"]:  # inside torch's wrappers: DDP averages, FSDP2 holds the shards
+            self.module = DDP(model)
+        elif words[:2] == ["ours", "FSDP2"]:
+            fully_shard_gpt(model)
         if words[0] != "ours":
             self.module, opt = peer(
                 model, words[0], family, mesh=mesh, reshard_after_forward="reshard=False" not in words
@@ -80,7 +87,7 @@ class Trainer(_train.Trainer):
         kw = {"mesh": mesh} if mesh is not None else {}
         for variant in set(words) & set(VARIANTS):
             kw.update(VARIANTS[variant])
-        if "Z2" not in words:
+        if not {"Z2", "DDP", "FSDP2"} & set(words):
             kw["shard_modules"] = [*model.blocks, model]
         if "no-bwd-prefetch" in words:
             kw["backward_prefetch"] = False
@@ -175,9 +182,9 @@ def _meshes(world: int, configs: list[str]) -> dict:
 
 
 def _first(run: dict, config: str) -> bool:
-    """Whether a configuration keeps its parameters after the first step: Muon's but its variants'
-    in a run that compares them with DDP's (`first`)."""
-    return run["first"] and config.endswith("Muon") and not set(config.split()) & set(VARIANTS)
+    """Whether a configuration keeps its parameters after the first step and the last (to hold them
+    to DDP's or torch's): any but a Muon variant, in a run that asks for it (`first`)."""
+    return run["first"] and not set(config.split()) & set(VARIANTS)
 
 
 def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -> dict:
@@ -190,19 +197,17 @@ def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -
         shape, pool = run["shape"], batches(run["shape"], rank, world)
         trainers = [Trainer(c, shape, meter, meshes, keep_first=_first(run, c)) for c in run["configs"]]
         interleave(trainers, pool, warmup, steps)
-        built = (
-            _construction(shape, world)
-            if any(c.startswith("ours") and c.endswith("Muon") for c in run["configs"])
-            else None
-        )
+        muon = [c for c in run["configs"] if c.startswith("ours") and c.endswith("Muon")]
+        built = _construction(shape, world) if muon else None
         out[run["name"]] = {}
         for tr in trainers:
             more = _profiled(tr, *pool[0])
             more["copies"] = _count_copies(rank, tr, *pool[0]) if run["copies"] else None
-            more.update(
-                state_bytes=state_bytes(tr.opt), stats=tr.stats, first=tr.first if rank == 0 else None
-            )
-            if tr.config.startswith("ours") and tr.config.endswith("Muon"):
+            more.update(state_bytes=state_bytes(tr.opt), stats=tr.stats, first=tr.first or None)
+            if tr.keep_first:
+                last = full_params(tr.model)  # every rank takes part; rank 0 keeps it
+                more["last"] = last if rank == 0 else None
+            if tr.config in muon:
                 more.update(
                     ns_load=list(tr.opt.ns_load), orthogonalized=tr.opt.orthogonalized, construction=built
                 )

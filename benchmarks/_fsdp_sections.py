@@ -7,21 +7,26 @@ import math
 from benchmarks._fsdp_run import VARIANTS
 from benchmarks._measure import load_average
 from benchmarks._report import table
-from benchmarks._verdict import shown, time_note
+from benchmarks._verdict import LOSS_TOL, shown, time_note
 
 PEERS_TIME = "config|train ms|train x|step ms|step x|fwd ms|bwd ms|zero_grad ms|RS win ms|update win ms"
 PEERS_TIME = [*PEERS_TIME.split("|"), "AG win ms", "NS win ms", "moves win ms", "Muon win ms", "AdamW win ms"]
 PEERS_TIME += ["MB sent", "stats MB"]
 PEERS_MEMORY = ["config", "peak RSS MB", "peak RSS x", "RSS-base MB", "peak live MB", "peak live x"]
-PEERS_MEMORY += ["opt state MB", "loss first", "loss after", "|Δ loss|"]
-PEERS_NS = ["config", "NS GF per rank (measured)", "NS GF per rank (stats)", "NS max/mean", "NS sum / total"]
-PEERS_NS += ["NS matrices per rank", "max|Δ| Muon", "max|Δ| AdamW", "Δ/update"]
+PEERS_MEMORY += ["opt state MB", "opt state x", "opt state x mean", "loss first", "loss after", "|Δ loss|"]
+PEERS_NS = ["config", "NS GF per rank (measured)", "NS GF per rank (stats)", "NS goal GF", "NS max/mean"]
+PEERS_NS += ["NS sum / total", "NS matrices per rank", "max|Δ| 1st", "max|Δ|", "Δ/moved", "Δ/update"]
 # what one opt.step() contains, by the configuration's first words
-CONTAINS = {"ours": "the rest of RS (begun in bwd), the update (Muon: the moves and NS), AG"}
+CONTAINS = {"ours DDP": "DDP's averaged .grad taken into the shards (ZeRO-1), the update, AG"}
+CONTAINS["ours FSDP2"] = "AdamW on FSDP2's shards; Muon's matrices moved whole to owners and back"
+CONTAINS["ours"] = "the rest of RS (begun in bwd), the update (Muon: the moves and NS), AG"
+CONTAINS["FSDP2 full_tensor"] = "AG of every matrix's gradient, NS of every matrix, AdamW on the shards"
 CONTAINS.update(
     {"FSDP2 reshard=False": "update (RS in bwd, AG in fwd)", "FSDP2": "update (RS in bwd, AG in fwd+bwd)"}
 )
 CONTAINS.update({"ZeRO": "update + param broadcast (AR in bwd)", "DDP": "full update (AR in bwd)"})
+STATE_SLACK = 1.05  # inside a wrapper, ours' state per rank <= STATE_SLACK / W of torch's
+SAME = 1e-5  # inside a wrapper, max |Δ| of any parameter after the first step, ours against torch's
 HSDP_TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms"]
 HSDP_TIME += ["exposed comm ms"]
 HSDP_BYTES = (
@@ -64,36 +69,70 @@ def _peer_goals(by: dict[str, dict], world: int) -> dict[str, bool]:
             goals[f"AdamW: the local update <= 0.5x FSDP2's opt.step() ({local:.3f}x)"] = local <= 0.5
         if "peak RSS x" in o:
             goals[f"AdamW: peak RSS <= FSDP2 ({o['peak RSS x']:.3f}x)"] = o["peak RSS x"] <= 1.0
-    m = by.get("ours Z2 Muon")
-    if not m:
-        return goals
+    if "ours Z2 Muon" in by:
+        goals.update(_muon_goals(by, by["ours Z2 Muon"], world))
+    wrapped = [r for c, r in by.items() if c.split()[:2] in (["ours", "DDP"], ["ours", "FSDP2"])]
+    return {**goals, **_wrapper_goals(wrapped, world)}
+
+
+def _muon_goals(by: dict[str, dict], m: dict, world: int) -> dict[str, bool]:
+    goals = {}
     for p, x in (("DDP", 2.5), ("FSDP2", 5.0)):
         if f"{p} Muon" in by:
             faster = by[f"{p} Muon"]["step ms"] / m["step ms"]
             goals[f"Muon: opt.step() >= {x}x faster than {p} + torch Muon ({faster:.3g}x)"] = faster >= x
     n, done = m["NS matrices"], m.get("NS matrices per rank", [])
-    goals[f"Muon: each matrix orthogonalized once ({sum(done)} of {n})"] = (
-        sum(done) == n and m["orthogonalized"] == done
-    )
+    once = sum(done) == n and m["orthogonalized"] == done
+    goals[f"Muon: each matrix orthogonalized once ({sum(done)} of {n})"] = once
     if m.get("NS GF per rank (measured)"):
         loads = zip(m["NS GF per rank (measured)"], m["NS GF per rank (stats)"], m["ns_load"])
-        same = all(
-            math.isclose(a * 1e9, b * 1e9, rel_tol=1e-6) and math.isclose(b * 1e9, c, rel_tol=1e-9)
-            for a, b, c in loads
+        close = lambda a, b, c: math.isclose(a, b, rel_tol=1e-6) and math.isclose(b * 1e9, c, rel_tol=1e-9)  # noqa: E731
+        goals["Muon: each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load"] = all(
+            close(*x) for x in loads
         )
-        goals["Muon: each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load"] = same
-    goals["Muon: the owners planned here (benchmarks._muon_plan) == vo.Muon's units, layouts, ns_load"] = all(
-        m["construction"].values()
+    built = all(m["construction"].values())
+    goals["Muon: the owners planned here (benchmarks._muon_plan) == vo.Muon's units, layouts, ns_load"] = (
+        built
     )
     if n >= 4 * world:
         goals[f"Muon: NS max/mean <= 1.10 ({m['NS max/mean']:.3f})"] = m["NS max/mean"] <= 1.10
     if "Δ/update" in m:
-        goals[f"Muon: the parameters of DDP + torch Muon after a step (Δ {m['Δ/update']:.3g} of it)"] = (
-            m["Δ/update"] <= 0.05
-        )
+        delta = m["Δ/update"]
+        goals[f"Muon: the parameters of DDP + torch Muon after a step (Δ {delta:.3g} of it)"] = delta <= 0.05
     variants = [r for c, r in by.items() if c.endswith("Muon") and set(c.split()) & set(VARIANTS)]
     every = all(sum(r.get("NS matrices per rank", [])) == n for r in variants)
     goals[f"Muon: every variant ({', '.join(VARIANTS)}) steps every matrix"] = every
+    return goals
+
+
+def _wrapper_goals(rows: list[dict], world: int) -> dict[str, bool]:
+    """Ours inside DDP and over FSDP2 against torch's optimizer under the same wrapper."""
+    goals = {}
+    for r in rows:
+        at, family = r["config"], r["config"].split()[-1]
+        whose, tol = "torch's" if " DDP " in at else "the full_tensor() peer's", LOSS_TOL[family]
+        if " FSDP2 " in at and "step x" in r:
+            goals[f"{at}: opt.step() <= 0.5x {whose} ({r['step x']:.3f})"] = r["step x"] <= 0.5
+        if " FSDP2 " in at and "peak live x" in r:
+            goals[f"{at}: peak live bytes <= 1.0x {whose} ({r['peak live x']:.3f})"] = r["peak live x"] <= 1.0
+        if "opt state x" in r:  # torch's state is whole on every DDP rank; over FSDP2 only Muon's is
+            x, most = r["opt state x"], STATE_SLACK / world if " DDP " in at else 1.0
+            share = f"{STATE_SLACK}/W of" if " DDP " in at else "1.0x"
+            goals[f"{at}: state per rank <= {share} {whose} ({x:.4f} <= {most:.4f})"] = x <= most
+        if "max|Δ| 1st" in r:
+            diff, loss = r["max|Δ| 1st"], r["|Δ loss|"] / abs(r["loss after"])
+            goals[f"{at}: the parameters of {whose} after a step (max |Δ| {diff:.2g} <= {SAME:g})"] = (
+                diff <= SAME
+            )
+            goals[f"{at}: the loss of {whose} after training (relative |Δ| {loss:.2g} <= {tol:g})"] = (
+                loss <= tol
+            )
+        if family == "Muon" and "NS GF per rank (stats)" in r:
+            busiest, most, n = max(r["NS GF per rank (stats)"]), r["NS goal GF"], r["NS matrices"]
+            what = f"NS FLOPs on the busiest rank <= the {-(-n // world)} largest matrices'"
+            goals[f"{at}: {what} ({busiest:.4g} <= {most:.4g} GF)"] = busiest <= most
+            once = sum(r["NS matrices per rank"])
+            goals[f"{at}: each matrix orthogonalized once in the world ({once} of {n})"] = once == n
     return goals
 
 
@@ -108,9 +147,10 @@ def print_peers(rows: list[dict], run: dict) -> dict[str, bool]:
         alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
         print(f"\nmemory: each config {alone}; load average {load_average()}\n")
         print(table(rows, shown(PEERS_MEMORY, rows, run), floatfmt=".4g"))
-    muon = [r for r in rows if r["config"].endswith("Muon")]
+    muon = [r for r in rows if r["config"].endswith("Muon") or "max|Δ| 1st" in r]
     if muon:
-        print("\nNewton–Schulz GFLOP per rank and step; Δ: after the first step against DDP + torch Muon\n")
+        print("\nNewton–Schulz GFLOP per rank and step; Δ: against DDP's parameters (ours over FSDP2: the")
+        print("full_tensor() peer's) after the first step and after training\n")
         print(table(_listed(muon), shown(PEERS_NS, muon, run), floatfmt=".4g"))
     print(f"\n{table([{'config': c, 'opt.step() contains': _contains(c)} for c in by])}")
     return _peer_goals(by, run["world"])

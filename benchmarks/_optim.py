@@ -161,12 +161,3 @@ class FullTensorMuon(Steps):
         super().zero_grad()
         for p in self.shards:  # FSDP2's gradients of the matrices, which no torch optimizer holds
             p.grad = None
-
-    def state_bytes(self) -> int:
-        """Bytes of both optimizers' state (Muon's whole momentum, AdamW's on the shards)."""
-        values = [v for o in self.opts for s in o.state.values() for v in s.values()]
-        return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-
-    def held_bytes(self) -> int:
-        """Every persistent tensor it keeps: its state and the whole matrices."""
-        return self.state_bytes() + sum(w.numel() * w.element_size() for w in self.whole)

@@ -14,7 +14,20 @@ median of per-step ratios to FSDP2 with the same optimizer (on a mesh: FSDP2's H
 - `peers`: `ours Z2` against FSDP2 (`reshard=False` too), ZeRO (DDP + `ZeroRedundancyOptimizer`) and
   DDP, AdamW and Muon (`torch.optim.Muon` on the hidden matrices), and Muon's variants
   (`polar_express`, `normuon`) on a 22 M GPT: what one `opt.step()` contains differs (its table
-  says what), so the train step is the fair end-to-end number.
+  says what), so the train step is the fair end-to-end number. Inside torch's wrappers, against
+  torch's optimizer under the same one: `ours DDP` (ours reads DDP's averaged `.grad`, updates its
+  `1/W` and all-gathers the parameters: ZeRO-1) against `DDP`, and `ours FSDP2 Muon` (each matrix
+  whole on one owner, two all-to-alls) against `FSDP2 full_tensor Muon` (torchtitan's: every rank
+  keeps each matrix whole, all-gathers its gradient and orthogonalizes every matrix). `opt state x`:
+  the optimizer state on the busiest rank over the peer's (`mean`: the mean over ranks'; goal: 1.05/W
+  of DDP's, which every rank holds whole; at most the full_tensor peer's, which shards AdamW's state
+  too but keeps Muon's whole); `NS goal`:
+  the FLOPs of the ceil(n/W) largest of the n matrices, the most a rank carries when whole matrices
+  are spread evenly by count and it drew the largest; `max|Δ| 1st` / `max|Δ|`: the largest
+  difference of a parameter after the first step and after training against DDP's (ours over FSDP2:
+  the full_tensor peer's), `Δ/moved` the latter over the most training moved one of those (the first
+  step's fp32 rounding grows in training, so the parameters are held after one step, the loss
+  after training).
 - `hsdp`: ours on a (replicate, shard) mesh of 2x2 and 1x4 against FSDP2's HSDP on 2x2, 4 ranks.
 
 Time: every configuration of a section in one world, one step each in turn (the order rotating):
@@ -34,9 +47,8 @@ GFLOP per rank (`measured`: the profiler's count of the matrix products in opt.s
 `step_stats["ns_flops"]`) against the model's total, every matrix once. `zero3` counts copies in
 one more step on rank 0 (`benchmarks._copies`), by path: `collective path` (FSDP2's or our
 communication code, DTensor's redistribution), `grad accum`, `c10d` (gloo's staging), `own slice`
-(ours on gloo: the shard copied into its slice) and `compute`; `copies` = the first two. `peers`
-holds the Muon parameters after the first step to DDP's (`Δ/update`: max |Δ| over the largest
-change DDP's step made).
+(ours on gloo: the shard copied into its slice) and `compute`; `copies` = the first two. `Δ/update`
+(Muon): `max|Δ| 1st` of the Muon group over the largest change DDP's first step made.
 
 Memory (`zero3`, `peers`), each configuration alone in a fresh world: `peak live` the most tensor
 bytes alive on a rank in a step after the first (`benchmarks._live`), `at step start` what a rank
@@ -77,6 +89,7 @@ ZERO3 = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours 
 ZERO3 += [c.replace("AdamW", "Muon") for c in ZERO3]
 PEERS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours Z2", "FSDP2", "ZeRO", "DDP")]
 PEERS += ["FSDP2 reshard=False AdamW", "ours Z2 polar_express Muon", "ours Z2 normuon Muon"]
+PEERS += ["ours DDP AdamW", "ours DDP Muon", "ours FSDP2 Muon", "FSDP2 full_tensor Muon"]
 HSDP = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
 CONFIGS = list(dict.fromkeys(ZERO3 + PEERS + HSDP))
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]

@@ -102,6 +102,30 @@ def test_muon_against_its_peers(result):
         assert sum(r["NS matrices per rank"]) == ours["NS matrices"] and r["step ms"] > 0
 
 
+def test_inside_torchs_wrappers_ours_trains_like_torch_on_a_share_of_its_state(result):
+    """Ours under DDP (ZeRO-1) and over FSDP2 against torch's optimizer under the same wrapper: its
+    parameters after a step and its loss after training, its state a 1/W share, each matrix once,
+    the busiest rank within the goal, over FSDP2 the peak bytes below the full_tensor() peer's (not
+    the step time: a quick run's times say nothing)."""
+    peers, world = result["peers"], result["world"]
+    ddp = {f: config_row(peers, f"ours DDP {f}") for f in ("AdamW", "Muon")}
+    over = config_row(peers, "ours FSDP2 Muon")
+    for r in ddp.values():
+        assert r["max|Δ| 1st"] <= 1e-5 and r["opt state x"] <= 1.05 / world, r["config"]
+    assert over["max|Δ| 1st"] <= 1e-5 and over["opt state x"] < 1  # Muon's state sharded, not whole
+    assert ddp["AdamW"]["max|Δ|"] <= 1e-5  # a quick run's few steps: not yet drifted apart
+    assert ddp["AdamW"]["RS win ms"] > 0 and ddp["AdamW"]["AG win ms"] > 0  # DDP's .grad taken, AG
+    assert ddp["Muon"]["opt state x mean"] == pytest.approx(1 / world, rel=0.01)  # all ranks: torch's
+    for r in (ddp["Muon"], over):
+        assert sum(r["NS matrices per rank"]) == r["NS matrices"] and r["NS sum / total"] == pytest.approx(1)
+        assert r["NS total GF"] / world <= max(r["NS GF per rank (stats)"]) <= r["NS goal GF"]
+    assert over["peak live x"] <= 1.0 and over["stats MB"] > 0  # the moves of whole matrices counted
+    wrapped = {k: ok for k, ok in result["goals"].items() if k.startswith(("ours DDP", "ours FSDP2"))}
+    assert sum(k.startswith("ours FSDP2") for k in wrapped) == 7
+    timeless = {k: ok for k, ok in wrapped.items() if "opt.step()" not in k}
+    assert all(timeless.values()), wrapped
+
+
 def test_hsdp_newton_schulz_work_per_rank_adds_up_to_the_total(result):
     hsdp = result["hsdp"]
     for mesh in ("2x2", "1x4"):
