@@ -37,7 +37,6 @@ bench: setup
 	$(PY) benchmarks/costs.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/checkpoint.py
-	$(PY) benchmarks/compile.py
 	$(PY) benchmarks/qcomm.py
 	$(PY) benchmarks/scale.py
 

@@ -3,7 +3,7 @@ section's here, the others' in `benchmarks._fsdp_sections`."""
 
 from __future__ import annotations
 
-from benchmarks._fsdp_sections import print_hsdp, print_peers
+from benchmarks._fsdp_sections import print_compile, print_hsdp, print_peers
 from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import host_line, pyplot, save_png, table
@@ -123,7 +123,7 @@ def _print_zero3(mine: list[dict], run: dict) -> dict[str, bool]:
     return _goals(mine)
 
 
-PRINT = {"zero3": _print_zero3, "peers": print_peers, "hsdp": print_hsdp}
+PRINT = {"zero3": _print_zero3, "peers": print_peers, "hsdp": print_hsdp, "compile": print_compile}
 
 
 def report(sections: dict[str, dict], run: dict) -> dict:
@@ -137,10 +137,11 @@ def report(sections: dict[str, dict], run: dict) -> dict:
             mine, shape = [r for r in section["rows"] if r["model"] == model], run["shapes"][model]
             w = run["hsdp_world"] if name == "hsdp" else run["world"]
             params = f"{mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}"
-            print(f"\n## {name if model == name else f'{name}, {model}'}: {params}, W={w} ({backend});")
+            label = name if model == name else f"{name}, {model}"
+            print(f"\n## {label}: {params}, W={w} ({backend});")
             print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank\n")
             print(host_line(run["threads"]))
-            goals.update(print_goals(f"Goals ({name}, {model}, W={w}):", PRINT[name](mine, run)))
+            goals.update(print_goals(f"Goals ({label}, W={w}):", PRINT[name](mine, run)))
         if section.get("scaling"):
             section["scaling"] = _scaling_rows(section["scaling"])
             print(f"\n## Peak live bytes per parameter, wide model, by W; load average {load_average()}\n")

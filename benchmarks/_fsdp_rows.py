@@ -7,7 +7,7 @@ import statistics
 
 from benchmarks._fsdp_run import VARIANTS, WINDOWS, mesh_of
 from benchmarks._gpt import shaped_gpt
-from benchmarks._measure import slowest
+from benchmarks._measure import median_ratio, slowest
 from benchmarks._muon_plan import matrix_view, ns_flops
 from benchmarks._optim import MUON, muon_groups, muon_names
 from benchmarks._train import PHASES, against_peers, ms, timed_row
@@ -32,7 +32,8 @@ def peer(config: str, world: int = 4) -> str | None:
         return None
     if config.startswith("ours") and {"DDP", "FSDP2"} & set(config.split()):  # inside a wrapper
         return reference(config)
-    return f"FSDP2 2x{world // 2} {config.split()[-1]}" if mesh_of(config) else f"FSDP2 {config.split()[-1]}"
+    family = f"compiled {config.split()[-1]}" if "compiled" in config.split() else config.split()[-1]
+    return f"FSDP2 2x{world // 2} {family}" if mesh_of(config) else f"FSDP2 {family}"
 
 
 def hidden_flops(shape: dict) -> list[int]:
@@ -114,6 +115,10 @@ def _newton_schulz(row: dict, res: list[dict], flops: list[int], world: int) -> 
 
 
 def _memory(row: dict, mem: list[dict]) -> None:
+    if "first_s" in mem[0]:  # a compiled run's: its first step from an empty compiler cache
+        row["first step s"] = max(m["first_s"] for m in mem)
+        if "compiled" in row["config"].split():
+            row["compile s"] = row["first step s"] - statistics.median(slowest([m["later_s"] for m in mem]))
     if "source" in mem[0]:  # CUDA: the allocator's peak; no place nor RSS
         peak, start = (max(m[k] for m in mem) / 2**20 for k in ("live_peak", "live_start"))
         row.update({"peak live MB": peak, "at step start MB": start, "memory": mem})
@@ -174,12 +179,18 @@ def summarize(model: str, shape: dict, timed: dict, memory: dict, world: int) ->
     ns = hidden_flops(shape)
     rows = {c: _row(model, c, res, memory.get(c), ns, world) for c, res in timed.items()}
     _same_parameters(rows, timed, shape)
+    # FSDP2 eager stands in for FSDP2 compiled where that did not run
+    mine = lambda c: peer(c, world) if peer(c, world) in rows else peer(c.replace(" compiled", ""), world)  # noqa: E731
     for row in rows.values():
-        base = rows.get(peer(row["config"], world))
+        base, eager = rows.get(mine(row["config"])), rows.get(row["config"].replace(" compiled", ""))
+        if "compiled" in row["config"].split() and eager:
+            row["x eager"] = median_ratio(row["_train"], eager["_train"])
+        if base is not None and row.get("compile s") and base.get("compile s", 0) > 0:
+            row["compile x"] = row["compile s"] / base["compile s"]
         for k in ("peak live MB", "peak RSS MB", "opt state MB"):
             if base is not None and row.get(k) and base.get(k):
                 row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
         if base is not None and base.get("opt state MB"):
             row["opt state x mean"] = row["opt state MB mean"] / base["opt state MB"]
     keys = ["train", "step", "update"] if all("_update" in r for r in rows.values()) else ["train", "step"]
-    return against_peers(rows, lambda c: peer(c, world), keys)
+    return against_peers(rows, mine, keys)

@@ -5,12 +5,15 @@ configuration's live tensor bytes and peak RSS; on CUDA the allocator's peak).
 A configuration is `WHO [HOW ...] FAMILY`: `WHO` ours (`vo.AdamW` / `vo.Muon`) or a peer set-up of
 `benchmarks._optim.peer` (FSDP2, ZeRO, DDP); `HOW` `Z3` (a unit per block and the root), `Z2` (no
 units), `no-bwd-prefetch`, a mesh `RxS` (replicate x shard), `reshard=False` (FSDP2's), a Muon
-variant (`polar_express`, `normuon`).
+variant (`polar_express`, `normuon`), `compiled` (`block.compile()` per block, the run's backend).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import tempfile
 from collections import Counter
 
 import torch
@@ -61,8 +64,8 @@ class Trainer(_train.Trainer):
     """One configuration (see the module's docstring) on its mesh, with ours' `step_stats` after each
     recorded step and, with `keep_first`, its parameters after the first step."""
 
-    def __init__(self, config: str, shape: dict, meter=None, meshes=None, keep_first: bool = False):
-        self.meshes, self.keep_first, self.first = meshes or {}, keep_first, None
+    def __init__(self, config: str, shape: dict, meter=None, meshes=None, keep_first=False, backend=None):
+        self.meshes, self.keep_first, self.first, self.backend = meshes or {}, keep_first, None, backend
         self.stats: list[dict] = []
         mesh = self.meshes.get(mesh_of(config))
         self.replica_of = (
@@ -71,6 +74,13 @@ class Trainer(_train.Trainer):
         super().__init__(config, shape, meter)
 
     def optimizer(self, model: torch.nn.Module):
+        opt = self._optimizer(model)
+        if "compiled" in self.config.split():  # once ours' units or FSDP2 hold the blocks: their hooks
+            for block in model.blocks:  # run eagerly between the graphs (FSDP2's are dynamo-disabled)
+                block.compile(backend=self.backend)
+        return opt
+
+    def _optimizer(self, model: torch.nn.Module):
         words, family = self.config.split(), self.config.split()[-1]
         mesh = self.meshes.get(mesh_of(self.config))
         if "full_tensor" in words:  # torchtitan's Muon over FSDP2: whole matrices on every rank
@@ -194,9 +204,13 @@ def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -
     meshes = _meshes(world, [c for run in runs for c in run["configs"]])
     out = {}
     for run in runs:
-        shape, pool = run["shape"], batches(run["shape"], rank, world)
-        trainers = [Trainer(c, shape, meter, meshes, keep_first=_first(run, c)) for c in run["configs"]]
-        interleave(trainers, pool, warmup, steps)
+        shape, pool, backend = run["shape"], batches(run["shape"], rank, world), run.get("backend")
+        if backend:
+            fresh_compiler(run.get("cache"))
+        trainers = [Trainer(c, shape, meter, meshes, _first(run, c), backend) for c in run["configs"]]
+        interleave(trainers, pool, max(warmup, 2) if backend else warmup, 0)  # the first step compiles
+        with torch.compiler.set_stance("fail_on_recompile") if backend else contextlib.nullcontext():
+            interleave(trainers, pool, 0, steps)
         muon = [c for c in run["configs"] if c.startswith("ours") and c.endswith("Muon")]
         built = _construction(shape, world) if muon else None
         out[run["name"]] = {}
@@ -217,24 +231,61 @@ def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -
     return out
 
 
-def memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int, live: bool) -> list[dict]:
-    """Each (run, shape, config) in turn: live tensor bytes over `steps` profiled steps (+1), then
-    peak RSS over one more without the profiler; on CUDA the allocator's peak (`_cuda_memory`)."""
-    meshes = _meshes(world, [c for _, _, c in jobs])
+def fresh_compiler(folder: str | None) -> None:
+    """Nothing compiled in this process, inductor's caches in `folder` (None: left as they are);
+    inductor compiles in this process (`TORCHINDUCTOR_COMPILE_THREADS=1`, fsdp.py sets it)."""
+    torch.compiler.reset()
+    if folder is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+
+
+def warm_compiler(rank: int, world: int, backend: str) -> None:
+    """Compile and run a small function once, in an empty cache that is then dropped: the first
+    compilation on a machine also reads the compiler, its headers and inductor's modules from
+    disk, which would otherwise land on whichever configuration compiles first."""
+    with tempfile.TemporaryDirectory(prefix=f"fsdp_bench_warm_r{rank}_") as folder:
+        fresh_compiler(folder)
+        fn = torch.compile(lambda a, b: torch.nn.functional.gelu(a @ b).sum(), backend=backend)
+        fn(torch.randn(16, 16, requires_grad=True), torch.randn(16, 16)).backward()
+        torch.compiler.reset()
+
+
+def _first_steps(rank: int, world: int, shape: dict, config: str, backend: str, steps: int, meshes) -> dict:
+    """A compiled run's first `1 + steps` train steps from an empty compiler cache: its first step's
+    seconds (which compiles) and the later ones'."""
+    with tempfile.TemporaryDirectory(prefix=f"fsdp_bench_r{rank}_") as folder:
+        fresh_compiler(folder)
+        pool, tr = batches(shape, rank, world), Trainer(config, shape, meshes=meshes, backend=backend)
+        for s in range(1 + steps):
+            tr.step(*pool[s % 2])
+        per_step = [sum(t) for t in zip(*(tr.times[k] for k in PHASES))]
+        del tr
+        gc.collect()
+        return {"first_s": per_step[0], "later_s": per_step[1:]}
+
+
+def memory(rank: int, world: int, jobs: list[tuple], steps: int, live: bool) -> list[dict]:
+    """Each (run, shape, config, compiled) in turn: with `compiled` (its `backend`, `steps`)
+    first `_first_steps`; then live tensor bytes over `steps` profiled steps (+1), and peak RSS over
+    one more without the profiler; on CUDA the allocator's peak (`_cuda_memory`)."""
+    meshes = _meshes(world, [job[2] for job in jobs])
     if device().type == "cuda":
         return [_cuda_memory(rank, world, job, steps, meshes) for job in jobs]
     tuned = live_malloc() if live else False
     results = []
-    for run, shape, config in jobs:
+    for run, shape, config, compiled in jobs:
+        first = _first_steps(rank, world, shape, config, **compiled, meshes=meshes) if compiled else {}
         gc.collect()
         base_kb = status_kb("VmRSS")
-        pool = batches(shape, rank, world)
-        tr, trace = live_steps(lambda: Trainer(config, shape, meshes=meshes), pool, steps)  # noqa: B023
+        pool, backend = batches(shape, rank, world), (compiled or {}).get("backend")
+        build = lambda: Trainer(config, shape, meshes=meshes, backend=backend)  # noqa: B023, E731
+        tr, trace = live_steps(build, pool, steps)
         stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
         gc.collect()
         reset = reset_peak()
         tr.step(*pool[(steps + 1) % 2])
         result = {"run": run, "config": config, "params": tr.params, **trace.summary(), "memory_stats": stats}
+        result.update(first)
         result.update(
             rss_base_kb=base_kb, rss_peak_kb=status_kb("VmHWM"), peak_reset=reset, live_malloc=tuned
         )
@@ -244,15 +295,15 @@ def memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int,
     return results
 
 
-def _cuda_memory(rank: int, world: int, job: tuple[str, dict, str], steps: int, meshes: dict) -> dict:
+def _cuda_memory(rank: int, world: int, job: tuple, steps: int, meshes: dict) -> dict:
     """CUDA: the caching allocator's peak over `steps - 1` steps after the first (the peak reset
     after it), and what is allocated after the first, less what the rank held before building it."""
-    run, shape, config = job
+    run, shape, config, compiled = job
     gc.collect()
     torch.cuda.empty_cache()
     pool = batches(shape, rank, world)
     base = torch.cuda.memory_allocated()
-    tr = Trainer(config, shape, meshes=meshes)
+    tr = Trainer(config, shape, meshes=meshes, backend=(compiled or {}).get("backend"))
     tr.step(*pool[0])
     start = torch.cuda.memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()

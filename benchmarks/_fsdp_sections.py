@@ -1,4 +1,5 @@
-"""The `peers` and `hsdp` sections' tables and goals of `benchmarks/fsdp.py` (see its docstring)."""
+"""The `peers`, `hsdp` and `compile` sections' tables and goals of `benchmarks/fsdp.py` (see its
+docstring)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ HSDP_NS = (
 )
 HSDP_NS = [*HSDP_NS.split("|"), "NS matrices per rank"]
 LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
+COMPILE = "config|train ms|train x|x eager|fwd ms|bwd ms|step ms|peak live MB|peak live x|first step s"
+COMPILE = [*COMPILE.split("|"), "compile s", "compile x", "loss after", "|Δ loss|"]
 BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
 
 
@@ -197,3 +200,36 @@ def print_hsdp(rows: list[dict], run: dict) -> dict[str, bool]:
         print(table(_listed(muon), shown(HSDP_NS, muon, run), floatfmt=".4g"))
     print(f"\n{table(rows, LOSS, floatfmt='.5g')}")
     return _hsdp_goals(rows, world)
+
+
+def print_compile(rows: list[dict], run: dict) -> dict[str, bool]:
+    import torch
+
+    by, here = (
+        {r["config"]: r for r in rows},
+        f"on CPU/gloo here (torch {torch.__version__}, {run['backend']})",
+    )
+    print("\nx = vs FSDP2 in the same mode, x eager = vs the same library eager; first step and peak")
+    print(f"live: each config alone in a fresh world, empty compiler caches; backend {run['backend']}\n")
+    print(table(rows, COMPILE, floatfmt=".4g"))
+    time_note(run, "exposed comm", "fsdp.py")
+    if run["fsdp2_compiles"]:
+        how = "`fully_shard` on every block and the model, then `block.compile()`; FSDP2's hooks are"
+        print(
+            f"\nFSDP2 + compile: runs {here}: {how} dynamo-disabled, so they run eagerly between the graphs"
+        )
+    else:
+        why = run["fsdp2_compile_error"] or "not run"
+        print(f"\nFSDP2 + compile: does NOT run {here}: {why}. `ours compiled` is compared with FSDP2 eager.")
+    if "peak at" in rows[0]:
+        print(f"\npeak at (rank with the highest peak); load average {load_average()}\n")
+        print(table(rows, ["config", "peak live MB", "at step start MB", "peak at"], floatfmt=".4g"))
+    goals, mine = {}, by.get("ours Z3 compiled AdamW", {})
+    base = "FSDP2 compiled" if run["fsdp2_compiles"] else "FSDP2 eager (FSDP2 + compile did not run here)"
+    if "train x" in mine:
+        goals[f"ours compiled: train step <= 0.8x {base} ({mine['train x']:.3f}x)"] = mine["train x"] <= 0.8
+    if "x eager" in mine:
+        goals[f"ours compiled: train step faster than ours eager ({mine['x eager']:.3f}x)"] = (
+            mine["x eager"] < 1
+        )
+    return goals

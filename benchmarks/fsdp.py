@@ -1,5 +1,5 @@
-"""Sharded training against FSDP2 and torch's other set-ups on gloo, in three sections: step time,
-exposed communication, bytes moved, copies, peak memory, Newton–Schulz work per rank.
+"""Sharded training against FSDP2 and torch's other set-ups on gloo, in four sections: step time,
+exposed communication, bytes moved, copies, peak memory, Newton–Schulz work per rank, compiling.
 
 Each configuration trains its own copy of the same seeded GPT on the same per-rank batches; a
 configuration is `WHO [HOW] FAMILY` (`benchmarks._fsdp_run`): ours (`vo.AdamW` / `vo.Muon(
@@ -29,6 +29,14 @@ median of per-step ratios to FSDP2 with the same optimizer (on a mesh: FSDP2's H
   step's fp32 rounding grows in training, so the parameters are held after one step, the loss
   after training).
 - `hsdp`: ours on a (replicate, shard) mesh of 2x2 and 1x4 against FSDP2's HSDP on 2x2, 4 ranks.
+- `compile`: `ours Z3` and FSDP2 on `gpt`, eager and with every block compiled (`block.compile()`
+  after the units or `fully_shard`: the hooks run eagerly, outside the graphs; FSDP2's are
+  dynamo-disabled). The measured steps run under `set_stance("fail_on_recompile")` after two or more
+  warm-up steps (the first compiles); `x eager` is against the same library eager, `x` against FSDP2
+  in the same mode (FSDP2 eager, saying why, where FSDP2 + compile does not run here). Each
+  configuration's memory world first trains it from an empty inductor cache (after a world that
+  compiled a small function once, so reading the compiler from disk lands on none of them):
+  `first step s` the slowest rank's first train step, `compile s` that less its median later step.
 
 Time: every configuration of a section in one world, one step each in turn (the order rotating):
 `fwd`, `bwd`, `step`, `zero_grad` after a barrier, `train` their sum; the median over steps of the
@@ -50,12 +58,12 @@ communication code, DTensor's redistribution), `grad accum`, `c10d` (gloo's stag
 (ours on gloo: the shard copied into its slice) and `compute`; `copies` = the first two. `Δ/update`
 (Muon): `max|Δ| 1st` of the Muon group over the largest change DDP's first step made.
 
-Memory (`zero3`, `peers`), each configuration alone in a fresh world: `peak live` the most tensor
+Memory (`zero3`, `peers`, `compile`), each configuration alone in a fresh world: `peak live` the most tensor
 bytes alive on a rank in a step after the first (`benchmarks._live`), `at step start` what a rank
 holds between steps, `peak at` where; then the peak RSS over one more step (`--malloc live`: glibc
 returns large blocks at once) and less the bare process's; `opt state MB` the optimizer state a rank
 holds. Scaling: the `wide` model's peak live bytes per parameter at W = 1, 2 and the main W. Sanity:
-each configuration lowers the loss and ends within `LOSS_TOL` of its FSDP2 peer's.
+each configuration lowers the loss and ends within `LOSS_TOL` of its peer's (compiled: 1e-3).
 
 Under torchrun (`--torchrun`, `benchmarks._torchrun`) every process is one rank (NCCL on
 `cuda:LOCAL_RANK`, else gloo), all configurations in the same processes, `hsdp` on 2x(W/2) and 1xW
@@ -73,16 +81,24 @@ thread, which the copy classifier would take for c10d's; ours orthogonalize in T
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# Inductor compiles in the rank's own process (no worker pool: the ranks share the CPUs already). Its
+# config reads this when imported, which the ranks' forkserver does (`torch._dynamo`, preloaded) as
+# the process's first world starts: after this line.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+
 from benchmarks import _torchrun  # noqa: E402
 from benchmarks._fsdp_rows import summarize  # noqa: E402
-from benchmarks._fsdp_run import memory, time_all  # noqa: E402
+from benchmarks._fsdp_run import memory, time_all, warm_compiler  # noqa: E402
 from benchmarks._main import parse  # noqa: E402
 
 ZERO3 = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW"]
@@ -91,9 +107,10 @@ PEERS = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours Z2"
 PEERS += ["FSDP2 reshard=False AdamW", "ours Z2 polar_express Muon", "ours Z2 normuon Muon"]
 PEERS += ["ours DDP AdamW", "ours DDP Muon", "ours FSDP2 Muon", "FSDP2 full_tensor Muon"]
 HSDP = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
-CONFIGS = list(dict.fromkeys(ZERO3 + PEERS + HSDP))
+COMPILE = ["ours Z3 AdamW", "ours Z3 compiled AdamW", "FSDP2 AdamW", "FSDP2 compiled AdamW"]
+CONFIGS = list(dict.fromkeys(ZERO3 + PEERS + HSDP + COMPILE))
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
-MODELS = {  # zero3's (benchmarks/compile.py and qcomm.py train them too)
+MODELS = {  # zero3's (gpt: compile's too; benchmarks/qcomm.py trains both)
     "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
     "wide": dict(vocab=2048, d_model=768, n_layers=4, n_heads=12, seq_len=16, batch=1, seq=16),
 }
@@ -107,16 +124,19 @@ SHAPES = {
     **MODELS,
     "peers": dict(vocab=50304, d_model=192, n_layers=6, n_heads=6, seq_len=128, batch=2, seq=64),
 }
+SHAPES["compile"] = MODELS["gpt"]
 SHAPES["hsdp"] = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
 QUICK_SHAPES = {
     **QUICK,
     "peers": dict(vocab=2048, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
 }
+QUICK_SHAPES["compile"] = QUICK["gpt"]
 QUICK_SHAPES["hsdp"] = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
 SECTIONS = {  # models (--quick: the last only), configurations, copies counted, first step held to DDP's
     "zero3": dict(models=["gpt", "wide"], configs=ZERO3, copies=True, first=False),
     "peers": dict(models=["peers"], configs=PEERS, copies=False, first=True),
     "hsdp": dict(models=["hsdp"], configs=HSDP, copies=False, first=False),
+    "compile": dict(models=["compile"], configs=COMPILE, copies=False, first=False),
 }
 HSDP_WORLD = 4
 PRELOAD = ["benchmarks.fsdp", "benchmarks._fsdp_run"]  # besides benchmarks._gpt.PEERS
@@ -128,7 +148,7 @@ def named(config: str, world: int) -> str:
     return " ".join(mesh.get(w, w) for w in config.split())
 
 
-def _runs(args, sections: list[str], worlds: dict[str, int]) -> dict[int, list[dict]]:
+def _runs(args, sections: list[str], worlds: dict[str, int], cache: str | None) -> dict[int, list[dict]]:
     """The runs of `sections` by world size: each a model and the section's configurations."""
     runs: dict[int, list[dict]] = {}
     for name in sections:
@@ -140,7 +160,75 @@ def _runs(args, sections: list[str], worlds: dict[str, int]) -> dict[int, list[d
         for m in models:
             run = dict(name=m, section=name, shape=shapes[m], configs=configs)
             runs.setdefault(w, []).append({**run, "copies": section["copies"], "first": section["first"]})
+            if name == "compile":
+                runs[w][-1].update(backend=args.backend, cache=cache, first_steps=args.first_steps)
     return runs
+
+
+def _compile_runs(args, runs: list[dict], measure) -> dict:
+    """Before the compile run's timing: the compiler warmed (but with --quick), then FSDP2 compiled
+    alone: if it cannot run here, it is left out (and `ours compiled` held to FSDP2 eager)."""
+    from vescale_optim.local_world import RankError
+
+    run = next(r for r in runs if r["section"] == "compile")
+    if not args.quick:
+        measure.ranks(warm_compiler, measure.world, run["backend"], preload=PRELOAD)
+    status, config = {"fsdp2_compiles": False, "fsdp2_compile_error": None}, "FSDP2 compiled AdamW"
+    if config in run["configs"] and measure.steps:
+        try:
+            measure.mem[(run["name"], config)] = measure(measure.world, [measure.job(run, config)])[0]
+            status["fsdp2_compiles"] = True
+        except RankError as e:
+            lines = [ln for ln in e.details.strip().splitlines() if ln.strip()]
+            status["fsdp2_compile_error"] = f"rank {e.rank} failed: {lines[-1] if lines else e}"
+            run["configs"].remove(config)
+    return {**status, "backend": run["backend"]}
+
+
+class _Memory:
+    """The memory runs: each configuration alone in a fresh world (RSS is per process), with
+    --quick or under torchrun all in one; `mem` by (run, configuration)."""
+
+    def __init__(self, args, ranks, world: int, steps: int, log):
+        self.args, self.ranks, self.world, self.steps, self.log, self.mem = args, ranks, world, steps, log, {}
+
+    @staticmethod
+    def job(run: dict, config: str) -> tuple:
+        compiled = {"backend": run["backend"], "steps": run["first_steps"]} if run.get("backend") else None
+        return run["name"], run["shape"], config, compiled
+
+    def __call__(self, w: int, jobs: list[tuple]) -> list[list[dict]]:
+        out, live = [], self.args.malloc == "live"
+        for b in [jobs] if self.args.quick or self.args.torchrun else [[j] for j in jobs]:
+            per_rank = self.ranks(memory, w, b, self.steps, live, preload=PRELOAD)
+            out += [[r[i] for r in per_rank] for i in range(len(b))]
+            self.log(f"memory W={w} {[j[2] for j in b]}")
+        return out
+
+
+def _measure(args, runs, world: int, ranks, steps: tuple[int, int, int], log) -> tuple[dict, _Memory, dict]:
+    """Every run's timing and memory (`steps`: warm-up, measured, memory), the compile section's
+    status first."""
+    measure, status = _Memory(args, ranks, world, steps[2], log), {}
+    if any(r["section"] == "compile" for r in runs.get(world, [])):
+        status = _compile_runs(args, runs[world], measure)
+    timed = {w: ranks(time_all, w, rs, *steps[:2], preload=PRELOAD) for w, rs in runs.items()}
+    log("timing")
+    held = [r for r in runs.get(world, []) if r["section"] != "hsdp"] if steps[2] else []
+    jobs = [measure.job(r, c) for r in held for c in r["configs"] if (r["name"], c) not in measure.mem]
+    measure.mem.update(zip([(j[0], j[2]) for j in jobs], measure(world, jobs)))
+    return timed, measure, status
+
+
+def _scaling(args, runs: dict, world: int, measure: _Memory) -> list:
+    """The wide model's memory at W = 1, 2 and the main W."""
+    wide = next((r for r in runs.get(world, []) if r["name"] == "wide"), None)
+    if not wide or not measure.steps or args.no_scaling:
+        return []
+    configs, out = [c for c in SCALING if c in wide["configs"]], []
+    for w in sorted({1, 2} - {world}):
+        out += [(w, res) for res in measure(w, [measure.job(wide, c) for c in configs])]
+    return out + [(world, measure.mem[("wide", c)]) for c in configs]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
         sections=dict(nargs="+", choices=list(SECTIONS), help="default: all"),
         models=dict(nargs="+", choices=list(MODELS), help="zero3's (default: both; --quick: wide)"),
         configs=dict(nargs="+", choices=CONFIGS, help="default: every section's"),
+        backend=dict(help="compile: torch.compile's (default inductor, --quick aot_eager)"),
+        first_steps=(3, "compile: steps after the first in the fresh worlds"),
         no_scaling=(False, "skip the W = 1, 2 memory runs"),
         torchrun=(False, "a rank per torchrun process (see the docstring)"),
     )
@@ -168,59 +258,39 @@ def main(argv: list[str] | None = None) -> dict:
     if "hsdp" in sections and worlds["hsdp"] % 2:
         args.error(f"hsdp: 2 replicas need an even number of ranks, not {worlds['hsdp']}")
     args.no_scaling |= args.torchrun
+    args.backend = args.backend or ("aot_eager" if args.quick else "inductor")
     steps, warmup = args.steps or (2 if args.quick else 5), min(args.warmup, 1) if args.quick else args.warmup
     memory_steps = min(args.memory_steps, 2) if args.quick else args.memory_steps
+    args.first_steps = min(args.first_steps, 2) if args.quick else args.first_steps
     if memory_steps == 1:
         args.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
-    runs, t0, first = _runs(args, sections, worlds), time.perf_counter(), _torchrun.is_first()
-    log = lambda msg: first and print(f"# {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    timed = {w: ranks(time_all, w, rs, warmup, steps, preload=PRELOAD) for w, rs in runs.items()}
-    log(f"timing: {time.perf_counter() - t0:.0f} s")
-
-    def measure(w: int, jobs: list[tuple[str, dict, str]]) -> list[list[dict]]:
-        # fresh world per configuration (RSS is per process); --quick runs them all in one
-        out = []
-        for b in [jobs] if args.quick or args.torchrun else [[j] for j in jobs]:
-            per_rank = ranks(memory, w, b, memory_steps, args.malloc == "live", preload=PRELOAD)
-            out += [[r[i] for r in per_rank] for i in range(len(b))]
-            log(f"memory W={w} {[j[2] for j in b]}: {time.perf_counter() - t0:.0f} s")
-        return out
-
-    held = [r for r in runs.get(world, []) if r["section"] != "hsdp"] if memory_steps else []
-    jobs = [(r["name"], r["shape"], c) for r in held for c in r["configs"]]
-    mem = dict(zip([(m, c) for m, _, c in jobs], measure(world, jobs)))
+    t0, first = time.perf_counter(), _torchrun.is_first()
+    log = lambda msg: (
+        first and print(f"# {msg}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    )  # noqa: E731
+    cache = None if args.quick else tempfile.mkdtemp(prefix="fsdp_bench_compile_")
+    try:
+        runs = _runs(args, sections, worlds, cache)
+        timed, measure, status = _measure(args, runs, world, ranks, (warmup, steps, memory_steps), log)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
     if _torchrun.quiet(args.torchrun):
         return {}
     out = {s: {"rows": []} for s in sections}
     for w, rs in runs.items():
         for r in rs:
             timings = {c: [rk[r["name"]][c] for rk in timed[w]] for c in r["configs"]}
-            mine = {c: mem[(r["name"], c)] for c in r["configs"] if (r["name"], c) in mem}
+            mine = {c: measure.mem[(r["name"], c)] for c in r["configs"] if (r["name"], c) in measure.mem}
             rows = summarize(r["name"], r["shape"], timings, mine, w)
             out[r["section"]]["rows"] += [{"section": r["section"], **row} for row in rows]
     if "zero3" in out:
-        out["zero3"]["scaling"] = []
-        wide = next((r for r in runs.get(world, []) if r["name"] == "wide"), None)
-        if wide and memory_steps and not args.no_scaling:
-            configs = [c for c in SCALING if c in wide["configs"]]
-            for w in sorted({1, 2} - {world}):
-                out["zero3"]["scaling"] += [
-                    (w, res) for res in measure(w, [("wide", wide["shape"], c) for c in configs])
-                ]
-            out["zero3"]["scaling"] += [(world, mem[("wide", c)]) for c in configs]
+        out["zero3"]["scaling"] = _scaling(args, runs, world, measure)
     name = "fsdp" if sections == list(SECTIONS) else "_".join(["fsdp", *sections])
     malloc = args.malloc if where.get("device", "cpu") == "cpu" else None
-    run = dict(
-        name=name,
-        world=world,
-        hsdp_world=worlds["hsdp"],
-        steps=steps,
-        warmup=warmup,
-        memory_steps=memory_steps,
-    )
-    run.update(
-        malloc=malloc, shapes={r["name"]: r["shape"] for rs in runs.values() for r in rs}, quick=args.quick
-    )
+    run = dict(name=name, world=world, hsdp_world=worlds["hsdp"], steps=steps, warmup=warmup, **status)
+    run.update(memory_steps=memory_steps, malloc=malloc, quick=args.quick)
+    run["shapes"] = {r["name"]: r["shape"] for rs in runs.values() for r in rs}
     run.update(threads=next(iter(timed.values())).threads, wall_s=time.perf_counter() - t0, **where)
     return report(out, run)
 

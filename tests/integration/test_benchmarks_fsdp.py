@@ -1,12 +1,15 @@
 """`benchmarks/fsdp.py --quick` end to end (tiny models; `zero3` and `peers` on 2 gloo ranks, `hsdp`
 on 4 as 2x2 and 1x4): every configuration trains to its FSDP2 peer's loss, the measurements see
 what each configuration holds and moves, the peers' profiler windows and Muon's Newton–Schulz work
-per rank are measured, and bytes are placed inside or across shard groups."""
+per rank are measured, bytes are placed inside or across shard groups, and compiled blocks are
+measured against FSDP2 in the same mode (the aot_eager backend)."""
 
 import math
 
 import pytest
 from _bench import config_row, results_in
+
+from benchmarks.fsdp import SECTIONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # make test-fast leaves it out; one run, ~2 min
 
@@ -20,11 +23,10 @@ def result(tmp_path_factory):
 
 
 def test_every_config_trains_like_its_fsdp2_peer(result):
-    from benchmarks.fsdp import SECTIONS
-
     assert result["loss_check_ok"]
     for name, section in SECTIONS.items():
-        assert sorted(r["config"] for r in result[name]["rows"]) == sorted(section["configs"])
+        left = {"FSDP2 compiled AdamW"} if name == "compile" and not result["fsdp2_compiles"] else set()
+        assert sorted(r["config"] for r in result[name]["rows"]) == sorted(set(section["configs"]) - left)
         for r in result[name]["rows"]:
             assert r["loss after"] < r["loss first"]
             assert r["train ms"] > 0 and r["step ms"] > 0
@@ -151,6 +153,32 @@ def test_hsdp_bytes_are_placed_inside_and_across_shard_groups(result):
         # ours's own count of its step's moves and the meter's agree
         for r in (two, one):
             assert r["stats MB"] == pytest.approx(r["step MB all-to-all"], rel=1e-6, abs=1e-9)
+
+
+def test_compiled_blocks_are_measured_against_fsdp2_in_the_same_mode(result, capsys):
+    """The compile section (aot_eager): both peers measured (FSDP2 eager and compiled), every ratio a
+    finite measurement, both compiled configurations compiled something, the goals stated."""
+    rows, compiled = result["compile"]["rows"], result["fsdp2_compiles"]
+    configs = [c for c in SECTIONS["compile"]["configs"] if compiled or c != "FSDP2 compiled AdamW"]
+    assert sorted(r["config"] for r in rows) == sorted(configs) and result["backend"] == "aot_eager"
+    for r in rows:  # every configuration measured: time, memory, first step
+        for c in ("train ms", "fwd ms", "bwd ms", "step ms", "peak live MB", "first step s"):
+            assert isinstance(r[c], float) and math.isfinite(r[c]) and r[c] > 0, (r["config"], c, r[c])
+    ours, peer = (
+        config_row(result["compile"], "ours Z3 compiled AdamW"),
+        "FSDP2 compiled" if compiled else "FSDP2",
+    )
+    for c in ("train x", "x eager", "peak live x") + (("compile x",) if compiled else ()):
+        assert math.isfinite(ours[c]) and ours[c] > 0, (c, ours[c])
+    assert ours["compile s"] > 0 and (
+        not compiled or config_row(result["compile"], f"{peer} AdamW")["compile s"] > 0
+    )
+    goals = [k.split(" (")[0] for k in result["goals"] if k.startswith("ours compiled")]
+    want = "FSDP2 compiled" if compiled else "FSDP2 eager"
+    assert goals == [
+        f"ours compiled: train step <= 0.8x {want}",
+        "ours compiled: train step faster than ours eager",
+    ]
 
 
 def _mem(ts, addr, nbytes, tid=1):

@@ -1,7 +1,7 @@
 """Every benchmark script's `--quick` run end to end, small (2 gloo ranks where it launches any):
 its table is there, its numbers are finite measurements, the peer was measured, and its JSON
-names the host. (fsdp.py, checkpoint.py, compile.py, qcomm.py and wrappers.py have test files of
-their own; kernels.py runs in test_gpu_check.py.)"""
+names the host. (fsdp.py, checkpoint.py and qcomm.py have test files of their own; kernels.py
+runs in test_gpu_check.py.)"""
 
 from __future__ import annotations
 
