@@ -293,17 +293,10 @@ def bench_cmd(mode: str, section: str, results: Path | str) -> list[str]:
     """`benchmarks/fsdp.py --torchrun` of one section on the stage's ranks: `--quick` sizes on CPU; on
     GPUs the benchmark's own models, 1 warm-up and 4 measured steps. Its JSON goes to `results`."""
     size = ["--quick"] if mode == "cpu" else ["--steps", "4", "--warmup", "1"]
-    args = [
-        "--torchrun",
-        *size,
-        "--sections",
-        section,
-        "--configs",
-        *BENCH[section][0],
-        "--results",
-        str(results),
-    ]
-    return torchrun(RANKS[mode]["bench"], str(ROOT / "benchmarks" / "fsdp.py"), *args)
+    args = ["--torchrun", *size, "--sections", section, "--configs", *BENCH[section][0]]
+    return torchrun(
+        RANKS[mode]["bench"], str(ROOT / "benchmarks" / "fsdp.py"), *args, "--results", str(results)
+    )
 
 
 def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:

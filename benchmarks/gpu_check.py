@@ -2,52 +2,22 @@
 
 Every stage runs in a process of its own under its own time limit (a failed or hung stage
 does not stop the next), is printed as it ends, and is reported as `passed`, `failed` or
-`skipped` (with the reason), with its checks, their measurements and bounds. The limits and
-the set-up add up to at most 420 s (`BUDGET_S`); each stage's limit is also cut to what is
-left of `--budget`, whatever `--stages` says. `gpu_check.sh OUT` ends with two files to bring
-back: `OUT/summary.md` (under 8 KB, also printed) and `OUT/gpu_check.tar.gz` (report.json,
-report.md, every stage's log and JSON, the traces). In the order they run (`STAGES`: the
-library's own checks first, ordered by the evidence they give; the tests, then the kernel
-throughput, `kernels` only with `--kernels`):
-
-  env              GPU, driver, torch, CUDA, NCCL, Triton; the library imported from this tree
-  single_gpu       ZeRO-3 AdamW (32-bit, 8-bit reduction) and Muon with no process group vs
-                   torch.optim, plainly and with ~2 ms of torch.cuda._sleep on the side streams
-                   before every local copy that replaces a collective (CPU: under delayed())
-  zero3            ZeRO-3 and ZeRO-2 on a world-1 group with VESCALE_OPTIM_FORCE_COLLECTIVES=1:
-                   vo.AdamW (32/8-bit), vo.Muon, vo.Shampoo vs torch.optim / the plain Shampoo
-  delay            every collective after ~2 ms of _sleep on its stream: ZeRO-3 bit-identical
-  syncs            set_sync_debug_mode("warn") around backward and step() (ZeRO-3 AdamW, Muon,
-                   Shampoo, skip_nonfinite): at most 1 host sync per backward (the no_sync()
-                   agreement), 1 per step() (Shampoo's refresh: 2 besides eigh's own); on CPU
-                   the same bounds on the reads of tensor values (shard.host_reads)
-  overlap_selftest the overlap analyser on synthetic traces (pure: the same on CPU)
-  overlap          a profiled ZeRO-3 step of 4 blocks: per unit, the share of its compute-stream
-                   backward kernels after AG(k-1) starts; a _sleep of half a unit's backward on
-                   the gather stream must not grow the backward by units x sleep
-  meta             a model built on the meta device (a buffer-only rotary embedding included)
-                   equals the model built normally; nothing left on meta
-  memory           max_memory_allocated() of a ZeRO-3 step vs memory_stats() and the parameters
-  checkpoint       CheckpointManager sync and async round trips continue exactly; staging time
-  nan              NaN/Inf through quantize, dequantize and the 8-bit update: Triton vs torch
-  batch_invariance Shampoo's tile math and newton_schulz alone vs in a batch of 8
-  large_shapes     newton_schulz of 8192x28672 and 32x2880x5760 (Muon's and Polar Express's
-                   coefficients), quantize of > 2^31 elements
-  tests            pytest -n 8 of the kernel and local-copy tests, compiled; results as they finish
-  steps            benchmarks/kernels.py --quick --sections steps (world-1 steps vs torch.optim)
-  kernels          (--kernels) benchmarks/kernels.py --quick --sections kernels (torch.compile)
+`skipped` (with the reason), with its checks, their measurements and bounds (each stage's function
+justifies its bounds). The limits and the set-up add up to at most 420 s (`BUDGET_S`); each stage's
+limit is also cut to what is left of `--budget`, whatever `--stages` says. `gpu_check.sh OUT` ends
+with two files to bring back: `OUT/summary.md` (under 8 KB, also printed) and
+`OUT/gpu_check.tar.gz` (report.json, report.md, every stage's log and JSON, the traces). The stages
+(`STAGES`, in the order they run: the library's own checks first, ordered by the evidence they give;
+the tests, then the kernel throughput, `kernels` only with `--kernels`) are listed in docs/gpu.md and
+by `--dry-run`, with what each runs.
 
     bash benchmarks/gpu_check.sh OUT                    # the run; OUT/summary.md, OUT/gpu_check.tar.gz
     python benchmarks/gpu_check.py --cpu [OUT]          # rehearse every stage on CPU (gloo, interpreter)
     python benchmarks/gpu_check.py --dry-run [OUT]      # print the stages, their limits and the total
     python benchmarks/gpu_check.py --stages zero3 nan   # some stages only (still within --budget)
 
-Set-up starts a warm-up beside the first stages (`start_warmup`): Triton's cache
-(`OUT/triton_cache`, or TRITON_CACHE_DIR) is filled with every kernel the dispatcher can launch,
-compiled once on the host's cores; the stages that launch many kernels in fresh processes (nan,
-batch_invariance, large_shapes, tests under pytest -n 8, steps, kernels) wait for it, and each
-stage's `compiled_kernels` (report and summary) counts what it still compiled cold. The limits are
-the seconds each stage took on the first H200 slot, with a margin (`WARM_S`'s comment).
+Set-up fills Triton's cache in the background (`start_warmup`), which the stages marked `warm` wait
+for; each stage's `compiled_kernels` counts what it still compiled cold (docs/gpu.md).
 
 With `--cpu` every stage runs at small sizes (world-1 gloo groups, the Triton interpreter);
 checks that need CUDA are `skipped`, by name, with the reason, after running as much of their
