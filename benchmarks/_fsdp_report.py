@@ -1,13 +1,20 @@
-"""The tables, goals, plot and JSON of `benchmarks/fsdp.py` (see its docstring): the `zero3`
+"""The tables, goals and JSON of `benchmarks/fsdp.py` (see its docstring): the `zero3`
 section's here, the others' in `benchmarks._fsdp_sections`."""
 
 from __future__ import annotations
 
-from benchmarks._fsdp_sections import print_compile, print_hsdp, print_peers
+from benchmarks._fsdp_sections import (
+    LOSS_TOL,
+    print_compile,
+    print_hsdp,
+    print_peers,
+    shown,
+    time_note,
+    tolerance,
+)
 from benchmarks._main import print_goals
 from benchmarks._measure import load_average
-from benchmarks._report import host_line, pyplot, save_png, table
-from benchmarks._verdict import shape_words, shown, time_note, verdict
+from benchmarks._report import environment, host_line, save_json, table
 
 TIME = "config|train ms|train x|step ms|step x|update ms|update x|update % step|fwd ms|bwd ms|zero_grad ms"
 TIME = [*TIME.split("|"), "stand-in ms", "stand-in % fwd", "exposed comm ms", "MB sent", "copies"]
@@ -25,6 +32,12 @@ SCALING = [
     "at step start B/param x W",
 ]
 PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
+
+
+def shape_words(shape: dict) -> str:
+    """A benchmark GPT's shape and its tokens per rank and step, in words."""
+    model = f"vocab {shape['vocab']}, d {shape['d_model']}, {shape['n_layers']} layers"
+    return f"({model}), {shape['batch']}x{shape['seq']} tokens/rank/step"
 
 
 def _on_cuda(run: dict) -> bool:
@@ -76,28 +89,6 @@ def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
     return rows
 
 
-def _plot(scaling: list[dict], name: str):
-    """The wide model's bytes per parameter against W: peak (o) and between steps (x)."""
-    plt = pyplot()
-    if plt is None or not scaling:
-        return None
-    fig, ax = plt.subplots(figsize=(5.5, 4.4))
-    for config in dict.fromkeys(r["config"] for r in scaling):
-        mine = [r for r in scaling if r["config"] == config]
-        ws = [r["W"] for r in mine]
-        line = ax.plot(ws, [r["peak B/param"] for r in mine], "o-", label=f"{config}")[0]
-        ax.plot(ws, [r["at step start B/param"] for r in mine], "x--", color=line.get_color(), alpha=0.6)
-    ws = sorted({r["W"] for r in scaling})
-    ax.plot(ws, [16 / w for w in ws], ":", color="gray", label="16/W (AdamW param+grad+2 states)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xticks(ws, [str(w) for w in ws])
-    ax.legend(fontsize=7)
-    ax.set(xlabel="world size W", ylabel="bytes per parameter")
-    ax.set_title("wide model: peak (o) and between steps (x)", fontsize=9)
-    return save_png(name, fig)
-
-
 def _print_zero3(mine: list[dict], run: dict) -> dict[str, bool]:
     cuda = _on_cuda(run)
     print(table(mine, shown(TIME, mine, run), floatfmt=".4g"))
@@ -128,7 +119,7 @@ PRINT = {"zero3": _print_zero3, "peers": print_peers, "hsdp": print_hsdp, "compi
 
 def report(sections: dict[str, dict], run: dict) -> dict:
     """Print every section's tables and goals (one table set per run), then the loss check, and write
-    the JSON (see `benchmarks._verdict.verdict`)."""
+    the JSON (`verdict`)."""
     if run["quick"]:
         print("--quick: a smoke run on tiny models; its ratios say nothing about the goals")
     goals, backend = {}, f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
@@ -146,5 +137,38 @@ def report(sections: dict[str, dict], run: dict) -> dict:
             section["scaling"] = _scaling_rows(section["scaling"])
             print(f"\n## Peak live bytes per parameter, wide model, by W; load average {load_average()}\n")
             print(table(section["scaling"], SCALING, floatfmt=".4g"))
-    scaling = sections.get("zero3", {}).get("scaling", [])
-    return verdict(run, goals, sections, plot=lambda name: _plot(scaling, name))
+    return verdict(run, goals, sections)
+
+
+def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[str]]:
+    """Whether every row lowered its loss and ended within `tol` (relative; default `LOSS_TOL` of
+    its optimizer, the config's last word) of its peer's (`|Δ loss|`), and a note for each that
+    did not."""
+    ok, notes = True, []
+    for r in rows:
+        delta = r.get("|Δ loss|", 0.0)
+        lowered = r["loss after"] < r["loss first"]
+        close = delta <= (tol or tolerance(r["config"])) * max(1.0, abs(r["loss after"]))
+        ok &= lowered and close
+        if not (lowered and close):
+            label = f"{r['model']} {r['config']}" if "model" in r else r["config"]
+            notes.append(f"{label}: lowered {lowered}, |Δ loss| {delta:.2e}")
+    return ok, notes
+
+
+def verdict(run: dict, goals: dict[str, bool], sections: dict[str, dict]) -> dict:
+    """Print the loss check of every section's rows against their FSDP2 peers, write
+    `run["name"]`.json (_torchrun with `run["torchrun"]`, then _quick with `run["quick"]`), and return
+    what was written: the environment, `run`, the goals, the check and each section."""
+    sane, notes = loss_check([r for s in sections.values() for r in s["rows"]])
+    tol = ", ".join(f"{k} {v:g}" for k, v in LOSS_TOL.items())
+    tol = f"relative tolerance {tol}"
+    print(f"\nLoss check (loss after training vs FSDP2 with the same optimizer, {tol}; every config")
+    print(f"lowered the loss): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))
+    name = f"{run['name']}_torchrun" if run.get("torchrun") else run["name"]
+    name = f"{name}_quick" if run["quick"] else name
+    payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals}
+    payload.update(loss_check_ok=sane, **sections)
+    path = save_json(name, payload)
+    print(f"\nwrote {path}; {run['wall_s']:.0f} s")
+    return payload

@@ -1,5 +1,6 @@
 """The `peers`, `hsdp` and `compile` sections' tables and goals of `benchmarks/fsdp.py` (see its
-docstring)."""
+docstring), and what every section's report shares: the columns measured on the device (`shown`),
+the note beside a time table (`time_note`) and the loss tolerances."""
 
 from __future__ import annotations
 
@@ -7,8 +8,32 @@ import math
 
 from benchmarks._fsdp_run import VARIANTS
 from benchmarks._measure import load_average
-from benchmarks._report import table
-from benchmarks._verdict import LOSS_TOL, shown, time_note
+from benchmarks._report import FSDP2_ON_CPU, table
+
+# Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
+# order), so the updates differ by bf16 rounding; compiled: inductor fuses and reorders fp32 arithmetic.
+LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2, "compiled": 1e-3}
+
+
+def tolerance(config: str) -> float:
+    """The relative `LOSS_TOL` of a configuration: its optimizer's, or a compiled one's."""
+    return LOSS_TOL["compiled" if "compiled" in config.split() else config.split()[-1]]
+
+
+def shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
+    """The columns a table shows: on CUDA only those measured there (the scripts' docstrings say why)."""
+    return [c for c in columns if any(c in r for r in rows)] if run.get("device") == "cuda" else columns
+
+
+def time_note(run: dict, missing: str, script: str) -> None:
+    """Print what a time table's numbers are on this device: on CUDA, that `missing` (columns) are
+    not measured there; on CPU, what FSDP2's synchronous collectives mean for a ratio."""
+    if run.get("device") == "cuda":
+        print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams;")
+        print(f"{missing} are not measured here ({script}'s docstring says why)")
+    else:
+        print(f"\n{FSDP2_ON_CPU}")
+
 
 PEERS_TIME = "config|train ms|train x|step ms|step x|fwd ms|bwd ms|zero_grad ms|RS win ms|update win ms"
 PEERS_TIME = [*PEERS_TIME.split("|"), "AG win ms", "NS win ms", "moves win ms", "Muon win ms", "AdamW win ms"]

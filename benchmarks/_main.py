@@ -49,7 +49,7 @@ def parse(doc: str, argv: Sequence[str] | None, quick: str, **options: Any) -> A
             spec = {"type": type(spec["default"]), **spec}
         ap.add_argument(f"--{name.replace('_', '-')}", **spec)
     ap.add_argument("--quick", action="store_true", help=quick)
-    ap.add_argument("--results", type=Path, help="folder for the JSON and plots (default benchmarks/results)")
+    ap.add_argument("--results", type=Path, help="folder for the JSON (default benchmarks/results)")
     args = ap.parse_args(argv, Args(_usage=ap.format_usage(), _prog=ap.prog))
     if args.results:
         _report.RESULTS_DIR = args.results.resolve()
@@ -64,11 +64,11 @@ def print_goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
     return goals
 
 
-def finish(name: str, args: Args, payload: dict, threads=None, png: Path | None = None, quick_suffix=True):
+def finish(name: str, args: Args, payload: dict, threads=None, quick_suffix=True):
     """Print the host line (`threads`: per rank), add the environment to `payload` ("env") and
     write it to NAME.json (NAME_quick.json with `--quick`, unless not `quick_suffix`); return it."""
     print(f"\n{_report.host_line(threads)}")
     payload["env"] = _report.environment(threads)
     path = _report.save_json(f"{name}_quick" if args.quick and quick_suffix else name, payload)
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    print(f"wrote {path}")
     return payload

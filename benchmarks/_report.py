@@ -1,8 +1,7 @@
-"""Shared output helpers for benchmarks: a Markdown table, a JSON file, a PNG, the host.
+"""Shared output helpers for benchmarks: a Markdown table, a JSON file, the host.
 
     print(table(rows, ["model", "W", "padding %"]))
     save_json("padding", {"env": environment(), "rows": rows})   # benchmarks/results/padding.json
-    save_png("padding", fig)                                      # benchmarks/results/padding.png
     print(host_line(results.threads))      # CPU, AVX-512, native bf16, threads per rank, load average
     print(FSDP2_ON_CPU)                    # beside every table of CPU time ratios against FSDP2
 
@@ -85,30 +84,6 @@ def save_json(name: str, payload: Any) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    return path
-
-
-def pyplot():
-    """`matplotlib.pyplot` on the Agg backend, or None where matplotlib is not installed (the
-    benchmarks then skip their plots)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def save_png(name: str, fig: Any) -> Path:
-    """Save a matplotlib figure to `benchmarks/results/NAME.png` and close it."""
-    path = RESULTS_DIR / f"{name}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return path
 
 

@@ -44,7 +44,7 @@ from benchmarks._gpt import launch, random_batch  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
 from benchmarks._optim import ours, peer  # noqa: E402
-from benchmarks._report import FSDP2_ON_CPU, pyplot, save_png, table  # noqa: E402
+from benchmarks._report import FSDP2_ON_CPU, table  # noqa: E402
 from benchmarks._train import Trainer, barrier_timed  # noqa: E402
 from vescale_optim.checkpoint import CheckpointManager  # noqa: E402
 
@@ -262,32 +262,6 @@ CHECKSUM += ["unverified load ms", "checksum load x"]
 ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms", "peer stage ms"]
 
 
-def plot(rows: list[dict]) -> Path | None:
-    """Save and load time of both sides per (W, optimizer); async overhead where timed."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    names = lambda rs: [f"W={r['W']} {r['optimizer']}" for r in rs]  # noqa: E731
-    bars = [(f"{p}{op} ms", f"{p or 'ours '}{op}") for op in ("save", "load") for p in ("", "peer ")]
-    for j, (key, label) in enumerate(bars):
-        left.bar([i + 0.2 * j for i in range(len(rows))], [r[key] for r in rows], 0.2, label=label)
-    left.set(xticks=[i + 0.3 for i in range(len(rows))], xticklabels=names(rows), ylabel="ms (median)")
-    left.legend(fontsize=8)
-    timed = [r for r in rows if "async %" in r]
-    for j, (key, label) in enumerate([("async %", "ours"), ("peer async %", "peer")]):
-        right.bar([i + 0.3 * j for i in range(len(timed))], [r[key] for r in timed], 0.3, label=label)
-    ticks = [i + 0.15 for i in range(len(timed))]
-    right.set(
-        xticks=ticks,
-        xticklabels=names(timed),
-        ylabel="step-time overhead %",
-        title="async save every k steps",
-    )
-    right.legend(fontsize=8)
-    return save_png("checkpoint", fig)
-
-
 def main(argv: list[str] | None = None) -> dict:
     families = ["AdamW", "Muon"]
     args = parse(
@@ -337,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     loads_said = "; ".join(f"W={w}: {v['before']} -> {v['after']}" for w, v in loads.items())
     print(f"\nload average (1, 5, 15 min): {loads_said}")
     result = {"shape": shape, **run, "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}
-    return finish("checkpoint", args, result, threads, png=plot(rows), quick_suffix=False)
+    return finish("checkpoint", args, result, threads, quick_suffix=False)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._main import finish, parse  # noqa: E402
-from benchmarks._report import pyplot, save_png, table  # noqa: E402
+from benchmarks._report import table  # noqa: E402
 from benchmarks.model_shapes import MODELS, Block, Shape, is_vector, numel  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -365,29 +365,6 @@ def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dic
     return rows, misses, details
 
 
-def plot(rows, name: str):
-    plt = pyplot()
-    if plt is None:
-        return None
-    granules = list(dict.fromkeys(r["granule"] for r in rows))
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(granules), figsize=(5 * len(granules), 4), sharey=True, squeeze=False)
-    for ax, granule in zip(axes[0], granules):
-        for color, model in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], models):
-            sel = [r for r in rows if r["granule"] == granule and r["model"] == model]
-            ws = [r["W"] for r in sel]
-            for key, style in (("ours %", "-o"), ("FSDP2 %", "--"), ("LCM %", ":")):
-                label = f"{model} {key[:-2]}" if granule == granules[0] else None
-                ax.plot(ws, [r[key] for r in sel], style, color=color, label=label)
-        ax.axhline(100 * GOAL, color="k", lw=0.5)
-        ax.set_yscale("symlog", linthresh=0.1)
-        ax.set(xscale="log", title=f"granule = {granule}", xlabel="world size W")
-        ax.set_xticks(sorted({r["W"] for r in rows}), [str(w) for w in sorted({r["W"] for r in rows})])
-    axes[0][0].set_ylabel("padding % of parameters")
-    fig.legend(loc="upper center", ncol=len(models), fontsize=7, bbox_to_anchor=(0.5, 1.12))
-    return save_png(name, fig)
-
-
 def main(argv: list[str] | None = None) -> dict:
     models = dict(nargs="+", choices=list(MODELS), default=list(MODELS))
     args = parse(
@@ -399,7 +376,6 @@ def main(argv: list[str] | None = None) -> dict:
     )
     granules = ["1 row", "128 rows"] if args.quick else list(UNITS)
     world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
-    name = "padding_quick" if args.quick else "padding"
 
     t0 = time.perf_counter()
     rows, misses, details = run(args.models, granules, world_sizes)
@@ -411,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
     payload = dict(goal=GOAL, min_units_per_rank=MIN_UNITS_PER_RANK, wall_s=wall, rows=rows, misses=misses)
     payload["buckets"] = details
-    return finish("padding", args, payload, png=plot(rows, name))
+    return finish("padding", args, payload)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from benchmarks._muon_plan import (  # noqa: E402
     ns_flops,
     rank_loads,
 )
-from benchmarks._report import pyplot, require_finite, save_png, table  # noqa: E402
+from benchmarks._report import require_finite, table  # noqa: E402
 from benchmarks.model_shapes import MODELS, matrices, numel  # noqa: E402
 from vescale_optim.shard import plan_layout  # noqa: E402
 
@@ -235,28 +235,6 @@ def _on_h200(plan) -> float:
     return max(times)
 
 
-def plot(rows: list[dict]):
-    """Step time and Muon's share of it against W, ours and FSDP2, one line per model."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for k, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
-        for config, style in (("ours", "-o"), ("FSDP2 + torch Muon", "--s")):
-            mine = [r for r in rows if r["model"] == model and r["config"] == config]
-            label = f"{model}, {'ours' if config == 'ours' else 'FSDP2 + torch Muon'}"
-            for ax, key in zip(axes, ("step s", "Muon %")):
-                ax.plot([r["W"] for r in mine], [r[key] for r in mine], style, color=f"C{k}", label=label)
-    for ax, title in zip(axes, ("step time (s, modelled)", "Muon's share of the step (%, modelled)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("W (ranks)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    return save_png("scale_quick" if len(rows) <= 4 else "scale", fig)
-
-
 def owners(models: list[str], worlds: tuple[int, ...]) -> list[dict]:
     """The `owners` section's rows (see the module's docstring)."""
     rows = []
@@ -294,9 +272,8 @@ def _step(quick: bool) -> tuple[list[dict], dict[str, bool], dict]:
         got = next((p["NS max/mean"] for p in plans if p["model"] == model and p["W"] == world), None)
         if got is not None:
             goals[f"{model} W={world}: Newton–Schulz max/mean <= {bound:.2f} (got {got:.3f})"] = got <= bound
-    png = plot(rows)
     out = {"cost": vars(COST), "tokens_per_rank": TOKENS, "mfu": MFU, "plans": plans}
-    return rows, goals, {**out, "png": str(png) if png else None}
+    return rows, goals, out
 
 
 def main(argv: list[str] | None = None) -> dict:
