@@ -1,9 +1,8 @@
-"""Measuring helpers the training benchmarks share: RSS, timers, medians, machine load.
+"""Measuring helpers the training benchmarks share: RSS, medians, machine load, profiler windows.
 
 live_malloc()                       # glibc: large blocks by mmap, so RSS follows live tensors
 base = status_kb("VmRSS"); reset_peak(); ...; status_kb("VmHWM")   # peak RSS since the reset
-t = Timer(); fn = t.wrap(fn); ...; t.take()                          # seconds spent inside fn
-median_of_max(per_rank_times)       # median over steps of the slowest rank's time
+slowest(per_rank_times)             # the slowest rank's time in each step
 median_ratio(ours, peer)            # median over steps of the per-step ratio
 load_average()                      # "1.41, 1.60, 1.74" (1, 5, 15 minutes)
 window_seconds(prof, "FSDP::all_gather")   # seconds inside those profiler windows (None: none)
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 
 def status_kb(field: str) -> int:
@@ -50,35 +48,9 @@ def live_malloc() -> bool:
         return False
 
 
-class Timer:
-    """Adds up wall time spent inside wrapped callables."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        return timed
-
-    def take(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
-
-
 def slowest(per_rank: list[list[float]]) -> list[float]:
     """The slowest rank's time in each step."""
     return [max(col) for col in zip(*per_rank)]
-
-
-def median_of_max(per_rank: list[list[float]]) -> float:
-    """Median over steps of the slowest rank's time in each step."""
-    return statistics.median(slowest(per_rank))
 
 
 def median_ratio(a: list[float], b: list[float]) -> float:
@@ -127,16 +99,3 @@ def matmul_flops(prof, within: str | None = None) -> int:
     spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == within]
     inside = lambda e: within is None or any(s <= e.time_range.start <= t for s, t in spans)  # noqa: E731
     return sum(e.flops or 0 for e in events if e.name in PRODUCTS and inside(e) and not calls_product(e))
-
-
-def peak_bytes(prof) -> int:
-    """The most bytes allocated at once above where a finished `torch.profiler.profile(...,
-    profile_memory=True)` started: its allocations (each operator's own) and frees in time order,
-    added up. A temporary an operator frees before it returns is not seen, on either side of a
-    comparison measured this way."""
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    held = peak = 0
-    for e in events:
-        held += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        peak = max(peak, held)
-    return peak

@@ -6,7 +6,6 @@ one factory for the peer set-ups they compare with.
     names = muon_names(model)                    # the Muon group's parameter names, for a peer's split
     opt = ours(model, "Muon", shard_modules=[*model.blocks, model], mesh=mesh)
     module, opt = peer(model, "FSDP2", "Muon", mesh=mesh)   # or "DDP", "ZeRO", "torch" (no wrapper)
-    opt = fsdp2(model, "Muon", mesh=mesh)        # peer(model, "FSDP2", ...)'s optimizer
     opt = FullTensorMuon(model)                  # over FSDP2: torchtitan's whole-matrix torch.optim.Muon
     state_bytes(opt)                             # the optimizer state this rank holds, ours or a peer's
 
@@ -121,11 +120,6 @@ def peer(model: nn.Module, setup: str, family: str = "AdamW", *, mesh=None, resh
     muon = make(torch.optim.Muon, [p for n, p in named.items() if n in hidden], **MUON)
     rest = [p for n, p in named.items() if n not in hidden]
     return module, Steps(muon, make(torch.optim.AdamW, rest, foreach=True, **MUON_ADAMW))
-
-
-def fsdp2(model: nn.Module, family: str, mesh=None, reshard_after_forward: bool = True):
-    """`peer(model, "FSDP2", ...)`'s optimizer (the model is sharded in place)."""
-    return peer(model, "FSDP2", family, mesh=mesh, reshard_after_forward=reshard_after_forward)[1]
 
 
 class FullTensorMuon(Steps):
