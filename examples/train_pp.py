@@ -38,6 +38,7 @@ and at pp4 x dp1.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 from datetime import timedelta
 from pathlib import Path
@@ -246,6 +247,69 @@ def check_layout(args, world_size: int) -> int:
     return dp
 
 
+def train(args, device: torch.device) -> None:
+    """Build this rank's stage, its optimizer and schedule; train, log, save (collective)."""
+    rank, dp = dist.get_rank(), check_layout(args, dist.get_world_size())
+    world = init_device_mesh(device.type, (args.pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    # the whole model drawn on every rank, so that every layout starts from the same weights
+    # (torchtitan builds it on the meta device and initialises each stage's part)
+    torch.manual_seed(args.seed)
+    part = stage_of(Model(args.dim, args.layers).to(device), args.pp, pp_rank)
+    opt = build_optimizer(part, args.optimizer, world["dp"], args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    schedule = None
+    if args.pp > 1:
+        stage = PipelineStage(part, pp_rank, args.pp, device, group=world["pp"].get_group())
+        schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
+    manager, loaded = None, None
+    if args.checkpoint_dir:  # every call of it is collective
+        manager = vo.CheckpointManager(args.checkpoint_dir, [part], [opt], sched)
+        if not args.resume and manager.steps():
+            raise SystemExit(f"{args.checkpoint_dir} holds checkpoints: pass --resume, or another directory")
+        loaded = manager.load() if args.resume else None
+    start = loaded.step if loaded else 0
+    how = f"{args.schedule}, {args.microbatches} micro-batches" if args.pp > 1 else "no pipelining"
+    origin = f"resumed from {loaded.path}" if start else "from scratch"
+    state = f"; state fingerprint {fingerprints(part, opt, sched, start)[1]}" if start else ""
+    if rank == 0:
+        print(
+            f"{args.optimizer} on pp{args.pp} x dp{dp} ({how}), {device.type}; {origin}{state}",
+            flush=True,
+        )
+
+    for step in range(start, args.steps):
+        x, y = batch(step, dp_rank, dp, args, device)
+        loss = forward_backward(part, schedule, pp_rank, args.pp, args.microbatches, x, y)
+        opt.step()  # the stage's gradients, averaged over its dp ranks, update its shards
+        opt.zero_grad()
+        sched.step()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            # the last stage's loss, averaged over its dp ranks, to rank 0 (on the first stage)
+            mean = torch.zeros(1, device=device) if loss is None else loss.reshape(1).float().clone()
+            dist.all_reduce(mean)
+            if rank == 0:
+                print(f"step {done}: loss {mean.item() / dp:.9g} (mean over dp ranks)", flush=True)
+        if manager and (done % args.save_every == 0 or done == args.steps):
+            path = manager.save(done)
+            printed = fingerprints(part, opt, sched, done)[1]
+            if rank == 0:
+                print(f"saved {path}; state fingerprint {printed}", flush=True)
+    if manager:
+        manager.close()
+    stats = dict(opt.step_stats) if args.optimizer == "muon" else {}
+    weights = fingerprints(part, opt, sched, args.steps)[0]
+    if rank == 0:
+        ns = f"Newton-Schulz on rank 0: {stats.get('ns_matrices')} matrices; " if stats else ""
+        memory = ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in opt.memory_stats().items())
+        print(
+            f"done at step {args.steps}; weights fingerprint {weights}; {ns}held on rank 0: {memory}",
+            flush=True,
+        )
+    dist.barrier()  # no rank leaves while a peer's collective over it is in flight
+
+
 def main() -> None:
     args = parse()
     on_gloo = not torch.cuda.is_available()
@@ -254,68 +318,11 @@ def main() -> None:
     if not dist.is_initialized():
         raise SystemExit("run it under torchrun, with --pp x --dp ranks")
     try:
-        rank, dp = dist.get_rank(), check_layout(args, dist.get_world_size())
-        world = init_device_mesh(device.type, (args.pp, dp), mesh_dim_names=("pp", "dp"))
-        pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
-        # the whole model drawn on every rank, so that every layout starts from the same weights
-        # (torchtitan builds it on the meta device and initialises each stage's part)
-        torch.manual_seed(args.seed)
-        part = stage_of(Model(args.dim, args.layers).to(device), args.pp, pp_rank)
-        opt = build_optimizer(part, args.optimizer, world["dp"], args.lr)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-        schedule = None
-        if args.pp > 1:
-            stage = PipelineStage(part, pp_rank, args.pp, device, group=world["pp"].get_group())
-            schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
-        manager, loaded = None, None
-        if args.checkpoint_dir:  # every call of it is collective
-            manager = vo.CheckpointManager(args.checkpoint_dir, [part], [opt], sched)
-            if not args.resume and manager.steps():
-                raise SystemExit(
-                    f"{args.checkpoint_dir} holds checkpoints: pass --resume, or another directory"
-                )
-            loaded = manager.load() if args.resume else None
-        start = loaded.step if loaded else 0
-        how = f"{args.schedule}, {args.microbatches} micro-batches" if args.pp > 1 else "no pipelining"
-        origin = f"resumed from {loaded.path}" if start else "from scratch"
-        state = f"; state fingerprint {fingerprints(part, opt, sched, start)[1]}" if start else ""
-        if rank == 0:
-            print(
-                f"{args.optimizer} on pp{args.pp} x dp{dp} ({how}), {device.type}; {origin}{state}",
-                flush=True,
-            )
-
-        for step in range(start, args.steps):
-            x, y = batch(step, dp_rank, dp, args, device)
-            loss = forward_backward(part, schedule, pp_rank, args.pp, args.microbatches, x, y)
-            opt.step()  # the stage's gradients, averaged over its dp ranks, update its shards
-            opt.zero_grad()
-            sched.step()
-            done = step + 1
-            if done % args.log_every == 0 or done == args.steps:
-                # the last stage's loss, averaged over its dp ranks, to rank 0 (on the first stage)
-                mean = torch.zeros(1, device=device) if loss is None else loss.reshape(1).float().clone()
-                dist.all_reduce(mean)
-                if rank == 0:
-                    print(f"step {done}: loss {mean.item() / dp:.9g} (mean over dp ranks)", flush=True)
-            if manager and (done % args.save_every == 0 or done == args.steps):
-                path = manager.save(done)
-                printed = fingerprints(part, opt, sched, done)[1]
-                if rank == 0:
-                    print(f"saved {path}; state fingerprint {printed}", flush=True)
-        if manager:
-            manager.close()
-        stats = dict(opt.step_stats) if args.optimizer == "muon" else {}
-        weights = fingerprints(part, opt, sched, args.steps)[0]
-        if rank == 0:
-            ns = f"Newton-Schulz on rank 0: {stats.get('ns_matrices')} matrices; " if stats else ""
-            memory = ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in opt.memory_stats().items())
-            print(
-                f"done at step {args.steps}; weights fingerprint {weights}; {ns}held on rank 0: {memory}",
-                flush=True,
-            )
-        dist.barrier()  # no rank leaves while a peer's collective over it is in flight
+        train(args, device)
     finally:
+        # the optimizer's hooks form reference cycles: free them, and the process groups they
+        # hold, while the group is up (left to interpreter exit, gloo's teardown may abort)
+        gc.collect()
         dist.destroy_process_group()
 
 
