@@ -116,7 +116,7 @@ class ReferenceSOAP(torch.optim.Optimizer):
                 if not state:  # the first step builds the preconditioner, nothing else
                     state["step"] = 0
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                    state["GG"] = [torch.zeros(n, n) if r else [] for n, r in zip(view.dims, view.rotated)]
+                    state["GG"] = [g.new_zeros(n, n) if r else [] for n, r in zip(view.dims, view.rotated)]
                     self._accumulate(state["GG"], g, shampoo_beta)
                     state["Q"] = [self._eigenbasis(gg) if len(gg) else [] for gg in state["GG"]]
                     continue

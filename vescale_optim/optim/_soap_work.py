@@ -76,7 +76,10 @@ class ParamState:
         and carry the moments into them. Also returns how many bases were kept instead of computed
         (a device count) and how many were computed."""
         plan, bases = self.plan, self.bases
-        g = plan.to_view(grad)
+        # A copy of its own: a slice of a larger buffer may be aligned otherwise on another layout,
+        # and BLAS kernels may round differently then; SOAP amplifies that where a factor has equal
+        # eigenvalues (its basis there is anyone's), so the same bits need the same alignment.
+        g = plan.to_view(grad.clone())
         computed = sum(d is not None for d in plan.sides)
         if calls == 1:
             accumulate_(self.factors, g, shampoo_beta(group))
