@@ -290,3 +290,26 @@ def test_non_finite_factors_keep_their_bases_counted_and_warned(world, world_siz
         assert kept == [0, 0, 2, 2, 4] and stats == [0, 0, 2, 0, 2]
         assert len(warned) == 2 and "2 factor(s)" in warned[0]
         assert all(torch.isfinite(q).all() for q in bases)
+
+
+# --- host reads: one per step (the agreement), one more where bases are built or refreshed --------
+
+
+def _reads(steps):
+    from vescale_optim.shard.host_reads import host_reads
+
+    model, opt = build(spec=[(list(range(len(SHAPES))), dict(precondition_frequency=3))])
+    found = []
+    for t in range(steps):
+        opt.zero_grad()
+        model([rank_grad(t, i, s, opt.rank, opt.world_size) for i, s in enumerate(SHAPES)]).backward()
+        with host_reads() as reads:
+            opt.step()
+        found.append(len(reads))
+    return found[1:]  # the first step also agrees the order of reductions (Python objects, once a run)
+
+
+def test_a_step_reads_once_and_a_step_that_builds_or_refreshes_bases_twice(world):
+    # calls 2 to 5 are Adam steps 1 to 4: the bases are refreshed after the third
+    for found in world(2).run(_reads, STEPS):
+        assert found == [1, 1, 2, 1], found

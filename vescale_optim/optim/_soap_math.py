@@ -125,6 +125,10 @@ def _finite_or_eye(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(ok, m, torch.eye(m.shape[0], dtype=m.dtype, device=m.device)), ok
 
 
+def _device(factors: Sequence[torch.Tensor | None]) -> torch.device | None:
+    return next((f.device for f in factors if f is not None), None)
+
+
 def _eigenvectors(m: torch.Tensor) -> torch.Tensor | None:
     """Eigenvectors of `m + 1e-30 I` by descending eigenvalue, in fp32, else float64 (eigh may fail
     to converge in fp32), else None."""
@@ -155,7 +159,7 @@ def initial_bases_(
         ok = ok & torch.isfinite(found).all()
         q.copy_(torch.where(ok, found, q.float()))
         kept = (~ok).long() if kept is None else kept + (~ok).long()
-    return kept if kept is not None else torch.zeros((), dtype=torch.long)
+    return kept if kept is not None else torch.zeros((), dtype=torch.long, device=_device(factors))
 
 
 def refresh_bases_(
@@ -179,7 +183,9 @@ def refresh_bases_(
         q.copy_(torch.where(ok, found, o))
         exp_avg_sq = exp_avg_sq.index_select(k, order)
         kept = (~ok).long() if kept is None else kept + (~ok).long()
-    return exp_avg_sq, kept if kept is not None else torch.zeros((), dtype=torch.long)
+    return exp_avg_sq, kept if kept is not None else torch.zeros(
+        (), dtype=torch.long, device=exp_avg_sq.device
+    )
 
 
 def adam_direction_(

@@ -83,7 +83,8 @@ class ParamState:
         computed = sum(d is not None for d in plan.sides)
         if calls == 1:
             accumulate_(self.factors, g, shampoo_beta(group))
-            return None, initial_bases_(bases, self.factors), computed
+            kept = initial_bases_(bases, self.factors)
+            return None, kept if computed else torch.zeros((), dtype=torch.long, device=g.device), computed
         work = [None if q is None else q.float() for q in bases]
         first, second = self.moments[EXP_AVG.name], self.moments[EXP_AVG_SQ.name]
         exp_avg, exp_avg_sq = plan.to_view(first.decode()), plan.to_view(second.decode())
@@ -92,7 +93,7 @@ class ParamState:
         if group["normalize_grads"]:
             update = normalized(update)
         accumulate_(self.factors, g, shampoo_beta(group))
-        kept = torch.zeros((), dtype=torch.long)
+        kept = torch.zeros((), dtype=torch.long, device=g.device)
         if refreshes(group, calls - 1) and computed:
             unrotated = rotate(exp_avg, work, back=True)
             exp_avg_sq, kept = refresh_bases_(bases, self.factors, exp_avg_sq)
@@ -128,7 +129,7 @@ class SegmentSoap:
 
     def _run(self, i: int, grad: torch.Tensor, calls: int) -> torch.Tensor | None:
         update, kept, computed = self.states[i].step(grad, calls, self.seg.group)
-        self.kept = self.kept + kept.to(grad.device)
+        self.kept = self.kept + kept
         self.bases += computed
         return update
 
