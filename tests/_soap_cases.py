@@ -24,9 +24,18 @@ SHAPES = [(10, 7), (8, 3, 2), (13,), (5, 12), (1, 6), (6,), (4, 3, 2, 5), (21, 1
 MIXED = [
     ([0, 1, 2, 7], dict(max_precond_dim=12, precondition_frequency=2, weight_decay=0.1)),
     ([3, 4, 5], dict(precondition_frequency=3, precondition_1d=True, shampoo_beta=0.9, betas=(0.9, 0.99))),
-    ([6], dict(merge_dims=True, max_precond_dim=12, data_format="channels_last", normalize_grads=True,
-               correct_bias=False, precondition_frequency=1)),
-]  # fmt: skip
+    (
+        [6],
+        dict(
+            merge_dims=True,
+            max_precond_dim=12,
+            data_format="channels_last",
+            normalize_grads=True,
+            correct_bias=False,
+            precondition_frequency=1,
+        ),
+    ),
+]
 COMMON = dict(lr=0.01)
 STEPS = 5
 # Against the reference (a different order of floating-point operations: moments carried every

@@ -22,10 +22,19 @@ import math
 import torch
 
 DEFAULTS = dict(
-    lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1, eps=1e-8, weight_decay=0.01, precondition_frequency=10,
-    max_precond_dim=10000, merge_dims=False, precondition_1d=False, normalize_grads=False,
-    data_format="channels_first", correct_bias=True,
-)  # fmt: skip
+    lr=3e-3,
+    betas=(0.95, 0.95),
+    shampoo_beta=-1,
+    eps=1e-8,
+    weight_decay=0.01,
+    precondition_frequency=10,
+    max_precond_dim=10000,
+    merge_dims=False,
+    precondition_1d=False,
+    normalize_grads=False,
+    data_format="channels_first",
+    correct_bias=True,
+)
 
 
 def merge(shape, limit):

@@ -44,11 +44,24 @@ def _one_process(cls, shapes, steps, **hyper):
 
 AUTHORS_CASES = [
     dict(lr=0.01, precondition_frequency=3, max_precond_dim=9),
-    dict(lr=0.01, precondition_frequency=2, merge_dims=True, max_precond_dim=12, precondition_1d=True,
-         data_format="channels_last"),
-    dict(lr=0.01, precondition_frequency=1, normalize_grads=True, correct_bias=False, shampoo_beta=0.9,
-         betas=(0.9, 0.99), weight_decay=0.1),
-]  # fmt: skip
+    dict(
+        lr=0.01,
+        precondition_frequency=2,
+        merge_dims=True,
+        max_precond_dim=12,
+        precondition_1d=True,
+        data_format="channels_last",
+    ),
+    dict(
+        lr=0.01,
+        precondition_frequency=1,
+        normalize_grads=True,
+        correct_bias=False,
+        shampoo_beta=0.9,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+    ),
+]
 
 
 @pytest.mark.parametrize("hyper", AUTHORS_CASES)
@@ -76,11 +89,15 @@ def _cases(draw):
         st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple), min_size=1, max_size=3)
     )
     hyper = dict(
-        lr=0.01, max_precond_dim=draw(st.integers(1, 12)), merge_dims=draw(st.booleans()),
-        precondition_1d=draw(st.booleans()), precondition_frequency=draw(st.integers(1, 3)),
+        lr=0.01,
+        max_precond_dim=draw(st.integers(1, 12)),
+        merge_dims=draw(st.booleans()),
+        precondition_1d=draw(st.booleans()),
+        precondition_frequency=draw(st.integers(1, 3)),
         data_format=draw(st.sampled_from(["channels_first", "channels_last"])),
-        normalize_grads=draw(st.booleans()), correct_bias=draw(st.booleans()),
-    )  # fmt: skip
+        normalize_grads=draw(st.booleans()),
+        correct_bias=draw(st.booleans()),
+    )
     return shapes, hyper, draw(st.integers(1, 5))
 
 

@@ -105,10 +105,18 @@ def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     )  # fmt: skip
 
 
+def make_soap(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Sharded SOAP with the authors' defaults (lr 3e-3, betas (0.95, 0.95), bases refreshed every 10
+    steps), weight decay 0.1 on matrices only."""
+    lr = cfg.lr if cfg.lr is not None else 3e-3
+    return vo.SOAP(decay_groups(model, 0.1), lr=lr, **sharding(model, cfg))
+
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw": make_adamw,
     "muon": make_muon,
     "shampoo": make_shampoo,
+    "soap": make_soap,
 }
 
 

@@ -114,8 +114,9 @@ class SegmentSoap:
     def __init__(self, seg: Segment, plans: list[Plan], moves: SegmentMoves, factor_dtype: torch.dtype):
         self.seg, self.plans, self.moves = seg, plans, moves
         codec, device = state_tiers.codec_of(seg.tier), seg.local_params.device
-        self.states = {i: ParamState(plans[i], codec, factor_dtype, device)
-                       for i in [*moves.local, *moves.arriving]}  # fmt: skip
+        self.states = {
+            i: ParamState(plans[i], codec, factor_dtype, device) for i in [*moves.local, *moves.arriving]
+        }
         self.kept: torch.Tensor | int = 0
         self.bases = 0
 

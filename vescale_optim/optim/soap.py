@@ -97,11 +97,19 @@ class SOAP(ShardedOptimizer):
         **sharding: Any,
     ):
         defaults = dict(
-            lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas, shampoo_beta=shampoo_beta,
-            eps=eps, weight_decay=weight_decay, precondition_frequency=precondition_frequency,
-            max_precond_dim=max_precond_dim, merge_dims=merge_dims, precondition_1d=precondition_1d,
-            normalize_grads=normalize_grads, data_format=data_format, correct_bias=correct_bias,
-        )  # fmt: skip
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
+            shampoo_beta=shampoo_beta,
+            eps=eps,
+            weight_decay=weight_decay,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim,
+            merge_dims=merge_dims,
+            precondition_1d=precondition_1d,
+            normalize_grads=normalize_grads,
+            data_format=data_format,
+            correct_bias=correct_bias,
+        )
         check_hyperparameters(defaults)
         check_params_arg(params)
         state_tiers.check_state_bits(state_bits)
@@ -145,12 +153,25 @@ class SOAP(ShardedOptimizer):
         segs = [seg for seg in runtime.segments if seg.tier != FROZEN]
         plans = [[Plan.of(tuple(p.shape), seg.group) for p in seg.params] for seg in segs]
         work = [param_items(seg, ps) for seg, ps in zip(segs, plans)]
-        plan = plan_owners(work, runtime.topology, runtime.dp.rank, slack=_SLACK, tolerate=_TOLERATE,
-                           sources=[seg.counts for seg in segs])  # fmt: skip
-        self._work = {id(seg): SegmentSoap(seg, ps, moves, self.factor_dtype)
-                      for seg, ps, moves in zip(segs, plans, plan.segments)}  # fmt: skip
+        plan = plan_owners(
+            work,
+            runtime.topology,
+            runtime.dp.rank,
+            slack=_SLACK,
+            tolerate=_TOLERATE,
+            sources=[seg.counts for seg in segs],
+        )
+        self._work = {
+            id(seg): SegmentSoap(seg, ps, moves, self.factor_dtype)
+            for seg, ps, moves in zip(segs, plans, plan.segments)
+        }
         self.refresh_work, self.native_refresh_work = tuple(plan.loads), tuple(plan.home_loads)
         self.moved_params = plan.moved
+
+    def owned_plans(self) -> list[Plan]:
+        """The view of each parameter this rank owns (keeps the factors, bases and moments of):
+        `shape`, `view`, `sides` (a factor's side per dimension of the view, None where not rotated)."""
+        return [work.plans[i] for work in self._work.values() for i in work.states]
 
     def _plans_by_index(self) -> dict[int, Plan]:
         """Each parameter's plan by its index in the state dicts."""
