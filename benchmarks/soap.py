@@ -29,6 +29,7 @@ parameter view's refresh timed once, each rank's sum).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -57,6 +58,18 @@ PRELOAD = ["benchmarks.soap"]
 HYPER = dict(lr=3e-3, weight_decay=0.01)
 A_NUMBERS = ["step ms", "vs ours", "max |dp|"]
 B_NUMBERS = ["step s", "vs reference", "state MiB / rank", "refresh s / rank", "refresh max/mean"]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Timed in one intra-op thread: on a shared CPU, LAPACK's threads waiting for each other make a
+    QR a hundred times slower than alone (measured 244 ms against 4 ms at 256 x 256, load 20 on 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _reference_cls(name: str):
@@ -274,14 +287,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     cfg = QUICK if args.quick else FULL
     steps, scale = (2, 16) if args.quick else (args.steps, args.scale)
-    a = part_a(cfg, steps)
+    with one_thread():
+        a = part_a(cfg, steps)
     numel = sum(p.numel() for p in shaped_gpt(cfg).parameters())
     print(f"A. One process: {numel:,} parameters, bases refreshed every step\n")
     print(table(a))
     b, threads = part_b(cfg, args.world_size, args.warmup, steps)
     print(f"\nB. {args.world_size} gloo ranks, bases refreshed every 2 steps\n")
     print(table(b))
-    c = part_c(scale, (4, 8))
+    with one_thread():
+        c = part_c(scale, (4, 8))
     print(f"\nC. Owners' refresh work on llama3-8b's parameters, every dimension / {scale}\n")
     print(table(c))
     require_finite(a, A_NUMBERS)
