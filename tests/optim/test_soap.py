@@ -184,6 +184,24 @@ def test_zero3_and_hsdp_equal_one_process_bit_for_bit(world, layout, world_size)
         assert_same_state(one["state"], res["state"])
 
 
+def _inside_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, opt = build()
+    ddp = DDP(model)  # averages the whole gradient on every rank: the optimizer takes ZeRO-1's part
+    for t in range(STEPS):
+        opt.zero_grad()
+        ddp([rank_grad(t, i, s, opt.rank, opt.world_size) for i, s in enumerate(SHAPES)]).backward()
+        opt.step()
+    return [v.clone() for v in model.state_dict().values()]
+
+
+def test_inside_ddp_equals_one_process_bit_for_bit(world):
+    one = world(1).run(run)[0]
+    for got in world(2).run(_inside_ddp):
+        assert all(torch.equal(a, b) for a, b in zip(got, one["params"]))
+
+
 def _refreshes(steps):
     model, opt = build()
     counted = []
