@@ -175,6 +175,18 @@ def test_zero2_equals_the_reference_and_one_process_bit_for_bit(world, world_siz
     assert max(results[0]["work"]) <= 1.1 * sum(results[0]["work"]) / world_size + largest
 
 
+@settings(max_examples=6)
+@given(_cases())
+def test_any_shapes_and_options_give_the_same_bits_on_three_ranks(world, case):
+    # generated here, run on the ranks: ZeRO-3 (each parameter a unit of its own) against one process
+    shapes, hyper, steps = case
+    spec = [(list(range(len(shapes))), hyper)]
+    one = world(1).run(run, spec=spec, steps=steps, shapes=shapes)[0]
+    for res in world(3).run(run, spec=spec, steps=steps, layout="zero3", shapes=shapes):
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], one["params"]))
+        assert_same_state(one["state"], res["state"])
+
+
 @pytest.mark.parametrize("layout, world_size", [("zero3", 3), ("hsdp", 4)])
 def test_zero3_and_hsdp_equal_one_process_bit_for_bit(world, layout, world_size):
     one = world(1).run(run)[0]
