@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.lr,
         help="peak LR (default %(default)s: each optimizer's own (adamw 3e-3; muon 0.02 for matrices, 3e-3 "
-        "for the rest; shampoo and soap 3e-3))",
+        "for the rest; shampoo 3e-3; soap 1e-2))",
     )
     add("--warmup", type=int, default=d.warmup, help="linear warmup steps before the cosine")
     add("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip")
