@@ -360,3 +360,14 @@ def test_a_step_reads_once_and_a_step_that_builds_or_refreshes_bases_twice(world
     # calls 2 to 5 are Adam steps 1 to 4: the bases are refreshed after the third
     for found in world(2).run(_reads, STEPS):
         assert found == [1, 1, 2, 1], found
+
+
+def test_a_non_finite_first_gradient_keeps_the_identity_basis():
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = vo.SOAP([p])
+    p.grad = torch.full((3, 4), float("nan"))
+    with pytest.warns(UserWarning, match="kept the previous eigenbasis of 2 factor"):
+        opt.step()
+    bases = opt.state_dict()["state"][0]["Q"]
+    assert torch.equal(bases[0], torch.eye(3)) and torch.equal(bases[1], torch.eye(4))
+    assert opt.kept_bases == 2 and opt.step_stats["kept_bases"] == 2

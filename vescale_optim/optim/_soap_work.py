@@ -10,6 +10,7 @@ lie on several ranks (or any, under HSDP's replicas) travels there as the owner 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -58,12 +59,10 @@ class ParamState:
 
     def __init__(self, plan: Plan, codec, factor_dtype: torch.dtype, device: torch.device):
         self.plan = plan
-        new = lambda d: None if d is None else torch.zeros(d, d, dtype=factor_dtype, device=device)  # noqa: E731
-        self.factors = [new(d) for d in plan.sides]
-        self.bases = [new(d) for d in plan.sides]
-        numel = 1
-        for n in plan.shape:
-            numel *= n
+        kw = dict(dtype=factor_dtype, device=device)
+        self.factors = [None if d is None else torch.zeros(d, d, **kw) for d in plan.sides]
+        self.bases = [None if d is None else torch.eye(d, **kw) for d in plan.sides]  # kept if eigh fails
+        numel = math.prod(plan.shape)
         self.moments = {s.name: state_tiers.Kept(codec, s, numel, device) for s in (EXP_AVG, EXP_AVG_SQ)}
 
     def step(
@@ -81,10 +80,10 @@ class ParamState:
         # eigenvalues (its basis there is anyone's), so the same bits need the same alignment.
         g = plan.to_view(grad.clone())
         computed = sum(d is not None for d in plan.sides)
+        kept = torch.zeros((), dtype=torch.long, device=g.device)
         if calls == 1:
             accumulate_(self.factors, g, shampoo_beta(group))
-            kept = initial_bases_(bases, self.factors)
-            return None, kept if computed else torch.zeros((), dtype=torch.long, device=g.device), computed
+            return None, initial_bases_(bases, self.factors) if computed else kept, computed
         work = [None if q is None else q.float() for q in bases]
         first, second = self.moments[EXP_AVG.name], self.moments[EXP_AVG_SQ.name]
         exp_avg, exp_avg_sq = plan.to_view(first.decode()), plan.to_view(second.decode())
@@ -93,7 +92,6 @@ class ParamState:
         if group["normalize_grads"]:
             update = normalized(update)
         accumulate_(self.factors, g, shampoo_beta(group))
-        kept = torch.zeros((), dtype=torch.long, device=g.device)
         if refreshes(group, calls - 1) and computed:
             unrotated = rotate(exp_avg, work, back=True)
             exp_avg_sq, kept = refresh_bases_(bases, self.factors, exp_avg_sq)

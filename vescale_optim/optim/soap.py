@@ -186,15 +186,15 @@ class SOAP(ShardedOptimizer):
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> Move | None:
         group, work = seg.group, self._work[id(seg)]
-        calls = [s for s, a in zip(seg.steps, seg.active) if a]
-        self._due |= any(c == 1 or refreshes(group, c - 1) for c in calls)  # the same on every rank
+        rotated = [count for count, a, plan in zip(seg.steps, seg.active, work.plans) if a and plan.rotated]
+        self._due |= any(c == 1 or refreshes(group, c - 1) for c in rotated)  # the same on every rank
 
         def apply(update: torch.Tensor) -> None:
             p, decay = seg.local_params, float(group["lr"]) * group["weight_decay"]
-            for i, calls in enumerate(seg.steps):
+            for i, count in enumerate(seg.steps):
                 lo, hi = seg.local_range(i)
-                if seg.active[i] and calls > 1 and hi > lo:
-                    p[lo:hi].add_(update[lo:hi], alpha=-step_size(group, calls - 1))
+                if seg.active[i] and count > 1 and hi > lo:
+                    p[lo:hi].add_(update[lo:hi], alpha=-step_size(group, count - 1))
                     if decay > 0:
                         p[lo:hi].add_(p[lo:hi], alpha=-decay)
 
