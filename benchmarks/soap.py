@@ -3,7 +3,7 @@ evenly the owners share the refresh work on Llama's shapes.
 
 A, one process: `vo.SOAP` and the reference (`tests/_soap_reference.py`, written from the published
 algorithm; with `SOAP_REFERENCE_PY=/path/to/soap.py` the authors' file too) step the parameters of a
-GPT-like model (`benchmarks._gpt`) with the same fixed gradients, bases refreshed every step
+GPT-like model (`benchmarks._gpt`) with the same fixed gradients, stepped in turn, bases refreshed every step
 (`precondition_frequency=1`): the median step time after the first (which only builds the
 preconditioner) and the largest parameter difference from ours after the last step.
 
@@ -86,35 +86,33 @@ def _reference_cls(name: str):
 
 
 def part_a(cfg: dict, steps: int) -> list[dict]:
+    """Every optimizer over its own copy of the model, stepped in turn (so a load that changes during
+    the run weighs on each alike)."""
     from _soap_cases import authors_soap
 
     names = ["vo.SOAP", "reference"] + (["authors' soap.py"] if authors_soap() else [])
-    results = {}
+    runs = {}
     for name in names:
-        model = shaped_gpt(cfg)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in shaped_gpt(cfg).parameters() if p.requires_grad]
         cls = vo.SOAP if name == "vo.SOAP" else _reference_cls(name)
-        opt = cls(params, precondition_frequency=1, **HYPER)
-        g = torch.Generator().manual_seed(0)
-        grads = [[torch.randn(p.shape, generator=g) * 0.01 for p in params] for _ in range(2)]
-        times = []
-        for t in range(steps + 1):
+        runs[name] = (params, cls(params, precondition_frequency=1, **HYPER), [])
+    g = torch.Generator().manual_seed(0)
+    shapes = [p.shape for p in runs["vo.SOAP"][0]]
+    grads = [[torch.randn(shape, generator=g) * 0.01 for shape in shapes] for _ in range(2)]
+    for t in range(steps + 1):
+        for params, opt, times in runs.values():
             for p, grad in zip(params, grads[t % 2]):
                 p.grad = grad.clone()
             start = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - start)
-        results[name] = (statistics.median(times[1:]), [p.detach().clone() for p in params])
-    ours_s, ours = results["vo.SOAP"]
-    return [
-        {
-            "optimizer": name,
-            "step ms": 1e3 * s,
-            "vs ours": s / ours_s,
-            "max |dp|": max(float((a - b).abs().max()) for a, b in zip(ps, ours)),
-        }
-        for name, (s, ps) in results.items()
-    ]
+    ours_s, ours = statistics.median(runs["vo.SOAP"][2][1:]), runs["vo.SOAP"][0]
+    rows = []
+    for name, (params, _, times) in runs.items():
+        s = statistics.median(times[1:])  # the first step only builds the preconditioner
+        diff = max(float((a - b).detach().abs().max()) for a, b in zip(params, ours))
+        rows.append({"optimizer": name, "step ms": 1e3 * s, "vs ours": s / ours_s, "max |dp|": diff})
+    return rows
 
 
 # --- B: W ranks -------------------------------------------------------------------------------
