@@ -15,7 +15,7 @@ median `step` (wall clock of the slowest rank after a barrier, the all-reduce in
 the optimizer state the busiest rank holds; `refresh s` the busiest rank's time to refresh the bases it
 owns (each rank times its own, one rank at a time: `SOAP.owned_plans`, the factor math of
 `_soap_math` on tensors of those shapes) and `refresh max/mean`; `moved` the parameters that travel to
-their owners each step.
+their owners each step; `cost max/mean` the same balance by the cost model (`opt.refresh_work`).
 
 C, no processes: llama3-8b's parameters (`benchmarks/model_shapes.py`), every dimension and
 `max_precond_dim` divided by `--scale` so a CPU can time them, as owner work balanced over W ranks as
@@ -121,7 +121,8 @@ def part_a(cfg: dict, steps: int) -> list[dict]:
 def refresh_seconds(plans: list[Plan], repeats: int = 1) -> float:
     """Seconds to refresh the bases of parameters of these views once (the factor math of a refresh
     step: sort, power iteration, QR, the second moment permuted, the first carried into the new
-    bases), on tensors of their shapes, the median of `repeats`."""
+    bases), on tensors of their shapes, the fastest of `repeats` (on a shared machine, the others
+    are the same work slowed by other jobs)."""
     total = 0.0
     for plan in plans:
         if not plan.rotated:
@@ -144,7 +145,7 @@ def refresh_seconds(plans: list[Plan], repeats: int = 1) -> float:
             refresh_bases_(qs, factors, v)
             rotate(back, qs)
             times.append(time.perf_counter() - start)
-        total += statistics.median(times)
+        total += min(times)
     return total
 
 
@@ -190,12 +191,13 @@ def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int)
     for turn in range(world):  # one rank at a time: its own refreshes, timed alone
         dist.barrier()
         if turn == rank:
-            refresh = refresh_seconds(plans, repeats=3)
+            refresh = refresh_seconds(plans, repeats=5)
     return {
         "times": times,
         "state": _state_bytes(opt),
         "refresh": refresh,
         "moved": opt.moved_params if config == "sharded" else 0,
+        "cost": opt.refresh_work if config == "sharded" else (1.0,) * world,
         "params": [p.detach().clone() for p in params] if rank == 0 else None,
         "numel": sum(p.numel() for p in params),
     }
@@ -227,6 +229,7 @@ def part_b(cfg: dict, world: int, warmup: int, steps: int) -> tuple[list[dict], 
                 "state MiB / rank": max(r["state"] for r in results) / 2**20,
                 "refresh s / rank": max(refresh),
                 "refresh max/mean": _ratio(refresh),
+                "cost max/mean": _ratio(results[0]["cost"]),
                 "moved": results[0]["moved"],
                 "max |dp|": diff,
             }
@@ -254,7 +257,7 @@ def part_c(scale: int, worlds: tuple[int, ...]) -> list[dict]:
     for p in plans:
         key = (p.shape, p.sides)
         if key not in timed:
-            timed[key] = refresh_seconds([p], repeats=3)
+            timed[key] = refresh_seconds([p], repeats=5)
     seconds = [timed[p.shape, p.sides] for p in plans]
     rows = []
     for world in worlds:
