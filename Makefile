@@ -19,6 +19,7 @@ setup: $(STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: setup lint
 	$(PY) -m pytest -q tests

@@ -6,32 +6,23 @@
     meter.take()                      # {"exposed_s", "calls": {kind: n}, "sent": {kind: bytes},
                                       #  "sent_where": {where: bytes}, "sent_by": {"where kind": bytes}}
 
-Exposed time is the wall time the calling thread spends inside a collective call (issuing
-an asynchronous one, or all of a synchronous one) or waiting for one (`Work.wait()`, the
-functional collectives' `wait_tensor`, which DTensor uses). A collective that runs on
-gloo's threads while the caller computes costs nothing here: that part is overlapped.
-Calls nested in a measured call count once, as the outer one.
+Exposed time is the wall time the calling thread spends inside a collective call (issuing an
+asynchronous one, or all of a synchronous one) or waiting for one (`Work.wait()`, the functional
+collectives' `wait_tensor`); a collective gloo runs on its threads while the caller computes costs
+nothing here. Calls nested in a measured call count once, as the outer one.
 
-`sent` is what this rank sends, averaged over the ranks of the call's group (of size n),
-under a bandwidth-optimal algorithm: all-gather and reduce-scatter (n-1)/n of the full
-buffer, all-reduce 2(n-1)/n, broadcast (n-1)/n (pipelined), all-to-all what leaves the
-rank. Kinds are what the caller asked for; gloo runs some of them as others (its
-reduce-scatter is an all-reduce), which only the caller's choice of kind shows.
+`sent` is what this rank sends, averaged over the ranks of the call's group (of n), under a
+bandwidth-optimal algorithm: all-gather and reduce-scatter (n-1)/n of the full buffer, all-reduce
+2(n-1)/n, broadcast (n-1)/n, all-to-all what leaves the rank; kinds are what the caller asked for
+(gloo runs some as others). `where` places the bytes on a replicate x shard layout (`replica_of`):
+`inside` the rank's replica, `across` replicas, `mixed` (a group spanning both: not guessed),
+`unknown` (a group given by name); an all-to-all is split peer by peer.
 
-`where` places the bytes on a replicate x shard layout (`replica_of`; without it there
-is one replica): `inside` when every rank of the call's group is in this rank's replica
-(its shard group), `across` when every other rank of the group is in another replica (a
-replicate group), `mixed` otherwise (a group spanning both, e.g. the world: the split
-then depends on the algorithm, so it is not guessed), and `unknown` for a group given by
-name. All-to-all is split exactly, peer by peer.
-
-The wrapped entry points: the public collectives of `torch.distributed` (module attributes,
-looked up at call time by FSDP2 and `vescale_optim`), `torch.distributed.Work.wait`, and
-the functional collectives' issue and wait functions (module attributes of
-`torch.distributed._functional_collectives`, which DTensor calls: torch-private, the one
-private surface a benchmark still touches, since nothing public sees DTensor's collectives
-without slowing every op; a name that moved fails `install()`). A collective issued below
-these (an ATen op called directly) is not seen.
+Wrapped: the public collectives of `torch.distributed` (module attributes, looked up at call time
+by FSDP2 and `vescale_optim`), `Work.wait`, and the functional collectives' issue and wait
+functions (`torch.distributed._functional_collectives`, which DTensor calls: torch-private, the one
+private surface a benchmark touches, since nothing public sees DTensor's collectives without
+slowing every op; a name that moved fails `install()`). A collective issued below these is not seen.
 """
 
 from __future__ import annotations
@@ -43,8 +34,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-__all__ = ["CommMeter", "group_ranks"]
 
 
 def _nbytes(t) -> int:
@@ -158,8 +147,8 @@ class CommMeter:
         if self.replica_of is None:
             return "inside"
         me = self.replica_of[dist.get_rank()]
-        others = [self.replica_of[r] for r in ([ranks[peer]] if peer is not None else ranks)
-                  if r != dist.get_rank()]  # fmt: skip
+        among = [ranks[peer]] if peer is not None else ranks
+        others = [self.replica_of[r] for r in among if r != dist.get_rank()]
         if all(r == me for r in others):
             return "inside"
         return "across" if all(r != me for r in others) else "mixed"
@@ -216,8 +205,8 @@ class CommMeter:
 
     def take(self) -> dict:
         """What was measured since the last `take()`, and start again."""
-        out = {"exposed_s": self.exposed_s, "calls": dict(self.calls), "sent": dict(self.sent),
-               "sent_where": dict(self.sent_where), "sent_by": dict(self.sent_by)}  # fmt: skip
+        out = {"exposed_s": self.exposed_s, "calls": dict(self.calls), "sent": dict(self.sent)}
+        out.update(sent_where=dict(self.sent_where), sent_by=dict(self.sent_by))
         self.exposed_s = 0.0
         for c in (self.calls, self.sent, self.sent_where, self.sent_by):
             c.clear()

@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["COPY_OPS", "copies_by_path", "count_copies", "in_c10d", "outermost_copies", "written"]
-
 _ATEN = ("copy_", "_foreach_copy_", "clone", "_to_copy", "contiguous", "cat", "stack", "_chunk_cat")
 _ATEN += ("chunk_cat", "split_with_sizes_copy", "narrow_copy", "index_select")
 _FSDP = ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat")  # FSDP2's own copy ops
@@ -39,10 +37,8 @@ def _numel(shape) -> int:
     return n
 
 
-_LIST_OPS = frozenset(
-    {"aten::_foreach_copy_", "aten::cat", "aten::stack", "aten::_chunk_cat", "aten::chunk_cat",
-     "fsdp::all_gather_copy_in", "fsdp::chunk_cat"}
-)  # fmt: skip
+_LIST_OPS = {f"aten::{op}" for op in ("_foreach_copy_", "cat", "stack", "_chunk_cat", "chunk_cat")}
+_LIST_OPS = frozenset({*_LIST_OPS, "fsdp::all_gather_copy_in", "fsdp::chunk_cat"})
 
 
 def written(e) -> int:
@@ -98,8 +94,8 @@ def count_copies(prof, regions: list[str]) -> dict[str, dict]:
     for e in events:
         if e.name in regions:
             windows[e.name] = (e.time_range.start, e.time_range.end, e.thread)
-    out = {r: {"copies": 0, "elements": 0, "c10d_copies": 0, "c10d_elements": 0, "events": Counter()}
-           for r in regions}  # fmt: skip
+    counts = ("copies", "elements", "c10d_copies", "c10d_elements")
+    out = {r: {**dict.fromkeys(counts, 0), "events": Counter()} for r in regions}
     for e in outermost_copies(events):
         n = written(e)
         for region, (start, end, thread) in windows.items():

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from benchmarks._measure import load_average
 from benchmarks._report import host_line, pyplot, save_png, table
-from benchmarks._verdict import shown, time_note, verdict
+from benchmarks._verdict import shape_words, shown, time_note, verdict
 
-TIME = ["config", "train ms", "train x", "step ms", "step x", "update ms", "update x", "update % step",
-        "fwd ms", "bwd ms", "zero_grad ms", "stand-in ms", "stand-in % fwd",
-        "exposed comm ms", "MB sent", "copies", "own slice copies", "c10d copies",
-        "compute copies"]  # fmt: skip
-MEMORY = ["config", "peak live MB", "peak live x", "at step start MB", "peak at", "peak RSS MB",
-          "peak RSS x", "RSS-base MB", "loss first", "loss after", "|Δ loss|"]  # fmt: skip
+TIME = "config|train ms|train x|step ms|step x|update ms|update x|update % step|fwd ms|bwd ms|zero_grad ms"
+TIME = [*TIME.split("|"), "stand-in ms", "stand-in % fwd", "exposed comm ms", "MB sent", "copies"]
+TIME += ["own slice copies", "c10d copies", "compute copies"]
+MEMORY = "config|peak live MB|peak live x|at step start MB|peak at|peak RSS MB|peak RSS x|RSS-base MB"
+MEMORY = [*MEMORY.split("|"), "loss first", "loss after", "|Δ loss|"]
 COMM = ["config", "exposed fwd", "exposed bwd", "exposed step", "MB sent by kind (calls)"]
 BY = ["config", "peak live MB", "alive at the peak, MB by where it was allocated"]
-SCALING = ["config", "W", "peak live MB", "peak B/param", "at step start B/param",
-           "at step start B/param x W"]  # fmt: skip
+SCALING = [
+    "config",
+    "W",
+    "peak live MB",
+    "peak B/param",
+    "at step start B/param",
+    "at step start B/param x W",
+]
 PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
 
 
@@ -37,8 +42,7 @@ def _comm_row(r: dict) -> dict:
 def _by_row(r: dict) -> dict:
     by = sorted(r["peak by"].items(), key=lambda kv: -kv[1])
     shown = [f"{k} {v / 2**20:.3g}" for k, v in by if v >= 0.02 * r["peak live MB"] * 2**20]
-    return {"config": r["config"], "peak live MB": r["peak live MB"],
-            "alive at the peak, MB by where it was allocated": "; ".join(shown)}  # fmt: skip
+    return {"config": r["config"], "peak live MB": r["peak live MB"], BY[2]: "; ".join(shown)}
 
 
 def _goals(rows: list[dict]) -> dict[str, bool]:
@@ -48,10 +52,8 @@ def _goals(rows: list[dict]) -> dict[str, bool]:
             continue
         m, fam = r["model"], r["config"].removeprefix("ours Z3 ")
         if "peak live x" in r:
-            limit = PEAK_GOAL[m]
-            goals[f"{m} {fam}: peak live bytes <= {limit}x FSDP2 ({r['peak live x']:.3f}x)"] = (
-                r["peak live x"] <= limit
-            )
+            limit, x = PEAK_GOAL[m], r["peak live x"]
+            goals[f"{m} {fam}: peak live bytes <= {limit}x FSDP2 ({x:.3f}x)"] = x <= limit
         if "train x" in r:
             update = f"; its update alone {r['update x']:.3f}x" if "update x" in r else ""
             goals[f"{m} {fam}: train step <= 0.8x FSDP2 ({r['train x']:.3f}x)"] = r["train x"] <= 0.8
@@ -66,9 +68,8 @@ def _scaling_rows(scaling: list[tuple[int, list[dict]]]) -> list[dict]:
     for w, res in sorted(scaling, key=lambda s: (s[1][0]["config"], s[0])):
         n = res[0]["params"]
         peak, start = max(m["live_peak"] for m in res), max(m["live_start"] for m in res)
-        rows.append({"config": res[0]["config"], "W": w, "peak live MB": peak / 2**20,
-                     "peak B/param": peak / n, "at step start B/param": start / n,
-                     "at step start B/param x W": start / n * w})  # fmt: skip
+        row = {"config": res[0]["config"], "W": w, "peak live MB": peak / 2**20, "peak B/param": peak / n}
+        rows.append({**row, "at step start B/param": start / n, "at step start B/param x W": start / n * w})
     return rows
 
 
@@ -115,10 +116,9 @@ def _plot(rows: list[dict], scaling: list[dict], name: str):
 def _print_model(model: str, mine: list[dict], run: dict) -> None:
     shape, w, cuda = run["shapes"][model], run["world"], _on_cuda(run)
     backend = f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
-    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, "
-          f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
-          f"tokens/rank/step, W={w} ({backend}); {run['warmup']} warm-up + {run['steps']} interleaved "
-          f"steps, median of the slowest rank; x = vs FSDP2 with the same optimizer\n")  # fmt: skip
+    print(f"\n## {model}: {mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}, W={w} ({backend});")
+    print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank;")
+    print("x = vs FSDP2 with the same optimizer\n")
     print(f"{host_line(run['threads'])}\n")
     print(table(mine, shown(TIME, mine, run), floatfmt=".4g"))
     time_note(run, "exposed comm, update and copies", "fsdp.py")
@@ -129,14 +129,14 @@ def _print_model(model: str, mine: list[dict], run: dict) -> None:
     if "peak live MB" not in mine[0]:
         return
     if cuda:
-        print(f"\nmemory: torch.cuda.max_memory_allocated() over {run['memory_steps'] - 1} step(s) after the "
-              f"first, less what the rank held before the configuration; each config in turn in the same "
-              f"processes\n")  # fmt: skip
+        after = f"{run['memory_steps'] - 1} step(s) after the first"
+        print(f"\nmemory: torch.cuda.max_memory_allocated() over {after}, less what the rank held before the")
+        print("configuration; each config in turn in the same processes\n")
         print(table(mine, shown(MEMORY, mine, run), floatfmt=".4g"))
         return
     alone = "in turn in the same processes" if run.get("torchrun") else "alone in a fresh world"
-    print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and one after them, then "
-          f"one more for RSS, malloc={run['malloc']}; load average {load_average()}\n")  # fmt: skip
+    print(f"\nmemory: each config {alone}, {run['memory_steps']} profiled steps and one after them, then one")
+    print(f"more for RSS, malloc={run['malloc']}; load average {load_average()}\n")
     print(table(mine, MEMORY, floatfmt=".4g"))
     print(f"\nwhat is alive at the peak (rank with the highest peak); load average {load_average()}\n")
     print(table([_by_row(r) for r in mine], BY, floatfmt=".4g"))
@@ -150,8 +150,12 @@ def report(rows: list[dict], scaling: list, run: dict) -> dict:
         _print_model(model, [r for r in rows if r["model"] == model], run)
     scale = _scaling_rows(scaling)
     if scale:
-        print(f"\n## Peak live bytes per parameter, wide model, by world size; load average "
-              f"{load_average()}\n")  # fmt: skip
+        print(
+            f"\n## Peak live bytes per parameter, wide model, by world size; load average {load_average()}\n"
+        )
         print(table(scale, SCALING, floatfmt=".4g"))
-    return verdict("fsdp", rows, run, _goals(rows), f"ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}",
-                   "FSDP2", lambda name: _plot(rows, scale, name), scaling=scale)  # fmt: skip
+    goals_for, plot = (
+        f"ours ZeRO-3 vs FSDP2 with the same optimizer, W={w}",
+        lambda name: _plot(rows, scale, name),
+    )
+    return verdict("fsdp", rows, run, _goals(rows), goals_for, "FSDP2", plot, scaling=scale)

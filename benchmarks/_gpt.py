@@ -1,28 +1,18 @@
 """A small GPT-like model, learnable random batches and a local gloo launcher for benchmarks.
 
-    model = build_gpt()                          # ~34 M parameters: vocab 8192, d 512, 8 layers
     model = shaped_gpt(shape)                    # of a benchmark's shape dict (batch and seq left out)
-    param_count(model)                           # 33.8 M
+    model = build_gpt()                          # ~34 M parameters: vocab 8192, d 512, 8 layers
     x, y = random_batch(2, 64, 8192, seed=0)     # token ids [2, 64] and next-token targets
-    loss = model.loss(x, y)                      # mean cross-entropy
-    loss = gpt_loss(DDP(model), x, y)            # the same through a wrapper
+    loss = gpt_loss(DDP(model), x, y)            # model.loss(x, y), through a wrapper
     results = launch(fn, 4, arg1, arg2)          # fn(rank, world, arg1, arg2) on every rank
 
-The model is the demo's pre-norm decoder (`vescale_optim.demo.model.GPT`) at benchmark
-sizes: token + learned position embeddings, `n_layers` blocks of [LayerNorm, causal
-self-attention, LayerNorm, GELU MLP 4x], a final LayerNorm and an untied head.
-`model.blocks` is an `nn.ModuleList`, so FSDP-style wrappers can shard per block.
-Construction is seeded: the same arguments give the same weights in every process.
-
-`random_batch` draws sequences that a model can learn (each token is a fixed affine map of
-the previous one, with a little noise), so a working optimizer lowers the loss within a few
-steps and a broken one shows.
-
-`launch` starts `world_size` ranks (`vescale_optim.local_world`), each with
-`max(1, cpus // world_size)` intra-op threads (cpus = those this process may run on), in a gloo
-process group, and returns `[fn(0, world, *args), ..., fn(W-1, ...)]` with `.threads`, what
-`torch.get_num_threads()` said in each rank. Every call is a fresh set of processes, so
-per-process measurements (peak RSS) don't mix.
+The model is the demo's pre-norm decoder (`vescale_optim.demo.model.GPT`) at benchmark sizes,
+seeded (the same weights in every process); `model.blocks` is an `nn.ModuleList`, so wrappers can
+shard per block. `random_batch` draws sequences a model can learn (each token a fixed affine map of
+the previous one, with a little noise), so a working optimizer lowers the loss within a few steps.
+`launch` starts a fresh gloo world of `world_size` ranks, `max(1, cpus // world_size)` intra-op
+threads each, and returns their results by rank with `.threads` (what each rank's
+`torch.get_num_threads()` said): every call its own processes, so per-process peaks don't mix.
 """
 
 from __future__ import annotations
@@ -36,16 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vescale_optim.demo.model import GPT, GPTConfig
-from vescale_optim.local_world import cpus, run_local, threads_per_rank
-
-__all__ = ["GPT", "PEERS", "Ranks", "build_gpt", "cpus", "gpt_loss", "launch", "param_count", "random_batch",
-           "shaped_gpt", "threads_per_rank"]  # fmt: skip
+from vescale_optim.local_world import run_local, threads_per_rank
 
 # What the peers import on first use, imported once by the fork server instead of by every rank of
 # every world: `torch._dynamo` (DDP and FSDP2 pull it in; it takes seconds) is named here only to be
 # imported early, no benchmark reads or patches anything in it.
-PEERS = ["torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.optim",
-         "torch.nn.parallel", "torch.distributed.checkpoint", "vescale_optim"]  # fmt: skip
+PEERS = ["torch._dynamo", "torch.nn.parallel", "vescale_optim"]
+PEERS += [f"torch.distributed.{m}" for m in ("fsdp", "tensor", "optim", "checkpoint")]
 
 
 def param_count(model: nn.Module) -> int:
@@ -112,8 +99,9 @@ def _ranked(fn: Callable, args: tuple) -> tuple[int, Any]:
     return torch.get_num_threads(), result
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence[str] = (),
-           timeout: float | None = 3600.0) -> Ranks:  # fmt: skip
+def launch(
+    fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence = (), timeout=3600.0
+) -> Ranks:
     """Run `fn(rank, world_size, *args)` on a fresh local gloo world; return its results by rank.
 
     `fn` must be picklable (a module-level function) and its result too. The world is
@@ -121,8 +109,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequenc
     this module, `PEERS` and `preload` once (only the first world of a process starts it), a
     rank that raises fails the call with its traceback, and a call longer than `timeout`
     seconds kills the world and raises `TimeoutError`."""
-    out = run_local(_ranked, world_size, fn, args, timeout=timeout, threads=threads_per_rank(world_size),
-                    preload=[__name__, *PEERS, *preload], collective_timeout=900.0)  # fmt: skip
+    threads, preload = threads_per_rank(world_size), [__name__, *PEERS, *preload]
+    world = dict(timeout=timeout, threads=threads, preload=preload, collective_timeout=900.0)
+    out = run_local(_ranked, world_size, fn, args, **world)
     results = Ranks(r for _, r in out)
     results.threads = [t for t, _ in out]
     return results

@@ -1,6 +1,6 @@
-"""The library's own stages of `benchmarks/gpu_check.py`: one process without a process
-group (`single_gpu`), a world-1 group with the collectives forced (`zero3`, `delay`, `syncs`,
-`memory`, `meta`, `checkpoint`). Each fills a `Result` (see `_gpu_stages`)."""
+"""The library's own stages of `benchmarks/gpu_check.py` on a world-1 group with the collectives
+forced (`zero3`, `syncs`, `memory`, `meta`, `checkpoint`; `_gpu_async` has those that delay the
+device). Each fills a `Result` (see `_gpu_stages`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch, sleep_cycles
+from benchmarks._gpu_common import NEEDS_CUDA, SIZES, _torch
 from benchmarks._gpu_stages import Result
 
 # --- zero3 ----------------------------------------------------------------------------------------
@@ -22,19 +22,14 @@ from benchmarks._gpu_stages import Result
 def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
     """ZeRO-3 and ZeRO-2 on a world-1 group with the collectives forced, against torch.optim.
 
-    Bounds (fp32 parameters, 3 steps; 4 for Shampoo, whose roots start at step 2):
-    - AdamW 32-bit, Shampoo (fp64 roots): 1e-5. The gathered parameters are views of a flat
-      buffer and the gradients are averaged by a collective, so cuBLAS and the reduction may
-      round a gradient an ulp or two differently (relative 1e-7..1e-6); Adam's update
-      lr * m/(sqrt(v)+eps) moves by about that relative amount of lr per step.
-    - AdamW 8-bit vs fp32 torch.optim.AdamW: 2 * steps * lr. 8-bit moments are a different
-      algorithm; each of the two moves an element by at most about lr per step (|m/sqrt(v)|
-      <= 1 at the first step, about 1 after), so this bounds a broken update, not rounding.
-      8-bit state does not depend on the layout, so ZeRO-3 8-bit is also held to ZeRO-2
-      8-bit at 1e-5.
-    - Muon: steps * max adjusted lr * 2^-6. torch.optim.Muon runs Newton-Schulz in bf16 with
-      torch, ours with the Triton kernel on CUDA: outputs (|entries| < 1) may differ by a few
-      bf16 ulps (4 ulps = 2^-6), each moving a parameter by that times the adjusted lr.
+    Bounds (fp32 parameters, 3 steps; 4 for Shampoo, whose roots start at step 2): AdamW 32-bit and
+    Shampoo (fp64 roots) 1e-5: the parameters are views of a flat buffer and the gradients averaged
+    by a collective, so a gradient may round an ulp or two apart (relative 1e-7..1e-6), moving
+    Adam's update by about that share of lr a step. AdamW 8-bit against fp32 torch.optim.AdamW:
+    2 * steps * lr (another algorithm; each moves an element by at most about lr a step: this bounds
+    a broken update, not rounding); its state does not depend on the layout, so ZeRO-3 8-bit is held
+    to ZeRO-2 8-bit at 1e-5. Muon: steps * max adjusted lr * 2^-6 (bf16 Newton-Schulz, torch's
+    against the Triton kernel: outputs under 1 may differ by a few bf16 ulps, 4 ulps = 2^-6).
     """
     from benchmarks import _gpu_models as gm
     from vescale_optim.shard.handle import traced
@@ -45,12 +40,8 @@ def stage_zero3(r: Result, *, out: Path, mode: str) -> None:
     with gm.world_of_one(dev):
         base = gm.build(sz["dim"], sz["blocks"], dev)
         lr_adj = gm.muon_max_adjusted_lr(base)
-        tol = {
-            "adamw32": 1e-5,
-            "shampoo": 1e-5,
-            "adamw8": 2 * steps["adamw8"] * gm.ADAMW["lr"],
-            "muon": steps["muon"] * lr_adj * 2.0**-6,
-        }
+        tol = dict(adamw32=1e-5, shampoo=1e-5, adamw8=2 * steps["adamw8"] * gm.ADAMW["lr"])
+        tol["muon"] = steps["muon"] * lr_adj * 2.0**-6
         finals, rows = {}, []
         for kind in gm.KINDS:
             ref = gm.fresh_copy(base)
@@ -185,13 +176,14 @@ def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cud
     syncs, other = _sync_texts(caught)
     eigh = [t for t in syncs if _is_eigh(t)]
     counted = [t for t in syncs if not _is_eigh(t)]
-    found[name] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs, host_reads=reads,
-                       other_warnings=other)  # fmt: skip
+    found[name] = dict(syncs=len(counted), eigh_syncs=len(eigh), texts=syncs, host_reads=reads)
+    found[name]["other_warnings"] = other
     if goal is None:
         return
     if cuda:
         what = ("; ".join(counted) or "no synchronizing CUDA call") + (
-            f" (+{len(eigh)} in torch.linalg.eigh)" if eigh else "")  # fmt: skip
+            f" (+{len(eigh)} in eigh)" if eigh else ""
+        )
         r.check(name, len(counted) <= goal, measured=len(counted), bound=goal, detail=what)
         return
     r.skip(
@@ -202,149 +194,17 @@ def _count(r: Result, name: str, caught, reads: list[str], goal: int | None, cud
     r.check(f"{name}.host_reads", len(reads) <= goal, measured=len(reads), bound=goal, detail=what)
 
 
-# --- single_gpu, delay ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _sleepy_side_streams(torch, cycles: int):
-    """A device sleep of `cycles` queued on a side stream each time work is issued there
-    (the library's `Streams` contexts, patched here only): whatever is issued next on it (an
-    all-gather, a reduction or their local copies) lands late, and any reader not ordered after
-    it reads too early."""
-    from vescale_optim.units import streams
-
-    original = streams.Streams._on
-
-    @contextlib.contextmanager
-    def on(self, stream):
-        with original(self, stream):
-            if self.cuda:
-                torch.cuda._sleep(cycles)
-            yield
-
-    streams.Streams._on = on
-    try:
-        yield
-    finally:
-        streams.Streams._on = original
-
-
-def stage_single_gpu(r: Result, *, out: Path, mode: str) -> None:
-    """ZeRO-3 AdamW and Muon (and AdamW with reduce_bits=8) in one process with no process
-    group: what stands in for each collective is a copy on a side stream, which the compute
-    stream must wait for. Against torch.optim (bounds of `zero3`; 8-bit reduction: 2 x steps
-    x lr), plainly and with a device sleep of ~2 ms on the side streams before every
-    local copy (CPU: under the emulated asynchronous device, `delayed()`); the delayed run must
-    be the same bits as the plain one."""
-    torch = _torch()
-    import torch.distributed as dist
-
-    from benchmarks import _gpu_models as gm
-    from vescale_optim.shard.handle import delayed
-
-    dev, sz = gm.device_for(mode), SIZES[mode]
-    cuda = dev.type == "cuda"
-    if dist.is_initialized():
-        raise AssertionError("single_gpu runs without a process group")
-    steps = 3
-    base = gm.build(sz["dim"], sz["blocks"], dev)
-    tol = {"adamw32": 1e-5, "muon": steps * gm.muon_max_adjusted_lr(base) * 2.0**-6,
-           "adamw_reduce8": 2 * steps * gm.ADAMW["lr"]}  # fmt: skip
-    cycles = sleep_cycles(2.0) if cuda else 0
-    slow = "sleep" if cuda else "emulated"
-    rows = []
-    for kind in tol:
-        ref = gm.fresh_copy(base)
-        ref_kind = "adamw32" if kind == "adamw_reduce8" else kind
-        gm.train(ref, gm.make_reference(ref_kind, ref), range(steps), sz["batch"], dev)
-        want = gm.full_state(ref)
-        got = {}
-        for variant in ("plain", slow):
-            model = gm.fresh_copy(base)
-            extra = {"reduce_bits": 8} if kind == "adamw_reduce8" else {}
-            opt = gm.make_ours(ref_kind, model, "zero3", **extra)
-            ctx = (_sleepy_side_streams(torch, cycles) if cuda else delayed()) if variant != "plain" else (
-                contextlib.nullcontext())  # fmt: skip
-            with ctx:
-                gm.train(model, [opt], range(steps), sz["batch"], dev)
-                gm.synchronize(dev)
-            got[variant] = gm.full_state(model)
-            diff, where = gm.max_diff(got[variant], want)
-            rows.append(dict(optimizer=kind, variant=variant, max_abs_diff=diff, where=where))
-            what = f"max |param - torch.optim| after {steps} steps, no process group (at {where})"
-            r.check(f"{kind}.{variant}", diff <= tol[kind], measured=diff, bound=tol[kind], detail=what)
-        diff, where = gm.max_diff(got[slow], got["plain"])
-        r.check(f"{kind}.{slow}_bitwise", diff == 0, measured=diff, bound=0,
-                detail=f"the {slow} run against the plain one (at {where})")  # fmt: skip
-    if not cuda:
-        r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep on the side streams (rehearsed under delayed())")
-    r.measure(rows=rows, tolerances=tol, sleep_cycles=cycles, device=str(dev))
-    print(json.dumps(rows, indent=1))
-
-
-def stage_delay(r: Result, *, out: Path, mode: str) -> None:
-    """Every collective of a ZeRO-3 AdamW and Muon run on a world-1 group with the collectives
-    forced is preceded by ~2 ms of device sleep on the stream it is issued from
-    (`before_issue`; CPU: the emulated asynchronous device, `delayed()`): the trained
-    parameters must be the same bits as an undelayed run."""
-    torch = _torch()
-    from benchmarks import _gpu_models as gm
-    from vescale_optim.shard.handle import before_issue, delayed
-
-    dev, sz = gm.device_for(mode), SIZES[mode]
-    cuda = dev.type == "cuda"
-    found = {}
-    with gm.world_of_one(dev):
-        cycles = sleep_cycles(2.0) if cuda else 0
-        base = gm.build(sz["dim"], sz["blocks"], dev)
-        for kind in ("adamw32", "muon"):
-            got, counts = {}, {}
-            for variant in ("plain", "delayed"):
-                model = gm.fresh_copy(base)
-                opt = gm.make_ours(kind, model, "zero3")
-                count = [0]
-
-                def sleep(what: str, count=count) -> None:
-                    count[0] += 1
-                    torch.cuda._sleep(cycles)
-
-                if variant == "plain":
-                    ctx = contextlib.nullcontext()
-                else:
-                    ctx = before_issue(sleep) if cuda else delayed()
-                with ctx as held:
-                    gm.train(model, [opt], range(3), sz["batch"], dev)
-                    gm.synchronize(dev)
-                counts[variant] = count[0] if cuda else getattr(held, "held_at_wait", 0)
-                got[variant] = gm.full_state(model)
-            diff, where = gm.max_diff(got["delayed"], got["plain"])
-            found[kind] = dict(max_abs_diff=diff, where=where, delayed=counts["delayed"])
-            how = "each after ~2 ms of _sleep" if cuda else "held back until waited for (delayed())"
-            what = f"{counts['delayed']} collectives {how}; at {where}"
-            ok = diff == 0 and counts["delayed"] > 0
-            r.check(f"{kind}.bitwise", ok, measured=diff, bound=0, detail=what)
-    if not cuda:
-        r.skip("sleep", f"{NEEDS_CUDA}: torch.cuda._sleep before every collective (rehearsed: delayed())")
-    r.measure(**found, sleep_cycles=cycles, device=str(dev))
-    print(json.dumps(found, indent=1))
-
-
 # --- memory ---------------------------------------------------------------------------------------
 
 
 def stage_memory(r: Result, *, out: Path, mode: str) -> None:
-    """Peak allocated bytes of a warm ZeRO-3 AdamW step against the prediction.
-
-    World 1: the shards are whole. Between steps a rank holds what `memory_stats()` says
-    (parameters, gradients, state; `unsharded` 0). During the step: plus the activations and
-    the gradients a plain torch model would hold (measured: `plain`, the same forward and
-    backward without the library), plus the library's transient buffers: at most four
-    unit-sized buffers in backward (docs/guide.md: the computing unit's parameters and gradient
-    buffer, the next unit's parameters, prefetched without waiting for the reduce-scatter in
-    flight, and the gradient buffer being reduced) and the outermost unit's parameters and
-    gradient buffer. Bounds: peak >= persistent + the largest unit (a gather must allocate it);
-    peak <= persistent + plain + 4 x largest block + 2 x outermost + 128 MiB
-    (cuBLAS workspaces, the reduction's staging, allocator rounding).
+    """Peak allocated bytes of a warm ZeRO-3 AdamW step against the prediction. World 1: the shards
+    are whole. Between steps a rank holds what `memory_stats()` says (`unsharded` 0). During the
+    step, besides: what a plain torch model holds (measured: `plain`, the same forward and backward
+    without the library) and the library's transient buffers: at most four unit-sized buffers in
+    backward (docs/guide.md) and the outermost unit's parameters and gradient buffer. Bounds: peak >=
+    persistent + the largest unit (a gather must allocate it); peak <= persistent + plain + 4 x
+    largest block + 2 x outermost + 128 MiB (cuBLAS workspaces, the reduction's staging, rounding).
     """
     torch = _torch()
     from benchmarks import _gpu_models as gm
@@ -390,9 +250,9 @@ def stage_memory(r: Result, *, out: Path, mode: str) -> None:
         if cuda:
             gm.synchronize(dev)
             measured["peak"] = torch.cuda.max_memory_allocated(dev)
-    r.measure(parameters=n_params, parameter_bytes=4 * n_params, unit_bytes=unit_bytes,
-              memory_stats_between_steps=between, memory_stats_after_backward=after_backward,
-              predicted_persistent=persistent, plain_transient=plain_transient, **measured)  # fmt: skip
+    r.measure(parameters=n_params, parameter_bytes=4 * n_params, unit_bytes=unit_bytes, **measured)
+    r.measure(memory_stats_between_steps=between, memory_stats_after_backward=after_backward)
+    r.measure(predicted_persistent=persistent, plain_transient=plain_transient)
     state, bound = between["state"], f">= {8 * n_params} (AdamW: two fp32 moments)"
     r.check("memory_stats.state", state >= 8 * n_params, measured=state, bound=bound)
     if not cuda:
@@ -520,12 +380,7 @@ def stage_checkpoint(r: Result, *, out: Path, mode: str) -> None:
             what = "steps 4-6 after loading"
             r.check(f"{style}.losses", got == want, measured=got, bound=want, detail=what)
             r.check(f"{style}.weights", diff == 0, measured=diff, bound=0, detail=f"largest at {where}")
-            timings[style] = {
-                "save_s": save_s,
-                "wait_s": wait_s,
-                "load_s": load_s,
-                "staging": _staging(staging),
-            }
+            timings[style] = dict(save_s=save_s, wait_s=wait_s, load_s=load_s, staging=_staging(staging))
             print(style, json.dumps(timings[style], default=str))
     r.measure(**timings, device=str(dev))
     seconds = {k: (t["staging"] or {}).get("seconds") for k, t in timings.items()}

@@ -1,24 +1,8 @@
-"""The multi-GPU validation (8 GPUs of one machine, under torchrun); `benchmarks/gpu_multi.sh`
-is its wrapper. Stages, each in its own process under its own time limit, reported in
-`benchmarks/results/gpu_multi/report.json` and `report.md`:
-
-  env          GPUs visible (8 needed), torch, NCCL, torchrun
-  readme       the README's complete torchrun script at 2 and 8 ranks
-  resume       examples/train_torchrun.py with --checkpoint-dir: 8 ranks to step 20, resumed
-               on 4 ranks to step 40, then on 2 ranks to step 60 (each resumes where the last
-               stopped; losses finite)
-  hsdp         fully sharded vo.AdamW and vo.Muon on a 2x4 (replicate x shard) mesh equal the
-               same on 1x8, and every matrix is orthogonalized once in the world
-  kill         one rank SIGKILLs itself during backward: every other rank exits within the
-               timeout with a message naming the collective
-  tp           examples/train_tp.py on dp4 x tp2 (8 ranks, --tp 2), vo.AdamW and vo.Muon: each
-               trains to step 20 saving at 10, then resumes from step 10 and ends where it did
-               (the same weights fingerprint; on GPUs the same last loss within 1e-3)
-  fsdp_bench   benchmarks/fsdp.py and benchmarks/hsdp.py under torchrun (--torchrun: a rank per
-               process, NCCL) against FSDP2, ours ZeRO-3 / HSDP AdamW and Muon and their FSDP2
-               peers at small sizes: each run ends, every configuration lowers its loss to its
-               peer's, and the ratios (train and opt.step() time, peak allocated memory) are
-               measured
+"""The multi-GPU validation (8 GPUs of one machine, under torchrun); `benchmarks/gpu_multi.sh` is
+its wrapper. Each stage runs in its own process under its own time limit (`STAGES` says what each
+checks: the README's torchrun script, a resume chain 8 -> 4 -> 2 ranks, HSDP 2x4 against 1x8, a
+rank killed in backward, TP training resumed exactly, fsdp.py and hsdp.py under torchrun against
+FSDP2), reported in `benchmarks/results/gpu_multi/report.json` and `report.md`.
 
     bash benchmarks/gpu_multi.sh [OUT]            # 8 GPUs
     bash benchmarks/gpu_multi.sh --cpu [OUT]      # rehearsal: gloo CPU ranks under torchrun, 2 ranks
@@ -26,10 +10,7 @@ is its wrapper. Stages, each in its own process under its own time limit, report
 
 A stage that starts more ranks than GPUs are visible is skipped by name ("needs 8 GPUs, 1
 visible"); when no stage fits, the script refuses to start (exit status 2, saying why) rather than
-crash every rank past the visible GPUs on an invalid device ordinal.
-
-With `--cpu` the rank counts become 2 and 1 (readme), 2 -> 1 -> 2 (resume), 2x1 vs 1x2 (hsdp),
-2 (kill), dp1 x tp2 (tp) and 2 with `--quick` sizes (fsdp_bench).
+crash every rank past the visible GPUs. With `--cpu` the rank counts are `RANKS["cpu"]`.
 """
 
 from __future__ import annotations
@@ -71,9 +52,9 @@ RANKS = {  # by mode: the README script's rank counts, the resume chain, the HSD
     "cpu": dict(readme=[1, 2], resume=[2, 1, 2], hsdp=(2, 1), kill=2, tp=2, bench=2),
 }
 # the most ranks each stage starts at once: on a GPU, one GPU each (NCCL puts no two ranks on one)
-NEEDS = {"env": lambda r: 0, "readme": lambda r: max(r["readme"]), "resume": lambda r: max(r["resume"]),
-         "hsdp": lambda r: r["hsdp"][0], "kill": lambda r: r["kill"], "tp": lambda r: r["tp"],
-         "fsdp_bench": lambda r: r["bench"]}  # fmt: skip
+NEEDS = dict(env=lambda r: 0, readme=lambda r: max(r["readme"]), resume=lambda r: max(r["resume"]))
+NEEDS.update(hsdp=lambda r: r["hsdp"][0], kill=lambda r: r["kill"], tp=lambda r: r["tp"])
+NEEDS["fsdp_bench"] = lambda r: r["bench"]
 KILL_TIMEOUT = 20  # seconds: the library's bound on a wait in the kill stage (the group's is 30 s more)
 SMALL = ["--dim", "64", "--layers", "4", "--batch-size", "8", "--seq-len", "32", "--log-every", "10"]
 COLLECTIVE = re.compile(
@@ -141,7 +122,7 @@ def stage_readme(r: Result, *, out: Path, mode: str) -> None:
         loss = float(m[1]) if m else None
         ok = rc == 0 and loss is not None and math.isfinite(loss)
         said = f"exit {rc}, {seconds:.0f} s; rank 0's last loss" + (
-            "" if ok else f"; log {out / f'readme_{n}.log'}"
+            "" if ok else f"; log {out}/readme_{n}.log"
         )
         r.check(f"ranks_{n}", ok, measured=loss, detail=said)
 
@@ -172,12 +153,8 @@ def stage_resume(r: Result, *, out: Path, mode: str) -> None:
             done = f"done at step {stop}" in text
             ok = rc == 0 and want in text and done and losses and all(map(math.isfinite, losses.values()))
             rows.append(dict(ranks=n, steps=stop, exit=rc, seconds=round(seconds, 1), losses=losses))
-            r.check(
-                f"{i}.{n}_ranks_to_step_{stop}",
-                bool(ok),
-                measured=losses.get(stop),
-                detail=f"{want!r} {'found' if want in text else 'MISSING'}; exit {rc}; loss at step {stop}",
-            )
+            said = f"{want!r} {'found' if want in text else 'MISSING'}; exit {rc}; loss at step {stop}"
+            r.check(f"{i}.{n}_ranks_to_step_{stop}", bool(ok), measured=losses.get(stop), detail=said)
             if rc != 0:
                 break
     r.measure(chain=rows)
@@ -248,13 +225,9 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
         named = bool(err and COLLECTIVE.search(err))
         last = lines[rank][-1:] if lines[rank] else None
         rows.append(dict(rank=rank, seconds_after_kill=after, message=err[:400] if err else None, last=last))
-        r.check(
-            f"rank_{rank}",
-            err is not None and after <= bound and named,
-            measured=None if after is None else round(after, 2),
-            bound=f"<= {bound} s, naming the collective",
-            detail=(err or f"no ERROR line; last: {lines[rank][-1:] or 'nothing'}")[:400],
-        )
+        said = (err or f"no ERROR line; last: {lines[rank][-1:] or 'nothing'}")[:400]
+        ok, took = err is not None and after <= bound and named, None if after is None else round(after, 2)
+        r.check(f"rank_{rank}", ok, measured=took, bound=f"<= {bound} s, naming the collective", detail=said)
     r.measure(
         world=world, victim=victim, torchrun_exit=rc, torchrun_seconds=round(seconds, 1), survivors=rows
     )
@@ -262,8 +235,8 @@ def stage_kill(r: Result, *, out: Path, mode: str) -> None:
 
 def tp_cmd(mode: str, optimizer: str, ckpt: Path | str) -> list[str]:
     """examples/train_tp.py with tp 2 on the stage's ranks (dp4 x tp2 on 8 GPUs) to step 20."""
-    args = [str(TP_EXAMPLE), "--tp", "2", "--optimizer", optimizer, "--steps", "20", "--save-every", "10",
-            "--log-every", "10", "--checkpoint-dir", str(ckpt), "--timeout", "60"]  # fmt: skip
+    args = [str(TP_EXAMPLE), "--tp", "2", "--optimizer", optimizer, "--steps", "20", "--save-every", "10"]
+    args += ["--log-every", "10", "--checkpoint-dir", str(ckpt), "--timeout", "60"]
     return torchrun(RANKS[mode]["tp"], *args)
 
 
@@ -281,8 +254,8 @@ def stage_tp(r: Result, *, out: Path, mode: str) -> None:
                 printed = re.findall(r"weights fingerprint (\S+);", text)
                 want = f"resumed from {ckpt / 'step-10'}" if i else "from scratch"
                 ok = rc == 0 and want in text and 20 in losses and math.isfinite(losses[20]) and printed
-                runs.append(dict(exit=rc, seconds=round(seconds, 1), losses=losses,
-                                 fingerprint=printed[0] if printed else None))  # fmt: skip
+                fingerprint = printed[0] if printed else None
+                runs.append(dict(exit=rc, seconds=round(seconds, 1), losses=losses, fingerprint=fingerprint))
                 found = "found" if want in text else "MISSING"
                 said = f"exit {rc}, {seconds:.0f} s; {want!r} {found}; loss at step 20; log {out / log}"
                 r.check(
@@ -303,8 +276,8 @@ def stage_tp(r: Result, *, out: Path, mode: str) -> None:
                     same = abs(a["losses"][20] - b["losses"][20]) <= 1e-3 * abs(a["losses"][20])
                     bound = "last loss within 1e-3 relative"
                 pair = f"{a['fingerprint']} vs {b['fingerprint']}"
-                r.check(f"{optimizer}.exact_resume", same, measured=pair, bound=bound,
-                        detail="the resumed run against the one that did not stop")  # fmt: skip
+                what = "the resumed run against the one that did not stop"
+                r.check(f"{optimizer}.exact_resume", same, measured=pair, bound=bound, detail=what)
 
 
 # the benchmarks' configurations the stage runs (hsdp.py names them at 4 ranks: 2x2 is 2 x W/2) and
@@ -345,15 +318,16 @@ def stage_fsdp_bench(r: Result, *, out: Path, mode: str) -> None:
         r.measure(**{script: dict(run, seconds=round(seconds, 1), ours_vs_fsdp2=ours)})
         need = ["train x", "step x"] + (["peak live x"] if script == "fsdp" else [])
         measured = all(math.isfinite(v.get(k, math.nan)) for v in ours.values() for k in need)
-        said = "; ".join(
-            f"{name}: " + ", ".join(f"{k} {v[k]:.3g}" for k in need if k in v) for name, v in ours.items()
-        )
+        ratios = lambda v, need=need: ", ".join(f"{k} {v[k]:.3g}" for k in need if k in v)  # noqa: E731
+        said_ratios = "; ".join(f"{name}: {ratios(v)}" for name, v in ours.items())
+        check = "OK" if res["loss_check_ok"] else "MISMATCH"
+        said = f"seconds; {res['world']} ranks on {res.get('backend')}; loss check {check}; ours vs FSDP2: "
+        said += said_ratios or "no ratios"
         r.check(
             f"{script}.py",
             bool(res["loss_check_ok"] and ours and measured),
             measured=round(seconds, 1),
-            detail=f"seconds; {res['world']} ranks on {res.get('backend')}; loss check "
-            f"{'OK' if res['loss_check_ok'] else 'MISMATCH'}; ours vs FSDP2: {said or 'no ratios'}",
+            detail=said,
         )
 
 
@@ -362,24 +336,9 @@ STAGES = [
     Stage("readme", stage_readme, {"gpu": 120, "cpu": 420}, "the README's torchrun script at 2 and 8 ranks"),
     Stage("resume", stage_resume, {"gpu": 150, "cpu": 510}, "examples/train_torchrun.py resumed 8 -> 4 -> 2"),
     Stage("hsdp", stage_hsdp, {"gpu": 90, "cpu": 330}, "HSDP 2x4 equals 1x8 (vo.AdamW, vo.Muon)"),
-    Stage(
-        "kill",
-        stage_kill,
-        {"gpu": 150, "cpu": 510},
-        "kill -9 of one rank in backward: the others exit, naming the collective",
-    ),
-    Stage(
-        "tp",
-        stage_tp,
-        {"gpu": 150, "cpu": 600},
-        "examples/train_tp.py on dp4 x tp2, AdamW and Muon, resumed exactly",
-    ),
-    Stage(
-        "fsdp_bench",
-        stage_fsdp_bench,
-        {"gpu": 210, "cpu": 450},
-        "benchmarks/fsdp.py, hsdp.py --torchrun vs FSDP2 on NCCL",
-    ),
+    Stage("kill", stage_kill, {"gpu": 150, "cpu": 510}, "kill -9 of a rank in backward: the others name it"),
+    Stage("tp", stage_tp, {"gpu": 150, "cpu": 600}, "examples/train_tp.py, dp4 x tp2, resumed exactly"),
+    Stage("fsdp_bench", stage_fsdp_bench, {"gpu": 210, "cpu": 450}, "fsdp.py, hsdp.py --torchrun vs FSDP2"),
 ]
 _sh = " ".join
 PLANS = {  # what each stage runs, by mode (for --dry-run)
@@ -426,9 +385,9 @@ def fitting(stages: list[Stage], gpus: int) -> tuple[list[Stage], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu="rehearse with gloo CPU ranks (2 at most)",
-                dry_run="print the stages, run nothing",
-                budget="seconds for the whole run (default 770; 1800 with --cpu)")  # fmt: skip
+    budget = "seconds for the whole run (default 770; 1800 with --cpu)"
+    cpu, dry = "rehearse with gloo CPU ranks (2 at most)", "print the stages, run nothing"
+    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu=cpu, dry_run=dry, budget=budget)
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
     args.budget = args.budget or (770 if mode == "gpu" else 1800)
@@ -446,9 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         if refusal:
             print(refusal, file=sys.stderr)
             return 2
-    return run_all(
-        stages, mode=mode, out=out, title="Multi-GPU check", budget=args.budget, command=command, notes=notes
-    )
+    title = "Multi-GPU check"
+    return run_all(stages, mode=mode, out=out, title=title, budget=args.budget, command=command, notes=notes)
 
 
 if __name__ == "__main__":

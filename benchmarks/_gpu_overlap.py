@@ -109,10 +109,8 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         ag = [k for k in kernels if re.match(r"nccl(Dev)?Kernel_AllGather", k["name"])]
         method, gathers = _gpu_gathers(ag, copies, unshards, unit_of, launches)
         launched = lambda e: launches.get((e.get("args") or {}).get("correlation"))  # noqa: E731
-        streams = Counter(
-            _stream(k) for k in kernels
-            if not k["name"].startswith("nccl") and (lk := launched(k)) is not None and inside(lk)
-        )  # fmt: skip
+        streams = [k for k in kernels if not k["name"].startswith("nccl")]
+        streams = Counter(_stream(k) for k in streams if (lk := launched(k)) is not None and inside(lk))
         compute_stream = streams.most_common(1)[0][0] if streams else None
         compute = [k for k in kernels if not k["name"].startswith("nccl") and _stream(k) == compute_stream]
     else:
@@ -155,8 +153,8 @@ def analyse_overlap(events: list[dict], blocks: list[str], cuda: bool) -> dict:
         if cuda:
             row.update(gather_stream=_stream(gather), compute_stream=compute_stream)
         per_block.append(row)
-    return {"method": method, "blocks": per_block, "gathers": len(gathers), "unshard_ranges": len(unshards),
-            "compute_stream": compute_stream}  # fmt: skip
+    out = {"method": method, "blocks": per_block, "gathers": len(gathers), "unshard_ranges": len(unshards)}
+    return {**out, "compute_stream": compute_stream}
 
 
 # --- synthetic traces -------------------------------------------------------------------------------
@@ -166,8 +164,7 @@ def _x(name: str, ts: float, dur: float, cat: str, tid: int = 1, **args) -> dict
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid, "args": args}
 
 
-def synthetic_trace(gather_at: float, units: int = 4, copies: bool = False,
-                    side_kernel: bool = False) -> list[dict]:  # fmt: skip
+def synthetic_trace(gather_at: float, units: int = 4, copies: bool = False, side_kernel: bool = False):
     """A backward over blocks.{units-1} .. blocks.0 (autograd thread 2): each block's three
     compute kernels (stream 7, 60 us apart, 50 us each) launched in its pre/post_backward
     window; from it the gather of the block before is issued (a NCCL AllGather kernel on
@@ -215,8 +212,8 @@ def stage_overlap_selftest(r: Result, *, out: Path, mode: str) -> None:
     for name, (at, copies, side, want) in cases.items():
         got = analyse_overlap(synthetic_trace(at, copies=copies, side_kernel=side), blocks, cuda=True)
         oks = [row["ok"] for row in got["blocks"]]
-        found[name] = {"ok": oks, "shares": [row.get("share") for row in got["blocks"]],
-                       "compute_stream": got["compute_stream"]}  # fmt: skip
+        shares = [row.get("share") for row in got["blocks"]]
+        found[name] = {"ok": oks, "shares": shares, "compute_stream": got["compute_stream"]}
         r.check(
             name,
             len(oks) == 3 and all(ok == want for ok in oks) and got["compute_stream"] == 7,
@@ -298,9 +295,9 @@ def stage_overlap(r: Result, *, out: Path, mode: str) -> None:
             sleep_ms = unit_ms / 2
             slept, gathers = _backward_ms(torch, gm, model, opt, x, y, sleep_cycles(sleep_ms))
             growth, serial = slept - plain, gathers * sleep_ms
-            injection = dict(backward_ms=plain, unit_backward_ms=unit_ms, sleep_ms=sleep_ms,
-                             backward_gathers=gathers, slept_backward_ms=slept, growth_ms=growth,
-                             growth_if_serial_ms=serial)  # fmt: skip
+            injection = dict(backward_ms=plain, unit_backward_ms=unit_ms, sleep_ms=sleep_ms)
+            injection["backward_gathers"] = gathers
+            injection.update(slept_backward_ms=slept, growth_ms=growth, growth_if_serial_ms=serial)
     events = _trace_events(trace_path)
     result = analyse_overlap(events, blocks, cuda)
     r.measure(trace=trace_path.name, units=list(names.values()), injection=injection, **result)

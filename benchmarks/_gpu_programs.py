@@ -94,14 +94,14 @@ def stage_tests(r: Result, *, out: Path, mode: str) -> None:
     live = out / "tests.jsonl"
     live.unlink(missing_ok=True)
     limit = float(os.environ.get("GPU_CHECK_STAGE_LIMIT_S", "600"))
-    env = dict(os.environ, TRITON_INTERPRET="1" if mode == "cpu" else "0", HYPOTHESIS_PROFILE="ci",
-               GPU_CHECK_TESTS_LOG=str(live))  # fmt: skip
+    env = dict(os.environ, TRITON_INTERPRET="1" if mode == "cpu" else "0", HYPOTHESIS_PROFILE="ci")
+    env["GPU_CHECK_TESTS_LOG"] = str(live)
     workers = pytest_workers(mode)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks._pytest_live",
-           *workers, *(TESTS if mode == "gpu" else CPU_TESTS)]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks._pytest_live"]
+    cmd += [*workers, *(TESTS if mode == "gpu" else CPU_TESTS)]
     print("$ TRITON_INTERPRET=" + env["TRITON_INTERPRET"], " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    detached = dict(stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **detached)
     timed_out = False
     try:
         rc = proc.wait(timeout=max(limit - 12, 5))
@@ -112,8 +112,8 @@ def stage_tests(r: Result, *, out: Path, mode: str) -> None:
     results = [json.loads(line) for line in live.read_text().splitlines()] if live.exists() else []
     counts = {k: sum(x["outcome"] == k for x in results) for k in ("passed", "failed", "skipped")}
     failed = [x["nodeid"] for x in results if x["outcome"] == "failed"]
-    r.measure(**counts, failed_tests=failed[:50], exit_code=rc, timed_out=timed_out, compiled=mode == "gpu",
-              workers=workers[1] if workers else 1)  # fmt: skip
+    r.measure(**counts, failed_tests=failed[:50], exit_code=rc, timed_out=timed_out, compiled=mode == "gpu")
+    r.measure(workers=workers[1] if workers else 1)
     r.check(
         "tests",
         rc == 0 and counts["passed"] > 0 and not timed_out,
@@ -130,8 +130,8 @@ def kernels_cmd(mode: str, section: str, out: Path | None = None) -> list[str]:
     (without `out`: as --dry-run prints it, relative paths, OUT)."""
     script, path = ROOT / "benchmarks" / "kernels.py", (out or Path("OUT")) / f"kernels_{section}.json"
     flags = ["--no-compile"] if mode == "cpu" else []
-    return [str(script if out else script.relative_to(ROOT)), "--quick", "--sections", section, *flags,
-            "--out", str(path)]  # fmt: skip
+    script = str(script if out else script.relative_to(ROOT))
+    return [script, "--quick", "--sections", section, *flags, "--out", str(path)]
 
 
 def _kernels_bench(r: Result, out: Path, mode: str, section: str) -> dict | None:

@@ -132,8 +132,8 @@ class Warmup:
         self.entry: dict | None = None
         log.write_text("$ " + " ".join(self.cmd) + "\n")
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                         start_new_session=True)  # fmt: skip
+            detached = dict(stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, **detached)
 
     def wait(self, left: float) -> dict:
         """Wait for it (at most its limit, and `left` seconds of the run); its report entry."""
@@ -148,13 +148,13 @@ class Warmup:
         _end_session(self.proc)
         result = Result("warm")
         said = _tail(self.log, 1)
-        result.check("finished", rc == 0, measured=f"exit {rc}" if rc is not None else "out of time",
-                     bound=f"{self.limit:.0f} s", detail=said)  # fmt: skip
-        self.entry = result.to_dict() | {"seconds": round(time.monotonic() - self.start, 1),
-                                         "waited_s": round(time.monotonic() - waited, 1),
-                                         "limit_s": self.limit, "log": self.log.name}  # fmt: skip
-        print(f"== warm-up done after {self.entry['seconds']} s (the run waited {self.entry['waited_s']} s): "
-              f"{said}", flush=True)  # fmt: skip
+        ended = f"exit {rc}" if rc is not None else "out of time"
+        result.check("finished", rc == 0, measured=ended, bound=f"{self.limit:.0f} s", detail=said)
+        now = time.monotonic()
+        took = {"seconds": round(now - self.start, 1), "waited_s": round(now - waited, 1)}
+        self.entry = result.to_dict() | took | {"limit_s": self.limit, "log": self.log.name}
+        done = f"done after {took['seconds']} s (the run waited {took['waited_s']} s)"
+        print(f"== warm-up {done}: {said}", flush=True)
         return self.entry
 
 
@@ -330,8 +330,8 @@ def run_all(
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
     counts = {st: sum(r["status"] == st for r in results) for st in (PASSED, FAILED, SKIPPED)}
-    print(f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s; "
-          f"report: {out / 'report.md'} and {out / 'report.json'}", flush=True)  # fmt: skip
+    said = f"{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped in {total:.0f} s"
+    print(f"{said}; report: {out / 'report.md'} and {out / 'report.json'}", flush=True)
     return 0 if report["passed"] else 1
 
 
@@ -363,12 +363,11 @@ def _collect(s: Stage, out: Path, rc: int | None, seconds: float, limit: float, 
     return entry
 
 
-def parser(doc: str, stages: Sequence[Stage], out: Path, *, cpu: str, dry_run: str, budget: str,
-           **flags: str) -> argparse.ArgumentParser:  # fmt: skip
+def parser(doc: str, stages: Sequence[Stage], out: Path, *, cpu: str, dry_run: str, budget: str, **flags):
     """A driver's command line: OUT (default `out`), --cpu, --dry-run, --stages, `flags` (each a
     flag and its help), --budget, and the internal --stage and --mode (one stage in this process)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc, formatter_class=raw)
     ap.add_argument("out", nargs="?", type=Path, default=out, help=f"default {out}")
     ap.add_argument("--cpu", action="store_true", help=cpu)
     ap.add_argument("--dry-run", action="store_true", help=dry_run)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from benchmarks._measure import load_average
 from benchmarks._report import host_line, pyplot, save_png, table
-from benchmarks._verdict import shown, time_note, verdict
+from benchmarks._verdict import shape_words, shown, time_note, verdict
 
-TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms",
-        "exposed comm ms"]  # fmt: skip
-BYTES = ["config", "MB inside", "MB across", "MB mixed", "step MB inside", "step MB across", "step MB mixed",
-         "step MB all-to-all", "stats MB", "MB by kind (rank 0, last step)"]  # fmt: skip
-NS = ["config", "NS total GF", "NS GF per rank (stats)", "NS GF per rank (measured)", "NS max rank / total",
-      "NS sum / total", "NS matrices per rank"]  # fmt: skip
+TIME = ["config", "train ms", "train x", "step ms", "step x", "fwd ms", "bwd ms", "zero_grad ms"]
+TIME += ["exposed comm ms"]
+BYTES = "config|MB inside|MB across|MB mixed|step MB inside|step MB across|step MB mixed|step MB all-to-all"
+BYTES = [*BYTES.split("|"), "stats MB", "MB by kind (rank 0, last step)"]
+NS = "config|NS total GF|NS GF per rank (stats)|NS GF per rank (measured)|NS max rank / total|NS sum / total"
+NS = [*NS.split("|"), "NS matrices per rank"]
 LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
 BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
 
@@ -38,23 +38,20 @@ def _goals(rows: list[dict], world: int = 4) -> dict[str, bool]:
         name, total = r["config"], r["NS total GF"]
         replicas = int(name.split()[1].split("x")[0])
         if "NS GF per rank (stats)" in r:
-            s = sum(r["NS GF per rank (stats)"])
+            s, done, n = sum(r["NS GF per rank (stats)"]), sum(r["NS matrices per rank"]), r["NS matrices"]
             goals[f"{name}: step_stats ns_flops over ranks = the total ({s:.4g} of {total:.4g} GF)"] = (
                 abs(s - total) <= 1e-9 * total
             )
-            done = sum(r["NS matrices per rank"])
-            goals[f"{name}: every matrix once in the world ({done} of {r['NS matrices']})"] = (
-                done == r["NS matrices"]
-            )
+            goals[f"{name}: every matrix once in the world ({done} of {n})"] = done == n
         if name.startswith("ours"):
             worst, source = r["NS max rank / total"], r.get("NS from", "measured")
-            goals[f"{name}: busiest rank <= {BALANCE} x total/{world} ({worst:.3f} x total, {source})"] = (
-                worst <= BALANCE / world
-            )
+            what = f"busiest rank <= {BALANCE} x total/{world} ({worst:.3f} x total, {source})"
+            goals[f"{name}: {what}"] = worst <= BALANCE / world
         elif "NS max rank / total" in r:  # measured (not on CUDA)
-            peer = (f"{name} (peer, for reference): busiest rank {r['NS max rank / total']:.3f} x total, "
-                    f"ranks together {r['NS sum / total']:.3f} x total ({replicas} replicas)")  # fmt: skip
-            goals[peer] = True
+            worst, together = r["NS max rank / total"], r["NS sum / total"]
+            what = f"busiest rank {worst:.3f} x total, ranks together {together:.3f} x total"
+            what += f" ({replicas} replicas)"
+            goals[f"{name} (peer, for reference): {what}"] = True
     return goals
 
 
@@ -95,22 +92,21 @@ def report(rows: list[dict], run: dict) -> dict:
     if run["quick"]:
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
     backend = f"{run['backend']} under torchrun" if run.get("torchrun") else "gloo"
-    print(f"\n## HSDP: {rows[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, d {shape['d_model']}, "
-          f"{shape['n_layers']} layers), {shape['batch']}x{shape['seq']} tokens/rank/step, W={world} "
-          f"({backend}); {run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest "
-          f"rank; x = vs FSDP2 {hsdp} with the same optimizer\n")  # fmt: skip
+    print(f"\n## HSDP: {rows[0]['params'] / 1e6:.1f} M params {shape_words(shape)}, W={world} ({backend});")
+    print(f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank;")
+    print(f"x = vs FSDP2 {hsdp} with the same optimizer\n")
     print(f"{host_line(run['threads'])}\n")
     print(table(rows, shown(TIME, rows, run), floatfmt=".4g"))
     time_note(run, "exposed comm and measured FLOPs", "hsdp.py")
-    print(f"\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes; "
-          f"step = inside opt.step(); load average {load_average()}\n")  # fmt: skip
+    print("\nMB sent per rank and train step (mean over ranks, median over steps), by where it goes;")
+    print(f"step = inside opt.step(); load average {load_average()}\n")
     print(table(_listed(rows), BYTES, floatfmt=".4g"))
     muon = [r for r in rows if r["config"].endswith("Muon")]
     if muon:
-        print(f"\nNewton–Schulz GFLOP per step, per rank (ranks {' / '.join(map(str, range(world)))}); "
-              f"load average {load_average()}\n")  # fmt: skip
+        ranks = " / ".join(map(str, range(world)))
+        print(f"\nNewton–Schulz GFLOP per step, per rank (ranks {ranks}); load average {load_average()}\n")
         print(table(_listed(muon), shown(NS, muon, run), floatfmt=".4g"))
     print()
     print(table(rows, LOSS, floatfmt=".5g"))
-    return verdict("hsdp", rows, run, _goals(rows, world), f"W={world}", f"FSDP2 {hsdp}",
-                   lambda name: _plot(rows, name, world))  # fmt: skip
+    plot = lambda name: _plot(rows, name, world)  # noqa: E731
+    return verdict("hsdp", rows, run, _goals(rows, world), f"W={world}", f"FSDP2 {hsdp}", plot)

@@ -1,43 +1,31 @@
 """Live tensor bytes over time, from the torch profiler's record of ATen's CPU allocator.
 
-    recorder = LiveBytes().start()    # before anything of interest is allocated
-    ... with record_function("bench::fwd"): ...
-    trace = recorder.stop()           # the allocator's timeline and the recorded windows
+    tr, trace = live_steps(lambda: Trainer(...), pool, steps)   # built and trained under the recorder
+    trace.summary()                   # live_peak, live_where, live_by, live_first, live_start, ...
+    recorder = LiveBytes().start(); ...; trace = recorder.stop()   # by hand, windows of your own
     trace.peak("bench::steady")       # max bytes alive inside those windows, where, and by whom
     trace.at_start("bench::steady")   # bytes alive when the first such window opened
 
-Method: with `profile_memory=True` the profiler records every allocation and free that
-ATen's CPU allocator makes on the threads it covers (the caller's, intra-op workers, and
-gloo's workers while they run a collective, which inherit its state). Started before the
-model is built, the blocks allocated and not yet freed are the storage of every tensor the
-process holds — parameters, gradients, optimizer state, activations, communication
-buffers, gloo's staging — so the most bytes alive at once is the peak. A storage resized
-to 0 (FSDP2's and our freed unsharded buffers) counts as freed.
+With `profile_memory=True` the profiler records every allocation and free of ATen's CPU allocator
+on the threads it covers (the caller's, intra-op workers, gloo's workers while they run a
+collective). Started before the model is built, the blocks not yet freed are every tensor the
+process holds (parameters, gradients, state, activations, communication buffers, gloo's staging),
+so the most bytes alive at once is the peak; a storage resized to 0 counts as freed.
 
-The live bytes are summed from the blocks themselves, not read from the profiler's
-running total: a block freed on a thread the profiler does not cover (a gloo worker
-dropping a finished collective's last reference to its tensors, as it does with FSDP2's
-all-gather outputs and reduce-scatter inputs) is freed unseen and leaves that total too
-high for the rest of the run (FSDP2 AdamW on the benchmark GPT: +80 MB after 15 steps,
-while its RSS stayed flat). Such a block shows itself when its address is allocated again
-(the allocator cannot hand out a live address), or when the same library region of the
-same unit allocates a block of its size in a later step (a collective's buffer belongs to
-one call: FSDP2's reduce-scatter input of a block was seen alive for the rest of a run on
-one rank, its address never reused). It is taken as freed when the first gloo collective
-that started after its allocation ended: early rather than late (the worker drops the
-collective's tensors after finishing it), in the peer's favour (ours free nearly all of
-their buffers where the profiler sees it). `Trace.unseen_frees` counts such blocks.
-Not counted: memory outside ATen's allocator (Python objects, gloo's own C++ buffers, the
-allocator's overhead), which RSS includes. Blocks allocated before the session began (an
-earlier profiling session's tensors included) are not counted.
+The live bytes are summed from the blocks, not read from the profiler's running total: a block
+freed on a thread the profiler does not cover (a gloo worker dropping a finished collective's
+tensors, as with FSDP2's all-gather outputs and reduce-scatter inputs) would leave that total too
+high for the rest of the run. Such a block shows itself when its address is allocated again, or
+when the same library region of the same unit allocates a block of its size in a later step; it is
+then taken as freed when the first gloo collective started after its allocation ended (early: in
+the peer's favour). `Trace.unseen_frees` counts them. Memory outside ATen's allocator (Python
+objects, gloo's own buffers) is not counted.
 
-At the peak, the bytes alive are attributed to where each block was allocated: the
-`bench::` phase open then (before the first phase: `setup`) and the innermost region of
-the libraries' own (`FSDP::`, `vescale::`, unit names dropped), else `AccumulateGrad`
-when autograd's gradient accumulation allocated it, else `compute`; blocks allocated on
-another thread than the phase's (gloo's workers) are `c10d thread`.
-
-The timeline is read from the profiler's Chrome trace (`export_chrome_trace`, public).
+At the peak the bytes alive are attributed to where each block was allocated: the `bench::` phase
+open then (before the first: `setup`) and the innermost library region (`FSDP::`, `vescale::`,
+unit names dropped), else `AccumulateGrad` or `compute`; blocks allocated on another thread than
+the phase's (gloo's workers) are `c10d thread`. The timeline is read from the profiler's Chrome
+trace (`export_chrome_trace`, public).
 """
 
 from __future__ import annotations
@@ -50,11 +38,14 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from torch.profiler import ProfilerActivity, profile
-
-__all__ = ["LiveBytes", "Trace"]
+from torch.profiler import ProfilerActivity, profile, record_function
 
 LIBRARY = ("FSDP::", "vescale::", "vescale_optim.")
+
+
+def _span(e: dict) -> tuple[str, float, float]:
+    """A trace event's name, start and end (µs)."""
+    return e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
 
 
 def _region(name: str) -> str:
@@ -103,6 +94,15 @@ class Trace:
                 alive[who] += nbytes
         return {"bytes": best, "where": where, "by": dict(alive.most_common())}
 
+    def summary(self) -> dict:
+        """What `live_steps` measured, as a result's `live_*` keys: the peak of the steady steps
+        (bytes, the windows open then, by whom), the first step's, the bytes alive as the steady
+        steps began, and the blocks freed unseen."""
+        peak = self.peak("bench::steady")
+        out = {"live_peak": peak["bytes"], "live_where": peak["where"], "live_by": peak["by"]}
+        out.update(live_first=self.peak("bench::first")["bytes"], live_start=self.at_start("bench::steady"))
+        return {**out, "live_unseen_frees": self.unseen_frees}
+
 
 def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]], int]:
     """(alloc time, free time, bytes, who allocated) for every block allocated in the trace,
@@ -117,10 +117,8 @@ def _attribute(events: list[dict]) -> tuple[list[tuple[float, float, int, str]],
         elif e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0:
             marks.append((float(e["ts"]), 2, "mem", e))
     marks.sort(key=lambda m: (m[0], m[1]))
-    collectives = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-        if e.get("ph") == "X" and e.get("tid") != main and e.get("name", "").startswith("gloo:")
-    )  # fmt: skip
+    gloo = [e for e in events if e.get("ph") == "X" and e.get("tid") != main]  # the workers' collectives
+    collectives = sorted(_span(e)[1:] for e in gloo if e.get("name", "").startswith("gloo:"))
     open_: list[tuple] = []
     live: dict[int, tuple[float, int, str]] = {}
     earlier: dict[tuple[str, int], list[tuple[int, float, float]]] = {}  # site -> (addr, allocated, step)
@@ -180,8 +178,8 @@ def _unseen_free(collectives: list[tuple[float, float]], allocated: float, reuse
 
 def _timeline(blocks: list[tuple[float, float, int, str]]) -> tuple[list[float], list[int]]:
     """Bytes alive after each allocation or free of `blocks` (a free first at a tie)."""
-    changes = sorted([(t1, 0, -n) for _, t1, n, _ in blocks if t1 != float("inf")]
-                     + [(t0, 1, n) for t0, _, n, _ in blocks])  # fmt: skip
+    changes = [(t1, 0, -n) for _, t1, n, _ in blocks if t1 != float("inf")]
+    changes = sorted(changes + [(t0, 1, n) for t0, _, n, _ in blocks])
     times, totals, alive = [], [], 0
     for t, _, delta in changes:
         alive += delta
@@ -200,6 +198,19 @@ def _who(open_: list[tuple], on_main: bool) -> str:
     if library:
         return f"{phase}: {_region(library[-1])}"
     return f"{phase}: {'AccumulateGrad' if any('AccumulateGrad' in n for n in names) else 'compute'}"
+
+
+def live_steps(build, pool: list, steps: int, tail: bool = True) -> tuple:
+    """`build()` (a trainer of `benchmarks._train`) and `steps` of its steps on `pool`'s batches, all
+    under the recorder: `bench::first`, then `bench::steady`, then (with `tail`) one more step,
+    not measured, that lets the blocks the last steady step freed unseen show themselves. Returns
+    the trainer and the trace."""
+    recorder = LiveBytes().start()
+    tr = build()
+    for s, window in enumerate(["bench::first"] + ["bench::steady"] * (steps - 1) + ["bench::tail"] * tail):
+        with record_function(window):
+            tr.step(*pool[s % len(pool)], record=False)
+    return tr, recorder.stop()
 
 
 class LiveBytes:
@@ -223,11 +234,8 @@ class LiveBytes:
         finally:
             os.unlink(path)
         self._prof = None
-        windows = sorted(
-            ((e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-             if e.get("ph") == "X" and e.get("cat") == "user_annotation"),
-            key=lambda w: w[1],
-        )  # fmt: skip
+        windows = [_span(e) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+        windows.sort(key=lambda w: w[1])
         blocks, unseen = _attribute(events)
         times, totals = _timeline(blocks)
         return Trace(times, totals, windows, blocks, unseen)

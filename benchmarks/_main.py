@@ -24,8 +24,6 @@ from typing import Any
 
 from benchmarks import _report
 
-__all__ = ["Args", "finish", "parse", "print_goals"]
-
 
 class Args(argparse.Namespace):
     """The parsed arguments, picklable (ranks may take them), with argparse's `error`."""
@@ -66,8 +64,7 @@ def print_goals(title: str, goals: dict[str, bool]) -> dict[str, bool]:
     return goals
 
 
-def finish(name: str, args: Args, payload: dict, threads: Sequence[int] | int | None = None,
-           png: Path | None = None, quick_suffix: bool = True) -> dict:  # fmt: skip
+def finish(name: str, args: Args, payload: dict, threads=None, png: Path | None = None, quick_suffix=True):
     """Print the host line (`threads`: per rank), add the environment to `payload` ("env") and
     write it to NAME.json (NAME_quick.json with `--quick`, unless not `quick_suffix`); return it."""
     print(f"\n{_report.host_line(threads)}")

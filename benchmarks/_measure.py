@@ -16,9 +16,6 @@ import os
 import statistics
 import time
 
-__all__ = ["PRODUCTS", "Timer", "live_malloc", "load_average", "matmul_flops", "median_of_max",
-           "median_ratio", "reset_peak", "slowest", "status_kb", "window_seconds"]  # fmt: skip
-
 
 def status_kb(field: str) -> int:
     """A `/proc/self/status` field in KiB (`VmRSS`, `VmHWM`)."""

@@ -23,8 +23,16 @@ from vescale_optim.optim.muon import matrix_view, ns_flops  # noqa: I001
 from vescale_optim.owners.balance import assign_owners, imbalance, keep_homes, rank_loads
 from vescale_optim.shard.layout import bucket_indices, plan_layout
 
-__all__ = ["ALIGN", "BUCKET_CAP", "assign_owners", "assignment", "default_buckets", "imbalance",
-           "matrix_view", "model_buckets", "ns_flops"]  # fmt: skip
+__all__ = [
+    "ALIGN",
+    "BUCKET_CAP",
+    "assign_owners",
+    "assignment",
+    "default_buckets",
+    "imbalance",
+    "matrix_view",
+]
+__all__ += ["model_buckets", "ns_flops"]
 
 BUCKET_CAP = vo.ShardingConfig().bucket_cap_numel  # the optimizers' defaults
 ALIGN = vo.ShardingConfig().align
@@ -81,5 +89,5 @@ def assignment(buckets: list[list[tuple[int, ...]]], world: int) -> dict:
     shares = rank_loads(costs, owners, world)  # equal-cost trades leave every rank's load as planned
     if any(abs(x - y) > 1e-9 * max(y, 1.0) for x, y in zip(shares, plan.loads)):
         raise AssertionError("the pieces of work assembled here differ from plan.loads")
-    return dict(costs=costs, homes=work_homes, owners=owners, seconds=seconds, layouts=layouts,
-                load=list(plan.loads), plan=plan)  # fmt: skip
+    out = dict(costs=costs, homes=work_homes, owners=owners, seconds=seconds, layouts=layouts)
+    return {**out, "load": list(plan.loads), "plan": plan}

@@ -8,11 +8,12 @@ one factory for the peer set-ups they compare with.
     module, opt = peer(model, "FSDP2", "Muon", mesh=mesh)   # or "DDP", "ZeRO", "torch" (no wrapper)
     opt = fsdp2(model, "Muon", mesh=mesh)        # peer(model, "FSDP2", ...)'s optimizer
     opt = FullTensorMuon(model)                  # over FSDP2: torchtitan's whole-matrix torch.optim.Muon
+    state_bytes(opt)                             # the optimizer state this rank holds, ours or a peer's
 
 The peers: FSDP2 (`fully_shard_gpt` over `mesh`: the world; a 2-D mesh, FSDP2's HSDP; the dp mesh
-of a dp x tp one, FSDP2 2-D), DDP (`DistributedDataParallel`), ZeRO (DDP +
-`ZeroRedundancyOptimizer`) and torch's optimizers alone, each with `torch.optim.AdamW`, or
-`torch.optim.Muon` on the hidden matrices and `torch.optim.AdamW` on the rest.
+of a dp x tp one, FSDP2 2-D), DDP, ZeRO (DDP + `ZeroRedundancyOptimizer`) and torch's optimizers
+alone, each with `torch.optim.AdamW`, or `torch.optim.Muon` on the hidden matrices and
+`torch.optim.AdamW` on the rest.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import torch
 from torch import nn
 
 import vescale_optim as vo
-
-__all__ = ["ADAMW", "MUON", "MUON_ADAMW", "PEERS", "FullTensorMuon", "Steps", "fsdp2", "fully_shard_gpt"]
-__all__ += ["muon_groups", "muon_names", "ours", "peer"]
 
 PEERS = ("FSDP2", "DDP", "ZeRO", "torch")
 
@@ -34,8 +32,7 @@ MUON_ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)  # Muo
 
 def muon_groups(model: nn.Module) -> list[dict]:
     """`vo.muon_param_groups` of a GPT (`benchmarks._gpt`): its head goes to AdamW."""
-    adamw = dict(adamw_lr=MUON_ADAMW["lr"], adamw_betas=MUON_ADAMW["betas"],
-                 adamw_weight_decay=MUON_ADAMW["weight_decay"])  # fmt: skip
+    adamw = {f"adamw_{k}": MUON_ADAMW[k] for k in ("lr", "betas", "weight_decay")}
     return vo.muon_param_groups(model, **MUON, exclude=[model.head], **adamw)
 
 
@@ -43,6 +40,20 @@ def muon_names(model: nn.Module) -> set[str]:
     """Names of the parameters `muon_groups` puts in the Muon group."""
     ids = {id(p) for p in muon_groups(model)[0]["params"]}
     return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the optimizer state this rank holds: ours `local_state_bytes()` (checked against
+    `memory_stats()["state"]`); a torch optimizer's (each of a `Steps`, ZeRO's local one) every
+    state tensor, a DTensor by its local shard."""
+    if hasattr(opt, "local_state_bytes"):
+        held, counted = opt.local_state_bytes(), opt.memory_stats()["state"]
+        if held != counted:  # two public counts of the same tensors
+            raise RuntimeError(f"local_state_bytes() {held} != memory_stats()['state'] {counted}")
+        return held
+    states = [s for o in getattr(opt, "opts", [opt]) for s in getattr(o, "optim", o).state.values()]
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in states for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if isinstance(v, torch.Tensor))
 
 
 class Steps:
@@ -68,8 +79,7 @@ def ours(model: nn.Module, family: str, **kwargs):
     return vo.Muon(muon_groups(model), **kwargs)
 
 
-def fully_shard_gpt(model: nn.Module, mesh=None, reshard_after_forward: bool = True,
-                    blocks: list[nn.Module] | None = None) -> nn.Module:  # fmt: skip
+def fully_shard_gpt(model: nn.Module, mesh=None, reshard_after_forward=True, blocks=None) -> nn.Module:
     """FSDP2's `fully_shard` on every block (`blocks`, default `model.blocks`; resharded after
     forward unless told not to), then on the root (FSDP2's default for a root: kept gathered from
     forward to backward, as our outermost unit), over `mesh` (2-D: HSDP)."""
@@ -81,8 +91,7 @@ def fully_shard_gpt(model: nn.Module, mesh=None, reshard_after_forward: bool = T
     return model
 
 
-def peer(model: nn.Module, setup: str, family: str = "AdamW", *, mesh=None,
-         reshard_after_forward: bool = True) -> tuple[nn.Module, object]:  # fmt: skip
+def peer(model: nn.Module, setup: str, family: str = "AdamW", *, mesh=None, reshard_after_forward=True):
     """A peer set-up of `PEERS` over a GPT: (the module to call, its optimizer). `FSDP2`:
     `fully_shard_gpt` over `mesh`; `DDP`: `DistributedDataParallel(model)`; `ZeRO`: the same
     with every torch optimizer a `ZeroRedundancyOptimizer`; `torch`: the model as it is. The
@@ -106,9 +115,9 @@ def peer(model: nn.Module, setup: str, family: str = "AdamW", *, mesh=None,
     named = dict(model.named_parameters())  # DTensors under FSDP2
     if family == "AdamW":
         return module, make(torch.optim.AdamW, list(named.values()), foreach=True, **ADAMW)
+    muon = make(torch.optim.Muon, [p for n, p in named.items() if n in hidden], **MUON)
     rest = [p for n, p in named.items() if n not in hidden]
-    return module, Steps(make(torch.optim.Muon, [p for n, p in named.items() if n in hidden], **MUON),
-                         make(torch.optim.AdamW, rest, foreach=True, **MUON_ADAMW))  # fmt: skip
+    return module, Steps(muon, make(torch.optim.AdamW, rest, foreach=True, **MUON_ADAMW))
 
 
 def fsdp2(model: nn.Module, family: str, mesh=None, reshard_after_forward: bool = True):
@@ -123,8 +132,9 @@ class FullTensorMuon(Steps):
     orthogonalizes every matrix on every rank, and writes each rank's shard back into it. Without a
     `model`: over the DTensor matrices `hidden` and the `rest`, with the hyperparameters given."""
 
-    def __init__(self, model: nn.Module | None = None, *, hidden: list | None = None,
-                 rest: list | None = None, muon: dict = MUON, adamw: dict = MUON_ADAMW):  # fmt: skip
+    def __init__(
+        self, model: nn.Module | None = None, *, hidden=None, rest=None, muon=MUON, adamw=MUON_ADAMW
+    ):
         if model is not None:
             names, named = muon_names(model), dict(model.named_parameters())
             hidden = [p for n, p in named.items() if n in names]

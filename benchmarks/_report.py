@@ -29,8 +29,6 @@ from benchmarks._measure import load_average
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-__all__ = ["FSDP2_ON_CPU", "RESULTS_DIR", "environment", "host", "host_line", "pyplot", "require_finite",
-           "save_json", "save_png", "table"]  # fmt: skip
 
 FSDP2_ON_CPU = (
     "On CPU, FSDP2 issues its collectives synchronously (its overlap of communication with compute "
@@ -74,9 +72,9 @@ def table(
 def require_finite(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
     """Raise if a row's value in one of `columns` is a float that is nan or infinite: a benchmark
     fails loudly rather than printing a number it did not measure."""
-    bad = [(row.get("config", row.get("optimizer", i)), c, row[c])
-           for i, row in enumerate(rows) for c in columns
-           if isinstance(row.get(c), float) and not math.isfinite(row[c])]  # fmt: skip
+    label = lambda i, row: row.get("config", row.get("optimizer", i))  # noqa: E731
+    bad = [(label(i, row), c, row.get(c)) for i, row in enumerate(rows) for c in columns]
+    bad = [b for b in bad if isinstance(b[2], float) and not math.isfinite(b[2])]
     if bad:
         raise RuntimeError(f"numbers that were not measured (row, column, value): {bad}")
 
@@ -140,12 +138,11 @@ def host(threads: Sequence[int] | int | None = None) -> dict[str, Any]:
     else:
         model, flags = info
         avx512 = "yes" if "avx512f" in flags else "no"
-        native = [name for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX"))
-                  if flag in flags]  # fmt: skip
+        native = [name for f, name in (("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX")) if f in flags]
         bf16 = " + ".join(native) or "no"
     per_rank = [threads] if isinstance(threads, int) else list(threads)
-    return {"cpu": model, "avx512": avx512, "native_bf16": bf16, "threads_per_rank": per_rank,
-            "load_average": load_average()}  # fmt: skip
+    out = {"cpu": model, "avx512": avx512, "native_bf16": bf16, "threads_per_rank": per_rank}
+    return {**out, "load_average": load_average()}
 
 
 def host_line(threads: Sequence[int] | int | None = None) -> str:
@@ -154,8 +151,8 @@ def host_line(threads: Sequence[int] | int | None = None) -> str:
     per_rank = sorted(set(h["threads_per_rank"]))
     slow = " (bf16 matmuls emulated: ~8x slower than fp32)" if h["native_bf16"] == "no" else ""
     each = "/".join(map(str, per_rank))
-    return (f"host: {h['cpu']}; AVX-512 {h['avx512']}; native bf16 {h['native_bf16']}{slow}; "
-            f"{each} thread(s) per rank; load average {h['load_average']}")  # fmt: skip
+    cpu = f"host: {h['cpu']}; AVX-512 {h['avx512']}; native bf16 {h['native_bf16']}{slow}"
+    return f"{cpu}; {each} thread(s) per rank; load average {h['load_average']}"
 
 
 def environment(threads: Sequence[int] | int | None = None) -> dict[str, Any]:

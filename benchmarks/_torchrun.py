@@ -1,21 +1,14 @@
 """A benchmark's ranks under torchrun instead of a local gloo world: every torchrun process is one rank.
 
-    device = join()                             # this process's group and device, once
-    results = launch(fn, world, arg1, arg2)     # fn(rank, world, arg1, arg2) here; every rank's result
-    if is_first(): print(table(...))            # rank 0 reports
-    leave()                                     # the group destroyed
     world, run, where = ranks(args.torchrun, args.world_size, 4)   # torchrun's or a local world
+    results = run(fn, world, arg1, arg2)        # fn(rank, world, arg1, arg2) here; every rank's result
     if quiet(args.torchrun): return {}          # the group left; only rank 0 goes on to report
 
-`join` meets the other ranks through `vescale_optim.init_distributed` (NCCL with
-`device_id=cuda:LOCAL_RANK` where CUDA is available, gloo otherwise); on the CPU each rank then
-gets its share of this machine's CPUs (`threads_per_rank(LOCAL_WORLD_SIZE)`, as in a local world,
-where torchrun would have set one thread each); on CUDA torchrun's thread count is left alone.
-`launch` takes the arguments of `benchmarks._gpt.launch` so a script swaps one for the other: it
-runs `fn` on this rank only and gathers every rank's result (`all_gather_object`), in rank order,
-with `.threads`, each rank's `torch.get_num_threads()`. A torchrun world cannot be rebuilt per call
-as a local one is, so every call shares the same processes (per-process peaks mix) and `world`
-must be the group's size.
+`join` meets the other ranks through `vescale_optim.init_distributed` (NCCL on `cuda:LOCAL_RANK`
+where CUDA is available, gloo otherwise; on the CPU each rank then gets its share of the machine's
+CPUs, as in a local world). `launch` takes `benchmarks._gpt.launch`'s arguments, runs `fn` on this
+rank and gathers every rank's result (`all_gather_object`) with `.threads`. A torchrun world cannot
+be rebuilt per call, so every call shares the same processes (per-process peaks mix).
 """
 
 from __future__ import annotations
@@ -32,8 +25,6 @@ from benchmarks import _gpt
 from benchmarks._gpt import Ranks, threads_per_rank
 from benchmarks._train import device
 
-__all__ = ["is_first", "join", "launch", "leave", "quiet", "ranks"]
-
 TIMEOUT = 900.0  # seconds: the process group's, as the local world's collective timeout
 
 
@@ -41,8 +32,8 @@ def join(world_size: int | None = None) -> torch.device:
     """Join torchrun's process group (once per process) and return this rank's device; a
     `world_size` other than torchrun's is refused."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise SystemExit("--torchrun: RANK and WORLD_SIZE are not set; start it as "
-                         "`torchrun --nproc-per-node N <script> --torchrun ...`")  # fmt: skip
+        start = "`torchrun --nproc-per-node N <script> --torchrun ...`"
+        raise SystemExit(f"--torchrun: RANK and WORLD_SIZE are not set; start it as {start}")
     if world_size is not None and world_size != int(os.environ["WORLD_SIZE"]):
         raise SystemExit(f"--world-size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
     if not dist.is_initialized() and vo.init_distributed(timeout=TIMEOUT).type == "cpu":
@@ -50,8 +41,9 @@ def join(world_size: int | None = None) -> torch.device:
     return device()
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence[str] = (),
-           timeout: float | None = None) -> Ranks:  # fmt: skip
+def launch(
+    fn: Callable[..., Any], world_size: int, *args: Any, preload: Sequence = (), timeout=None
+) -> Ranks:
     """`fn(rank, world_size, *args)` on this rank; every rank's result, in rank order, on every
     rank. `preload` and `timeout` are the local launcher's and mean nothing here (the group's
     timeout bounds every collective)."""

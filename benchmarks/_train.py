@@ -1,20 +1,19 @@
 """What the training benchmarks share to train their configurations side by side: the same
 per-rank batches, one step timed phase by phase, one trainer per configuration (a GPT, or the model
 a subclass builds; its optimizer ours or a peer of `benchmarks._optim`), every configuration of a
-world stepped in turn, and the ratios of each configuration's steps to its peer's.
+world stepped in turn, and the rows and ratios made of what they measured.
 
-    device()                                                    # this rank's: cuda on NCCL, else cpu
-    loss, seconds, comm = train_step(model.loss, opt, x, y, meter)   # per phase: seconds, meter.take()
     class Mine(Trainer): def optimizer(self, model): ...        # one configuration (a GPT unless `build`)
     interleave(trainers, batches(shape, rank, world), warmup, steps)
-    seconds, out = barrier_timed(fn, *args)                     # fn(*args) timed after a barrier
+    results = {tr.config: tr.result(x, y, more=...) for tr in trainers}   # for the parent
+    row = timed_row(config, every_ranks_result)                 # ms per phase, train ms, losses
     rows = against_peers(rows_by_config, peer, ["train", "step"])   # "train x", "step x", "|Δ loss|"
+    seconds, out = barrier_timed(fn, *args)                     # fn(*args) timed after a barrier
 
 Models and batches live on the rank's `device()`: the GPU a NCCL group is bound to (under
-torchrun, `benchmarks._torchrun`), else the CPU (a gloo world). On CUDA, where kernels and
-collectives run after the host has moved on, `train_step` waits for the device
-(`torch.cuda.synchronize()`) before it reads each phase's clock and before the first, so a
-phase's time is its work on the device; the library itself never synchronises for this.
+torchrun), else the CPU. On CUDA `train_step` waits for the device (`torch.cuda.synchronize()`)
+before it reads each phase's clock, so a phase's time is its work on the device; the library
+itself never synchronises for this.
 """
 
 from __future__ import annotations
@@ -30,10 +29,7 @@ from torch.profiler import record_function
 
 from benchmarks._comm import CommMeter
 from benchmarks._gpt import gpt_loss, param_count, random_batch, shaped_gpt
-from benchmarks._measure import median_ratio
-
-__all__ = ["PHASES", "Trainer", "against_peers", "barrier_timed", "batches", "device", "interleave", "ms",
-           "train_step"]  # fmt: skip
+from benchmarks._measure import median_ratio, slowest
 
 PHASES = ["fwd", "bwd", "step", "zero_grad"]
 
@@ -49,9 +45,10 @@ def device() -> torch.device:
 def batches(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A pool of two batches for this rank on its `device()`, cycled, so a working optimizer lowers
     the loss (drawn on the CPU: the same tokens on any device)."""
-    return [tuple(t.to(device()) for t in random_batch(shape["batch"], shape["seq"], shape["vocab"],
-                                                       seed=1000 + i * world + rank))
-            for i in range(2)]  # fmt: skip
+    drawn = [
+        random_batch(shape["batch"], shape["seq"], shape["vocab"], 1000 + i * world + rank) for i in (0, 1)
+    ]
+    return [(x.to(device()), y.to(device())) for x, y in drawn]
 
 
 def _wait_for_device(x: torch.Tensor) -> None:
@@ -137,8 +134,7 @@ class Trainer:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return gpt_loss(self.module, x, y)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True,
-             around: Mapping[str, AbstractContextManager] | None = None) -> None:  # fmt: skip
+    def step(self, x: torch.Tensor, y: torch.Tensor, record: bool = True, around: Mapping | None = None):
         """One `train_step` (see there); recorded unless `record` is false (warm-up)."""
         loss, times, comm = train_step(self.loss, self.opt, x, y, self.meter, around)
         self.losses.append(loss)
@@ -152,10 +148,30 @@ class Trainer:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         return self.loss(x, y).item()
 
+    def result(self, x: torch.Tensor, y: torch.Tensor, **more) -> dict:
+        """What the recorded steps measured, for the parent (`timed_row` reads it): the parameter
+        count, each phase's seconds per step, every step's loss, the loss on `(x, y)` after
+        training, this rank's device type, and `more`."""
+        out = dict(params=self.params, times_s=self.times, losses=self.losses, device=device().type)
+        return {**out, "loss_after": self.eval_loss(x, y), **more}
+
 
 def ms(per_step: list[float]) -> float:
     """The median of per-step seconds, in ms."""
     return 1e3 * statistics.median(per_step)
+
+
+def timed_row(config: str, res: list[dict]) -> dict:
+    """One configuration's row from every rank's `Trainer.result()`: each phase's `ms` (the median
+    over steps of the slowest rank's), `train ms` their sum, the first step's loss and the loss after
+    training (means over ranks); `_train` and `_step`, per step, for `against_peers`."""
+    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
+    train = [sum(t) for t in zip(*phases.values())]
+    row = {"config": config, "params": res[0]["params"], "_train": train, "_step": phases["step"]}
+    row.update({"train ms": ms(train), **{f"{k} ms": ms(v) for k, v in phases.items()}})
+    row["loss first"] = statistics.mean(r["losses"][0] for r in res)
+    row["loss after"] = statistics.mean(r["loss_after"] for r in res)
+    return row
 
 
 def against_peers(rows: dict[str, dict], peer: Callable[[str], str], keys: Sequence[str]) -> list[dict]:

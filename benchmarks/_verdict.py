@@ -16,11 +16,17 @@ from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import FSDP2_ON_CPU, environment, save_json
 
-__all__ = ["LOSS_TOL", "loss_check", "shown", "time_note", "verdict"]
+__all__ = ["LOSS_TOL", "loss_check", "shape_words", "shown", "time_note", "verdict"]
 
 # Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
 # order), so the updates differ by bf16 rounding.
 LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2}
+
+
+def shape_words(shape: dict) -> str:
+    """A benchmark GPT's shape and its tokens per rank and step, in words."""
+    model = f"vocab {shape['vocab']}, d {shape['d_model']}, {shape['n_layers']} layers"
+    return f"({model}), {shape['batch']}x{shape['seq']} tokens/rank/step"
 
 
 def shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:
@@ -32,8 +38,8 @@ def time_note(run: dict, missing: str, script: str) -> None:
     """Print what a time table's numbers are on this device: on CUDA, that `missing` (columns) are
     not measured there; on CPU, what FSDP2's synchronous collectives mean for a ratio."""
     if run.get("device") == "cuda":
-        print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams; "
-              f"{missing} are not measured here ({script}'s docstring says why)")  # fmt: skip
+        print("\nCUDA: each phase timed until the device finished it; FSDP2 overlaps on its own streams;")
+        print(f"{missing} are not measured here ({script}'s docstring says why)")
     else:
         print(f"\n{FSDP2_ON_CPU}")
 
@@ -69,14 +75,14 @@ def verdict(
     and return what was written: the environment, `run`, the goals, the check, `rows` and `more`."""
     print_goals(f"Goals ({goals_for}):", goals)
     sane, notes = loss_check(rows)
-    print(f"\nLoss check (loss after training vs {peer} with the same optimizer, relative tolerance "
-          f"AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}; every config lowered the loss): "
-          f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    tol = f"relative tolerance AdamW {LOSS_TOL['AdamW']:g}, Muon {LOSS_TOL['Muon']:g}"
+    print(f"\nLoss check (loss after training vs {peer} with the same optimizer, {tol}; every config")
+    print(f"lowered the loss): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))
     name = f"{name}_torchrun" if run.get("torchrun") else name
     name = f"{name}_quick" if run["quick"] else name
     png = plot(name)
-    payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals,
-               "loss_check_ok": sane, "rows": rows, **more}  # fmt: skip
+    payload = {"env": environment(run.get("threads")), **run, "load_average": load_average(), "goals": goals}
+    payload.update(loss_check_ok=sane, rows=rows, **more)
     path = save_json(name, payload)
     print(f"\nwrote {path}" + (f" and {png}" if png else "") + f"; {run['wall_s']:.0f} s")
     return payload

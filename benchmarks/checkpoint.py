@@ -1,47 +1,26 @@
 """Checkpoints: `vescale_optim.checkpoint.CheckpointManager` against FSDP2 + `torch.distributed.checkpoint`.
 
-Both sides train their own copy of the same seeded GPT (`benchmarks._gpt.build_gpt`, ~5.3 M fp32
-parameters by default: an AdamW checkpoint of ~64 MB) on the same per-rank batches, on gloo:
+Both sides train their own copy of the same seeded GPT (~5.3 M fp32 parameters: an AdamW checkpoint
+of ~64 MB) on the same per-rank batches, on gloo. Ours: ZeRO-3 `vo.AdamW` (or `vo.Muon`) saved by
+`CheckpointManager(dir, model, opt, keep=None)` (`async_save=True` for the asynchronous saves).
+Peer: `benchmarks._optim.fsdp2`'s model and optimizers, saved by `get_state_dict` + `dcp.save`,
+loaded by `dcp.load` + `set_state_dict`, asynchronously by `dcp.async_save` over a gloo group of its
+own. Both write with DCP's `FileSystemWriter` (files fsynced); ours also writes a manifest, renames
+the folder and checks metadata and sizes before a load.
 
-* ours - `vo.AdamW` (or `vo.Muon`) with `shard_modules=[*model.blocks, model]` (ZeRO-3), saved by
-  `CheckpointManager(dir, model, opt, keep=None)`: `save(step)` and `load(step)`; asynchronously by
-  a second manager over the same model and optimizer with `async_save=True`.
-* peer - `fully_shard` on every block and on the model, `torch.optim.AdamW` (Muon: `torch.optim.Muon`
-  on the same hidden matrices, `torch.optim.AdamW` on the rest); save: `get_state_dict` +
-  `dcp.save` into `dir/step-N`; load: `get_state_dict` + `dcp.load` + `set_state_dict`; async:
-  `dcp.async_save` over a gloo group of its own (training's collectives use the default group
-  meanwhile, as with the manager).
-
-Measured in one world per W, ours and the peer taking turns (the order alternating):
-
-* `save ms`, `load ms`: wall time of the call, started after a barrier, on the slowest rank; the
-  median over `--rounds`; `x` is ours / peer, the median of the per-round ratios. Both write with
-  DCP's `FileSystemWriter` (files fsynced); ours also writes and fsyncs a manifest and renames
-  the folder (atomicity), and checks metadata and file sizes before a load. A load reads what
-  was just written (page cache warm for both). Checkpoints are deleted between rounds, untimed.
-* the checksum's cost: a third manager over ours with `verify=False` (sizes only, no checksum
-  written or read) takes its turn in every round too; `checksum save x` / `checksum load x` are
-  ours / that one's save and load times (medians of the per-round ratios): the save computes a
-  CRC-32 of every byte as it is written, the load reads this rank's share of the files once
-  more to check them.
-* `MB/rank`: bytes of the DCP data files each rank wrote (`__RANK_*.distcp`), mean over ranks;
-  `B/param`: all data files / parameters (AdamW fp32: 12 = parameter + 2 moments); `meta KB`:
-  the rest of the folder (DCP's `.metadata`, our manifest).
-* async: cycles of `--every` training steps (forward, backward, step, zero_grad, each step after
-  a barrier), either without saving or with an asynchronous save in the cycle's first step and
-  a wait for it at the cycle's end, so a cycle costs what a save every k steps costs in steady
-  state (what the save did not hide included). The variants' cycles are interleaved; `async %`
-  is the median over cycles of (cycle with a save / the same side's cycle without) - 1;
-  `stage ms` is the save call itself (copy to CPU, hand-off to the writer thread). AdamW only
-  by default (`--async-optims`): FSDP2 + `torch.optim.Muon` steps slowly on CPU.
-* before timing, a check per side: save, train a step, load; the loss on a fixed batch must be
-  back to its value at the save (`restored`).
-
-Tables to stdout with the load average, JSON (and a PNG) to `benchmarks/results/checkpoint.*`.
+In one world per W, the sides taking turns (the order rotating): `save ms`, `load ms` the slowest
+rank's call after a barrier, the median over `--rounds` (a load reads what was just written);
+`x` ours / peer, the median of per-round ratios. `checksum save x` / `checksum load x`: ours
+against ours with `verify=False` (no CRC-32 written or read), which takes its turn too. `MB/rank`:
+each rank's DCP data files; `B/param`: all of them per parameter (AdamW fp32: 12); `meta KB` the
+rest of the folder. Async: cycles of `--every` steps without saving or with an asynchronous save in
+the first step and a wait at the end (a save every k steps in steady state), interleaved; `async %`
+the median over cycles of (with / without) - 1, `stage ms` the save call itself (AdamW only by
+default: FSDP2 + `torch.optim.Muon` steps slowly on CPU). Before timing, each side saves, trains a
+step and loads: the loss must be back to its value at the save (`restored`).
 
     python benchmarks/checkpoint.py                  # W = 2 and 4, AdamW and Muon (~3 min on 2 busy cores)
     python benchmarks/checkpoint.py --quick          # tiny model, W = 2, AdamW (a smoke test)
-    python benchmarks/checkpoint.py --world-sizes 2 --optims AdamW --rounds 9
 """
 
 from __future__ import annotations
@@ -116,8 +95,9 @@ class Peer(_Side):
     def load(self, step: int) -> None:
         state = self._state()
         dcp.load(state, checkpoint_id=self.root / "sync" / f"step-{step}")
-        set_state_dict(self.model, self.opts, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # fmt: skip
+        set_state_dict(
+            self.model, self.opts, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
 
     def save_async(self, step: int) -> Path:
         self.wait()
@@ -161,18 +141,8 @@ def _check(rank: int, side: _Side, x, y) -> dict:
     return {"saved": saved, "moved": moved, "loaded": after}
 
 
-def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycles: int, every: int,
-               root: Path) -> dict:  # fmt: skip
-    sides = {"ours": Ours(shape, optim, root / "ours"), "peer": Peer(shape, optim, root / "peer")}
-    batches = [random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=100 * rank + i)
-               for i in range(2)]  # fmt: skip
-    for side in sides.values():
-        for b in batches:  # optimizer state exists
-            side.step(*b, record=False)
-    out = {s: {"params": side.params, "check": _check(rank, side, *batches[0]), "save": [], "load": [],
-               "data": [], "meta": [], "plain": [], "async": [], "stage": []}
-           for s, side in sides.items()}  # fmt: skip
-    out["ours"].update(save_unverified=[], load_unverified=[])
+def _rounds(rank: int, sides: dict, out: dict, rounds: int) -> None:
+    """Save and load rounds, the sides and ours without checksums taking turns (the order rotating)."""
     turns = [*SIDES, "unverified"]  # the last: ours without checksums
     for r in range(1, rounds + 1):
         for s in turns[r % 3 :] + turns[: r % 3]:
@@ -192,6 +162,10 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
             res["meta"].append(b["meta"])
             res["load"].append(barrier_timed(side.load, r)[0])
             _remove(rank, path)
+
+
+def _async_cycles(rank: int, sides: dict, out: dict, batches: list, cycles: int, every: int) -> None:
+    """Cycles of `every` steps of each side, without saving or with an asynchronous save, interleaved."""
     variants = [(s, a) for s in SIDES for a in (False, True)]
     for c in range(cycles):
         k = c % len(variants)
@@ -209,12 +183,31 @@ def _one_optim(rank: int, world: int, shape: dict, optim: str, rounds: int, cycl
                 steps.append(barrier_timed(side.wait)[0])
                 _remove(rank, path)
             out[s]["async" if save else "plain"].append(steps)
+
+
+def _rank_main(rank: int, world: int, shape: dict, optims: list[str], run: dict, root: str) -> dict:
+    """Each optimizer in turn: both sides built and checked, then the rounds and the cycles."""
+    out = {}
+    for optim in optims:
+        where = Path(root) / optim
+        sides = {"ours": Ours(shape, optim, where / "ours"), "peer": Peer(shape, optim, where / "peer")}
+        batches = [
+            random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=100 * rank + i) for i in (0, 1)
+        ]
+        for side in sides.values():
+            for b in batches:  # optimizer state exists
+                side.step(*b, record=False)
+        keys = ["save", "load", "data", "meta", "plain", "async", "stage"]
+        res = {
+            s: {"params": side.params, "check": _check(rank, side, *batches[0])} for s, side in sides.items()
+        }
+        for s in SIDES:
+            res[s].update({k: [] for k in keys})
+        res["ours"].update(save_unverified=[], load_unverified=[])
+        _rounds(rank, sides, res, run["rounds"])
+        _async_cycles(rank, sides, res, batches, run["cycles"][optim], run["every"])
+        out[optim] = res
     return out
-
-
-def _rank_main(rank: int, world: int, shape: dict, optims: list[str], rounds: int, cycles: dict[str, int],
-               every: int, root: str) -> dict:  # fmt: skip
-    return {o: _one_optim(rank, world, shape, o, rounds, cycles[o], every, Path(root) / o) for o in optims}
 
 
 # ---------------------------------------------------------------- summary
@@ -233,23 +226,20 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
     for s in SIDES:
         d, p = side[s], "" if s == "ours" else "peer "
         save, load = slowest(d["save"]), slowest(d["load"])
-        data = [sum(col) for col in zip(*d["data"])]  # all ranks, per round
+        data = statistics.median(sum(col) for col in zip(*d["data"]))  # all ranks, per round
         plain, cycle = _cycles(d["plain"]), _cycles(d["async"])
-        timed = {}
         if plain:
-            timed = {f"{p}async %": 100 * (median_ratio(cycle, plain) - 1),
-                     f"{p}stage ms": 1e3 * statistics.median(slowest(d["stage"])),
-                     f"{p}step ms": 1e3 * statistics.median(plain) / len(d["plain"][0][0])}  # fmt: skip
-        raw[s] = {"save_s": save, "load_s": load, "plain_cycle_s": plain, "async_cycle_s": cycle,
-                  "data_bytes_by_rank": [statistics.median(b) for b in d["data"]],
-                  "check": d["check"]}  # fmt: skip
-        row.update({
-            f"{p}save ms": 1e3 * statistics.median(save), f"{p}load ms": 1e3 * statistics.median(load),
-            f"{p}MB/rank": statistics.median(data) / world / 2**20,
-            f"{p}B/param": statistics.median(data) / row["params"],
-            f"{p}meta KB": statistics.median(d["meta"][0]) / 1024,
-            **timed, f"{s} restored": all(c["loaded"] == c["saved"] != c["moved"] for c in d["check"]),
-        })  # fmt: skip
+            row[f"{p}async %"] = 100 * (median_ratio(cycle, plain) - 1)
+            row[f"{p}stage ms"] = 1e3 * statistics.median(slowest(d["stage"]))
+            row[f"{p}step ms"] = 1e3 * statistics.median(plain) / len(d["plain"][0][0])
+        raw[s] = {"save_s": save, "load_s": load, "plain_cycle_s": plain, "async_cycle_s": cycle}
+        raw[s].update(data_bytes_by_rank=[statistics.median(b) for b in d["data"]], check=d["check"])
+        row.update(
+            {f"{p}save ms": 1e3 * statistics.median(save), f"{p}load ms": 1e3 * statistics.median(load)}
+        )
+        row.update({f"{p}MB/rank": data / world / 2**20, f"{p}B/param": data / row["params"]})
+        row[f"{p}meta KB"] = statistics.median(d["meta"][0]) / 1024
+        row[f"{s} restored"] = all(c["loaded"] == c["saved"] != c["moved"] for c in d["check"])
     plain_save = slowest(side["ours"]["save_unverified"])
     plain_load = slowest(side["ours"]["load_unverified"])
     raw["ours"].update(unverified_save_s=plain_save, unverified_load_s=plain_load)
@@ -265,11 +255,10 @@ def summarize(world: int, optim: str, per_rank: list[dict]) -> dict:
     return row
 
 
-TIMES = ["W", "optimizer", "params", "save ms", "peer save ms", "save x", "load ms", "peer load ms",
-         "load x", "MB/rank", "peer MB/rank", "bytes x", "B/param", "peer B/param", "meta KB",
-         "peer meta KB", "restored"]  # fmt: skip
-CHECKSUM = ["W", "optimizer", "MB/rank", "save ms", "unverified save ms", "checksum save x", "load ms",
-            "unverified load ms", "checksum load x"]  # fmt: skip
+TIMES = "W|optimizer|params|save ms|peer save ms|save x|load ms|peer load ms|load x|MB/rank|peer MB/rank"
+TIMES = [*TIMES.split("|"), "bytes x", "B/param", "peer B/param", "meta KB", "peer meta KB", "restored"]
+CHECKSUM = ["W", "optimizer", "MB/rank", "save ms", "unverified save ms", "checksum save x", "load ms"]
+CHECKSUM += ["unverified load ms", "checksum load x"]
 ASYNC = ["W", "optimizer", "step ms", "peer step ms", "async %", "peer async %", "stage ms", "peer stage ms"]
 
 
@@ -279,10 +268,8 @@ def plot(rows: list[dict]) -> Path | None:
     if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    names = lambda rs: [f"W={r['W']} {r['optimizer']}" for r in rs]
-
-    bars = [("save ms", "ours save"), ("peer save ms", "peer save"), ("load ms", "ours load"),
-            ("peer load ms", "peer load")]  # fmt: skip
+    names = lambda rs: [f"W={r['W']} {r['optimizer']}" for r in rs]  # noqa: E731
+    bars = [(f"{p}{op} ms", f"{p or 'ours '}{op}") for op in ("save", "load") for p in ("", "peer ")]
     for j, (key, label) in enumerate(bars):
         left.bar([i + 0.2 * j for i in range(len(rows))], [r[key] for r in rows], 0.2, label=label)
     left.set(xticks=[i + 0.3 for i in range(len(rows))], xticklabels=names(rows), ylabel="ms (median)")
@@ -290,24 +277,31 @@ def plot(rows: list[dict]) -> Path | None:
     timed = [r for r in rows if "async %" in r]
     for j, (key, label) in enumerate([("async %", "ours"), ("peer async %", "peer")]):
         right.bar([i + 0.3 * j for i in range(len(timed))], [r[key] for r in timed], 0.3, label=label)
-    right.set(xticks=[i + 0.15 for i in range(len(timed))], xticklabels=names(timed),
-              ylabel="step-time overhead %", title="async save every k steps")  # fmt: skip
+    ticks = [i + 0.15 for i in range(len(timed))]
+    right.set(
+        xticks=ticks,
+        xticklabels=names(timed),
+        ylabel="step-time overhead %",
+        title="async save every k steps",
+    )
     right.legend(fontsize=8)
     return save_png("checkpoint", fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
     families = ["AdamW", "Muon"]
-    args = parse(__doc__, argv, "tiny model, W = 2, AdamW, few rounds",
-                 world_sizes=dict(type=int, nargs="+", help="default 2 4 (--quick: 2)"),
-                 optims=dict(nargs="+", choices=families, help="default both (--quick: AdamW)"),
-                 rounds=dict(type=int, help="save + load rounds per side (default 6, --quick 2)"),
-                 cycles=dict(type=int, help="async cycles per variant (default 5, --quick 2)"),
-                 async_optims=dict(nargs="*", choices=families, default=["AdamW"], help="optimizers whose "
-                                   "async saving is timed (default AdamW: FSDP2 + Muon steps slowly)"),
-                 every=dict(type=int, help="steps per async cycle: a save every k steps (default 5)"),
-                 dir=dict(help="where checkpoints go (in a temporary folder; default: the system's "
-                          "temporary folder)"))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "tiny model, W = 2, AdamW, few rounds",
+        world_sizes=dict(type=int, nargs="+", help="default 2 4 (--quick: 2)"),
+        optims=dict(nargs="+", choices=families, help="default both (--quick: AdamW)"),
+        rounds=dict(type=int, help="save + load rounds per side (default 6, --quick 2)"),
+        cycles=dict(type=int, help="async cycles per variant (default 5, --quick 2)"),
+        async_optims=dict(nargs="*", choices=families, default=["AdamW"], help="whose async saves are timed"),
+        every=dict(type=int, help="steps per async cycle: a save every k steps (default 5)"),
+        dir=dict(help="where checkpoints go (in a temporary folder; default: the system's)"),
+    )
     q = args.quick
     worlds = args.world_sizes or ([2] if q else [2, 4])
     optims = args.optims or (["AdamW"] if q else ["AdamW", "Muon"])
@@ -318,33 +312,31 @@ def main(argv: list[str] | None = None) -> dict:
     t0, log = time.perf_counter(), lambda msg: print(f"# {msg}", file=sys.stderr, flush=True)
     root = Path(tempfile.mkdtemp(prefix="vo-ckpt-bench-", dir=args.dir))
     rows, loads, threads = [], {}, []
+    run = dict(rounds=rounds, cycles=cycles, every=every)
     try:
         for w in worlds:
             before = load_average()
-            res = launch(_rank_main, w, shape, optims, rounds, cycles, every, str(root / f"W{w}"),
-                         preload=PRELOAD)  # fmt: skip
+            res = launch(_rank_main, w, shape, optims, run, str(root / f"W{w}"), preload=PRELOAD)
             loads[w] = {"before": before, "after": load_average()}
             threads += res.threads
             rows += [summarize(w, o, [r[o] for r in res]) for o in optims]
             log(f"W={w}: {time.perf_counter() - t0:.0f} s")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nsave / load / bytes per rank, ours (ZeRO-3 + CheckpointManager) vs FSDP2 + DCP; "
-          f"x = ours / peer, medians of {rounds} rounds\n")  # fmt: skip
+    print("\nsave / load / bytes per rank, ours (ZeRO-3 + CheckpointManager) vs FSDP2 + DCP;")
+    print(f"x = ours / peer, medians of {rounds} rounds\n")
     print(table(rows, TIMES))
-    print("\nthe checksum's cost: ours (a CRC-32 of every file written, checked on load) vs ours with "
-          "verify=False (sizes only); x = with / without, medians of the per-round ratios\n")  # fmt: skip
+    print("\nthe checksum's cost: ours (a CRC-32 of every file written, checked on load) vs ours with")
+    print("verify=False (sizes only); x = with / without, medians of the per-round ratios\n")
     print(table(rows, CHECKSUM))
     print(f"\n{FSDP2_ON_CPU}")
-    timed = [r for r in rows if "async %" in r]
-    if timed:
-        print(f"\nasync saving every {every} steps: step-time overhead vs no saving, "
-              f"medians of {max(cycles.values())} cycles\n")  # fmt: skip
+    if timed := [r for r in rows if "async %" in r]:
+        print(f"\nasync saving every {every} steps: step-time overhead vs no saving, medians of")
+        print(f"{max(cycles.values())} cycles\n")
         print(table(timed, ASYNC))
-    print("\nload average (1, 5, 15 min): " + "; ".join(f"W={w}: {v['before']} -> {v['after']}"
-                                                       for w, v in loads.items()))  # fmt: skip
-    result = {"shape": shape, "rounds": rounds, "cycles": cycles, "every": every, "load_average": loads,
-              "rows": rows, "wall_s": time.perf_counter() - t0}  # fmt: skip
+    loads_said = "; ".join(f"W={w}: {v['before']} -> {v['after']}" for w, v in loads.items())
+    print(f"\nload average (1, 5, 15 min): {loads_said}")
+    result = {"shape": shape, **run, "load_average": loads, "rows": rows, "wall_s": time.perf_counter() - t0}
     return finish("checkpoint", args, result, threads, png=plot(rows), quick_suffix=False)
 
 

@@ -1,41 +1,23 @@
 """Compiled blocks: ZeRO-3 training with every block compiled (`block.compile()`), ours against
 FSDP2, on gloo: train-step time, peak live tensor bytes and first-step compile time.
 
-Configurations, each training its own copy of the same seeded model (`benchmarks._gpt.build_gpt`,
-the benchmark GPT of `benchmarks/fsdp.py`) on the same per-rank batches with AdamW:
+Configurations, each training its own copy of the benchmark GPT of `benchmarks/fsdp.py` on the
+same per-rank batches with AdamW: `ours eager` (`vo.AdamW(..., shard_modules=[*model.blocks,
+model])`), `ours compiled` (then `block.compile()` per block: the unit hooks run eagerly, outside
+the graphs), `FSDP2 eager` (`benchmarks._optim.fsdp2`) and `FSDP2 compiled` (its hooks are
+dynamo-disabled: they too run between the graphs). `x FSDP2`: against FSDP2 in the same mode (FSDP2
+eager, saying why, where FSDP2 + compile does not run here); `x eager`: against its own eager run.
 
-* `ours eager`     - `vo.AdamW(model.parameters(), **ADAMW, shard_modules=[*model.blocks, model])`
-* `ours compiled`  - the same, then `block.compile()` for every block (the library runs its unit
-                     hooks eagerly, outside the graphs, so each block's forward is one graph)
-* `FSDP2 eager`    - `fully_shard` on every block (resharded after forward) and on the model,
-                     `torch.optim.AdamW(foreach=True)`
-* `FSDP2 compiled` - the same, then `block.compile()` for every block (FSDP2's hooks are
-                     dynamo-disabled: they too run eagerly between the graphs)
-
-Each compiled configuration is compared with FSDP2 in the same mode (`x FSDP2`; if FSDP2 +
-compile does not run here, the output says so and why, and `ours compiled` is compared with
-FSDP2 eager) and with its own eager run (`x eager`).
-
-Time (one world, all configurations in it, one step each in turn with the order rotating, so
-load on the machine hits them alike): `--warmup` rounds (the first compiles), then `--steps`
-measured rounds under `torch.compiler.set_stance("fail_on_recompile")`, so a measured step
-that would recompile fails the run. Every step starts after a barrier and is timed per rank
-(`fwd`, `bwd`, `step`, `zero_grad`; `train` is their sum); a number is the median over steps
-of the slowest rank's, a ratio the median of the per-step ratios.
-
-First step and memory (each configuration alone in a fresh world, with an empty inductor
-cache per rank, `TORCHINDUCTOR_CACHE_DIR`, compiling in the rank's own process, after a world
-that compiled a small function once, so that reading the compiler and its headers from disk
-lands on none of them; `--quick` runs all but FSDP2 compiled in one world): `first step s`
-is the slowest rank's first train step, `compile s` that less its median later step (for the
-compiled configurations: dynamo's capture, AOT autograd and inductor's code generation and C++
-build of the block's forward and backward). Then a second copy of the model, built under the
-profiler (`benchmarks._live`, the other training benchmarks' measurement of ATen's allocator),
-trains `--memory-steps` steps (+1 after them): `peak live` is the most tensor bytes alive on
-a rank during a step after the first, `peak at` the phase and library region open then.
-
-Sanity: every configuration lowers the loss, and ends within `LOSS_TOL` (relative) of
-`ours eager`'s loss on each rank's first batch after training.
+Time: all configurations in one world, one step each in turn (the order rotating): `--warmup`
+rounds (the first compiles), then `--steps` rounds under `set_stance("fail_on_recompile")`; phases
+after a barrier, `train` their sum; the median over steps of the slowest rank's, a ratio the
+median of per-step ratios. First step and memory, each configuration alone in a fresh world with
+an empty inductor cache per rank (after a world that compiled a small function once, so reading
+the compiler from disk lands on none of them; `--quick`: all but FSDP2 compiled in one world):
+`first step s` the slowest rank's first train step, `compile s` that less its median later step;
+then another copy trains `--memory-steps` under the profiler (`benchmarks._live`): `peak live` the
+most tensor bytes alive in a step after the first, `peak at` where. Sanity: every configuration
+lowers the loss and ends within `LOSS_TOL` (relative) of `ours eager`'s.
 
     python benchmarks/compile.py            # 4 ranks, the benchmark GPT (~11 min on 2 busy cores)
     python benchmarks/compile.py --quick    # tiny GPT, 2 ranks, aot_eager backend (a smoke test)
@@ -61,27 +43,27 @@ if __package__ in (None, ""):
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import torch  # noqa: E402
-from torch.profiler import record_function  # noqa: E402
 
 from benchmarks import _train  # noqa: E402
 from benchmarks._gpt import Ranks, launch  # noqa: E402
-from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._live import live_steps  # noqa: E402
 from benchmarks._main import finish, parse, print_goals  # noqa: E402
 from benchmarks._measure import load_average, median_ratio, slowest  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
 from benchmarks._report import FSDP2_ON_CPU, require_finite, table  # noqa: E402
-from benchmarks._train import PHASES, batches, interleave, ms  # noqa: E402
-from benchmarks._verdict import loss_check  # noqa: E402
+from benchmarks._train import PHASES, batches, interleave, timed_row  # noqa: E402
+from benchmarks._verdict import loss_check, shape_words  # noqa: E402
 from benchmarks.fsdp import MODELS, QUICK  # noqa: E402
 from vescale_optim.local_world import RankError  # noqa: E402
 
 CONFIGS = ["ours eager", "ours compiled", "FSDP2 eager", "FSDP2 compiled"]
 MODEL, QUICK_MODEL = MODELS["gpt"], QUICK["gpt"]
 PRELOAD = ["benchmarks.compile", "benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
-REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
 LOSS_TOL = 1e-3  # relative, against ours eager: inductor fuses and reorders fp32 arithmetic
-TABLE = ["config", "train ms", "x FSDP2", "x eager", "fwd ms", "bwd ms", "step ms", "peak live MB",
-         "peak live x", "first step s", "compile s", "compile x", "loss after", "|Δ loss|"]  # fmt: skip
+TABLE = (
+    "config|train ms|x FSDP2|x eager|fwd ms|bwd ms|step ms|peak live MB|peak live x|first step s|compile s"
+)
+TABLE = [*TABLE.split("|"), "compile x", "loss after", "|Δ loss|"]
 RATIOS = ["x FSDP2", "x eager", "peak live x", "compile x"]
 
 
@@ -127,19 +109,19 @@ def _train_seconds(tr: Trainer) -> list[float]:
 # ---------------------------------------------------------------- the ranks
 
 
-def _time_all(rank: int, world: int, shape: dict, configs: list[str], backend: str, warmup: int,
-              steps: int, cache: str | None) -> dict:  # fmt: skip
+def _time_all(
+    rank: int, world: int, shape: dict, configs: list[str], backend: str, rounds: tuple, cache
+) -> dict:
     """Every configuration in this world, interleaved step by step; no recompilation once warm.
     `cache` None (--quick): what this process compiled before is kept."""
     if cache is not None:
         _fresh_compiler(cache)
     pool = batches(shape, rank, world)
-    trainers = [Trainer(c, shape, backend) for c in configs]
+    trainers, (warmup, steps) = [Trainer(c, shape, backend) for c in configs], rounds
     interleave(trainers, pool, warmup, 0)
     with torch.compiler.set_stance("fail_on_recompile"):
         interleave(trainers, pool, 0, steps)
-    return {tr.config: {"params": tr.params, "times_s": tr.times, "losses": tr.losses,
-                        "loss_after": tr.eval_loss(*pool[0])} for tr in trainers}  # fmt: skip
+    return {tr.config: tr.result(*pool[0]) for tr in trainers}
 
 
 def _warm(rank: int, world: int, backend: str) -> None:
@@ -157,8 +139,9 @@ def _warm(rank: int, world: int, backend: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _alone(rank: int, world: int, shape: dict, config: str, backend: str, steps: int,
-           memory_steps: int) -> dict:  # fmt: skip
+def _alone(
+    rank: int, world: int, shape: dict, config: str, backend: str, steps: int, memory_steps: int
+) -> dict:
     """One configuration in a fresh process: its first steps from an empty compiler cache, then
     the live bytes of another copy's steps (see the module's docstring)."""
     folder = tempfile.mkdtemp(prefix=f"compile_bench_r{rank}_")
@@ -173,18 +156,9 @@ def _alone(rank: int, world: int, shape: dict, config: str, backend: str, steps:
         gc.collect()
         out = {"first_s": per_step[0], "later_s": per_step[1:]}
         if memory_steps:
-            recorder = LiveBytes().start()
-            tr = Trainer(config, shape, backend)
-            windows = ["bench::first"] + ["bench::steady"] * (memory_steps - 1) + ["bench::tail"]
-            for s, window in enumerate(windows):
-                with record_function(window):
-                    tr.step(*pool[s % 2], record=False)
-            trace = recorder.stop()
-            peak = trace.peak("bench::steady", REGIONS)
-            out.update(live_peak=peak["bytes"], live_where=peak["where"], live_by=peak["by"],
-                       live_start=trace.at_start("bench::steady"),
-                       live_unseen_frees=trace.unseen_frees)  # fmt: skip
-            del tr, trace, recorder
+            tr, trace = live_steps(lambda: Trainer(config, shape, backend), pool, memory_steps)
+            out.update(trace.summary())
+            del tr, trace
             gc.collect()
         return out
     finally:
@@ -217,43 +191,34 @@ def _worlds(world: int, calls: list[tuple], one: bool = False, log=None, t0: flo
 
 def summarize(timed: dict[str, list[dict]], alone: dict[str, list[dict]], fsdp2_compiles: bool) -> list[dict]:
     """One row per configuration from every rank's results, with its ratios."""
-    rows, train = {}, {}
-    for config, res in timed.items():
-        phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
-        train[config] = [sum(t) for t in zip(*phases.values())]
-        row = {"config": config, "params": res[0]["params"], "train ms": ms(train[config]),
-               **{f"{k} ms": ms(v) for k, v in phases.items()},
-               "loss first": statistics.mean(r["losses"][0] for r in res),
-               "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
-        mine = alone.get(config)
-        if mine:
+    rows = {config: timed_row(config, res) for config, res in timed.items()}
+    for config, row in rows.items():
+        if mine := alone.get(config):
             first = max(m["first_s"] for m in mine)
-            later = statistics.median(slowest([m["later_s"] for m in mine]))
-            row.update({"first step s": first, "_compile": first - later})
+            row["first step s"] = first
             if config.endswith("compiled"):
-                row["compile s"] = first - later
+                row["compile s"] = first - statistics.median(slowest([m["later_s"] for m in mine]))
             if "live_peak" in mine[0]:
                 top = max(mine, key=lambda m: m["live_peak"])
-                row.update({"peak live MB": top["live_peak"] / 2**20,
-                            "at step start MB": max(m["live_start"] for m in mine) / 2**20,
-                            "peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"],
-                            "memory": mine})  # fmt: skip
-        rows[config] = row
+                row.update(
+                    {"peak live MB": top["live_peak"] / 2**20, "peak by": top["live_by"], "memory": mine}
+                )
+                row["at step start MB"] = max(m["live_start"] for m in mine) / 2**20
+                row["peak at"] = " > ".join(top["live_where"][1:])
     for config, row in rows.items():
-        base = peer(config, fsdp2_compiles)
-        if config.startswith("ours") and base in rows:
-            row["x FSDP2"] = median_ratio(train[config], train[base])
-            if row.get("peak live MB") and rows[base].get("peak live MB"):
-                row["peak live x"] = row["peak live MB"] / rows[base]["peak live MB"]
-            if "compile s" in row and "compile s" in rows[base] and rows[base]["compile s"] > 0:
-                row["compile x"] = row["compile s"] / rows[base]["compile s"]
-        eager = config.replace("compiled", "eager")
-        if config.endswith("compiled") and eager in rows:
-            row["x eager"] = median_ratio(train[config], train[eager])
+        base, eager = rows.get(peer(config, fsdp2_compiles)), rows.get(config.replace("compiled", "eager"))
+        if config.startswith("ours") and base:
+            row["x FSDP2"] = median_ratio(row["_train"], base["_train"])
+            if row.get("peak live MB") and base.get("peak live MB"):
+                row["peak live x"] = row["peak live MB"] / base["peak live MB"]
+            if "compile s" in row and base.get("compile s", 0) > 0:
+                row["compile x"] = row["compile s"] / base["compile s"]
+        if config.endswith("compiled") and eager:
+            row["x eager"] = median_ratio(row["_train"], eager["_train"])
         if "ours eager" in rows:
             row["|Δ loss|"] = abs(row["loss after"] - rows["ours eager"]["loss after"])
     for row in rows.values():
-        row.pop("_compile", None)
+        del row["_train"], row["_step"]
     return list(rows.values())
 
 
@@ -269,25 +234,24 @@ def _goals(rows: dict[str, dict], fsdp2_compiles: bool) -> dict[str, bool]:
 
 
 def _fsdp2_status(fsdp2_compiles: bool, reason: str | None, backend: str) -> str:
+    here = f"on CPU/gloo here (torch {torch.__version__}, backend {backend})"
     if fsdp2_compiles:
-        return (f"FSDP2 + compile: runs on CPU/gloo here (torch {torch.__version__}, backend {backend}): "
-                "`fully_shard` on every block and the model, then `block.compile()`; FSDP2's hooks are "
-                "dynamo-disabled, so they run eagerly between the blocks' graphs, as ours do.")  # fmt: skip
-    return (f"FSDP2 + compile: does NOT run on CPU/gloo here (torch {torch.__version__}, backend {backend}): "
-            f"{reason}. `ours compiled` is compared with FSDP2 eager instead.")  # fmt: skip
+        how = "`fully_shard` on every block and the model, then `block.compile()`; FSDP2's hooks are"
+        return f"FSDP2 + compile: runs {here}: {how} dynamo-disabled, so they run eagerly between the graphs"
+    return f"FSDP2 + compile: does NOT run {here}: {reason}. `ours compiled` is compared with FSDP2 eager."
 
 
 def report(rows: list[dict], run: dict, args) -> dict:
-    shape, w = run["shape"], run["world"]
-    by = {r["config"]: r for r in rows}
+    by, w = {r["config"]: r for r in rows}, run["world"]
     if run["quick"]:
         print("--quick: a smoke run on a tiny model; its ratios say nothing about the goals")
-    print(f"\n## Compiled blocks: {rows[0]['params'] / 1e6:.1f} M params (vocab {shape['vocab']}, "
-          f"d {shape['d_model']}, {shape['n_layers']} layers), {shape['batch']}x{shape['seq']} "
-          f"tokens/rank/step, W={w} (gloo), AdamW, torch.compile backend {run['backend']}; "
-          f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; "
-          f"x FSDP2 = vs FSDP2 in the same mode, x eager = vs the same library eager; first step and "
-          f"peak live: each config alone in a fresh world, empty compiler caches\n")  # fmt: skip
+    params = f"{rows[0]['params'] / 1e6:.1f} M params {shape_words(run['shape'])}"
+    print(f"\n## Compiled blocks: {params}, W={w} (gloo), AdamW, torch.compile backend {run['backend']};")
+    print(
+        f"{run['warmup']} warm-up + {run['steps']} interleaved steps, median of the slowest rank; x FSDP2 ="
+    )
+    print("vs FSDP2 in the same mode, x eager = vs the same library eager; first step and peak live: each")
+    print("config alone in a fresh world, empty compiler caches\n")
     print(table(rows, TABLE, floatfmt=".4g"))
     print(f"\n{FSDP2_ON_CPU}")
     print(f"\n{_fsdp2_status(run['fsdp2_compiles'], run['fsdp2_compile_error'], run['backend'])}")
@@ -295,22 +259,27 @@ def report(rows: list[dict], run: dict, args) -> dict:
     print(table(rows, ["config", "peak live MB", "at step start MB", "peak at"], floatfmt=".4g"))
     goals = print_goals(f"Goals (W={w}; load average {load_average()}):", _goals(by, run["fsdp2_compiles"]))
     sane, notes = loss_check(rows, LOSS_TOL)
-    print(f"\nLoss check (every config lowered the loss and ends within {LOSS_TOL:g} relative of ours "
-          f"eager): {'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))  # fmt: skip
+    within = f"ends within {LOSS_TOL:g} relative of ours eager"
+    print(f"\nLoss check (every config lowered the loss and {within}):")
+    print(f"{'OK' if sane else 'MISMATCH'}" + "".join(f"\n  {n}" for n in notes))
     print(f"\nwall {run['wall_s']:.0f} s")
     payload = {**run, "load_average": load_average(), "goals": goals, "loss_check_ok": sane, "rows": rows}
     return finish("compile", args, payload, run["threads"])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "tiny GPT, 2 ranks, aot_eager (a smoke test)",
-                 world_size=dict(type=int, help="default 4 (--quick: 2)"),
-                 steps=dict(type=int, help="measured rounds (default 16, --quick 3)"),
-                 warmup=(2, "rounds before them (the first compiles)"),
-                 first_steps=(3, "steps after the first in the fresh worlds"),
-                 memory_steps=(3, "profiled (+1 after); 0: none"),
-                 backend=dict(help="of torch.compile (default inductor, --quick aot_eager)"),
-                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "tiny GPT, 2 ranks, aot_eager (a smoke test)",
+        world_size=dict(type=int, help="default 4 (--quick: 2)"),
+        steps=dict(type=int, help="measured rounds (default 16, --quick 3)"),
+        warmup=(2, "rounds before them (the first compiles)"),
+        first_steps=(3, "steps after the first in the fresh worlds"),
+        memory_steps=(3, "profiled (+1 after); 0: none"),
+        backend=dict(help="of torch.compile (default inductor, --quick aot_eager)"),
+        configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+    )
     if args.memory_steps == 1:
         args.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
     if args.warmup < 2:
@@ -341,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     rest = [c for c in configs if c != "FSDP2 compiled"]
     cache = None if args.quick else tempfile.mkdtemp(prefix="compile_bench_timing_")
     calls = [(_alone, (shape, c, *first)) for c in rest]
-    calls.append((_time_all, (shape, configs, backend, args.warmup, steps, cache)))
+    calls.append((_time_all, (shape, configs, backend, (args.warmup, steps), cache)))
     try:  # each call in a fresh world (--quick: all in one)
         out = _worlds(world, calls, one=args.quick, log=log, t0=t0)
     finally:
@@ -351,10 +320,11 @@ def main(argv: list[str] | None = None) -> dict:
     timed = out[-1]
     rows = summarize({c: [rk[c] for rk in timed] for c in configs}, alone, fsdp2_compiles)
     require_finite(rows, [c for c in TABLE if c != "config"])
-    run = dict(world=world, steps=steps, warmup=args.warmup, first_steps=first_steps,
-               memory_steps=memory_steps, backend=backend, shape=shape, quick=args.quick,
-               fsdp2_compiles=fsdp2_compiles, fsdp2_compile_error=reason, threads=timed.threads,
-               wall_s=time.perf_counter() - t0)  # fmt: skip
+    run = dict(
+        world=world, steps=steps, warmup=args.warmup, first_steps=first_steps, memory_steps=memory_steps
+    )
+    run.update(backend=backend, shape=shape, quick=args.quick, fsdp2_compiles=fsdp2_compiles)
+    run.update(fsdp2_compile_error=reason, threads=timed.threads, wall_s=time.perf_counter() - t0)
     return report(rows, run, args)
 
 

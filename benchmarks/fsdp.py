@@ -1,88 +1,43 @@
 """Fully sharded training (ZeRO-3) against FSDP2 on gloo: step time, exposed communication,
 peak memory, bytes moved and copies.
 
-Configurations, each training its own copy of the same seeded model on the same per-rank
-batches (a pool of two, cycled, so a working optimizer lowers the loss):
+Configurations, each training its own copy of the same seeded model on the same per-rank batches:
+`ours Z3 AdamW|Muon` (`vo.AdamW` / `vo.Muon(muon_groups(model))` with `shard_modules=[*model.blocks,
+model]`), `ours Z3 no-bwd-prefetch` (the same, `backward_prefetch=False`: at most two unit-sized
+buffers in backward), `ours Z2` (no `shard_modules`: whole parameters, gradients reduce-scattered)
+and `FSDP2 AdamW|Muon` (`benchmarks._optim.fsdp2`: `fully_shard` per block and the root, torch's
+optimizers on the DTensors); each of ours is compared with FSDP2 with its optimizer (`x`). Models:
+`gpt`, where activations weigh about as much as the sharded state, and `wide` (wide layers, short
+sequences), where parameters, gradients and state dominate memory as in large-model training.
 
-* `ours Z3 AdamW` - `vo.AdamW(model.parameters(), **ADAMW, shard_modules=[*model.blocks, model])`
-* `ours Z3 Muon`  - `vo.Muon(muon_groups(model), shard_modules=...)` (hidden matrices through
-                    Muon, embeddings, norms, biases and the head through AdamW)
-* `FSDP2 AdamW`   - `fully_shard(block, reshard_after_forward=True)` for every block, then
-                    `fully_shard(model)` (the root stays gathered from forward to backward, as
-                    our outermost unit does), `torch.optim.AdamW(foreach=True)`
-* `FSDP2 Muon`    - the same with `torch.optim.Muon` on the hidden matrices and
-                    `torch.optim.AdamW` on the rest, on the DTensor parameters
-* `ours Z3 no-bwd-prefetch AdamW`, `... Muon` - ours Z3 with `backward_prefetch=False`: each
-                    unit gathered when its backward starts, at most two unit-sized buffers
-                    in backward
-* `ours Z2 AdamW`, `ours Z2 Muon` - our optimizers without `shard_modules`: parameters whole
-                    on every rank, gradients still reduce-scattered during backward
+Time: all configurations in one world, one step each in turn (the order rotating): `fwd`, `bwd`,
+`step`, `zero_grad` after a barrier; `train` their sum; `update` is `step` less the communication
+exposed in it, `update % step` its share (a regression of the step's own work shows there). A
+number is the median over steps of the slowest rank's, a ratio the median of per-step ratios.
+`stand-in ms`: rank 0's profiled `vescale::stand_ins[unit]` regions in a step (parameters turned
+into their stand-ins between uses and back; `% fwd` against `fwd ms`). `exposed comm`: the time
+the training thread spent in collectives or waiting for them (`benchmarks._comm`); on CPU FSDP2's
+are synchronous, so all exposed. `MB sent`: per rank and step, by kind (`benchmarks._comm`).
+Copies: the outermost copy ops of one more step on rank 0 (`benchmarks._copies`) by path:
+`collective path` (FSDP2's or our communication code, DTensor's redistribution), `grad accum`
+(AccumulateGrad), `c10d` (gloo's staging), `own slice` (ours on gloo: the shard copied into its
+slice before the in-place broadcast) and `compute` (context only); `copies` = the first two.
 
-Each of ours is compared with the FSDP2 configuration of its optimizer (`x` columns).
-Models (`benchmarks._gpt.build_gpt`): `gpt`, the benchmark GPT, where activations weigh
-about as much as the sharded training state; `wide`, wide layers and 16-token sequences,
-where parameters, gradients and optimizer state dominate memory as in large-model training.
+Memory, each configuration alone in a fresh world: `peak live` is the most tensor bytes alive on
+a rank in a step after the first (`benchmarks._live`: ATen's allocator in the profiler, so every
+buffer counts alike), `at step start` what a rank holds between steps, `peak at` the phase and
+library region open at the peak; then the peak RSS over one more step (`--malloc live`: glibc
+returns large blocks at once) and less the bare process's. Scaling: the `wide` model's peak live
+bytes per parameter at W = 1, 2 and the main W. Sanity: each configuration's loss after training
+against its FSDP2 peer's, and lowered.
 
-Time (one world per model, all configurations in it, one step each in turn with the order
-rotating, so load on the machine hits them alike): every step starts after a barrier and is
-timed per rank: `fwd` (`model.loss`), `bwd`, `step` (`opt.step()`), `zero_grad`; `train` is
-their sum; `update` is `step` less the communication exposed in it (ours agrees there which
-parameters step: one small all-reduce, which also absorbs the ranks' skew); `update % step`
-is its share of `step`, the guard on the step's own per-parameter work (a regression there
-shows as a share rising while communication stays). A number is the median over steps of
-the slowest rank's; a ratio is the median of the per-step ratios.
-`stand-in ms` is what ours spend per step turning sharded parameters into their stand-ins
-between uses and back (a class assignment per parameter and gather, the profiler's
-`vescale::stand_ins[unit]` regions in one more step of rank 0, which also hold pointing
-`.data` at the gathered views;
-`stand-in % fwd` against `fwd ms`, though it covers backward's gathers too): on the gathered
-path a parameter is its own class again, so forward and backward compute pay nothing more.
-`exposed comm` is the time the training thread spent inside collective calls or waiting
-for them (`benchmarks._comm`: issue, synchronous calls, `Work.wait`, DTensor's
-`wait_tensor`), i.e. communication not hidden behind compute. On CPU, FSDP2 issues every
-collective synchronously (its overlap needs CUDA streams), so all of its communication is
-exposed; ours are asynchronous on gloo with the next unit prefetched. `MB sent` is per
-rank and step, by the kind of collective called (`benchmarks._comm` says how it is
-counted).
-
-Copies: rank 0 runs one more step of each configuration under the profiler (shapes and
-Python stacks) and counts the outermost copy ops of the step (`benchmarks._copies`) by
-path: `collective path` (inside FSDP2's or our communication code: `FSDP::` and
-`vescale::` regions, their modules' frames, DTensor's redistribution), `grad accum`
-(inside autograd's AccumulateGrad), `c10d` (gloo's own staging), `own slice` (ours only:
-on gloo our all-gather copies the rank's shard into its slice of the unsharded buffer,
-then broadcasts in place; NCCL gathers from the shard directly) and `compute` (the model
-and the optimizers' math, wherever the runtime calls it: a copy whose innermost frame of
-ours is in `optim/` or a math kernel; context only). `copies` = collective path + grad accum.
-
-Memory (each configuration alone in a fresh world): `peak live` is the most tensor bytes
-alive on a rank during a training step after the first, read from the profiler's record
-of ATen's allocator (`benchmarks._live`), so FSDP2's all-gather and reduce-scatter
-buffers, our unsharded units and gradient buffers, activations and gloo's staging all
-count alike (a block freed on a gloo worker, unseen by the profiler, counts as freed when
-the first collective started after it ends, in the peer's favour; one more step, not
-measured, lets those of the last measured step show themselves); `at step start` is what
-a rank holds between steps; `peak at` names the phase and innermost library region open
-at the peak. Then, without the profiler, the peak RSS (`VmHWM` after resetting it) over
-one more step, with glibc returning large blocks at once (`--malloc live`), and the same
-minus the bare process's RSS. Scaling: peak live bytes per parameter of the `wide` model
-at W = 1, 2 and the main W.
-
-Sanity: every configuration's loss on each rank's first batch after training, against its
-FSDP2 peer; all must have lowered the loss.
-
-Under torchrun (`--torchrun`, `benchmarks._torchrun`): every torchrun process is one rank of
-torchrun's group (`vo.init_distributed`: NCCL on `cuda:LOCAL_RANK` where CUDA is available, else
-gloo on the CPU), models and batches on its device; rank 0 prints the tables and writes
-`fsdp_torchrun[_quick].json`. Every configuration then runs in the same processes (no fresh world
-per configuration, no W = 1, 2 scaling runs). On CUDA: phases are timed until the device has
-finished them (`torch.cuda.synchronize()`), and FSDP2 overlaps on its own streams; `peak live` is
-`torch.cuda.max_memory_allocated()` over the steps after the first (reset after it) and `at step
-start` the allocated bytes after the first step, both less what the rank held before building
-the configuration (no RSS, no `peak at`); `exposed comm` and `update` are left out (on NCCL the
-host only issues collectives and waits on streams, so its time in those calls is not the device's
-exposed communication), and so are the copies (backward runs on autograd's device thread, which
-the copy classifier would take for c10d's).
+Under torchrun (`--torchrun`, `benchmarks._torchrun`) every process is one rank (NCCL on
+`cuda:LOCAL_RANK`, else gloo), all configurations in the same processes, no scaling runs; rank 0
+writes `fsdp_torchrun[_quick].json`. On CUDA phases are timed until the device finished them,
+`peak live` is `torch.cuda.max_memory_allocated()` after the first step and `at step start` the
+allocated bytes after it, both less what the rank held before; `exposed comm`, `update` and the
+copies are left out (the host only issues collectives and waits on streams; backward runs on
+autograd's device thread, which the copy classifier would take for c10d's).
 
     python benchmarks/fsdp.py               # 4 ranks, both models (~7.5 min on 2 cores)
     python benchmarks/fsdp.py --quick       # tiny wide model, 2 ranks, a few steps (a smoke test)
@@ -92,7 +47,6 @@ the copy classifier would take for c10d's).
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
 import time
 from collections import Counter
@@ -107,14 +61,14 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from benchmarks import _torchrun, _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._copies import copies_by_path  # noqa: E402
-from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._live import live_steps  # noqa: E402
 from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import live_malloc, reset_peak, slowest, status_kb  # noqa: E402
 from benchmarks._optim import fsdp2, ours  # noqa: E402
-from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
+from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms, timed_row  # noqa: E402
 
-CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW",
-           "ours Z3 Muon", "ours Z3 no-bwd-prefetch Muon", "FSDP2 Muon", "ours Z2 Muon"]  # fmt: skip
+CONFIGS = ["ours Z3 AdamW", "ours Z3 no-bwd-prefetch AdamW", "FSDP2 AdamW", "ours Z2 AdamW"]
+CONFIGS += [c.replace("AdamW", "Muon") for c in CONFIGS]
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
 MODELS = {
     "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
@@ -125,27 +79,20 @@ QUICK = {
     "wide": dict(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=8, batch=1, seq=8),
 }
 PRELOAD = ["benchmarks.fsdp"]  # besides benchmarks._gpt.PEERS
-REGIONS = ("bench::", "FSDP::", "vescale::", "vescale_optim.")
 # row keys with no meaning there
-NOT_ON_CUDA = ("_update", "update ms", "update % step", "exposed comm ms", "exposed/phase ms", "copies",
-               "own slice copies", "c10d copies", "compute copies", "copy events")  # fmt: skip
+NOT_ON_CUDA = ["_update", "update ms", "update % step", "exposed comm ms", "exposed/phase ms", "copies"]
+NOT_ON_CUDA += ["own slice copies", "c10d copies", "compute copies", "copy events"]
 # innermost frames of ours that are the optimizers' math, not communication (kernels/packed.py,
 # the 8-bit wire format, is communication)
 MATH_CODE = ("optim/", "kernels/newton_schulz.py", "kernels/quant.py")
-COLLECTIVE_CODE = (
-    "vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params",
-    "vescale_optim/shard/collectives.py", "vescale_optim/units/", "FSDP::", "fsdp::",
-    "torch/distributed/fsdp/",
-    "torch/distributed/tensor/_redistribute", "torch/distributed/tensor/placement_types",
-    "torch/distributed/tensor/_collective_utils", "torch/distributed/_functional_collectives",
-)  # fmt: skip
+COLLECTIVE_CODE = ("vescale::", "vescale_optim.sync_grads", "vescale_optim.gather_params", "FSDP::", "fsdp::")
+COLLECTIVE_CODE += ("vescale_optim/shard/collectives.py", "vescale_optim/units/", "torch/distributed/fsdp/")
+COLLECTIVE_CODE += tuple(f"torch/distributed/{m}" for m in ("tensor/_redistribute", "tensor/placement_types"))
+COLLECTIVE_CODE += ("torch/distributed/tensor/_collective_utils", "torch/distributed/_functional_collectives")
 
 
 def peer(config: str) -> str:
     return "FSDP2 " + config.split()[-1]
-
-
-# ---------------------------------------------------------------- one configuration
 
 
 def _stand_in_seconds(rank: int, tr: Trainer, x, y) -> float | None:
@@ -155,8 +102,7 @@ def _stand_in_seconds(rank: int, tr: Trainer, x, y) -> float | None:
     if rank != 0:
         tr.step(x, y, record=False)
         return None
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         tr.step(x, y, record=False)
     return sum(e.cpu_time_total for e in prof.events() if e.name.startswith("vescale::stand_ins[")) / 1e6
 
@@ -173,17 +119,14 @@ class Trainer(_train.Trainer):
             sharding["backward_prefetch"] = False
         return ours(model, family, **sharding)
 
-    def result(self, loss_after: float, copies: dict | None, stand_ins: float | None) -> dict:
-        """What this configuration's recorded steps measured, for the parent."""
+    def comm_result(self) -> dict:
+        """Per phase, the seconds exposed in each recorded step, and the calls and bytes of the last."""
         total = {"calls": Counter(), "sent": Counter()}
         for c in (self.comm[-1] if self.comm else {}).values():  # the last recorded step
             total["calls"].update(c["calls"])
             total["sent"].update(c["sent"])
         exposed = {k: [c[k]["exposed_s"] for c in self.comm] for k in PHASES}
-        return {"params": self.params, "times_s": self.times, "exposed_s": exposed,
-                "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}, "losses": self.losses,
-                "loss_after": loss_after, "copies": copies, "device": device().type,
-                "stand_ins_s": stand_ins}  # fmt: skip
+        return {"exposed_s": exposed, "comm": {k: dict(v) for k, v in total.items()} if self.comm else {}}
 
 
 def _classify(event, context: list[str]) -> str:
@@ -195,9 +138,7 @@ def _classify(event, context: list[str]) -> str:
         return "compute"
     if any(m in text for m in COLLECTIVE_CODE):
         return "collective path"
-    if "AccumulateGrad" in text:
-        return "grad accum"
-    return "compute"
+    return "grad accum" if "AccumulateGrad" in text else "compute"
 
 
 def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
@@ -211,9 +152,6 @@ def _count_copies(rank: int, tr: Trainer, x, y) -> dict | None:
     return copies_by_path(prof, "bench::train", _classify)
 
 
-# ---------------------------------------------------------------- the ranks
-
-
 def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: int, steps: int) -> dict:
     """Per model: every configuration in this world, interleaved step by step."""
     meter = CommMeter().install()
@@ -224,8 +162,10 @@ def _time_all(rank: int, world: int, models: dict, configs: list[str], warmup: i
         interleave(trainers, pool, warmup, steps)
         copies = {tr.config: _count_copies(rank, tr, *pool[0]) for tr in trainers}
         stand_ins = {tr.config: _stand_in_seconds(rank, tr, *pool[0]) for tr in trainers}
-        out[name] = {tr.config: tr.result(tr.eval_loss(*pool[0]), copies[tr.config], stand_ins[tr.config])
-                     for tr in trainers}  # fmt: skip
+        out[name] = {}
+        for tr in trainers:
+            more = dict(copies=copies[tr.config], stand_ins_s=stand_ins[tr.config], **tr.comm_result())
+            out[name][tr.config] = tr.result(*pool[0], **more)
         del trainers
         gc.collect()
     return out
@@ -243,27 +183,22 @@ def _memory(rank: int, world: int, jobs: list[tuple[str, dict, str]], steps: int
         gc.collect()
         base_kb = status_kb("VmRSS")
         pool = batches(shape, rank, world)
-        recorder = LiveBytes().start()
-        tr = Trainer(config, shape)
-        windows = ["bench::first"] + ["bench::steady"] * (steps - 1) + ["bench::tail"]  # see the docstring
-        for s, window in enumerate(windows):
-            with record_function(window):
-                tr.step(*pool[s % 2])
-        trace = recorder.stop()
+        tr, trace = live_steps(lambda: Trainer(config, shape), pool, steps)  # noqa: B023
         stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
-        del recorder
         gc.collect()
         reset = reset_peak()
         tr.step(*pool[(steps + 1) % 2])
-        peak = trace.peak("bench::steady", REGIONS)
-        results.append({
-            "model": model, "config": config, "params": tr.params, "live_peak": peak["bytes"],
-            "live_where": peak["where"], "live_by": peak["by"],
-            "live_first": trace.peak("bench::first", REGIONS)["bytes"],
-            "live_start": trace.at_start("bench::steady"), "live_unseen_frees": trace.unseen_frees,
-            "memory_stats": stats, "rss_base_kb": base_kb,
-            "rss_peak_kb": status_kb("VmHWM"), "peak_reset": reset, "live_malloc": tuned,
-        })  # fmt: skip
+        result = {
+            "model": model,
+            "config": config,
+            "params": tr.params,
+            **trace.summary(),
+            "memory_stats": stats,
+        }
+        result.update(
+            rss_base_kb=base_kb, rss_peak_kb=status_kb("VmHWM"), peak_reset=reset, live_malloc=tuned
+        )
+        results.append(result)
         del tr, trace
         gc.collect()
     return results
@@ -283,39 +218,34 @@ def _cuda_memory(rank: int, world: int, job: tuple[str, dict, str], steps: int) 
     torch.cuda.reset_peak_memory_stats()
     for s in range(1, steps):
         tr.step(*pool[s % 2])
-    result = {"model": model, "config": config, "params": tr.params,
-              "live_peak": torch.cuda.max_memory_allocated() - base, "live_start": start,
-              "memory_stats": tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None,
-              "source": "torch.cuda.max_memory_allocated"}  # fmt: skip
+    result = {"model": model, "config": config, "params": tr.params, "live_start": start}
+    result["live_peak"] = torch.cuda.max_memory_allocated() - base
+    result["memory_stats"] = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
+    result["source"] = "torch.cuda.max_memory_allocated"
     del tr
     gc.collect()
     return result
 
 
-# ---------------------------------------------------------------- summary
-
-
 def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> dict:
     """One configuration's row from every rank's timing (and memory) results."""
-    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
     exposed = {k: slowest([r["exposed_s"][k] for r in res]) for k in PHASES}
     r0, copies = res[0], res[0]["copies"] or {}
     sent = r0["comm"].get("sent", {})
-    update = slowest([[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])]
-                            for r in res])  # fmt: skip
-    row = {"model": model, "config": config, "params": r0["params"],
-           "_train": [sum(t) for t in zip(*phases.values())], "_step": phases["step"], "_update": update,
-           "update ms": ms(update),
-           **{f"{k} ms": ms(v) for k, v in phases.items()},
-           "exposed comm ms": ms([sum(t) for t in zip(*exposed.values())]),
-           "exposed/phase ms": {k: ms(v) for k, v in exposed.items()},
-           "MB sent": sum(sent.values()) / 2**20, "MB sent by kind": {k: v / 2**20 for k, v in sent.items()},
-           "calls": r0["comm"].get("calls", {}),
-           "copies": sum(copies.get(p, {}).get("copies", 0) for p in ("collective path", "grad accum")),
-           **{f"{p} copies": copies.get(p, {}).get("copies", 0) for p in ("own slice", "c10d", "compute")},
-           "copy events": copies, "loss first": statistics.mean(r["losses"][0] for r in res),
-           "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
-    row["train ms"] = ms(row["_train"])
+    row = {"model": model, **timed_row(config, res)}
+    row["_update"] = slowest(
+        [[t - e for t, e in zip(r["times_s"]["step"], r["exposed_s"]["step"])] for r in res]
+    )
+    row["update ms"] = ms(row["_update"])
+    row["exposed comm ms"] = ms([sum(t) for t in zip(*exposed.values())])
+    row["exposed/phase ms"] = {k: ms(v) for k, v in exposed.items()}
+    row.update(
+        {"MB sent": sum(sent.values()) / 2**20, "MB sent by kind": {k: v / 2**20 for k, v in sent.items()}}
+    )
+    row["calls"] = r0["comm"].get("calls", {})
+    row["copies"] = sum(copies.get(p, {}).get("copies", 0) for p in ("collective path", "grad accum"))
+    row.update({f"{p} copies": copies.get(p, {}).get("copies", 0) for p in ("own slice", "c10d", "compute")})
+    row["copy events"] = copies
     # the guard on the step's own work: what share of opt.step() is the update (not communication)
     row["update % step"] = 100 * row["update ms"] / row["step ms"] if row["step ms"] else 0.0
     row["stand-in ms"] = 1e3 * (r0.get("stand_ins_s") or 0.0)  # rank 0's profiled step (fwd and bwd)
@@ -328,12 +258,12 @@ def _row(model: str, config: str, res: list[dict], mem: list[dict] | None) -> di
         row.update({"peak live MB": peak, "at step start MB": start, "memory": mem})
     elif mem:
         top = max(mem, key=lambda m: m["live_peak"])
-        row.update({"peak live MB": top["live_peak"] / 2**20,
-                    "at step start MB": max(m["live_start"] for m in mem) / 2**20,
-                    "peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"],
-                    "peak RSS MB": max(m["rss_peak_kb"] for m in mem) / 1024,
-                    "RSS-base MB": max(m["rss_peak_kb"] - m["rss_base_kb"] for m in mem) / 1024,
-                    "memory": mem})  # fmt: skip
+        row["peak live MB"] = top["live_peak"] / 2**20
+        row["at step start MB"] = max(m["live_start"] for m in mem) / 2**20
+        row.update({"peak at": " > ".join(top["live_where"][1:]), "peak by": top["live_by"]})
+        row["peak RSS MB"] = max(m["rss_peak_kb"] for m in mem) / 1024
+        row["RSS-base MB"] = max(m["rss_peak_kb"] - m["rss_base_kb"] for m in mem) / 1024
+        row["memory"] = mem
     return row
 
 
@@ -352,15 +282,20 @@ def summarize(model: str, timed: dict[str, list[dict]], memory: dict[str, list[d
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._fsdp_report import report
 
-    args = parse(__doc__, argv, "tiny wide model, 2 ranks, one world per run kind",
-                 world_size=dict(type=int, help="default 4 (--quick: 2; torchrun's)"),
-                 steps=dict(type=int, help="measured steps (default 5, --quick 2)"), warmup=1,
-                 memory_steps=(2, "profiled (+1 after), 1 for RSS; 0: none"),
-                 malloc=dict(choices=["live", "default"], default="live"),
-                 models=dict(nargs="+", choices=list(MODELS), help="default: both (--quick: wide)"),
-                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
-                 no_scaling=(False, "skip the W = 1, 2 memory runs"),
-                 torchrun=(False, "a rank per torchrun process (see the docstring)"))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "tiny wide model, 2 ranks, one world per run kind",
+        world_size=dict(type=int, help="default 4 (--quick: 2; torchrun's)"),
+        steps=dict(type=int, help="measured steps (default 5, --quick 2)"),
+        warmup=1,
+        memory_steps=(2, "profiled (+1 after), 1 for RSS; 0: none"),
+        malloc=dict(choices=["live", "default"], default="live"),
+        models=dict(nargs="+", choices=list(MODELS), help="default: both (--quick: wide)"),
+        configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+        no_scaling=(False, "skip the W = 1, 2 memory runs"),
+        torchrun=(False, "a rank per torchrun process (see the docstring)"),
+    )
     # under torchrun this process is one rank; the world is torchrun's, and cannot be rebuilt per run
     world, ranks, where = _torchrun.ranks(args.torchrun, args.world_size, 2 if args.quick else 4)
     args.no_scaling |= args.torchrun
@@ -371,7 +306,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.error("--memory-steps: 0, or 2 and more (the peak is taken after the first step)")
     models = args.models or (["wide"] if args.quick else list(MODELS))
     shapes = {m: (QUICK if args.quick else MODELS)[m] for m in models}
-    live = args.malloc == "live"
     t0, first = time.perf_counter(), _torchrun.is_first()
     log = lambda msg: first and print(f"# {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
@@ -380,10 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure(w: int, jobs: list[tuple[str, dict, str]]) -> list[dict]:
         # fresh world per configuration (RSS is per process); --quick runs them all in one
-        batches = [jobs] if args.quick or args.torchrun else [[j] for j in jobs]
         out = []
-        for b in batches:
-            per_rank = ranks(_memory, w, b, memory_steps, live, preload=PRELOAD)
+        for b in [jobs] if args.quick or args.torchrun else [[j] for j in jobs]:
+            per_rank = ranks(_memory, w, b, memory_steps, args.malloc == "live", preload=PRELOAD)
             out += [[r[i] for r in per_rank] for i in range(len(b))]
             log(f"memory W={w} {[j[2] for j in b]}: {time.perf_counter() - t0:.0f} s")
         return out
@@ -392,9 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     memory = dict(zip([(m, c) for m, _, c in jobs], measure(world, jobs)))
     if _torchrun.quiet(args.torchrun):
         return {}
-    rows = [r for m in shapes
-            for r in summarize(m, {c: [rk[m][c] for rk in timed] for c in args.configs},
-                               {c: memory[(m, c)] for c in args.configs if (m, c) in memory})]  # fmt: skip
+    rows = []
+    for m in shapes:
+        mem = {c: memory[(m, c)] for c in args.configs if (m, c) in memory}
+        rows += summarize(m, {c: [rk[m][c] for rk in timed] for c in args.configs}, mem)
     scaling = []
     if "wide" in shapes and memory_steps and not args.no_scaling:
         configs = [c for c in SCALING if c in args.configs]
@@ -402,9 +336,11 @@ def main(argv: list[str] | None = None) -> dict:
             scaling += [(w, res) for res in measure(w, [("wide", shapes["wide"], c) for c in configs])]
         scaling += [(world, memory[("wide", c)]) for c in configs]
     malloc = args.malloc if where.get("device", "cpu") == "cpu" else None
-    return report(rows, scaling, dict(world=world, steps=steps, warmup=warmup, memory_steps=memory_steps,
-                                      malloc=malloc, shapes=shapes, quick=args.quick, threads=timed.threads,
-                                      wall_s=time.perf_counter() - t0, **where))  # fmt: skip
+    run = dict(
+        world=world, steps=steps, warmup=warmup, memory_steps=memory_steps, malloc=malloc, shapes=shapes
+    )
+    run.update(quick=args.quick, threads=timed.threads, wall_s=time.perf_counter() - t0, **where)
+    return report(rows, scaling, run)
 
 
 if __name__ == "__main__":

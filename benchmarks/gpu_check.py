@@ -66,16 +66,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._gpu_async import stage_delay, stage_single_gpu  # noqa: E402
 from benchmarks._gpu_common import FORCE, SIZES  # noqa: E402
-from benchmarks._gpu_library import (  # noqa: E402
-    stage_checkpoint,
-    stage_delay,
-    stage_memory,
-    stage_meta,
-    stage_single_gpu,
-    stage_syncs,
-    stage_zero3,
-)
+from benchmarks._gpu_library import stage_checkpoint, stage_memory, stage_meta, stage_syncs, stage_zero3  # noqa: E402
 from benchmarks._gpu_numerics import stage_batch_invariance, stage_large_shapes, stage_nan  # noqa: E402
 from benchmarks._gpu_overlap import analyse_overlap, stage_overlap, stage_overlap_selftest  # noqa: E402
 from benchmarks._gpu_programs import (  # noqa: E402
@@ -198,13 +191,24 @@ STAGES = [
     Stage("memory", stage_memory, _limits(20), "peak allocated of ZeRO-3 vs memory_stats()", FORCE),
     Stage("checkpoint", stage_checkpoint, _limits(22), "CheckpointManager sync and async resumes", FORCE),
     Stage("nan", stage_nan, _limits(20), "NaN/Inf through the 8-bit kernels: Triton vs torch", warm=True),
-    Stage("batch_invariance", stage_batch_invariance, _limits(20), "Shampoo tiles, newton_schulz: 1 vs 8",
-          warm=True),
+    Stage(
+        "batch_invariance",
+        stage_batch_invariance,
+        _limits(20),
+        "Shampoo tiles, newton_schulz: 1 vs 8",
+        warm=True,
+    ),
     Stage("large_shapes", stage_large_shapes, _limits(22), "large newton_schulz, > 2^31 quantize", warm=True),
-    Stage("tests", stage_tests, _limits(110, 400), "pytest -n 8 of the kernel and local-copy tests, compiled",
-          warm=True),
-    Stage("steps", stage_steps, _limits(18), "world-1 optimizer steps vs torch.optim (kernels.py)",
-          warm=True),
+    Stage(
+        "tests",
+        stage_tests,
+        _limits(110, 400),
+        "pytest -n 8 of the kernel and local-copy tests, compiled",
+        warm=True,
+    ),
+    Stage(
+        "steps", stage_steps, _limits(18), "world-1 optimizer steps vs torch.optim (kernels.py)", warm=True
+    ),
     Stage("kernels", stage_kernels, _limits(130), "Triton vs torch vs torch.compile (kernels.py)", warm=True),
 ]
 OPTIONAL = {"kernels"}  # run only when asked for (--kernels, or named in --stages)
@@ -225,11 +229,14 @@ def start_warmup(out: Path, arch: str) -> Warmup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    budget = f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu); honoured with --stages"
-    ap = parser(__doc__, STAGES, DEFAULT_OUT, cpu="rehearse every stage on CPU (gloo, Triton interpreter)",
-                dry_run="print the stages, their limits and the total",
-                kernels="also run the kernels stage (torch.compile), last",
-                budget=f"seconds for the whole run, set-up included {budget}")  # fmt: skip
+    helps = dict(
+        cpu="rehearse every stage on CPU (gloo, Triton interpreter)", kernels="also run the kernels stage"
+    )
+    helps["kernels"] += " (torch.compile), last"
+    helps["dry_run"] = "print the stages, their limits and the total"
+    default = f"(default: {BUDGET_S['gpu']} on GPU, {BUDGET_S['cpu']} --cpu)"
+    helps["budget"] = f"seconds for the whole run, set-up included {default}; honoured with --stages"
+    ap = parser(__doc__, STAGES, DEFAULT_OUT, **helps)
     args = ap.parse_args(argv)
     mode = args.mode or ("cpu" if args.cpu else "gpu")
     out = args.out.resolve()
@@ -261,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         warmup = start_warmup(out, proc.stdout.strip())
     notes = [f"python {sys.executable}", f"every stage in its own process; limits cut to the {mode} budget"]
-    rc = run_all(stages, mode=mode, out=out, title="GPU check", budget=budget, command=command, notes=notes,
-                 setup=SETUP_S, warmup=warmup)  # fmt: skip
+    run = dict(
+        mode=mode, out=out, title="GPU check", budget=budget, command=command, notes=notes, setup=SETUP_S
+    )
+    rc = run_all(stages, **run, warmup=warmup)
     text = summary(json.loads((out / "report.json").read_text()))
     (out / "summary.md").write_text(text)
     archive = pack(out)

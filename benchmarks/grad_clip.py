@@ -83,8 +83,8 @@ def _rank(rank: int, world: int, layers: int, width: int, runs: int) -> list[dic
                 opt.step()
             if len(counts) != 1:
                 raise RuntimeError(f"{mode} {name}: the number of collectives changed between runs: {counts}")
-            rows.append({"sharding": mode, "method": name, "parameters": len(ps), "collectives": counts.pop(),
-                         "median ms": statistics.median(times)})  # fmt: skip
+            row = {"sharding": mode, "method": name, "parameters": len(ps), "collectives": counts.pop()}
+            rows.append({**row, "median ms": statistics.median(times)})
     return rows
 
 

@@ -1,59 +1,34 @@
 """HSDP on a 2-D mesh (replicate x shard) against FSDP2's HSDP on gloo: step time, bytes
 inside and across shard groups, Newton–Schulz FLOPs per rank.
 
-Configurations, on 4 ranks, each training its own copy of the same seeded GPT on the same
-per-rank batches (a pool of two, cycled, so a working optimizer lowers the loss):
+Configurations on 4 ranks, each training its own copy of the same seeded GPT on the same
+per-rank batches: `ours 2x2 AdamW|Muon` (`vo.AdamW` / `vo.Muon(muon_groups(model))` with
+`mesh=init_device_mesh(..., (2, 2), ("replicate", "shard"))` and `shard_modules=[*model.blocks,
+model]`), `ours 1x4` (one shard group of 4, no replicas) and `FSDP2 2x2` (`benchmarks._optim.fsdp2`
+over the same mesh: FSDP2's HSDP with torch's optimizers). Time as in `benchmarks/fsdp.py`: all
+configurations in one world, interleaved; the median over steps of the slowest rank's; `x` the
+median of per-step ratios to FSDP2 2x2 with the same optimizer.
 
-* `ours 2x2 AdamW|Muon` - `vo.AdamW` / `vo.Muon(muon_groups(model))` with
-                          `mesh=init_device_mesh("cpu", (2, 2), ("replicate", "shard"))` and
-                          `shard_modules=[*model.blocks, model]`
-* `ours 1x4 AdamW|Muon` - the same on a `(1, 4)` mesh: one shard group of 4, no replicas
-* `FSDP2 2x2 AdamW|Muon` - `fully_shard(block, mesh=<the same 2x2 mesh>)` for every block,
-                          then the root (FSDP2's HSDP), `torch.optim.AdamW(foreach=True)`, or
-                          `torch.optim.Muon` on the hidden matrices (the split of
-                          `benchmarks._optim.muon_groups`) and AdamW on the rest
+Bytes (`benchmarks._comm`), per rank and train step, the mean over ranks: `inside` a shard group,
+`across` shard groups (replicate groups, and an all-to-all's peers in another replica), `mixed`
+(a group spanning both, e.g. the world: left unsplit); `step` columns count what is sent inside
+`opt.step()`; `stats MB` is ours' own count (`step_stats["bytes_sent"]`), a cross-check of the
+meter's all-to-all. Kinds are counted as asked (gloo runs reduce-scatters as all-reduces).
 
-Time: every configuration in one world, one step each in turn with the order rotating
-(as `benchmarks/fsdp.py`): `fwd`, `bwd`, `step` (`opt.step()`), `zero_grad` timed per rank
-after a barrier; `train` is their sum. A number is the median over steps of the slowest
-rank's; `x` is the median of the per-step ratios to FSDP2 2x2 with the same optimizer.
+Newton–Schulz FLOPs per rank and step: `total` the model's (every Muon matrix once, `5 * (4a²b +
+2a³)` for `a x b`, a <= b); `stats` ours' `step_stats["ns_flops"]`; `measured` the profiler's FLOP
+count of the innermost matrix products in one more `opt.step()` (a DTensor's product counted on
+its local pieces). Ours orthogonalize each matrix once in the world, owners balanced, so a rank
+does about total/4; torch.optim.Muon over FSDP2's DTensors has its products redistributed by
+DTensor's sharding rules: about total/2 a rank on 2x2, the work split within a shard group but
+repeated across replicas.
 
-Bytes (`benchmarks._comm`): every collective the training thread calls, by the ranks of its
-group: `inside` a shard group (a replica), `across` shard groups (replicate groups, and the
-peers of an all-to-all in another replica), `mixed` (a collective over a group that spans
-both, e.g. the world: its split depends on the algorithm, so it is left unsplit). Per rank
-and train step, the mean over ranks; `step` columns count what is sent inside `opt.step()`
-(ours: its Muon moves, and the replica all-reduce of the last unit's gradient, which it
-finishes there). `stats MB` is ours's own count of the step's collectives
-(`opt.step_stats["bytes_sent"]`, mean over ranks), a cross-check of the meter's all-to-all.
-Kinds are counted as asked: ours's gradient reduce-scatter is an in-place all-reduce on
-gloo (twice a reduce-scatter's bytes); gloo runs FSDP2's reduce-scatter as an all-reduce too,
-but it is counted as a reduce-scatter. `exposed comm` is the time the training thread
-spent in collectives or waiting for them.
-
-Newton–Schulz FLOPs per rank, per step: `total` is the model's (every Muon matrix once:
-`5 * (4a²b + 2a³)` for an `a x b` matrix, a <= b, the iteration torch.optim.Muon and ours
-run); ours report theirs in `step_stats["ns_flops"]`; `measured` is what each rank's matrix
-products in `opt.step()` cost, from the profiler's FLOP count of `aten::mm`, `addmm`, `bmm`
-and `baddbmm` on one more step (innermost products only, so a DTensor's product is counted
-on the local pieces it runs on). Ours: each matrix is orthogonalized once in the whole
-world, owners balanced over the 4 ranks, so a rank does about total/4. FSDP2 +
-torch.optim.Muon: every parameter and gradient is a DTensor, replicated over `replicate`
-and sharded on dim 0 over `shard`; torch.optim.Muon runs its iteration on the gradient as
-it is, and DTensor redistributes operands and partial results as each product's sharding
-rule asks (all-gathers and all-reduces inside the shard group, all-reduces across
-replicas: the `step MB` columns). Measured, a rank does about total/2 on 2x2 and the ranks
-together about twice the total: the work is split within a shard group, not across replicas.
-
-Under torchrun (`--torchrun`, `benchmarks._torchrun`): every torchrun process is one rank of
-torchrun's group (`vo.init_distributed`: NCCL on `cuda:LOCAL_RANK` where CUDA is available, else
-gloo on the CPU), models, batches and meshes on its device; rank 0 prints the tables and writes
-`hsdp_torchrun[_quick].json`. With W ranks (even) the meshes are `2x(W/2)` and `1xW`, and the
-configurations are named so (`--configs` takes the 4-rank names). On CUDA phases are timed until
-the device has finished them (`torch.cuda.synchronize()`), FSDP2 overlaps on its own streams, and
-`exposed comm` and the measured FLOPs are left out: on NCCL the host only issues collectives and
-waits on streams, and ours orthogonalize in Triton kernels, which the profiler's FLOP count of
-ATen products does not see (ours' own count, `stats`, stays).
+Under torchrun (`--torchrun`, `benchmarks._torchrun`) every process is one rank (NCCL on
+`cuda:LOCAL_RANK`, else gloo); with W ranks (even) the meshes are `2x(W/2)` and `1xW` (`--configs`
+takes the 4-rank names); rank 0 writes `hsdp_torchrun[_quick].json`. On CUDA phases are timed until
+the device finished them, and `exposed comm` and the measured FLOPs are left out: the host only
+issues collectives and waits on streams, and ours orthogonalize in Triton kernels, which the
+profiler's count of ATen products does not see (ours' `stats` stays).
 
     python benchmarks/hsdp.py            # 4 ranks (~1 min on 2 cores)
     python benchmarks/hsdp.py --quick    # tiny model, 4 ranks, a few steps (a smoke test)
@@ -82,7 +57,7 @@ from benchmarks._main import parse  # noqa: E402
 from benchmarks._measure import matmul_flops, slowest  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
 from benchmarks._optim import MUON, fsdp2, muon_groups, ours  # noqa: E402
-from benchmarks._train import PHASES, against_peers, batches, device, interleave, ms  # noqa: E402
+from benchmarks._train import against_peers, batches, device, interleave, ms, timed_row  # noqa: E402
 
 WORLD = 4
 MESHES = {"2x2": (2, 2), "1x4": (1, 4)}
@@ -138,35 +113,28 @@ class Trainer(_train.Trainer):
             self.stats.append(dict(getattr(self.opt, "step_stats", {})))
         return matmul_flops(prof) if prof is not None else None
 
-    def result(self, ns_measured: int, loss_after: float) -> dict:
-        """What this configuration's recorded steps measured, for the parent: per step, the seconds
-        in collectives and the bytes sent by "where kind", over the train step and inside opt.step()."""
-        sent = []
-        for comm in self.comm:
-            total = Counter()
-            for c in comm.values():
-                total.update(c["sent_by"])
-            sent.append(dict(total))
+    def comm_result(self) -> dict:
+        """Per recorded step: the seconds in collectives and the bytes sent by "where kind", over the
+        train step and inside opt.step()."""
+        sent = [dict(sum((Counter(c["sent_by"]) for c in comm.values()), Counter())) for comm in self.comm]
         exposed = [sum(c["exposed_s"] for c in comm.values()) for comm in self.comm]
-        return {"params": self.params, "ns_total": self.ns_total, "ns_count": self.ns_count,
-                "times_s": self.times, "exposed_s": exposed, "sent": sent,
-                "step_sent": [comm["step"]["sent_by"] for comm in self.comm], "stats": self.stats,
-                "ns_measured": ns_measured, "losses": self.losses, "loss_after": loss_after,
-                "device": device().type}  # fmt: skip
+        step_sent = [comm["step"]["sent_by"] for comm in self.comm]
+        return dict(exposed_s=exposed, sent=sent, step_sent=step_sent, stats=self.stats)
 
 
 def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, steps: int) -> dict:
     """Every configuration in this world, interleaved step by step; then one more step each,
     profiled for its FLOPs on the CPU (see the docstring)."""
     meter = CommMeter().install()
-    made = {k: init_device_mesh(device().type, s, mesh_dim_names=("replicate", "shard"))
-            for k, s in meshes(world).items()}  # fmt: skip
+    names = ("replicate", "shard")
+    made = {k: init_device_mesh(device().type, s, mesh_dim_names=names) for k, s in meshes(world).items()}
     pool = batches(shape, rank, world)
     trainers = [Trainer(c, shape, made, meter) for c in configs]
     interleave(trainers, pool, warmup, steps)
     cpu = device().type == "cpu"
     measured = {tr.config: tr.step(*pool[0], record=False, flops=cpu) for tr in trainers}
-    return {tr.config: tr.result(measured[tr.config], tr.eval_loss(*pool[0])) for tr in trainers}
+    more = lambda tr: dict(ns_total=tr.ns_total, ns_count=tr.ns_count, ns_measured=measured[tr.config])  # noqa: E731
+    return {tr.config: tr.result(*pool[0], **more(tr), **tr.comm_result()) for tr in trainers}
 
 
 # ---------------------------------------------------------------- summary
@@ -174,31 +142,25 @@ def _run(rank: int, world: int, shape: dict, configs: list[str], warmup: int, st
 
 def _mean_mb(per_rank: list[list[dict]], where: str = "", kind: str = "") -> float:
     """Median over steps of the mean over ranks of the bytes sent `where` (of the `kind`), in MB."""
-    per_step = [statistics.mean(sum(v for k, v in d.items() if k.startswith(where) and k.endswith(kind))
-                                for d in col) for col in zip(*per_rank)]  # fmt: skip
+    sent = lambda d: sum(v for k, v in d.items() if k.startswith(where) and k.endswith(kind))  # noqa: E731
+    per_step = [statistics.mean(sent(d) for d in col) for col in zip(*per_rank)]
     return statistics.median(per_step) / 2**20 if per_step else 0.0
 
 
 def _row(config: str, res: list[dict]) -> dict:
     """One configuration's row from every rank's results (on CUDA without exposed comm and measured
     FLOPs: the busiest rank's share then comes from ours' stats, `NS from`)."""
-    phases = {k: slowest([r["times_s"][k] for r in res]) for k in PHASES}
-    train = [sum(t) for t in zip(*phases.values())]
     sent, step_sent = [r["sent"] for r in res], [r["step_sent"] for r in res]
     stats = [r["stats"][-1] for r in res]
     total = res[0]["ns_total"] if config.endswith("Muon") else 0
+    row = timed_row(config, res)
+    row["exposed comm ms"] = ms(slowest([r["exposed_s"] for r in res]))
+    row.update({f"MB {w}": _mean_mb(sent, w) for w in ("inside", "across", "mixed", "unknown")})
+    row.update({f"step MB {w}": _mean_mb(step_sent, w) for w in ("inside", "across", "mixed")})
+    row["step MB all-to-all"] = _mean_mb(step_sent, kind="all-to-all")
     kinds = {k: v / 2**20 for k, v in res[0]["sent"][-1].items()} if res[0]["sent"] else {}
-    row = {"config": config, "params": res[0]["params"], "_train": train, "_step": phases["step"],
-           "train ms": ms(train), **{f"{k} ms": ms(v) for k, v in phases.items()},
-           "exposed comm ms": ms(slowest([r["exposed_s"] for r in res])),
-           **{f"MB {w}": _mean_mb(sent, w) for w in ("inside", "across", "mixed", "unknown")},
-           **{f"step MB {w}": _mean_mb(step_sent, w) for w in ("inside", "across", "mixed")},
-           "step MB all-to-all": _mean_mb(step_sent, kind="all-to-all"),
-           "MB by kind (rank 0, last step)": kinds,
-           "NS total GF": total / 1e9,
-           "NS GF per rank (measured)": [(r["ns_measured"] or 0) / 1e9 for r in res],
-           "loss first": statistics.mean(r["losses"][0] for r in res),
-           "loss after": statistics.mean(r["loss_after"] for r in res)}  # fmt: skip
+    row.update({"MB by kind (rank 0, last step)": kinds, "NS total GF": total / 1e9})
+    row["NS GF per rank (measured)"] = [(r["ns_measured"] or 0) / 1e9 for r in res]
     if config.startswith("ours"):
         row["stats MB"] = statistics.mean(s["bytes_sent"] for s in stats) / 2**20
         row["NS GF per rank (stats)"] = [s["ns_flops"] / 1e9 for s in stats]
@@ -226,10 +188,15 @@ def summarize(timed: dict[str, list[dict]], world: int = WORLD) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     from benchmarks._hsdp_report import report
 
-    args = parse(__doc__, argv, "tiny model, a few steps (a smoke test)",
-                 steps=dict(type=int, help="measured steps (default 8, --quick 2)"), warmup=2,
-                 configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
-                 torchrun=(False, "a rank per torchrun process (see the docstring)"))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "tiny model, a few steps (a smoke test)",
+        steps=dict(type=int, help="measured steps (default 8, --quick 2)"),
+        warmup=2,
+        configs=dict(nargs="+", default=CONFIGS, choices=CONFIGS),
+        torchrun=(False, "a rank per torchrun process (see the docstring)"),
+    )
     steps = args.steps or (2 if args.quick else 8)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
     shape = QUICK if args.quick else MODEL
@@ -242,8 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     if _torchrun.quiet(args.torchrun):
         return {}
     rows = summarize({c: [rk[c] for rk in timed] for c in configs}, world)
-    run = dict(world=world, meshes=meshes(world), steps=steps, warmup=warmup, shape=shape, quick=args.quick,
-               threads=timed.threads, wall_s=time.perf_counter() - t0, **where)  # fmt: skip
+    run = dict(world=world, meshes=meshes(world), steps=steps, warmup=warmup, shape=shape, quick=args.quick)
+    run.update(threads=timed.threads, wall_s=time.perf_counter() - t0, **where)
     return report(rows, run)
 
 

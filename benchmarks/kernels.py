@@ -1,30 +1,18 @@
 """Kernel throughput: Triton vs the torch reference vs ``torch.compile`` of the torch reference,
 and the optimizers' step on one device (world size 1).
 
-Kernel rows (``backend``: ``triton``, ``torch``, ``compile`` = ``torch.compile`` of the torch path):
+Kernel rows (``backend``: ``triton``, ``torch``, ``compile``): ``newton_schulz`` (5 steps at Muon's
+coefficients, and at Polar Express's per-step triples), TFLOP/s counting the dense work of the torch
+iteration (``p <= q``: ``2p²q + 2p³ + 2p²q`` a step; the Triton path skips the lower triangles of
+the two symmetric products, so its rate on this count can exceed the tensor cores'); ``quantize``
+/ ``dequantize`` / ``adamw8bit`` at 256-element blocks, GB/s counting the bytes a call must move.
+``% of peak`` is against a dense bf16 rate and HBM bandwidth looked up from the device name;
+``max |diff|`` against the torch path on the same input; ``first call s`` includes the JIT.
 
-- ``newton_schulz``, 5 steps at Muon's coefficients, and ``newton_schulz polar_express``,
-  Polar Express's 5 per-step triples. TFLOP/s counts the dense work of the
-  torch iteration per matrix (``p <= q``): ``X Xᵀ`` ``2p²q``, ``A²`` ``2p³``, ``B X``
-  ``2p²q`` per step. The Triton path skips the lower triangles of the two symmetric
-  products (about a quarter of the work when ``p = q``), so its rate on this count can
-  exceed what the tensor cores run.
-- ``quantize`` / ``dequantize`` / ``adamw8bit`` at 256-element blocks. GB/s counts the
-  bytes a call must move (the 8-bit update: fp32 parameter read + written, gradient read,
-  two int8 moments read + written, two fp32 scales per block read + written).
-
-``% of peak`` is against an assumed dense bf16 tensor-core rate and HBM bandwidth looked up
-from the device name (vendor sheets, SXM parts). ``max |diff|`` is against the torch path
-on the same input (Newton–Schulz: bf16 values; quantize: int8 codes; the update: the
-parameter after one step); ``first call s`` includes Triton's JIT or ``torch.compile``.
-
-Step rows: ``vo.AdamW`` (32- and 8-bit state), ``vo.Muon`` and ``vo.Shampoo`` on a stack of
-square linear layers, against ``torch.optim.AdamW`` / ``torch.optim.Muon`` on a copy of the
-same model and data: median step time, and the largest parameter difference after the
-same steps (the 8-bit AdamW and Shampoo rows are compared with fp32 AdamW, for scale only).
-
-On CUDA everything runs at the sizes below. On CPU only the torch and ``torch.compile``
-rows run, at small sizes, with no peaks (the Triton interpreter is not a benchmark).
+Step rows: ``vo.AdamW`` (32- and 8-bit), ``vo.Muon`` and ``vo.Shampoo`` on a stack of square
+linear layers against ``torch.optim.AdamW`` / ``torch.optim.Muon`` on a copy of the same model and
+data: median step time and the largest parameter difference after the same steps (8-bit AdamW and
+Shampoo against fp32 AdamW, for scale only). On CPU only the torch and compile rows run, small.
 
     python benchmarks/kernels.py                    # medians of 5 runs
     python benchmarks/kernels.py --quick            # fewer repeats (benchmarks/gpu_check.sh)
@@ -59,14 +47,8 @@ from vescale_optim.kernels import (  # noqa: E402
 )
 
 # Dense bf16 tensor-core TFLOP/s and HBM TB/s by device-name substring (vendor sheets, SXM parts).
-PEAKS = {
-    "H200": (989.0, 4.8),
-    "H100 PCIe": (756.0, 2.0),
-    "H100": (989.0, 3.35),
-    "H800": (989.0, 3.35),
-    "A100": (312.0, 2.04),
-    "L40S": (362.0, 0.864),
-}
+PEAKS = {"H200": (989.0, 4.8), "H100 PCIe": (756.0, 2.0), "H100": (989.0, 3.35), "H800": (989.0, 3.35)}
+PEAKS.update({"A100": (312.0, 2.04), "L40S": (362.0, 0.864)})
 NS_STEPS = 5
 BLOCK_SIZE = 256
 SLICE = 1 << 20  # elements per call of the compiled 8-bit update (a multiple of BLOCK_SIZE)
@@ -117,11 +99,9 @@ def update_bytes(n: int, grad_bytes: int) -> int:
 def _row(kernel, shape, backend, seconds, first, peak, *, flops=None, nbytes=None, diff=None) -> dict:
     rate = flops / seconds / 1e12 if flops else nbytes / seconds / 1e9
     scale = 1.0 if flops else 1e3  # TFLOP/s vs TFLOP/s; GB/s vs TB/s
-    return {
-        "kernel": kernel, "shape": shape, "backend": backend, "ms": seconds * 1e3, "first call s": first,
-        "TFLOP/s": rate if flops else None, "GB/s": None if flops else rate,
-        "% of peak": None if peak is None else 100 * rate / (peak * scale), "max |diff|": diff,
-    }  # fmt: skip
+    row = {"kernel": kernel, "shape": shape, "backend": backend, "ms": seconds * 1e3, "first call s": first}
+    row.update({"TFLOP/s": rate if flops else None, "GB/s": None if flops else rate})
+    return {**row, "% of peak": None if peak is None else 100 * rate / (peak * scale), "max |diff|": diff}
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -142,16 +122,16 @@ def bench_newton_schulz(shapes, backends, device, repeats, peak_tflops) -> list[
     for kernel, coefficients in NS_KERNELS.items():
         given = {} if coefficients == "muon" else {"coefficients": coefficients}
         torch_ns = functools.partial(newton_schulz, backend="torch", **given)
-        fns = {"triton": functools.partial(newton_schulz, backend="triton", **given), "torch": torch_ns,
-               "compile": _compiled(torch_ns)}  # fmt: skip
+        triton_ns = functools.partial(newton_schulz, backend="triton", **given)
+        fns = {"triton": triton_ns, "torch": torch_ns, "compile": _compiled(torch_ns)}
         for shape in shapes:
             x = torch.randn(shape, device=device, dtype=torch.bfloat16)
             reference = torch_ns(x)
             for backend in backends:
                 seconds, first = timed(functools.partial(fns[backend], x), device, repeats)
                 diff = None if backend == "torch" else _max_diff(fns[backend](x), reference)
-                rows.append(_row(kernel, "x".join(map(str, shape)), backend, seconds, first,
-                                 peak_tflops, flops=ns_flops(shape), diff=diff))  # fmt: skip
+                flops, name = ns_flops(shape), "x".join(map(str, shape))
+                rows.append(_row(kernel, name, backend, seconds, first, peak_tflops, flops=flops, diff=diff))
     return rows
 
 
@@ -169,12 +149,13 @@ def bench_quantization(n, backends, device, repeats, peak_tbps) -> list[dict]:
             quant, dequant = _compiled(quant), _compiled(dequant)
         seconds, first = timed(functools.partial(quant, x), device, repeats)
         diff = None if backend == "torch" else _max_diff(quant(x)[0], q_ref)
-        rows.append(_row("quantize", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=n * (4 + 1) + scales, diff=diff))  # fmt: skip
+        rows.append(
+            _row("quantize", str(n), backend, seconds, first, peak_tbps, nbytes=n * 5 + scales, diff=diff)
+        )
         seconds, first = timed(functools.partial(dequant, q_ref, s_ref), device, repeats)
         diff = None if backend == "torch" else _max_diff(dequant(q_ref, s_ref), dq_ref)
-        rows.append(_row("dequantize", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=n * (1 + 4) + scales, diff=diff))  # fmt: skip
+        row = _row("dequantize", str(n), backend, seconds, first, peak_tbps, nbytes=n * 5 + scales, diff=diff)
+        rows.append(row)
     return rows
 
 
@@ -219,8 +200,8 @@ def bench_update(n, backends, device, repeats, peak_tbps) -> list[dict]:
         check = _update_state(grad)
         update(*check)
         diff = None if backend == "torch" else _max_diff(check[0], reference[0])
-        rows.append(_row("adamw8bit", str(n), backend, seconds, first, peak_tbps,
-                         nbytes=update_bytes(n, grad.element_size()), diff=diff))  # fmt: skip
+        nbytes = update_bytes(n, grad.element_size())
+        rows.append(_row("adamw8bit", str(n), backend, seconds, first, peak_tbps, nbytes=nbytes, diff=diff))
     return rows
 
 
@@ -264,11 +245,14 @@ def bench_steps(width, depth, device, repeats) -> list[dict]:
         times = _run_steps(model, make(model.parameters()), x, repeats + 1, device)
         finals[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
         seconds = statistics.median(times[1:])
-        rows.append({
-            "optimizer": name, "params": finals[name].numel(), "ms/step": seconds * 1e3,
-            "first step s": times[0], "vs": reference,
-            "max |diff|": None if reference is None else _max_diff(finals[name], finals[reference]),
-        })  # fmt: skip
+        row = {
+            "optimizer": name,
+            "params": finals[name].numel(),
+            "ms/step": seconds * 1e3,
+            "first step s": times[0],
+        }
+        diff = None if reference is None else _max_diff(finals[name], finals[reference])
+        rows.append({**row, "vs": reference, "max |diff|": diff})
     for row in rows:
         if row["vs"]:
             ref = next(r for r in rows if r["optimizer"] == row["vs"])
@@ -277,12 +261,15 @@ def bench_steps(width, depth, device, repeats) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "3 repeats, fewer shapes, smaller step model",
-                 repeats=(5, "timed runs per row (median)"),
-                 no_compile=(False, "skip the torch.compile rows"),
-                 sections=dict(nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"],
-                               help="kernel rows, optimizer step rows, or both (default)"),
-                 out=dict(type=Path, help="JSON path (default benchmarks/results/kernels.json)"))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "3 repeats, fewer shapes, smaller step model",
+        repeats=(5, "timed runs per row (median)"),
+        no_compile=(False, "skip the torch.compile rows"),
+        sections=dict(nargs="+", choices=["kernels", "steps"], default=["kernels", "steps"]),
+        out=dict(type=Path, help="JSON path (default benchmarks/results/kernels.json)"),
+    )
     repeats = 3 if args.quick else args.repeats
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -308,8 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
         steps = bench_steps(width, depth, device, repeats)
 
     load = load_average()
-    print(f"device: {name}; assumed peaks: bf16 {peak_tflops} TFLOP/s dense, HBM {peak_tbps} TB/s; "
-          f"{host_line()}")  # fmt: skip
+    print(f"device: {name}; assumed peaks: bf16 {peak_tflops} TFLOP/s dense, HBM {peak_tbps} TB/s;")
+    print(host_line())
     if rows:
         print(table(rows, COLUMNS))
     if steps:
@@ -318,10 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type != "cuda":
         print("\nTriton rows and % of peak need a CUDA GPU: the torch path (and its compiled form) ran here.")
     result = {
-        "env": environment(), "device": name, "load_average": load,
-        "assumed_peak_bf16_tflops": peak_tflops, "assumed_peak_hbm_tbps": peak_tbps,
-        "ns_steps": NS_STEPS, "block_size": BLOCK_SIZE, "repeats": repeats, "rows": rows, "steps": steps,
-    }  # fmt: skip
+        "env": environment(),
+        "device": name,
+        "load_average": load,
+        "assumed_peak_bf16_tflops": peak_tflops,
+    }
+    result.update(assumed_peak_hbm_tbps=peak_tbps, ns_steps=NS_STEPS, block_size=BLOCK_SIZE, repeats=repeats)
+    result.update(rows=rows, steps=steps)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")

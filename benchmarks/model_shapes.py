@@ -24,17 +24,6 @@ Shape = tuple[int, ...]
 Param = tuple[str, Shape]
 Block = list[Param]
 
-__all__ = [
-    "MODELS",
-    "Block",
-    "Param",
-    "Shape",
-    "is_vector",
-    "matrices",
-    "numel",
-    "total_params",
-]
-
 
 def numel(shape: Shape) -> int:
     return math.prod(shape)
@@ -50,24 +39,15 @@ def is_vector(name: str, shape: Shape) -> bool:
 # --------------------------------------------------------------------------- Llama 3
 
 
-def _llama(
-    *,
-    hidden_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    intermediate_size: int,
-    vocab_size: int,
-) -> list[Block]:
+def _llama(hidden_size: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int) -> list[Block]:
     """`LlamaForCausalLM` (transformers `modeling_llama.py`), no biases
     (`attention_bias=False`, `mlp_bias=False`), untied embeddings
     (`tie_word_embeddings=False`)."""
     h = hidden_size
-    head_dim = h // num_attention_heads  # config has no head_dim: hidden / heads = 128
-    q = num_attention_heads * head_dim
-    kv = num_key_value_heads * head_dim
-    blocks: list[Block] = [[("model.embed_tokens.weight", (vocab_size, h))]]
-    for i in range(num_hidden_layers):
+    head_dim = h // heads  # config has no head_dim: hidden / heads = 128
+    q, kv = heads * head_dim, kv_heads * head_dim
+    blocks: list[Block] = [[("model.embed_tokens.weight", (vocab, h))]]
+    for i in range(layers):
         p = f"model.layers.{i}."
         blocks.append(
             [
@@ -75,39 +55,25 @@ def _llama(
                 (p + "self_attn.k_proj.weight", (kv, h)),
                 (p + "self_attn.v_proj.weight", (kv, h)),
                 (p + "self_attn.o_proj.weight", (h, q)),
-                (p + "mlp.gate_proj.weight", (intermediate_size, h)),
-                (p + "mlp.up_proj.weight", (intermediate_size, h)),
-                (p + "mlp.down_proj.weight", (h, intermediate_size)),
+                (p + "mlp.gate_proj.weight", (inter, h)),
+                (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
                 (p + "input_layernorm.weight", (h,)),
                 (p + "post_attention_layernorm.weight", (h,)),
             ]
         )
-    blocks.append([("model.norm.weight", (h,)), ("lm_head.weight", (vocab_size, h))])
+    blocks.append([("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))])
     return blocks
 
 
 def llama3_8b() -> list[Block]:
-    # meta-llama/Meta-Llama-3-8B config.json
-    return _llama(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-    )
+    """meta-llama/Meta-Llama-3-8B config.json: hidden, layers, heads, kv heads, intermediate, vocab."""
+    return _llama(4096, 32, 32, 8, 14336, 128256)
 
 
 def llama3_70b() -> list[Block]:
-    # meta-llama/Meta-Llama-3-70B config.json
-    return _llama(
-        hidden_size=8192,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        vocab_size=128256,
-    )
+    """meta-llama/Meta-Llama-3-70B config.json: hidden, layers, heads, kv heads, intermediate, vocab."""
+    return _llama(8192, 80, 64, 8, 28672, 128256)
 
 
 # ----------------------------------------------------------------------- DeepSeek-V3
@@ -118,20 +84,10 @@ def deepseek_v3() -> list[Block]:
     (`DeepseekV3ForCausalLM`): MLA attention with low-rank q and kv, dense MLP in the
     first `first_k_dense_replace` layers, MoE (routed experts as separate `nn.Linear`s,
     as in the checkpoint, plus shared experts) in the rest."""
-    hidden_size = 7168
-    num_hidden_layers = 61
-    first_k_dense_replace = 3
+    hidden_size, num_hidden_layers, first_k_dense_replace, vocab_size = 7168, 61, 3, 129280
     intermediate_size = 18432  # dense MLP of the first 3 layers
-    moe_intermediate_size = 2048
-    n_routed_experts = 256
-    n_shared_experts = 1
-    num_attention_heads = 128
-    q_lora_rank = 1536
-    kv_lora_rank = 512
-    qk_nope_head_dim = 128
-    qk_rope_head_dim = 64
-    v_head_dim = 128
-    vocab_size = 129280
+    moe_intermediate_size, n_routed_experts, n_shared_experts, num_attention_heads = 2048, 256, 1, 128
+    q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim = 1536, 512, 128, 64, 128
     # attention_bias=False, tie_word_embeddings=False
 
     h = hidden_size
@@ -183,14 +139,9 @@ def gpt_oss_120b() -> list[Block]:
     """openai/gpt-oss-120b `config.json` with transformers `modeling_gpt_oss.py`
     (`GptOssForCausalLM`): attention with biases and per-head sinks, a biased router and
     fused 3-D expert tensors (`GptOssExperts`)."""
-    hidden_size = 2880
-    num_hidden_layers = 36
-    num_attention_heads = 64
-    num_key_value_heads = 8
-    head_dim = 64
-    num_local_experts = 128
+    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim = 2880, 36, 64, 8, 64
+    num_local_experts, vocab_size = 128, 201088
     intermediate_size = 2880  # GptOssExperts.expert_dim
-    vocab_size = 201088
     # attention_bias=True, tie_word_embeddings=False
 
     h = hidden_size
@@ -251,9 +202,8 @@ def matrices(model_name: str, *, hidden_only: bool = False) -> list[Param]:
         for name, shape in block:
             if len(shape) < 2:
                 continue
-            if hidden_only and (
-                is_vector(name, shape) or "embed_tokens" in name or name.startswith("lm_head")
-            ):
+            outer = "embed_tokens" in name or name.startswith("lm_head")
+            if hidden_only and (is_vector(name, shape) or outer):
                 continue
             out.append((name, shape))
     return out
@@ -271,9 +221,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from benchmarks._report import table
 
     args = parse(__doc__, argv, "the same listing: it is arithmetic, under a second")
-    rows = [{"model": name, "params": total_params(name), "blocks": len(MODELS[name]()),
-             "tensors": sum(len(b) for b in MODELS[name]()), "matrices": len(matrices(name))}
-            for name in MODELS]  # fmt: skip
+    rows = []
+    for name, blocks in ((name, make()) for name, make in MODELS.items()):
+        row = {"model": name, "params": total_params(name), "blocks": len(blocks)}
+        rows.append({**row, "tensors": sum(len(b) for b in blocks), "matrices": len(matrices(name))})
     print(table(rows))
     finish("model_shapes", args, {"rows": rows}, quick_suffix=False)
     return rows

@@ -1,30 +1,23 @@
 """Distributed Muon: `vo.Muon` against DDP, FSDP2 and ZeRO with `torch.optim.Muon`, and the
 owner assignment on real model shapes.
 
-Part (a): optimizer step on a ~22 M-parameter GPT (`_gpt.build_gpt`; hidden matrices through
-Muon, the rest through AdamW, as `vo.muon_param_groups` splits them), 4 gloo ranks: `vo.Muon`
-(each matrix gathered to one owner for Newton-Schulz) vs DDP, FSDP2 and ZeRO with
-`torch.optim.Muon` + `AdamW`. Every round, each config runs a forward and backward on the
-rank's batch (untimed), then `opt.step()` after a barrier (timed); configs take turns round by
-round so other load hits them alike, and a step lasts as long as its slowest rank. Then
-`--profiled` more rounds under the torch profiler: the breakdown of a step (ours from its
-`record_function` windows: `vescale_optim.sync_grads`, `vescale_optim.newton_schulz`, the moves'
-`vescale_optim.moves.*`, `vescale_optim.gather_params`; the peers' `torch.optim.Muon` and
-`AdamW` steps) and each rank's Newton-Schulz FLOPs, counted from its matrix products. Checks:
-same parameters as DDP after the first step (bf16 rounding of a differently reduced gradient
-moves a few elements by an ulp of the update; 5% passes); every matrix orthogonalized once
-(`step_stats["ns_matrices"]` over ranks); each rank's measured and reported Newton-Schulz
-FLOPs equal `opt.ns_load`; part (b)'s construction, run on this model's hidden matrices, gives
-the units and loads `vo.Muon` built (`opt.units`, `opt.ns_load`).
+Part (a): the optimizer step on a ~22 M-parameter GPT (hidden matrices through Muon, the rest
+through AdamW, `muon_groups`), 4 gloo ranks: `vo.Muon` (each matrix orthogonalized once, by an
+owner) against the peers of `benchmarks._optim.peer` with `torch.optim.Muon` + AdamW. Each round
+every config runs forward and backward (untimed), then `opt.step()` after a barrier (timed), the
+configs taking turns; a step lasts as long as its slowest rank. `--profiled` more rounds under the
+profiler give a step's breakdown (ours' `record_function` windows, the peers' Muon and AdamW steps)
+and each rank's Newton-Schulz FLOPs from its matrix products. Checks: the same parameters as DDP
+after the first step (5 % of the update: bf16 rounding), every matrix once in the world, each
+rank's measured and reported FLOPs equal to `opt.ns_load`, and part (b)'s construction gives the
+units and loads `vo.Muon` built. Part (v): each Muon variant's step in one process.
 
-Part (b): Llama-3-8B/70B, DeepSeek-V3 (separate experts), GPT-OSS-120B (fused 3-D experts, each
-slice a matrix) at W in {8, 64, 256}, no processes. Hidden matrices go one bucket per block, or
-into `vo.Muon`'s default buckets; each bucket is laid out as the optimizer lays out a unit of
-one Muon group (`plan_layout`, a granule of one row, the default alignment), a matrix's home is the rank that
-holds all of it (if one does) and its cost its Newton-Schulz FLOPs; then, as `vo.Muon` does,
-ONE `assign_owners(all costs, W, all homes)` over the whole step.
+Part (b): Llama-3-8B/70B, DeepSeek-V3, GPT-OSS-120B at W in {8, 64, 256}, no processes: hidden
+matrices one bucket per block or in `vo.Muon`'s default buckets, each laid out as the optimizer lays
+out a unit (`plan_layout`, a granule of one row), a matrix's home the rank holding all of it, its
+cost its Newton-Schulz FLOPs; then, as `vo.Muon` does, one `assign_owners` over the whole step.
 
-    python benchmarks/muon.py              # both parts (~4 min on 2 CPU cores)
+    python benchmarks/muon.py              # all parts (~4 min on 2 CPU cores)
     python benchmarks/muon.py --quick      # tiny model, small part (b)
     python benchmarks/muon.py --part b     # owner assignment only
 """
@@ -63,16 +56,15 @@ from benchmarks._optim import MUON, MUON_ADAMW, muon_groups, muon_names, peer  #
 from benchmarks._report import FSDP2_ON_CPU, host_line, require_finite, table  # noqa: E402
 from benchmarks.model_shapes import MODELS  # noqa: E402
 
-LABEL = {"ours": "ours (vo.Muon)", "DDP": "DDP + torch Muon", "FSDP2": "FSDP2 + torch Muon",
-         "ZeRO": "ZeRO + torch Muon"}  # fmt: skip
+LABEL = {"ours": "ours (vo.Muon)", **{p: f"{p} + torch Muon" for p in ("DDP", "FSDP2", "ZeRO")}}
 # bf16 matmuls run at ~3 GFLOP/s per core on CPUs without AVX512-BF16: the small hidden size keeps
 # DDP's replicated Newton-Schulz (12 GFLOP per rank and step) within minutes.
 FULL = dict(vocab=50304, d_model=192, n_layers=6, n_heads=6, seq_len=128, batch=2, seq=64)
 QUICK = dict(vocab=2048, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32)
 PRELOAD = ["benchmarks.muon"]  # besides benchmarks._gpt.PEERS
-WINDOWS = {"RS": ["vescale_optim.sync_grads"], "NS": ["vescale_optim.newton_schulz"],
-           "moves": ["vescale_optim.moves.gather", "vescale_optim.moves.finish"],
-           "AG": ["vescale_optim.gather_params"]}  # fmt: skip
+WINDOWS = {"RS": ["vescale_optim.sync_grads"], "NS": ["vescale_optim.newton_schulz"]}
+WINDOWS["moves"] = ["vescale_optim.moves.gather", "vescale_optim.moves.finish"]
+WINDOWS["AG"] = ["vescale_optim.gather_params"]
 
 
 # ====================================================================== part (b)
@@ -84,28 +76,27 @@ def part_b(models: list[str], worlds: tuple[int, ...]) -> list[dict]:
         buckets = model_buckets(model, bucketing)
         a = assignment(buckets, w)
         costs, homes, n = a["costs"], a["homes"], len(a["costs"])
-        rows.append({"model": model, "W": w, "bucketing": bucketing, "buckets": len(buckets), "matrices": n,
-                     "per rank": n / w, "max/mean": imbalance(costs, a["owners"], w),
-                     "LPT max/mean": imbalance(costs, assign_owners(costs, w), w),
-                     "no gather %": 100 * sum(h == o for h, o in zip(homes, a["owners"])) / n,
-                     "split %": 100 * homes.count(None) / n, "assign ms": 1e3 * a["seconds"]})  # fmt: skip
+        row = {"model": model, "W": w, "bucketing": bucketing, "buckets": len(buckets), "matrices": n}
+        row.update({"per rank": n / w, "max/mean": imbalance(costs, a["owners"], w)})
+        row["LPT max/mean"] = imbalance(costs, assign_owners(costs, w), w)
+        row["no gather %"] = 100 * sum(h == o for h, o in zip(homes, a["owners"])) / n
+        rows.append({**row, "split %": 100 * homes.count(None) / n, "assign ms": 1e3 * a["seconds"]})
     return rows
 
 
 def print_b(rows: list[dict]) -> dict:
     print("\n## (b) Owner assignment on real shapes: per-rank Newton-Schulz FLOPs, max/mean\n")
-    print(table(rows, ["model", "W", "bucketing", "buckets", "matrices", "per rank", "max/mean",
-                       "LPT max/mean", "no gather %", "split %", "assign ms"], floatfmt=".4g"))  # fmt: skip
-    print(f"\n`block`: one bucket per transformer block; `default`: vo.Muon's buckets (cap {BUCKET_CAP:,} "
-          "elements). `max/mean`: the library's one assignment over all buckets, homes from each "
-          "bucket's layout; `LPT`: the same without homes. `no gather %`: owner == home; `split %`: "
-          "matrices over more than one rank (no home). `assign ms`: the assign_owners call.")  # fmt: skip
+    print(table(rows, floatfmt=".4g"))
+    print(f"\n`block`: one bucket per transformer block; `default`: vo.Muon's buckets (cap {BUCKET_CAP:,}")
+    print("elements). `max/mean`: the library's one assignment over all buckets, homes from each bucket's")
+    print("layout; `LPT`: the same without homes. `no gather %`: owner == home; `split %`: matrices over")
+    print("more than one rank (no home). `assign ms`: the assign_owners call.")
     goals = {}
     for bucketing in ("block", "default"):
         due = [r for r in rows if r["bucketing"] == bucketing and r["per rank"] >= 4]
         over = "".join(f"; {r['model']} W={r['W']}: {r['max/mean']:.3f}" for r in due if r["max/mean"] > 1.1)
-        goals[f"max/mean <= 1.10 wherever >= 4 matrices per rank, {bucketing} buckets ({len(due)} cases)"
-              + over] = not over  # fmt: skip
+        where = f"wherever >= 4 matrices per rank, {bucketing} buckets ({len(due)} cases)"
+        goals[f"max/mean <= 1.10 {where}{over}"] = not over
     return print_goals("Goals (b):", goals)
 
 
@@ -124,9 +115,10 @@ def _construction(shape: dict, world: int) -> dict[str, bool]:
     opt = vo.Muon(hidden, **MUON)
     mine = assignment(default_buckets([tuple(p.shape) for p in hidden]), world)
     units = [[tuple(p.shape) for p in u.params] for u in opt.units]
-    return {"units": units == default_buckets([tuple(p.shape) for p in hidden]),
-            "layouts": mine["layouts"] == [(u.layout.shard_size, tuple(u.layout.offsets)) for u in opt.units],
-            "ns_load": mine["load"] == list(opt.ns_load)}  # fmt: skip
+    layouts = [(u.layout.shard_size, tuple(u.layout.offsets)) for u in opt.units]
+    buckets = default_buckets([tuple(p.shape) for p in hidden])
+    same = {"units": units == buckets, "layouts": mine["layouts"] == layouts}
+    return {**same, "ns_load": mine["load"] == list(opt.ns_load)}
 
 
 def _setup_ours(config, model, rank, world, shape):
@@ -134,14 +126,15 @@ def _setup_ours(config, model, rank, world, shape):
 
     def stats():
         rs = sum((world - 1) * u.layout.shard_size * u.params[0].element_size() for u in opt.units)
-        return {"ns_flops": opt.step_stats["ns_flops"], "ns_load": list(opt.ns_load),
-                "ns_matrices": opt.step_stats["ns_matrices"], "orthogonalized": opt.orthogonalized,
-                "bytes_sent": {"RS in bwd (ring, from opt.units' layouts)": rs,
-                               "in opt.step() (step_stats)": opt.step_stats["bytes_sent"]},
-                "construction": _construction(shape, world)}  # fmt: skip
+        sent = {"RS in bwd (ring, from opt.units' layouts)": rs}
+        sent["in opt.step() (step_stats)"] = opt.step_stats["bytes_sent"]
+        out = {k: opt.step_stats[k] for k in ("ns_flops", "ns_matrices")}
+        out.update(ns_load=list(opt.ns_load), orthogonalized=opt.orthogonalized, bytes_sent=sent)
+        return {**out, "construction": _construction(shape, world)}
 
-    return dict(forward_backward=lambda x, y: model.loss(x, y).backward(), step=opt.step,
-                zero_grad=opt.zero_grad, stats=stats, spent={}, windows=WINDOWS)  # fmt: skip
+    backward = lambda x, y: model.loss(x, y).backward()  # noqa: E731
+    setup = dict(forward_backward=backward, step=opt.step, zero_grad=opt.zero_grad, stats=stats)
+    return {**setup, "spent": {}, "windows": WINDOWS}
 
 
 def _setup_peer(config, model, rank, world, shape):
@@ -157,12 +150,13 @@ def _setup_peer(config, model, rank, world, shape):
         if config == "FSDP2":
             return {"bytes_sent": {"AG fwd+bwd, RS bwd": int(3 * (world - 1) / world * n * 4)}}
         owned = sum(p.numel() for o in (muon, adamw) for g in o.optim.param_groups for p in g["params"])
-        return {"owned_numel": owned, "bytes_sent": {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4),
-                                                     "broadcast": (world - 1) * owned * 4}}  # fmt: skip
+        sent = {"all-reduce (bwd)": int(2 * (world - 1) / world * n * 4)}
+        sent["broadcast"] = (world - 1) * owned * 4
+        return {"owned_numel": owned, "bytes_sent": sent}
 
-    return dict(forward_backward=lambda x, y: gpt_loss(module, x, y).backward(),
-                step=lambda: (muon_step(), adamw_step()), zero_grad=opt.zero_grad, stats=stats, spent=spent,
-                windows={})  # fmt: skip
+    backward, step = lambda x, y: gpt_loss(module, x, y).backward(), lambda: (muon_step(), adamw_step())  # noqa: E731
+    setup = dict(forward_backward=backward, step=step, zero_grad=opt.zero_grad, stats=stats)
+    return {**setup, "spent": spent, "windows": {}}
 
 
 def _profiled_step(config: str, s: dict) -> dict:
@@ -182,8 +176,7 @@ def _profiled_step(config: str, s: dict) -> dict:
     return {"step": total, "parts": parts, "flops": matmul_flops(prof)}
 
 
-def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, steps: int,
-          profiled: int) -> dict:  # fmt: skip
+def _rank(rank: int, world: int, configs: list[str], shape: dict, warmup: int, steps: int, profiled: int):
     """Every configuration on one rank, interleaved: round i steps each configuration once."""
     x, y = random_batch(shape["batch"], shape["seq"], shape["vocab"], seed=1000 + rank)
     out, setups = {}, {}
@@ -227,8 +220,8 @@ def _breakdown(res: list[dict]) -> dict:
     i = sorted(range(len(slowest)), key=lambda i: slowest[i]["profiled"][i]["step"])[(len(slowest) - 1) // 2]
     step = slowest[i]["profiled"][i]
     parts = {k: 1e3 * v for k, v in step["parts"].items()}
-    return {"rank": slowest[i]["rank"], "step": 1e3 * step["step"], **parts,
-            "other": 1e3 * step["step"] - sum(parts.values())}  # fmt: skip
+    other = 1e3 * step["step"] - sum(parts.values())
+    return {"rank": slowest[i]["rank"], "step": 1e3 * step["step"], **parts, "other": other}
 
 
 def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, configs: list[str]) -> dict:
@@ -238,8 +231,8 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, conf
     results = {c: [r["configs"][c] for r in per_rank] for c in configs}
     model = shaped_gpt(shape)
     init, names, hidden = _named(model), muon_names(model), muon_groups(model)[0]["params"]
-    total = sum(ns_flops(*matrix_view(tuple(p.shape))[1:], MUON["ns_steps"]) * matrix_view(tuple(p.shape))[0]
-                for p in hidden)  # fmt: skip
+    views = [matrix_view(tuple(p.shape)) for p in hidden]
+    total = sum(count * ns_flops(rows, cols, MUON["ns_steps"]) for count, rows, cols in views)
     ref = results.get("DDP", [{}])[0].get("after_first_step")  # (popped below: not for the JSON)
     rows = []
     for config, res in results.items():
@@ -251,11 +244,12 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, conf
             row["AR in bwd ms"] = 1e3 * median_of_max([r["allreduce_s"] for r in per_rank])
         row["breakdown"] = _breakdown(res)
         flops = [statistics.median(p["flops"] for p in r["profiled"]) for r in res]
-        row.update({"NS GFLOP max": max(flops) / 1e9, "NS GFLOP mean": statistics.mean(flops) / 1e9,
-                    "NS max/mean": max(flops) / statistics.mean(flops), "NS sum / total": sum(flops) / total,
-                    "NS GFLOP by rank (measured)": [f / 1e9 for f in flops],
-                    "MB sent/rank max": max(sum(r["bytes_sent"].values()) for r in res) / 2**20,
-                    "MB sent (rank 0)": {k: v / 2**20 for k, v in res[0]["bytes_sent"].items()}})  # fmt: skip
+        mean = statistics.mean(flops)
+        row.update({"NS GFLOP max": max(flops) / 1e9, "NS GFLOP mean": mean / 1e9})
+        row.update({"NS max/mean": max(flops) / mean, "NS sum / total": sum(flops) / total})
+        row["NS GFLOP by rank (measured)"] = [f / 1e9 for f in flops]
+        row["MB sent/rank max"] = max(sum(r["bytes_sent"].values()) for r in res) / 2**20
+        row["MB sent (rank 0)"] = {k: v / 2**20 for k, v in res[0]["bytes_sent"].items()}
         if config == "ours":
             row["NS GFLOP by rank (stats)"] = [r["ns_flops"] / 1e9 for r in res]
             row["ns_load"] = res[0]["ns_load"]
@@ -275,60 +269,69 @@ def part_a(world: int, shape: dict, warmup: int, steps: int, profiled: int, conf
         # Rounds share the ambient load, so the per-round ratio is the steadiest estimate.
         mine, theirs = (zip(*(x["times_s"] for x in results[c])) for c in ("ours", r["key"]))
         r["ours faster x (per round)"] = statistics.median(max(t) / max(m) for t, m in zip(theirs, mine))
-    return {"rows": rows, "params": param_count(model), "hidden_params": sum(p.numel() for p in hidden),
-            "hidden_matrices": len(hidden), "ns_total": total, "threads": per_rank.threads,
-            "raw": results}  # fmt: skip
+    out = {"rows": rows, "params": param_count(model), "hidden_params": sum(p.numel() for p in hidden)}
+    out.update(hidden_matrices=len(hidden), ns_total=total, threads=per_rank.threads, raw=results)
+    return out
 
 
-COLUMNS = ["config", "step ms", "ours faster x", "AR in bwd ms", "ours faster x (+AR)",
-           "ours faster x (per round)", "step CPU ms", "ours faster x (CPU)", "NS GFLOP max", "NS GFLOP mean",
-           "NS max/mean", "NS sum / total", "MB sent/rank max", "max|Δ| Muon", "max|Δ| AdamW",
-           "Δ/update"]  # fmt: skip
+COLUMNS = "config|step ms|ours faster x|AR in bwd ms|ours faster x (+AR)|ours faster x (per round)"
+COLUMNS = [*COLUMNS.split("|"), "step CPU ms", "ours faster x (CPU)", "NS GFLOP max", "NS GFLOP mean"]
+COLUMNS += ["NS max/mean", "NS sum / total", "MB sent/rank max", "max|Δ| Muon", "max|Δ| AdamW", "Δ/update"]
+
+
+A_NOTE = """`AR in bwd ms`: one all-reduce of all gradients, what DDP and ZeRO move in backward, outside
+their step. `per round`: median over rounds of the ratio within a round. `step CPU ms`: process CPU
+time (gloo threads included). `NS GFLOP`: each rank's Newton-Schulz work, from the profiler's FLOPs
+of its matrix products in a profiled step; `sum / total`: all ranks' over the model's (every matrix
+once). `MB sent`: peers and ours' reduce-scatter from buffer sizes and ring collectives, ours' step
+from `step_stats`. `Δ/update`: max |Δ| of Muon parameters after a step vs DDP, over the largest
+change it made.
+"""
+
+
+def _goals_a(by: dict, n: int, world: int) -> dict[str, bool]:
+    """Part (a)'s checks of ours (those that apply), against the peers in `by`."""
+    o = by["ours"]
+    faster = [(p, x) for p, x in (("DDP", 2.5), ("FSDP2", 5.0)) if p in by]
+    checks = [(f">= {x}x faster than {LABEL[p]}", by[p]["step ms"] >= x * o["step ms"]) for p, x in faster]
+    once = sum(o["matrices by rank"]) == n and o["orthogonalized by rank"] == o["matrices by rank"]
+    checks.append((f"each matrix orthogonalized once ({sum(o['matrices by rank'])} of {n})", once))
+    measured = [f * 1e9 for f in o["NS GFLOP by rank (measured)"]]
+    flops = zip(measured, [s * 1e9 for s in o["NS GFLOP by rank (stats)"]], o["ns_load"])
+    same = lambda m, s, load: math.isclose(m, s, rel_tol=1e-6) and math.isclose(s, load, rel_tol=1e-9)  # noqa: E731
+    flops = all(same(*f) for f in flops)
+    checks.append(("each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load", flops))
+    built = all(o["construction"].values())
+    checks.append(("part (b)'s construction == vo.Muon's (units, layouts, ns_load)", built))
+    if n >= 4 * world:
+        checks.append(("NS max/mean <= 1.10 (>= 4 matrices per rank)", o["NS max/mean"] <= 1.10))
+    if "Δ/update" in o:
+        checks.append(("same parameters as DDP + torch Muon (Δ <= 5% of the update)", o["Δ/update"] <= 0.05))
+    return dict(checks)
 
 
 def print_a(a: dict, world: int, shape: dict, warmup: int, steps: int) -> dict:
     rows = a["rows"]
     require_finite(rows, COLUMNS)
-    print(f"\n## (a) Optimizer step, GPT: {a['params'] / 1e6:.1f} M params, {a['hidden_params'] / 1e6:.2f} M "
-          f"in {a['hidden_matrices']} hidden matrices -> Muon, the rest -> AdamW (vocab {shape['vocab']}, d "
-          f"{shape['d_model']}, {shape['n_layers']} layers); world {world} (gloo); {warmup} warm-up + "
-          f"{steps} timed steps; median, slowest rank\n\n{host_line(a['threads'])}\n")  # fmt: skip
+    hidden = f"{a['hidden_params'] / 1e6:.2f} M in {a['hidden_matrices']} hidden matrices -> Muon, the rest"
+    print(f"\n## (a) Optimizer step, GPT: {a['params'] / 1e6:.1f} M params, {hidden} -> AdamW")
+    model = f"vocab {shape['vocab']}, d {shape['d_model']}, {shape['n_layers']} layers"
+    print(f"({model}); world {world} (gloo); {warmup} warm-up + {steps} timed steps; median, slowest rank\n")
+    print(f"{host_line(a['threads'])}\n")
     print(table(rows, COLUMNS, floatfmt=".4g"))
-    print(f"\n{FSDP2_ON_CPU}\n\n`AR in bwd ms`: one all-reduce of all gradients, what DDP and ZeRO move in "
-          "backward, outside their step. `per round`: median over rounds of the ratio within a round. `step "
-          "CPU ms`: process CPU time (gloo threads included). `NS GFLOP`: each rank's Newton-Schulz work, "
-          "from the profiler's FLOPs of its matrix products in a profiled step; `sum / total`: all ranks' "
-          "over the model's (every matrix once). `MB sent`: peers and ours' reduce-scatter from buffer "
-          "sizes and ring collectives, ours' step from `step_stats`. `Δ/update`: max |Δ| of Muon parameters "
-          "after a step vs DDP, over the largest change it made.\n")  # fmt: skip
+    print(f"\n{FSDP2_ON_CPU}\n\n{A_NOTE}")
     by = {r["key"]: r for r in rows}
     for r in by.values():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items() if k != "rank")
+        sent = ", ".join(f"{k} {v:.2f}" for k, v in r["MB sent (rank 0)"].items())
         more = ""
         if r["key"] == "ours":
             stats = [round(f, 4) for f in r["NS GFLOP by rank (stats)"]]
-            more = (f"; matrices/rank {r['matrices by rank']}, orthogonalized/rank "
-                    f"{r['orthogonalized by rank']}, NS GFLOP/rank (stats) {stats}")  # fmt: skip
-        print(f"- {r['config']}: ms in the median profiled step (rank {r['breakdown']['rank']}): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown"].items() if k != "rank")
-              + "; MB sent by rank 0: " + ", ".join(f"{k} {v:.2f}" for k, v in r["MB sent (rank 0)"].items())
-              + more)  # fmt: skip
-    o, goals = by.get("ours"), {}
-    if o:  # (name, met or None where it does not apply)
-        measured, n = [f * 1e9 for f in o["NS GFLOP by rank (measured)"]], a["hidden_matrices"]
-        checks = [*((f">= {n}x faster than {LABEL[p]}", by[p]["step ms"] >= n * o["step ms"])
-                    for p, n in (("DDP", 2.5), ("FSDP2", 5.0)) if p in by),
-                  (f"each matrix orthogonalized once ({sum(o['matrices by rank'])} of {n})",
-                   sum(o["matrices by rank"]) == n and o["orthogonalized by rank"] == o["matrices by rank"]),
-                  ("each rank's Newton-Schulz FLOPs: measured == step_stats == opt.ns_load",
-                   all(math.isclose(m, s * 1e9, rel_tol=1e-6) and math.isclose(s * 1e9, load, rel_tol=1e-9)
-                       for m, s, load in zip(measured, o["NS GFLOP by rank (stats)"], o["ns_load"]))),
-                  ("part (b)'s construction == vo.Muon's (units, layouts, ns_load)",
-                   all(o["construction"].values())),
-                  ("NS max/mean <= 1.10 (>= 4 matrices per rank)",
-                   o["NS max/mean"] <= 1.10 if n >= 4 * world else None),
-                  ("same parameters as DDP + torch Muon (Δ <= 5% of the update)",
-                   o["Δ/update"] <= 0.05 if "Δ/update" in o else None)]  # fmt: skip
-        goals = {k: v for k, v in checks if v is not None}
+            more = f"; matrices/rank {r['matrices by rank']}, orthogonalized/rank "
+            more += f"{r['orthogonalized by rank']}, NS GFLOP/rank (stats) {stats}"
+        step = f"ms in the median profiled step (rank {r['breakdown']['rank']})"
+        print(f"- {r['config']}: {step}: {parts}; MB sent by rank 0: {sent}{more}")
+    goals = _goals_a(by, a["hidden_matrices"], world) if "ours" in by else {}
     return print_goals("Goals (a):", goals)
 
 
@@ -352,8 +355,8 @@ def part_v(shape: dict, warmup: int, steps: int) -> list[dict]:
             opt.step()
             if t >= warmup:
                 times.append(time.perf_counter() - start)
-        rows.append({"variant": name, "step ms": 1e3 * statistics.median(times),
-                     "matrices": opt.step_stats["ns_matrices"]})  # fmt: skip
+        row = {"variant": name, "step ms": 1e3 * statistics.median(times)}
+        rows.append({**row, "matrices": opt.step_stats["ns_matrices"]})
     return rows
 
 
@@ -365,13 +368,20 @@ def print_v(rows: list[dict]) -> dict[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "tiny model, fewer steps, small part (b)", world_size=4,
-                 steps=(5, "measured steps (median over these)"), warmup=1,
-                 profiled=(2, "profiled steps: breakdown and measured FLOPs"),
-                 part=dict(choices=["a", "b", "ab", "v", "abv"], default="abv",
-                           help="a: step vs peers; b: owner assignment; v: each Muon variant's step"),
-                 configs=dict(nargs="+", default=list(LABEL), choices=list(LABEL)),
-                 models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)))  # fmt: skip
+    args = parse(
+        __doc__,
+        argv,
+        "tiny model, fewer steps, small part (b)",
+        world_size=4,
+        steps=(5, "measured steps (median over these)"),
+        warmup=1,
+        profiled=(2, "profiled steps: breakdown and measured FLOPs"),
+        part=dict(
+            choices=["a", "b", "ab", "v", "abv"], default="abv", help="a: vs peers; b: owners; v: variants"
+        ),
+        configs=dict(nargs="+", default=list(LABEL), choices=list(LABEL)),
+        models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)),
+    )
     shape = QUICK if args.quick else FULL
     if args.quick:
         args.steps, args.warmup, args.profiled = min(args.steps, 3), min(args.warmup, 1), 1
@@ -379,9 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profiled < 1:
         args.error("--profiled: at least 1 (the breakdown and the FLOPs come from it)")
     t0 = time.perf_counter()
-    out: dict = {"world_size": args.world_size, "shape": shape, "muon": MUON, "adamw": MUON_ADAMW,
-                 "warmup": args.warmup, "steps": args.steps, "profiled": args.profiled,
-                 "goals": {}}  # fmt: skip
+    out: dict = {"world_size": args.world_size, "shape": shape, "muon": MUON, "adamw": MUON_ADAMW}
+    out.update(warmup=args.warmup, steps=args.steps, profiled=args.profiled, goals={})
     if "a" in args.part:
         out["a"] = part_a(args.world_size, shape, args.warmup, args.steps, args.profiled, args.configs)
         out["goals"].update(print_a(out["a"], args.world_size, shape, args.warmup, args.steps))

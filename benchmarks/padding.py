@@ -1,57 +1,26 @@
 """Padding of the ragged layout planner on real model shapes, against peer layouts.
 
-One bucket per transformer block (the embedding and the head are buckets too), for
-world sizes W and three granule granularities:
+One bucket per transformer block (the embedding and the head are buckets too), for world sizes W
+and granules of `1 row` (`shape[-1]` elements: row-wise state, Muon's and Shampoo's rows), `32
+rows` and `128 rows` (32x32 and 128x128 block quantization). A matrix `[..., R, C]` takes `k*C`
+elements when `k` divides its `R` rows (for a fused 3-D expert tensor, `R`: no tile straddles two
+experts), else the whole matrix `R*C` (its last tile is ragged: it lives on one rank); vectors
+(norms, biases, sinks, GPT-OSS's stacks of expert biases) one element.
 
-* `1 row`    - granule = one row (`shape[-1]` elements): row-wise state, Muon/Shampoo rows;
-* `32 rows`  - granule = 32 rows: 32x32 block quantization, Shampoo tiles of 32;
-* `128 rows` - granule = 128 rows: 128x128 block quantization (DeepSeek-style FP8).
-
-Units are chosen per tensor like this (the DESIGN table, made concrete):
-
-* a matrix `[..., R, C]` uses `k*C` elements when `k` divides `R`, the number of rows of
-  one matrix. For a fused 3-D expert tensor `[E, R, C]` that is `R` (a tile must not
-  straddle two experts), not `E*R`.
-* when `k` does not divide `R`, the last k x k tile of every matrix is ragged, and equal
-  granules cannot follow it, so the granule becomes the whole matrix `R*C` (one expert of a
-  3-D tensor): the matrix lives on one rank. Smaller granules (`gcd(k, R)` rows) would cut
-  the ragged tiles.
-* vectors - 1-D tensors (norm gains, biases, attention sinks) and GPT-OSS's 2-D stacks
-  of per-expert biases - use 1 element: no optimizer treats them as matrices, and
-  block quantizers keep small tensors unquantized or use flat blocks, so element-wise
-  is the structure they have.
-
-Columns, each summed over all blocks of the model (padding % = padding / parameters):
-
-* `ours %`     - `plan_layout` (`align=1`);
-* `ref %`      - an independent cross-check: walk the shard sizes that pass the bound's
-  conditions upward and place tensors greedily (earliest valid start, three orders);
-  `ref % < ours %` proves the planner missed a better layout (`planner misses` counts
-  such blocks);
-* `bound %`    - a lower bound no layout can beat: `S >= ceil(total/W)`, `S >=` the
-  largest granule, and every tensor longer than `2S` holds two rank boundaries wherever it
-  sits, which forces `S` to be a multiple of its granule;
-* `FSDP2 %`    - per-parameter `Shard(0)`: every tensor padded until dim 0 divides by W;
-  `FSDP2 cuts` - how many granules its `ceil(dim0/W)`-row chunks split (rows stay whole,
-  but 32- and 128-row tiles are cut when the chunk is not a multiple of the tile);
-* `LCM %`      - a Megatron-FSDP-style rule: tensors packed in model order, each start
-  rounded up to a multiple of its granule, and the per-rank shard a multiple of the lcm
-  of all granules in the bucket (then no rank boundary can cut a granule);
-* `flat cuts`  - a structure-blind flat split (concatenate, cut into W pieces of
-  `ceil(total/W)`): how many granules its cuts split (its padding is < W elements);
-* `plan s` / `max ms` - planner wall time: sum over distinct buckets, and the slowest
-  bucket. Identical blocks give identical layouts, so each distinct block is planned
-  once and counted as many times as it occurs.
-* `goal` - the 3 % goal applies to buckets whose ideal shard `ceil(total/W)` holds at
-  least 64 of the bucket's largest granules: `ok n/n` when all such buckets meet it,
-  `miss k/n (bound)` when the bound itself is above 3 % on the missed ones, `PLANNER`
-  when the cross-check found a layout within 3 %. `n/a`: no bucket qualifies.
-
-A second table lists every block above 3 % and why.
-
-Every layout is checked as it is produced (no overlap, inside `[0, W*S)`, no rank
-boundary inside a granule, `placement()` consistent with the offsets), so the benchmark
-doubles as a planner test on real shapes.
+Columns, summed over the model's blocks (padding % = padding / parameters): `ours %` is
+`plan_layout`'s (`align=1`); `ref %` an independent search (shard sizes walked upward from the
+bound, tensors placed greedily in three orders: `ref % < ours %` is a planner miss, counted in
+`planner misses`); `bound %` a lower bound no layout beats (`S >= ceil(total/W)`, `S >=` the
+largest granule, and `S` a multiple of the granule of every tensor longer than `2S`); `FSDP2 %`
+per-parameter `Shard(0)` (dim 0 padded to a multiple of W) and `FSDP2 cuts` the granules its
+chunks split; `LCM %` a Megatron-FSDP-style packing (each start a multiple of its granule, the
+shard a multiple of the lcm of the bucket's granules); `flat cuts` the granules a structure-blind
+flat split cuts; `plan s` / `max ms` the planner's time (each distinct block planned once), over
+all buckets and for the slowest. `goal`: the 3 % goal, for buckets whose ideal shard holds at
+least 64 of their largest granules: `ok n/n`, `miss k/n (bound)` when the bound itself is above
+3 %, `PLANNER` when the search found a layout within it, `n/a` when no bucket qualifies. A second
+table lists every block above 3 % and why. Every layout is verified as it is produced (no overlap,
+no rank boundary inside a granule, `placement()` consistent), so this doubles as a planner test.
 
     python benchmarks/padding.py            # all models, W in 8..1024, three granules
     python benchmarks/padding.py --quick    # W in {8, 1024}, two granules
@@ -300,16 +269,20 @@ def measure(bucket: Bucket, world_size: int) -> dict:
     ref = layout.shard_size
     if ref > bound:
         ref = reference_shard(bucket.sizes, bucket.granules, W, stop=ref) or ref
-    # spanning_lcm: at S = max(ideal shard, largest granule)
-    return {"block": bucket.label, "count": bucket.count, "tensors": len(bucket.sizes), "numel": total,
-            "max_unit": gmax, "ideal_shard": ideal, "largest_units_per_rank": ideal / gmax,
-            "shard": layout.shard_size, "padding": layout.padding, "ref_padding": W * ref - total,
-            "bound_shard": bound, "bound_padding": W * bound - total, "spanning_lcm": lcm,
-            "fsdp2_padding": fsdp2_padding(bucket.shapes, W),
-            "fsdp2_cuts": fsdp2_cuts(bucket.shapes, bucket.granules, W),
-            "lcm_padding": lcm_padding(bucket.sizes, bucket.granules, W),
-            "flat_cuts": flat_cuts(bucket.sizes, bucket.granules, W), "plan_s": seconds,
-            "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax}  # fmt: skip
+    sizes, shapes, granules = bucket.sizes, bucket.shapes, bucket.granules
+    out = {
+        "block": bucket.label,
+        "count": bucket.count,
+        "tensors": len(sizes),
+        "numel": total,
+        "max_unit": gmax,
+    }
+    out.update(ideal_shard=ideal, largest_units_per_rank=ideal / gmax, shard=layout.shard_size)
+    out.update(padding=layout.padding, ref_padding=W * ref - total, bound_shard=bound)
+    out.update(bound_padding=W * bound - total, spanning_lcm=lcm)  # spanning_lcm: at max(ideal, gmax)
+    out.update(fsdp2_padding=fsdp2_padding(shapes, W), fsdp2_cuts=fsdp2_cuts(shapes, granules, W))
+    out.update(lcm_padding=lcm_padding(sizes, granules, W), flat_cuts=flat_cuts(sizes, granules, W))
+    return {**out, "plan_s": seconds, "qualifies": ideal >= MIN_UNITS_PER_RANK * gmax}
 
 
 def explain(b: dict) -> str:
@@ -333,6 +306,44 @@ def explain(b: dict) -> str:
     return f"{why}: optimal"
 
 
+def _goal(res: list[dict]) -> str:
+    """The goal column of one model, granule and W (see the module's docstring)."""
+    qual = [r for r in res if r["qualifies"]]
+    missed = [r for r in qual if r["padding"] > GOAL * r["numel"]]
+    n_qual, n_missed = sum(r["count"] for r in qual), sum(r["count"] for r in missed)
+    if not n_qual:
+        return "n/a"
+    if not n_missed:
+        return f"ok {n_qual}/{n_qual}"
+    if any(r["ref_padding"] <= GOAL * r["numel"] for r in missed):  # a layout within the goal exists
+        return f"miss {n_missed}/{n_qual} PLANNER"
+    bound = all(r["bound_padding"] > GOAL * r["numel"] for r in missed)  # none can exist
+    return f"miss {n_missed}/{n_qual} {'(bound)' if bound else '(open)'}"
+
+
+def summarize(at: dict, res: list[dict]) -> tuple[dict, list[dict]]:
+    """The row of one model, granule and W (`at`) from its buckets' results, and its misses."""
+    n = lambda key: sum(r[key] * r["count"] for r in res)  # noqa: E731
+    pct = lambda key: 100 * n(key) / n("numel")  # noqa: E731
+    row = {**at, "ours %": pct("padding"), "ref %": pct("ref_padding"), "bound %": pct("bound_padding")}
+    row.update({"FSDP2 %": pct("fsdp2_padding"), "FSDP2 cuts": n("fsdp2_cuts"), "LCM %": pct("lcm_padding")})
+    plan = [r["plan_s"] for r in res]
+    row.update(
+        {"flat cuts": n("flat_cuts"), "plan s": sum(plan), "max ms": 1e3 * max(plan), "goal": _goal(res)}
+    )
+    over = [r for r in res if r["padding"] > GOAL * r["numel"]]
+    row[">3% blocks"] = sum(r["count"] for r in over)
+    row["planner misses"] = sum(r["count"] for r in res if r["padding"] > r["ref_padding"])
+    row["blocks"] = sum(r["count"] for r in res)
+    misses = []
+    for r in over:
+        miss = {k: 100 * r[key] / r["numel"] for k, key in (("ours %", "padding"), ("ref %", "ref_padding"))}
+        miss["bound %"] = 100 * r["bound_padding"] / r["numel"]
+        misses.append({**at, "block": r["block"], **miss, "granules/rank": r["largest_units_per_rank"]})
+        misses[-1]["why"] = explain(r)
+    return row, misses
+
+
 def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dict]]:
     rows, misses, details = [], [], []
     for model in models:
@@ -341,46 +352,16 @@ def run(models, granules, world_sizes) -> tuple[list[dict], list[dict], list[dic
             buckets = distinct_buckets(blocks, UNITS[unit_name])
             for W in world_sizes:
                 res = [measure(b, W) for b in buckets]
-
-                def n(key, res=res):
-                    return sum(r[key] * r["count"] for r in res)
-
-                total = n("numel")
-                qual = [r for r in res if r["qualifies"]]
-                missed = [r for r in qual if r["padding"] > GOAL * r["numel"]]
-                n_qual, n_missed = sum(r["count"] for r in qual), sum(r["count"] for r in missed)
-                if not n_qual:
-                    goal = "n/a"
-                elif n_missed:
-                    # PLANNER: a layout within the goal exists; bound: none can exist
-                    if any(r["ref_padding"] <= GOAL * r["numel"] for r in missed):
-                        why = "PLANNER"
-                    elif all(r["bound_padding"] > GOAL * r["numel"] for r in missed):
-                        why = "(bound)"
-                    else:
-                        why = "(open)"
-                    goal = f"miss {n_missed}/{n_qual} {why}"
-                else:
-                    goal = f"ok {n_qual}/{n_qual}"
-                over = [r for r in res if r["padding"] > GOAL * r["numel"]]
                 at = {"model": model, "granule": unit_name, "W": W}
-                pct = {k: 100 * n(key) / total for k, key in (("ours %", "padding"), ("ref %", "ref_padding"),
-                                                               ("bound %", "bound_padding"))}  # fmt: skip
-                rows.append({**at, **pct, "FSDP2 %": 100 * n("fsdp2_padding") / total,
-                             "FSDP2 cuts": n("fsdp2_cuts"), "LCM %": 100 * n("lcm_padding") / total,
-                             "flat cuts": n("flat_cuts"), "plan s": sum(r["plan_s"] for r in res),
-                             "max ms": 1e3 * max(r["plan_s"] for r in res), "goal": goal,
-                             ">3% blocks": sum(r["count"] for r in over), "planner misses":
-                             sum(r["count"] for r in res if r["padding"] > r["ref_padding"]),
-                             "blocks": sum(r["count"] for r in res)})  # fmt: skip
-                misses += [{**at, "block": r["block"], "ours %": 100 * r["padding"] / r["numel"],
-                            "ref %": 100 * r["ref_padding"] / r["numel"],
-                            "bound %": 100 * r["bound_padding"] / r["numel"],
-                            "granules/rank": r["largest_units_per_rank"], "why": explain(r)}
-                           for r in over]  # fmt: skip
+                row, missed = summarize(at, res)
+                rows.append(row)
+                misses += missed
                 details += [{**at, **r} for r in res]
-                print(f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets "
-                      f"in {sum(r['plan_s'] for r in res):.2f}s", file=sys.stderr)  # fmt: skip
+                seconds = sum(r["plan_s"] for r in res)
+                print(
+                    f"  {model:13s} {unit_name:8s} W={W:<5d} {len(res)} distinct buckets in {seconds:.2f}s",
+                    file=sys.stderr,
+                )
     return rows, misses, details
 
 
@@ -408,9 +389,14 @@ def plot(rows, name: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "W in {8, 1024}, granules 1 and 128 rows",
-                 models=dict(nargs="+", choices=list(MODELS), default=list(MODELS)),
-                 world_sizes=dict(nargs="+", type=int, default=None))  # fmt: skip
+    models = dict(nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = parse(
+        __doc__,
+        argv,
+        "W in {8, 1024}, granules 1 and 128 rows",
+        models=models,
+        world_sizes=dict(nargs="+", type=int),
+    )
     granules = ["1 row", "128 rows"] if args.quick else list(UNITS)
     world_sizes = args.world_sizes or ([8, 1024] if args.quick else list(WORLD_SIZES))
     name = "padding_quick" if args.quick else "padding"
@@ -423,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nBlocks above {100 * GOAL:.0f}% padding ({len(misses)} distinct), and why:\n")
     print(table(misses, floatfmt=".2f") if misses else "(none)")
     print(f"\nall layouts verified; benchmark wall time {wall:.1f}s")
-    payload = {"goal": GOAL, "min_units_per_rank": MIN_UNITS_PER_RANK, "wall_s": wall, "rows": rows,
-               "misses": misses, "buckets": details}  # fmt: skip
+    payload = dict(goal=GOAL, min_units_per_rank=MIN_UNITS_PER_RANK, wall_s=wall, rows=rows, misses=misses)
+    payload["buckets"] = details
     return finish("padding", args, payload, png=plot(rows, name))
 
 

@@ -2,32 +2,22 @@
 Muon plan) against FSDP2 + torch.optim.Muon, modelled the same way. No processes: the layouts and
 plans are the real ones, the times come from a stated cost model.
 
-Workload: Llama-3-70B, GPT-OSS-120B and DeepSeek-V3 (`model_shapes`), fully sharded over all W
-ranks (one unit per transformer block, the embedding and the head units too), `TOKENS` tokens per
-rank per step (weak scaling), bf16 gathered parameters and fp32 gradient reduction and shards;
-the hidden matrices take Muon steps (5 Newton–Schulz steps), the rest AdamW.
+Workload: Llama-3-70B, GPT-OSS-120B and DeepSeek-V3 (`model_shapes`) fully sharded over all W ranks
+(a unit per block, the embedding and head too), `TOKENS` tokens per rank (weak scaling), bf16
+gathers, fp32 gradient reduction and shards; Muon (5 Newton–Schulz steps) on the hidden matrices.
+Cost model `vo.CostModel.H200` (989 TFLOP/s, 4.8 TB/s HBM, 900 GB/s NVLink inside 8-GPU nodes, 400
+Gb/s per GPU across, 5 us a ring step): matmuls at `MFU` (6 x active parameters FLOPs per token; a
+token uses `EXPERTS` of the routed experts), Newton–Schulz at peak, element-wise work at HBM speed
+(`ELEMENTWISE` bytes an element), ring collectives `(W - 1) (latency + chunk / bandwidth)`, FSDP's
+overlap (each all-gather under the previous unit's compute, in backward the next all-gather and the
+previous reduce-scatter under a unit's backward; the optimizer step not overlapped).
 
-Cost model (`vo.CostModel.H200`: 989 TFLOP/s bf16, 4.8 TB/s HBM, 900 GB/s NVLink inside
-8-GPU nodes, 400 Gb/s per GPU across nodes, 5 us a ring step):
-- matmuls at `MFU` of peak for forward and backward (6 x active parameters FLOPs per token; a
-  token uses `EXPERTS` of the routed experts; no attention-score FLOPs), Newton–Schulz at peak;
-- element-wise work (optimizer updates, copies) at HBM bandwidth (`ELEMENTWISE` bytes per element);
-- ring collectives over all W ranks: `(W - 1) (latency + chunk / bandwidth)`, the network's
-  bandwidth once the ring leaves a node; moves of matrices to owners at that bandwidth;
-- overlap as FSDP schedules it: each unit's all-gather under the previous unit's compute, in
-  backward the next all-gather and the previous reduce-scatter under a unit's backward; the rest
-  is exposed. The optimizer step is not overlapped.
-
-Ours: `plan_layout` per unit (granule one row for Muon matrices), padding from it; Muon from
-`vo.muon_plan` (its per-rank time: FLOPs at peak + split exchanges) plus moving the matrices to
-their owners (those not held whole where the layout put them) and back. FSDP2: per-parameter
-dim-0 sharding (each parameter padded to a multiple of W rows), copy-in and copy-out around every
-all-gather and reduce-scatter (HBM traffic on the compute stream), and torch Muon replicated:
-every rank all-gathers every matrix's update (fp32, one DTensor gather each) and runs all of
-Newton–Schulz. Memory per rank: shards (fp32 parameters and gradients, Muon's momentum or
-AdamW's moments), two gathered units and one unit's gradients in flight, the optimizer step's
-buffers; activations are left out (the same for both). `plan s`: the planners' wall time,
-measured (layouts of the distinct blocks and `vo.muon_plan`).
+Ours: `plan_layout` per unit, `vo.muon_plan`'s per-rank time plus moving matrices to their owners
+and back. FSDP2: each parameter padded to a multiple of W rows, copy-in and copy-out around every
+collective (HBM traffic), torch Muon replicated (every rank gathers every matrix's update, fp32,
+and runs all of Newton–Schulz). Memory per rank: shards and state, two gathered units and one
+unit's gradients in flight, the step's buffers (activations left out: the same for both). `plan
+s`: the planners' measured wall time.
 
     python benchmarks/scale.py            # three models, W in {64, 1024, 8192, 16384}
     python benchmarks/scale.py --quick    # Llama-3-70B, W in {64, 1024}
@@ -59,8 +49,8 @@ ELEMENTWISE = {True: 24, False: 28}  # HBM bytes an optimizer step touches per e
 WORLDS, QUICK_WORLDS = (64, 1024, 8192, 16384), (64, 1024)
 RUN, QUICK_RUN = ("llama3-70b", "gpt-oss-120b", "deepseek-v3"), ("llama3-70b",)
 GOALS = {("llama3-70b", 1024): 1.10, ("llama3-70b", 8192): 1.25}
-COLUMNS = ["model", "W", "config", "memory GB", "padding %", "AG GB", "RS GB", "Muon ms", "NS max/mean",
-           "exposed comm s", "step s", "Muon %", "plan s"]  # fmt: skip
+COLUMNS = "model|W|config|memory GB|padding %|AG GB|RS GB|Muon ms|NS max/mean|exposed comm s|step s|Muon %"
+COLUMNS = [*COLUMNS.split("|"), "plan s"]
 NUMBERS = COLUMNS[3:]
 
 
@@ -79,7 +69,7 @@ def units(model: str) -> list[dict]:
         params = [(name, tuple(shape), name in hidden) for name, shape in block]
         embed = all("embed_tokens" in name for name, _, _ in params)
         active = 0.0 if embed else sum(numel(s) * (frac if ".experts." in n else 1.0) for n, s, _ in params)
-        out.append({"params": params, "active": active})
+        out.append({"params": params, "active": active, "numel": sum(numel(s) for _, s, _ in params)})
     return out
 
 
@@ -106,8 +96,8 @@ def _layouts(us: list[dict], world: int) -> float:
             sizes = [numel(s) for _, s, _ in u["params"]]
             grans = [s[-1] if h else 1 for _, s, h in u["params"]]  # a row for Muon's matrices
             t0 = time.perf_counter()
-            layouts[key] = plan_layout(sizes, grans, world, vo.ShardingConfig().align,
-                                       segments=[h for _, _, h in u["params"]])  # fmt: skip
+            segments = [h for _, _, h in u["params"]]
+            layouts[key] = plan_layout(sizes, grans, world, vo.ShardingConfig().align, segments=segments)
             spent += time.perf_counter() - t0
         u["layout"] = layouts[key]
     return spent
@@ -142,18 +132,9 @@ def _optimizer(shard: list[int], us: list[dict]) -> tuple[float, float]:
     return seconds, state
 
 
-def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
-    """Ours and FSDP2 at `world` ranks: two table rows, and the plans' figures."""
-    us = units(model)
-    spent = _layouts(us, world)
-    shapes, dims, homes = _matrices(us)
-    t0 = time.perf_counter()
-    plan = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, homes=homes)  # as vo.Muon plans
-    spent += time.perf_counter() - t0
-    total = sum(numel(s) for u in us for _, s, _ in u["params"])
-    costs = [ns_flops(r, c, NS_STEPS) for r, c in dims]
-    bw = COST.nvlink if world <= COST.node else COST.network
-
+def _ours(us: list[dict], world: int, plan, dims: list, homes: list) -> tuple[dict, float]:
+    """Ours' row (less the model's name and the planners' time) and its Muon seconds."""
+    bw, total = COST.nvlink if world <= COST.node else COST.network, sum(u["numel"] for u in us)
     shard = [u["layout"].shard_size for u in us]
     ag, rs = [ring(world, S * PARAM) for S in shard], [ring(world, S * GRAD) for S in shard]
     compute, exposed = flow(us, ag, rs, [0.0] * len(us))
@@ -167,49 +148,67 @@ def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
     muon = max(t + 2 * m / bw for t, m in zip(plan.times, moved))
     elem, state = _optimizer(shard, us)
     # a split member holds X and A whole, and their gather buffers
-    split = max(((s.shape[0] * s.shape[1] + min(s.shape) ** 2) * 2 * PARAM for s in plan.splits.values()),
-                default=0)  # fmt: skip
+    split = [(s.shape[0] * s.shape[1] + min(s.shape) ** 2) * 2 * PARAM for s in plan.splits.values()]
+    split = max(split, default=0)
     flight = max(world * S for S in shard) * (2 * PARAM + GRAD)  # two gathered units, one unit's gradients
     memory = state + flight + sum(shard) * PARAM + max(moved) + split  # the update in bf16, owners' matrices
-    ours = {"model": model, "W": world, "config": "ours", "memory GB": memory / 1e9,
-            "padding %": 100 * (world * sum(shard) - total) / total,
-            "AG GB": 2 * (world - 1) * sum(shard) * PARAM / 1e9,
-            "RS GB": (world - 1) * sum(shard) * GRAD / 1e9,
-            "Muon ms": 1e3 * muon, "NS max/mean": plan.imbalance, "exposed comm s": exposed,
-            "step s": compute + exposed + elem + muon, "plan s": spent}  # fmt: skip
+    row = {
+        "config": "ours",
+        "memory GB": memory / 1e9,
+        "padding %": 100 * (world * sum(shard) - total) / total,
+    }
+    row["AG GB"] = 2 * (world - 1) * sum(shard) * PARAM / 1e9
+    row["RS GB"] = (world - 1) * sum(shard) * GRAD / 1e9
+    row.update({"Muon ms": 1e3 * muon, "NS max/mean": plan.imbalance, "exposed comm s": exposed})
+    return {**row, "step s": compute + exposed + elem + muon}, muon
 
-    def chunk(s):  # FSDP2's rows of a parameter per rank, as elements
-        return -(-s[0] // world) * (numel(s) // s[0])
 
-    shard2 = [sum(chunk(s) for _, s, _ in u["params"]) for u in us]
-    ag2, rs2 = [ring(world, S * PARAM) for S in shard2], [ring(world, S * GRAD) for S in shard2]
-    copies = [(2 * 2 * (S + world * S) * PARAM + 2 * (world * S + S) * GRAD) / COST.hbm for S in shard2]
-    compute2, exposed2 = flow(us, ag2, rs2, copies)
+def _fsdp2(us: list[dict], world: int, dims: list, costs: list) -> tuple[dict, float]:
+    """FSDP2 + torch Muon's row (less the model's name) and its Muon seconds."""
+    chunk = lambda s: -(-s[0] // world) * (numel(s) // s[0])  # noqa: E731 (its rows of a parameter per rank)
+    shard = [sum(chunk(s) for _, s, _ in u["params"]) for u in us]
+    ag, rs = [ring(world, S * PARAM) for S in shard], [ring(world, S * GRAD) for S in shard]
+    copies = [(2 * 2 * (S + world * S) * PARAM + 2 * (world * S + S) * GRAD) / COST.hbm for S in shard]
+    compute, exposed = flow(us, ag, rs, copies)
     hidden = [s for u in us for _, s, h in u["params"] if h]
     gathers = sum(ring(world, chunk(s) * 4) for s in hidden)  # one fp32 DTensor gather per matrix
-    muon2 = gathers + sum(costs) / COST.flops  # every rank runs every matrix
-    elem2, state2 = _optimizer(shard2, us)
-    flight2 = max(world * S for S in shard2) * (3 * PARAM + 2 * GRAD)  # and copy-in / copy-out buffers
-    memory2 = state2 + flight2 + max(r * c for r, c in dims) * 10  # a gathered fp32 matrix, NS in bf16
-    fsdp2 = {"model": model, "W": world, "config": "FSDP2 + torch Muon", "memory GB": memory2 / 1e9,
-             "padding %": 100 * (world * sum(shard2) - total) / total,
-             "AG GB": (world - 1) * (2 * sum(shard2) * PARAM + sum(chunk(s) for s in hidden) * 4) / 1e9,
-             "RS GB": (world - 1) * sum(shard2) * GRAD / 1e9, "Muon ms": 1e3 * muon2, "NS max/mean": 1.0,
-             "exposed comm s": exposed2 + gathers, "step s": compute2 + exposed2 + elem2 + muon2,
-             "plan s": 0.0}  # fmt: skip
+    muon = gathers + sum(costs) / COST.flops  # every rank runs every matrix
+    elem, state = _optimizer(shard, us)
+    flight = max(world * S for S in shard) * (3 * PARAM + 2 * GRAD)  # and copy-in / copy-out buffers
+    memory = state + flight + max(r * c for r, c in dims) * 10  # a gathered fp32 matrix, NS in bf16
+    total = sum(u["numel"] for u in us)
+    row = {"config": "FSDP2 + torch Muon", "memory GB": memory / 1e9}
+    row["padding %"] = 100 * (world * sum(shard) - total) / total
+    row["AG GB"] = (world - 1) * (2 * sum(shard) * PARAM + sum(chunk(s) for s in hidden) * 4) / 1e9
+    row.update({"RS GB": (world - 1) * sum(shard) * GRAD / 1e9, "Muon ms": 1e3 * muon, "NS max/mean": 1.0})
+    row.update({"exposed comm s": exposed + gathers, "step s": compute + exposed + elem + muon})
+    return {**row, "plan s": 0.0}, muon
+
+
+def simulate(model: str, world: int) -> tuple[dict, dict, dict]:
+    """Ours and FSDP2 at `world` ranks: two table rows, and the plans' figures."""
+    us = units(model)
+    spent = _layouts(us, world)
+    shapes, dims, homes = _matrices(us)
+    t0 = time.perf_counter()
+    plan = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, homes=homes)  # as vo.Muon plans
+    spent += time.perf_counter() - t0
+    costs = [ns_flops(r, c, NS_STEPS) for r, c in dims]
+    (ours, muon), (fsdp2, muon2) = _ours(us, world, plan, dims, homes), _fsdp2(us, world, dims, costs)
+    ours, fsdp2 = {"model": model, "W": world, **ours, "plan s": spent}, {"model": model, "W": world, **fsdp2}
     for row, t in ((ours, muon), (fsdp2, muon2)):
         row["Muon %"] = 100 * t / row["step s"]
     lpt = rank_loads(costs, assign_owners(costs, world), world)
     free = vo.muon_plan(shapes, world, ns_steps=NS_STEPS, cost=vo.CostModel.FREE_COMM, homes=homes)
     if abs(_on_h200(plan) - max(plan.times)) > 1e-9 * max(plan.times):  # the re-timing is the library's
         raise AssertionError("_on_h200 differs from vo.muon_plan's own times")
-    extra = {"model": model, "W": world, "NS max/mean": plan.imbalance,
-             "whole only (LPT)": max(lpt) * world / sum(lpt), "comm free": free.imbalance,
-             "NS ms": 1e3 * max(plan.times), "whole only ms": 1e3 * max(lpt) / COST.flops,
-             "comm free ms": 1e3 * _on_h200(free), "Muon time max/mean": plan.time_imbalance,
-             "split matrices": len(plan.groups),
-             "largest group": max(map(len, plan.groups.values()), default=1),
-             "split GB max/rank": max(plan.bytes_per_rank) / 1e9}  # fmt: skip
+    extra = {"model": model, "W": world, "NS max/mean": plan.imbalance}
+    extra["whole only (LPT)"] = max(lpt) * world / sum(lpt)
+    extra.update({"comm free": free.imbalance, "NS ms": 1e3 * max(plan.times)})
+    extra.update({"whole only ms": 1e3 * max(lpt) / COST.flops, "comm free ms": 1e3 * _on_h200(free)})
+    extra.update({"Muon time max/mean": plan.time_imbalance, "split matrices": len(plan.groups)})
+    extra["largest group"] = max(map(len, plan.groups.values()), default=1)
+    extra["split GB max/rank"] = max(plan.bytes_per_rank) / 1e9
     return ours, fsdp2, extra
 
 
@@ -257,10 +256,11 @@ def main(argv: list[str] | None = None) -> dict:
             plans.append(extra)
     require_finite(rows, NUMBERS)
     print(table(rows, COLUMNS))
-    print("\nNewton–Schulz per rank: FLOPs max/mean and the busiest rank's modelled ms (H200, split "
-          "exchanges included) of the plan, of every matrix whole (LPT: today's owners) and of the plan "
-          "made as if communication were free; the plan's time max/mean, its split matrices and "
-          "exchanges:\n")  # fmt: skip
+    print(
+        "\nNewton–Schulz per rank: FLOPs max/mean and the busiest rank's modelled ms (H200, split exchanges"
+    )
+    print("included) of the plan, of every matrix whole (LPT: today's owners) and of the plan made as if")
+    print("communication were free; the plan's time max/mean, its split matrices and exchanges:\n")
     print(table(plans))
     goals = {}
     for (model, world), bound in GOALS.items():
@@ -269,8 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
             goals[f"{model} W={world}: Newton–Schulz max/mean <= {bound:.2f} (got {got:.3f})"] = got <= bound
     print_goals("Goals:", goals)
     png = plot(rows)
-    out = {"cost": vars(COST), "tokens_per_rank": TOKENS, "mfu": MFU, "rows": rows, "plans": plans,
-           "goals": goals, "png": str(png) if png else None}  # fmt: skip
+    out = {
+        "cost": vars(COST),
+        "tokens_per_rank": TOKENS,
+        "mfu": MFU,
+        "rows": rows,
+        "plans": plans,
+        "goals": goals,
+    }
+    out["png"] = str(png) if png else None
     return finish("scale", args, out, png=png)
 
 

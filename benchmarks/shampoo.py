@@ -1,36 +1,23 @@
 """Shampoo steps on a GPT-like model: tiles owned by one rank each against every rank
 computing every root, on gloo.
 
-Both configurations train the same model (`benchmarks._gpt.build_gpt`, by default vocab 2048,
-d 256, 4 layers: 4.2 M fp32 parameters, 65 tiles of at most 256 x 256) from the same
-initialisation on the same per-rank batches, with the same hyperparameters
-(`max_preconditioner_dim=256`, roots every step, adam grafting), each in a freshly launched
-local gloo world:
+Both configurations train the same GPT (vocab 2048, d 256, 4 layers: 4.2 M fp32 parameters, 65
+tiles of at most 256 x 256; `max_preconditioner_dim=256`, roots every step, adam grafting) on the
+same per-rank batches, each in a fresh world: `sharded` (`vo.Shampoo(model.parameters())`: each
+rank computes the roots of the tiles it owns) and `replicated` (`process_group=` a group of this
+rank alone: every rank computes every root, its backward on the whole global batch, the step
+paying one all-reduce of every gradient element, what averaging costs).
 
-* `sharded`    - `vo.Shampoo(model.parameters())` on the world: `opt.step()` reduce-scatters
-                 the gradients, each rank updates the factors and computes the roots of the
-                 tiles it owns, and the parameters are all-gathered.
-* `replicated` - `vo.Shampoo(..., process_group=<a group of this rank alone>)` on every rank,
-                 with the gradient averaged over the world: every rank computes every root.
-                 Every rank's backward runs on the whole global batch (all ranks' batches: the
-                 mean of the per-rank mean losses, so the same gradient as averaging them), and
-                 the step pays what averaging costs, one all-reduce (mean) of a flat buffer of
-                 every gradient element.
-
-`step` is `opt.step()` (plus that all-reduce for `replicated`), wall clock of the slowest
-rank after a barrier, median over `--steps` steps that follow `--warmup`. `root work` is the
-sum of `h^3 + w^3` over the tiles whose roots a rank computes (in units of 256^3), reported
-as the busiest rank's and as max/mean over ranks (`before balance`: with each tile at the rank
-that holds its rows). `preconditioner MiB` is the factors and roots a rank holds (the most on
-any rank). `max |dp|` compares the parameters of both after the last step: the same math up
-to the order of the gradient reduction. That is why `--epsilon` defaults to 1e-6 here rather
-than the optimizer's 1e-12: embedding tiles have many unused rows, and with fp32 roots an
-epsilon below the eigenvalues' rounding makes `(lam + epsilon)^(-1/4)` amplify the rounding of
-either run (step times do not depend on it).
+`step` is `opt.step()` (plus that all-reduce), the slowest rank's after a barrier, the median over
+`--steps` after `--warmup`. `root work`: the sum of `h^3 + w^3` over the tiles whose roots a rank
+computes (in 256^3), the busiest rank's and max/mean over ranks (`before balance`: each tile at
+the rank that holds its rows). `preconditioner MiB`: the factors and roots a rank holds (the most
+on any). `max |dp|`: both runs' parameters after the last step, the same math up to the order of
+the gradient reduction (hence `--epsilon` 1e-6: embedding tiles have many unused rows, and a
+smaller epsilon amplifies either run's rounding in `(lam + epsilon)^(-1/4)`).
 
     python benchmarks/shampoo.py                 # 4 ranks, ~4.2 M parameters
     python benchmarks/shampoo.py --quick         # a tiny model, 2 measured steps
-    python benchmarks/shampoo.py --world-size 2 --steps 5
 """
 
 from __future__ import annotations
@@ -55,24 +42,24 @@ FULL = dict(vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=64, dim=256,
 QUICK = dict(vocab=256, d_model=64, n_layers=2, n_heads=2, seq_len=32, dim=64, batch=2)
 UNIT = 256**3
 PRELOAD = ["benchmarks.shampoo"]  # besides benchmarks._gpt.PEERS
-NUMBERS = ["step s", "speedup", "root work / rank", "root max/mean", "before balance",
-           "preconditioner MiB / rank", "max |dp|"]  # fmt: skip
+NUMBERS = ["step s", "speedup", "root work / rank", "root max/mean", "before balance", "max |dp|"]
+NUMBERS.insert(-1, "preconditioner MiB / rank")
 
 
 def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int) -> dict:
     model = shaped_gpt(cfg)
     solo = [dist.new_group([r]) for r in range(world)][rank]
     group = None if config == "sharded" else solo
-    opt = vo.Shampoo(
-        model.parameters(), lr=1e-3, epsilon=cfg["epsilon"], max_preconditioner_dim=cfg["dim"],
-        root_dtype=getattr(torch, cfg["root_dtype"]), process_group=group,
-    )  # fmt: skip
+    hyper = dict(lr=1e-3, epsilon=cfg["epsilon"], max_preconditioner_dim=cfg["dim"], process_group=group)
+    opt = vo.Shampoo(model.parameters(), root_dtype=getattr(torch, cfg["root_dtype"]), **hyper)
     params = list(model.parameters())
     flat = torch.zeros(sum(p.numel() for p in params))  # replicated: the bytes averaging moves
     times = []
     for t in range(warmup + steps):
-        xs, ys = zip(*(random_batch(cfg["batch"], cfg["seq_len"], cfg["vocab"], seed=1000 * t + r)
-                       for r in range(world)))  # fmt: skip
+        batch = [
+            random_batch(cfg["batch"], cfg["seq_len"], cfg["vocab"], seed=1000 * t + r) for r in range(world)
+        ]
+        xs, ys = zip(*batch)
         x, y = (xs[rank], ys[rank]) if config == "sharded" else (torch.cat(xs), torch.cat(ys))
         opt.zero_grad()
         model.loss(x, y).backward()
@@ -87,16 +74,10 @@ def _run(rank: int, world: int, config: str, cfg: dict, warmup: int, steps: int)
             times.append(elapsed.item())
     work = opt.root_work if config == "sharded" else (sum(opt.root_work),) * world
     native = opt.native_root_work if config == "sharded" else work
-    return {
-        "times": times,
-        "work": work,
-        "native": native,
-        "moved": opt.moved_tiles,
-        "precond_bytes": opt.local_preconditioner_numel() * 4,
-        "tiles": opt.num_tiles,
-        "params": [p.detach().clone() for p in params] if rank == 0 else None,
-        "numel": sum(p.numel() for p in params),
-    }
+    out = dict(times=times, work=work, native=native, moved=opt.moved_tiles, tiles=opt.num_tiles)
+    out["precond_bytes"] = opt.local_preconditioner_numel() * 4
+    out["params"] = [p.detach().clone() for p in params] if rank == 0 else None
+    return {**out, "numel": sum(p.numel() for p in params)}
 
 
 def _ratio(loads) -> float:
@@ -105,8 +86,17 @@ def _ratio(loads) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "a tiny model, 2 steps", world_size=4, warmup=1, steps=3, epsilon=1e-6,
-                 root_dtype=dict(choices=["float32", "float64"], default="float32"))  # fmt: skip
+    root_dtype = dict(choices=["float32", "float64"], default="float32")
+    args = parse(
+        __doc__,
+        argv,
+        "a tiny model, 2 steps",
+        world_size=4,
+        warmup=1,
+        steps=3,
+        epsilon=1e-6,
+        root_dtype=root_dtype,
+    )
     cfg = {**(QUICK if args.quick else FULL), "epsilon": args.epsilon, "root_dtype": args.root_dtype}
     steps = 2 if args.quick else args.steps
     raw, rows = {}, []
@@ -118,20 +108,21 @@ def main(argv: list[str] | None = None) -> dict:
         r0 = results[0]
         step = statistics.median(r0["times"])
         diff = max((a - b).abs().max().item() for a, b in zip(r0["params"], raw["replicated"][0]["params"]))
-        rows.append({"optimizer": config, "step s": step, "speedup": base / step,
-                     "root work / rank": max(r0["work"]) / UNIT, "root max/mean": _ratio(r0["work"]),
-                     "before balance": _ratio(r0["native"]), "tiles moved": r0["moved"],
-                     "preconditioner MiB / rank": max(r["precond_bytes"] for r in results) / 2**20,
-                     "max |dp|": diff})  # fmt: skip
-    print(
-        f"Shampoo on a GPT-like model ({raw['sharded'][0]['numel']:,} parameters, "
-        f"{raw['sharded'][0]['tiles']} tiles of at most {cfg['dim']}), {args.world_size} gloo ranks\n"
-    )
+        row = {"optimizer": config, "step s": step, "speedup": base / step}
+        row["root work / rank"] = max(r0["work"]) / UNIT
+        row.update({"root max/mean": _ratio(r0["work"]), "before balance": _ratio(r0["native"])})
+        row["tiles moved"] = r0["moved"]
+        row["preconditioner MiB / rank"] = max(r["precond_bytes"] for r in results) / 2**20
+        row["max |dp|"] = diff
+        rows.append(row)
+    r0 = raw["sharded"][0]
+    model = f"{r0['numel']:,} parameters, {r0['tiles']} tiles of at most {cfg['dim']}"
+    print(f"Shampoo on a GPT-like model ({model}), {args.world_size} gloo ranks\n")
     print(table(rows))
     require_finite(rows, NUMBERS)
-    payload = {"config": cfg, "world_size": args.world_size, "rows": rows,
-               "times": {c: r[0]["times"] for c, r in raw.items()},
-               "root_work": {c: r[0]["work"] for c, r in raw.items()}}  # fmt: skip
+    payload = {"config": cfg, "world_size": args.world_size, "rows": rows}
+    for k, key in (("times", "times"), ("root_work", "work")):
+        payload[k] = {c: r[0][key] for c, r in raw.items()}
     return finish("shampoo", args, payload, threads)
 
 

@@ -1,28 +1,16 @@
-"""What the agreement on `no_sync()` costs: the time of each backward and of a train step
-with gradient accumulation, with the agreement as shipped, without it, and under torch's own
-collective check.
+"""What the agreement on `no_sync()` costs: the time of each backward and of a train step with
+gradient accumulation, with the agreement as shipped, without it, and under torch's own check.
 
-`no_sync()` entered on some ranks only leaves the other ranks' reductions unmatched. The
-step's agreement cannot see it (those ranks would issue their reductions in backward, where
-the collectives part ways), so each backward starts with the ranks' agreement on it: one small
-all-reduce, issued at the backward's first event and read back before its first reduce-scatter
-(`vo.NoSyncMismatchError` on every rank, before any reduce-scatter is issued). That read is the
-one host sync in backward. Measured here, per backward and per train step of `--micro`
-micro-batches (every one but the last under `no_sync()`), on a local gloo world:
-
-- **without the agreement**: the same run with the agreement taken out (patched out on every
-  rank, here only: a mismatch would then hang);
-- **as shipped**: the agreement in every backward;
-- **TORCH_DISTRIBUTED_DEBUG=DETAIL**: torch's check, every collective's fingerprint compared
-  over a helper group first, on a group created under it.
+Each backward starts with the ranks' agreement on `no_sync()` (one small all-reduce, issued at the
+backward's first event and read back before its first reduce-scatter: the one host sync in
+backward), so that `no_sync()` entered on some ranks only fails on every rank instead of leaving
+reductions unmatched. Per backward and per train step of `--micro` micro-batches (all but the last
+under `no_sync()`), on a local gloo world: `without the agreement` (patched out on every rank, here
+only), `as shipped`, and `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch's fingerprint check of every
+collective). On CPU gloo's collectives are synchronous, so the agreement's latency is added whole;
+docs/benchmarks.md says what a GPU pays.
 
     python benchmarks/sync_check.py [--world-size 4] [--layers 8] [--micro 4] [--quick]
-
-On CPU gloo issues every collective synchronously: the agreement's latency is added whole to
-the backward. On a GPU its all-reduce is issued when backward starts (behind the forward on
-the device) and read at the first reduction, after the last unit's backward was queued: the
-host waits for the forward to finish on the device and for the slowest rank to reach its
-backward, while the device still has that unit's backward to run (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -95,19 +83,16 @@ def _rank(rank: int, world: int, layers: int, width: int, micro: int, runs: int)
                 opt.zero_grad()
                 if t:
                     steps.append((time.perf_counter() - start) * 1e3)
-        rows.append({
-            "check": mode,
-            "median ms": statistics.median(steps),
-            "backward ms (no_sync)": statistics.median(quiet) if quiet else None,
-            "backward ms (reducing)": statistics.median(reducing),
-        })  # fmt: skip
+        row = {"check": mode, "median ms": statistics.median(steps)}
+        row["backward ms (no_sync)"] = statistics.median(quiet) if quiet else None
+        rows.append({**row, "backward ms (reducing)": statistics.median(reducing)})
         dist.destroy_process_group(group)
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse(__doc__, argv, "2 small layers, 2 micro-batches, 2 runs", world_size=4, layers=8, width=256,
-                 micro=4, runs=5)  # fmt: skip
+    sizes = dict(world_size=4, layers=8, width=256, micro=4, runs=5)
+    args = parse(__doc__, argv, "2 small layers, 2 micro-batches, 2 runs", **sizes)
     sizes = (args.layers, args.width, args.micro, args.runs)
     layers, width, micro, runs = (2, 32, 2, 2) if args.quick else sizes
     per_rank = launch(_rank, args.world_size, layers, width, micro, runs, preload=PRELOAD)
@@ -118,8 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = rows[1]["median ms"]
     for r in rows:
         r["x as shipped"] = r["median ms"] / base
-    print(f"{layers} blocks of width {width}, {micro} micro-batches per step, {args.world_size} ranks "
-          f"(slowest rank's median of {runs}; gloo is synchronous on CPU)\n")  # fmt: skip
+    print(f"{layers} blocks of width {width}, {micro} micro-batches per step, {args.world_size} ranks")
+    print(f"(slowest rank's median of {runs}; gloo is synchronous on CPU)\n")
     print(table(rows, floatfmt=".3f"))
     payload = {"world_size": args.world_size, "layers": layers, "width": width, "micro": micro, "rows": rows}
     return finish("sync_check", args, payload, threads=per_rank.threads)

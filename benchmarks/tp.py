@@ -1,39 +1,24 @@
 """Data parallelism over a tensor-parallel model (dp2 x tp2 on 4 gloo ranks): ours against
 FSDP2 2-D with AdamW, and against the Muon integration users write today.
 
-Every configuration trains its own copy of the same seeded Llama-like stack (attention
-wq/wk/wv/wo and a SwiGLU MLP w1/w2/w3 per block, RMSNorm, a final RMSNorm) under torch's TP plan on
-world["tp"] (ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2), on the same batches
-per data-parallel rank:
+Every configuration trains its own copy of the same seeded Llama-like stack (attention wq/wk/wv/wo,
+a SwiGLU MLP w1/w2/w3, RMSNorms) under torch's TP plan on world["tp"] (ColwiseParallel
+wq/wk/wv/w1/w3, RowwiseParallel wo/w2), on the same batches per data-parallel rank: `ours AdamW`
+(`vo.AdamW(mesh=world["dp"], shard_modules=[*blocks, model])`), `FSDP2 AdamW` (`fully_shard` per
+block and the root over world["dp"]: FSDP2 2-D, `torch.optim.AdamW`), `ours Muon` (`vo.Muon` on the
+TP-cut matrices, each full matrix orthogonalized once in the world), `FSDP2 full_tensor Muon`
+(FSDP2 2-D; `full_tensor()` of each matrix gradient and `torch.optim.Muon` on full-size copies on
+every rank, each keeping its own shard) and `TP alone AdamW` (no data parallelism: the forward,
+backward and TP all-reduces the others pay alike; the train time above it is what data
+parallelism adds, `the data-parallel part`, printed after the goals).
 
-* `ours AdamW`     - `vo.AdamW(mesh=world["dp"], shard_modules=[*blocks, model])` (ZeRO-3)
-* `FSDP2 AdamW`    - `fully_shard(block, mesh=world["dp"])` per block, then the root (FSDP2 2-D),
-                     `torch.optim.AdamW(foreach=True)`
-* `ours Muon`      - `vo.Muon` on the TP-cut matrices (AdamW for the norms), the same units:
-                     each full matrix orthogonalized once in the dp x tp world
-* `FSDP2 full_tensor Muon` - FSDP2 2-D as above; in the step, `full_tensor()` of each matrix
-                     gradient (all-gathers over dp and tp), `torch.optim.Muon` on full-size
-                     copies of the matrices on every rank, each rank then keeping its own shard
-                     of the result (`redistribute` from Replicate, no communication);
-                     `torch.optim.AdamW` on the norms
-* `TP alone AdamW` - the same TP model with no data parallelism at all (each dp rank steps
-                     `torch.optim.AdamW` on its own gradient): forward, backward and the TP
-                     all-reduces that the others pay alike. The train time above it is what
-                     data parallelism adds (`the data-parallel part`, printed after the goals)
-
-Time: one step of each configuration in turn per round, the order rotating; `train` is
-forward + backward + `opt.step()` + `zero_grad` after a barrier, `step` is `opt.step()`; a
-number is the median over rounds of the slowest rank's, `x` the median of the per-round ratios
-to the peer (FSDP2 AdamW for ours AdamW, FSDP2 full_tensor Muon for ours Muon). `comm ms`:
-the time the training thread spent in collectives or waiting for them (`benchmarks._comm`;
-the TP all-reduces of forward and backward are the same for all four).
-`MB sent`: bytes a rank sends per train step (`benchmarks._comm`, the mean over ranks), and
-for ours the step's own count (`opt.step_stats["bytes_sent"]`). `NS GFLOP`: Newton–Schulz
-FLOPs per rank and step (`5 * (4a²b + 2a³)` for an `a x b` matrix, a <= b): ours from
-`step_stats["ns_flops"]` (the most on one rank), the peer every full matrix on every rank.
-`peak live MB`: the most tensor bytes alive on a rank during a step after the first, from
-the profiler's record of ATen's allocator (`benchmarks._live`), each configuration built
-and run alone, the most over ranks; `peak at` the phase and innermost region open then.
+Time: one step of each in turn per round, the order rotating; `train` is the whole step after a
+barrier, `step` `opt.step()`; the median over rounds of the slowest rank's, `x` the median of
+per-round ratios to the peer. `comm ms`: time in collectives (`benchmarks._comm`); `MB sent`: per
+rank and step, and ours' own count (`stats MB`, `step_stats["bytes_sent"]`). `NS GFLOP`:
+Newton–Schulz FLOPs per rank and step (ours `step_stats["ns_flops"]`, the busiest rank; the peer
+every full matrix on every rank). `peak live MB`: the most tensor bytes alive on a rank in a step
+after the first (`benchmarks._live`), each configuration built and run alone; `peak at` where.
 
     python benchmarks/tp.py            # 4 ranks (dp2 x tp2)
     python benchmarks/tp.py --quick    # a tiny model, a few rounds (a smoke test)
@@ -55,13 +40,12 @@ from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
-from torch.profiler import record_function  # noqa: E402
 
 import vescale_optim as vo  # noqa: E402
 from benchmarks import _train  # noqa: E402
 from benchmarks._comm import CommMeter  # noqa: E402
 from benchmarks._gpt import launch  # noqa: E402
-from benchmarks._live import LiveBytes  # noqa: E402
+from benchmarks._live import live_steps  # noqa: E402
 from benchmarks._main import finish, parse  # noqa: E402
 from benchmarks._measure import load_average, median_ratio  # noqa: E402
 from benchmarks._muon_plan import ns_flops  # noqa: E402
@@ -153,12 +137,11 @@ class Trainer(_train.Trainer):
 
     def result(self, peak: dict) -> dict:
         """Per recorded round: train and opt.step() ms, the loss, bytes sent, exposed comm ms."""
-        comm = [(sum(sum(c[k]["sent"].values()) for k in PHASES), sum(c[k]["exposed_s"] for k in PHASES))
-                for c in self.comm]  # fmt: skip
-        return {"train": [1e3 * sum(t) for t in zip(*(self.times[k] for k in PHASES))],
-                "step": [1e3 * t for t in self.times["step"]], "loss": self.losses,
-                "sent": [sent for sent, _ in comm], "comm": [1e3 * s for _, s in comm], "stats": self.stats,
-                "ns": self.ns, "peak": peak}  # fmt: skip
+        sent = [sum(sum(c[k]["sent"].values()) for k in PHASES) for c in self.comm]
+        exposed = [1e3 * sum(c[k]["exposed_s"] for k in PHASES) for c in self.comm]
+        out = {"train": [1e3 * sum(t) for t in zip(*(self.times[k] for k in PHASES))], "loss": self.losses}
+        out.update(step=[1e3 * t for t in self.times["step"]], sent=sent, comm=exposed, stats=self.stats)
+        return {**out, "ns": self.ns, "peak": peak}
 
 
 def _batches(sizes: dict, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -174,13 +157,9 @@ def _rank(rank: int, world_size: int, sizes: dict) -> dict:
     peak = {}
     for config in CONFIGS:
         gc.collect()
-        recorder = LiveBytes().start()
-        tr = Trainer(config, sizes, world)
-        for s, window in enumerate(["bench::first", "bench::steady", "bench::steady"]):
-            with record_function(window):
-                tr.step(*pool[s % 2], record=False)
-        peak[config] = recorder.stop().peak("bench::steady")  # {"bytes", "where", "by"}
-        del tr, recorder
+        tr, trace = live_steps(lambda: Trainer(config, sizes, world), pool, 3, tail=False)  # noqa: B023
+        peak[config] = trace.peak("bench::steady")  # {"bytes", "where", "by"}
+        del tr, trace
     gc.collect()
     # time and bytes: every configuration in one world, one step each per round (after one to warm up)
     meter = CommMeter().install()
@@ -206,23 +185,24 @@ def summarize(per_rank: list[dict]) -> tuple[list[dict], dict]:
         stats = [statistics.mean(r[c]["stats"]) for r in per_rank] if per_rank[0][c]["stats"] else None
         # "peak by": the bytes alive at the peak by who allocated them (JSON only)
         peak = {k: max(r[k]["peak"]["bytes"] for r in per_rank) / 2**20 for k in (c, peer) if k}
-        row = {"config": c, "train ms": statistics.median(_slowest(per_rank, c, "train")),
-               "step ms": statistics.median(_slowest(per_rank, c, "step")),
-               "train x": _ratio(per_rank, c, peer, "train") if peer else None,
-               "step x": _ratio(per_rank, c, peer, "step") if peer else None,
-               "comm ms": statistics.median(_slowest(per_rank, c, "comm")), "peak live MB": peak[c],
-               "peak at": " / ".join(n[7:] if n.startswith("bench::") else n for n in top["where"][1:]),
-               "MB sent": statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20,
-               "stats MB": statistics.mean(stats) / 2**20 if stats else None,
-               "NS GFLOP": max(r[c]["ns"] for r in per_rank) / 1e9, "last loss": per_rank[0][c]["loss"][-1],
-               "peak by": top["by"]}  # fmt: skip
+        row = {
+            "config": c,
+            **{f"{k} ms": statistics.median(_slowest(per_rank, c, k)) for k in ("train", "step")},
+        }
+        row.update({f"{k} x": _ratio(per_rank, c, peer, k) if peer else None for k in ("train", "step")})
+        row.update({"comm ms": statistics.median(_slowest(per_rank, c, "comm")), "peak live MB": peak[c]})
+        row["peak at"] = " / ".join(n[7:] if n.startswith("bench::") else n for n in top["where"][1:])
+        row["MB sent"] = statistics.mean(statistics.mean(r[c]["sent"]) for r in per_rank) / 2**20
+        row["stats MB"] = statistics.mean(stats) / 2**20 if stats else None
+        row["NS GFLOP"] = max(r[c]["ns"] for r in per_rank) / 1e9
+        row.update({"last loss": per_rank[0][c]["loss"][-1], "peak by": top["by"]})
         if peer:
             row["peak live x"] = peak[c] / peak[peer]
         rows.append(row)
     by = {r["config"]: r for r in rows}
     adamw, muon = by["ours AdamW"], by["ours Muon"]
-    measured = {"train x (AdamW)": adamw["train x"], "step x (Muon)": muon["step x"],
-                "peak live x": max(adamw["peak live x"], muon["peak live x"])}  # fmt: skip
+    measured = {"train x (AdamW)": adamw["train x"], "step x (Muon)": muon["step x"]}
+    measured["peak live x"] = max(adamw["peak live x"], muon["peak live x"])
     goals = {k: {"goal": f"<= {GOALS[k]}", "measured": v, "met": v <= GOALS[k]} for k, v in measured.items()}
     return rows, goals, data_parallel_part(per_rank)
 
@@ -232,14 +212,13 @@ def data_parallel_part(per_rank: list[dict]) -> dict:
     of the slowest rank's train time minus the TP-alone floor's in the same round (forward,
     backward and the TP all-reduces, which both issue alike), and their ratio."""
     floor = _slowest(per_rank, FLOOR, "train")
-    part = {c: statistics.median(a - f for a, f in zip(_slowest(per_rank, c, "train"), floor))
-            for c in ("ours AdamW", "FSDP2 AdamW")}  # fmt: skip
-    return {"floor ms": statistics.median(floor), "ours ms": part["ours AdamW"],
-            "FSDP2 ms": part["FSDP2 AdamW"], "x": part["ours AdamW"] / part["FSDP2 AdamW"]}  # fmt: skip
+    train = {c: _slowest(per_rank, c, "train") for c in ("ours AdamW", "FSDP2 AdamW")}
+    ours, fsdp2 = (statistics.median(a - f for a, f in zip(t, floor)) for t in train.values())
+    return {"floor ms": statistics.median(floor), "ours ms": ours, "FSDP2 ms": fsdp2, "x": ours / fsdp2}
 
 
-COLUMNS = ["config", "train ms", "train x", "step ms", "step x", "comm ms", "peak live MB", "peak live x",
-           "peak at", "MB sent", "stats MB", "NS GFLOP", "last loss"]  # fmt: skip
+COLUMNS = "config|train ms|train x|step ms|step x|comm ms|peak live MB|peak live x|peak at|MB sent|stats MB"
+COLUMNS = [*COLUMNS.split("|"), "NS GFLOP", "last loss"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -251,18 +230,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"load average before: {load_average()}")
     per_rank = launch(_rank, WORLD, sizes, preload=PRELOAD)
     rows, goals, dp_part = summarize(per_rank)
-    print(f"dp{WORLD // TP} x tp{TP}, {sizes['layers']} blocks of width {sizes['dim']}, batch "
-          f"{sizes['batch']}x{sizes['seq']} per dp rank; medians of {sizes['rounds']} rounds\n")  # fmt: skip
+    blocks = (
+        f"{sizes['layers']} blocks of width {sizes['dim']}, batch {sizes['batch']}x{sizes['seq']} per dp rank"
+    )
+    print(f"dp{WORLD // TP} x tp{TP}, {blocks}; medians of {sizes['rounds']} rounds\n")
     print(table(rows, COLUMNS, floatfmt=".3g"))
     print(f"\n{FSDP2_ON_CPU}\n")
     for name, g in goals.items():
         print(f"goal {name} {g['goal']}: measured {g['measured']:.3f}, {'met' if g['met'] else 'NOT met'}")
     part = dp_part
-    print(f"\nthe data-parallel part of the AdamW train step (train minus {FLOOR}'s {part['floor ms']:.0f} "
-          f"ms): ours {part['ours ms']:.0f} ms, FSDP2 {part['FSDP2 ms']:.0f} ms, "
-          f"{part['x']:.3f}x")  # fmt: skip
-    payload = {"world": WORLD, "tp": TP, "sizes": sizes, "rows": rows, "goals": goals,
-               "data_parallel_part": dp_part}  # fmt: skip
+    print(
+        f"\nthe data-parallel part of the AdamW train step (train minus {FLOOR}'s {part['floor ms']:.0f} ms):"
+    )
+    print(f"ours {part['ours ms']:.0f} ms, FSDP2 {part['FSDP2 ms']:.0f} ms, {part['x']:.3f}x")
+    payload = {
+        "world": WORLD,
+        "tp": TP,
+        "sizes": sizes,
+        "rows": rows,
+        "goals": goals,
+        "data_parallel_part": part,
+    }
     return finish("tp", args, payload, per_rank.threads)
 
 

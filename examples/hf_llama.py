@@ -54,11 +54,18 @@ def setup(timeout: timedelta) -> tuple[torch.device, int, int]:
 
 def config(args) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq_len, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
 
 
 def batch(step: int, rank: int, args, device: torch.device) -> torch.Tensor:
@@ -101,10 +108,18 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10, help="steps between lines (default: %(default)s)")
     p.add_argument("--checkpoint-dir", type=Path, help="save step-N folders here; resume from the latest")
     p.add_argument("--save-every", type=int, default=20, help="steps between saves (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("hf_llama"), help="the Hugging Face folder written at "
-                   "the end (default: %(default)s)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait for the other "
-                   "ranks before failing (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("hf_llama"),
+        help="the Hugging Face folder written at the end (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="seconds a collective may wait for the other ranks before failing (default: %(default)s)",
+    )
     args = p.parse_args()
 
     device, rank, world = setup(timedelta(seconds=args.timeout))
@@ -115,10 +130,13 @@ def main() -> None:
             model = LlamaForCausalLM(config(args))
         groups = vo.muon_param_groups(model, exclude=["lm_head"], adamw_lr=args.adamw_lr)  # head: AdamW
         opt = vo.Muon(
-            groups, lr=args.lr, weight_decay=0.1,
-            shard_modules=[*model.model.layers, model], device=device,
+            groups,
+            lr=args.lr,
+            weight_decay=0.1,
+            shard_modules=[*model.model.layers, model],
+            device=device,
             param_init_fn=model._init_weights,  # transformers' initialisation, one unit at a time
-        )  # fmt: skip
+        )
         warmup = 10
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         manager, loaded = None, None
@@ -128,8 +146,9 @@ def main() -> None:
         start = loaded.step if loaded else 0
         if rank == 0:
             n_params = sum(p.numel() for p in model.parameters())
-            print(f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
-                  + (f"resumed from {loaded.path}" if loaded else "from scratch"), flush=True)  # fmt: skip
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
+            where = f"{len(opt.units)} units on {world} rank(s), {device.type}"
+            print(f"{n_params:,} parameters in {where}; {origin}", flush=True)
 
         model.train()
         for step in range(start, args.steps):
@@ -144,8 +163,11 @@ def main() -> None:
             if done % args.log_every == 0 or done == args.steps:
                 mean = mean_over_ranks(loss, world)
                 if rank == 0:
-                    print(f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
-                          f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}", flush=True)  # fmt: skip
+                    print(
+                        f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
+                        f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}",
+                        flush=True,
+                    )
             if manager and (done % args.save_every == 0 or done == args.steps):
                 path = manager.save(done)
                 if rank == 0:
@@ -157,8 +179,10 @@ def main() -> None:
         # `model.state_dict()` works too (every rank then holds the whole model).
         weights = opt.full_model_state_dict(to_rank=0)
         if rank == 0:
-            print(f"done at step {args.steps}; weights fingerprint {fingerprint(weights)}; "
-                  f"writing {args.out}", flush=True)  # fmt: skip
+            print(
+                f"done at step {args.steps}; weights fingerprint {fingerprint(weights)}; writing {args.out}",
+                flush=True,
+            )
             model.save_pretrained(args.out, state_dict=weights)  # never without state_dict= here
             print(f"wrote {args.out}", flush=True)  # (save_pretrained empties the dict it is given)
         if world > 1:

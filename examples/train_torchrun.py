@@ -105,8 +105,12 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", type=Path, help="save step-N folders here; resume from the latest")
     p.add_argument("--save-every", type=int, default=20, help="steps between saves (default: %(default)s)")
     p.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait for the other "
-                   "ranks before failing (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="seconds a collective may wait for the other ranks before failing (default: %(default)s)",
+    )
     args = p.parse_args()
 
     device, rank, world = setup(timedelta(seconds=args.timeout))
@@ -117,9 +121,13 @@ def main() -> None:
         with torch.device("meta"):  # no memory: each unit is materialised, then sharded, in turn
             model = Model(args.dim, args.layers)
         opt = vo.AdamW(
-            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-            shard_modules=[*model.layers, model], device=device,
-        )  # fmt: skip
+            model.parameters(),
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            shard_modules=[*model.layers, model],
+            device=device,
+        )
         warmup = 10
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         n_params = sum(p.numel() for p in model.parameters())
@@ -129,8 +137,9 @@ def main() -> None:
             loaded = manager.load()  # the newest complete checkpoint, or None
         start = loaded.step if loaded else 0
         if rank == 0:
-            print(f"{n_params:,} parameters in {len(opt.units)} units on {world} rank(s), {device.type}; "
-                  + (f"resumed from {loaded.path}" if loaded else "from scratch"), flush=True)  # fmt: skip
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
+            where = f"{len(opt.units)} units on {world} rank(s), {device.type}"
+            print(f"{n_params:,} parameters in {where}; {origin}", flush=True)
 
         for step in range(start, args.steps):
             x, y = batch(step, rank, args, device)
@@ -144,8 +153,11 @@ def main() -> None:
             if done % args.log_every == 0 or done == args.steps:
                 mean = mean_over_ranks(loss, world)
                 if rank == 0:
-                    print(f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
-                          f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}", flush=True)  # fmt: skip
+                    print(
+                        f"step {done}: loss {mean:.4f} (mean over all ranks' tokens), grad norm "
+                        f"{norm.item():.3f}, lr {sched.get_last_lr()[0]:.2e}",
+                        flush=True,
+                    )
             if manager and (done % args.save_every == 0 or done == args.steps):
                 path = manager.save(done)  # with --async-save: returns once this rank's pieces are copied
                 if rank == 0:
@@ -157,9 +169,11 @@ def main() -> None:
         if rank == 0:  # equal for equal weights, bit for bit
             data = b"".join(v.float().cpu().numpy().tobytes() for v in weights.values())
             fingerprint = hashlib.sha256(data).hexdigest()[:16]
-            memory = opt.memory_stats()
-            print(f"done at step {args.steps}; weights fingerprint {fingerprint}; held on rank 0: "
-                  + ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in memory.items()), flush=True)  # fmt: skip
+            memory = ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in opt.memory_stats().items())
+            print(
+                f"done at step {args.steps}; weights fingerprint {fingerprint}; held on rank 0: {memory}",
+                flush=True,
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -84,8 +84,9 @@ def build_optimizer(model: Model, name: str, mesh, lr: float) -> torch.optim.Opt
     data-parallel mesh), a unit per block and one for the rest (ZeRO-3)."""
     units = [*model.layers, model]
     if name == "adamw":
-        return vo.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, mesh=mesh,
-                        shard_modules=units)  # fmt: skip
+        return vo.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, mesh=mesh, shard_modules=units
+        )
     # the TP-cut matrices take Muon; the embedding, head and norms (plain tensors) AdamW
     cut = [p for p in model.parameters() if isinstance(p, DTensor)]
     rest = [p for p in model.parameters() if not isinstance(p, DTensor)]
@@ -124,8 +125,12 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=10, help="steps between lines (default: %(default)s)")
     p.add_argument("--checkpoint-dir", type=Path, help="save step-N folders here; resume from the latest")
     p.add_argument("--save-every", type=int, default=10, help="steps between saves (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait for the other "
-                   "ranks before failing (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60,
+        help="seconds a collective may wait for the other ranks before failing (default: %(default)s)",
+    )
     args = p.parse_args()
 
     on_gloo = not torch.cuda.is_available()
@@ -150,8 +155,11 @@ def main() -> None:
             loaded = manager.load()  # the newest complete checkpoint, or None
         start = loaded.step if loaded else 0
         if rank == 0:
-            print(f"{args.optimizer} on dp{world_size // args.tp} x tp{args.tp}, {device.type}; "
-                  + (f"resumed from {loaded.path}" if loaded else "from scratch"), flush=True)  # fmt: skip
+            origin = f"resumed from {loaded.path}" if loaded else "from scratch"
+            print(
+                f"{args.optimizer} on dp{world_size // args.tp} x tp{args.tp}, {device.type}; {origin}",
+                flush=True,
+            )
 
         dp_rank = world["dp"].get_local_rank()
         for step in range(start, args.steps):
@@ -168,8 +176,11 @@ def main() -> None:
                 mean = loss.detach().reshape(1).clone()
                 dist.all_reduce(mean, group=world["dp"].get_group())  # TP ranks hold the same loss
                 if rank == 0:
-                    print(f"step {done}: loss {mean.item() / world['dp'].size():.4f} (mean over dp ranks), "
-                          f"grad norm {norm.item():.3f}", flush=True)  # fmt: skip
+                    print(
+                        f"step {done}: loss {mean.item() / world['dp'].size():.4f} (mean over dp ranks), "
+                        f"grad norm {norm.item():.3f}",
+                        flush=True,
+                    )
             if manager and (done % args.save_every == 0 or done == args.steps):
                 path = manager.save(done)
                 if rank == 0:
@@ -181,8 +192,10 @@ def main() -> None:
         if rank == 0:
             ns = f"Newton-Schulz on rank 0: {stats.get('ns_matrices')} matrices; " if stats else ""
             memory = ", ".join(f"{k} {v / 2**10:.0f} KiB" for k, v in opt.memory_stats().items())
-            print(f"done at step {args.steps}; weights fingerprint {printed}; {ns}held on rank 0: {memory}",
-                  flush=True)  # fmt: skip
+            print(
+                f"done at step {args.steps}; weights fingerprint {printed}; {ns}held on rank 0: {memory}",
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
 

@@ -1,4 +1,5 @@
-"""Deterministic parameters and per-rank gradients shared by the AdamW tests and their reference."""
+"""Deterministic parameters and per-rank gradients shared by the AdamW tests, and torch.optim.AdamW
+fed their mean gradient: the reference the tests hold the library's AdamW to."""
 
 import torch
 from _reference import mean_of
@@ -50,3 +51,29 @@ def mean_grads(step, world, dtype=torch.float32, skip=(), reversed_order=False):
 
 def schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t)
+
+
+STEPS = 4
+SKIP = {2: (1,), 3: (4,)}  # step -> params that get no gradient that step
+# fp32 against torch.optim.AdamW: covers twice the noise floor of summing the ranks' gradients
+# in another order (gloo's ring does on W >= 3), measured by tests/test_references.py
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def reference(
+    world, steps=STEPS, clip=None, dtype=torch.float32, norm_type=2.0, amsgrad=True, reversed_order=False
+):
+    """torch.optim.AdamW (and the schedule) on the mean gradient of `world` ranks, clipped to `clip`
+    if given: the parameters, the optimizer and each step's norm before clipping."""
+    params = [torch.nn.Parameter(p.detach().to(full_precision(dtype))) for p in make_params(dtype)]
+    opt = torch.optim.AdamW(groups(params, amsgrad=amsgrad))
+    sched = schedule(opt)
+    norms = []
+    for t in range(steps):
+        for p, g in zip(params, mean_grads(t, world, dtype, SKIP.get(t, ()), reversed_order)):
+            p.grad = None if g is None else g.clone()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, clip, norm_type).item())
+        opt.step()
+        sched.step()
+    return params, opt, norms

@@ -8,7 +8,7 @@ from torch.nn import functional as F
 VOCAB, DIM, SEQ = 37, 16, 6
 
 
-class Block(nn.Module):
+class GPTBlock(nn.Module):
     def __init__(self, dim: int = DIM):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
@@ -26,7 +26,7 @@ class TinyGPT(nn.Module):
     def __init__(self, layers: int = 3, dim: int = DIM, checkpoint: bool = False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(GPTBlock(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight
@@ -63,12 +63,20 @@ def loss_fn(model, inputs, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def train(model, opt, steps, rank: int) -> None:
-    """`opt` trains `model` on this rank's batch of each step number in `steps`."""
+def train(model, opt, steps, rank: int, stat: str | None = None, clip: float | None = None) -> list:
+    """`opt` trains `model` on this rank's batch of each step number in `steps` (with `clip`, the
+    library's `opt.clip_grad_norm_(clip)` before each step); with `stat`, that entry of
+    `opt.step_stats` after each step (else nothing)."""
+    seen = []
     for t in steps:
         loss_fn(model, *batch(t, rank)).backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
+        if stat is not None:
+            seen.append(opt.step_stats[stat])
+    return seen
 
 
 def world_grads(model, step: int, world: int, micro: int = 1, reversed_order: bool = False) -> None:

@@ -5,9 +5,10 @@ from pathlib import Path
 # The Triton interpreter must be chosen before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The tests mirror the package (tests/shard/, tests/units/, ...); their shared helpers
-# (tests/_*.py) and the modules other tests borrow from (`from test_fsdp import ...`) are
-# imported by name, here and in the ranks of a local world (its fork server takes sys.path).
+# The tests mirror the package (tests/shard/, tests/units/, ...); what they share lives in
+# helpers (tests/_*.py: models, loops, references), imported by name (`from _tp import build`),
+# here and in the ranks of a local world (its fork server takes sys.path). No test module imports
+# another (tests/test_layers.py checks it).
 TESTS = Path(__file__).resolve().parent
 FOLDERS = ["shard", "units", "owners", "optim", "checkpoint", "kernels", "integration"]
 # examples/lion.py (docs/extending.md's optimizer) is imported by name as well, by the page's block
@@ -44,4 +45,3 @@ def world():
     pool = WorldPool()
     yield pool
     pool.close()
-

@@ -154,12 +154,27 @@ def test_a_restarted_attempt_meets_although_the_dead_attempts_addresses_are_in_t
     for attempt in range(2):
         procs = []
         for rank in (0, 1):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
-                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
-                   "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(server.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                "CUDA_VISIBLE_DEVICES": "",
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         for p in procs:
             try:
                 out, _ = p.communicate(timeout=60)

@@ -44,7 +44,7 @@ SETUP = {
         "Store",
         "DistError",
         "constants.default_pg_timeout",
-    )  # fmt: skip
+    )
 }
 # a synchronous collective of the collective layer, announced to the door (before_synchronous)
 SYNCHRONOUS = {("all_gather_object", "torch.distributed.all_gather_object")}
@@ -213,7 +213,7 @@ def test_every_torch_distributed_call_goes_through_the_door():
         "setup-collective",
         "collective-outside-issue",
         "collective-imported",
-    ],  # fmt: skip
+    ],
 )
 def test_the_check_can_fail(rel, source, expected):
     """Each snippet breaks the rule: the check names the file and the line."""

@@ -26,10 +26,12 @@ SCALED_BY_WORLD = re.compile(r"/\s*\(?\s*world\w*\b[^\n]*\)\s*\.backward\(")
 
 
 def test_no_reference_scales_each_loss_by_one_over_world():
-    for old in ["(loss_fn(model, batch(t, r)) / world).backward()",
-                "(sum(_loss(model, t, r) for r in range(world)) / world).backward()",
-                "(sum(_loss(model, 0, r) for r in range(world_size)) / world_size).backward()",
-                "(loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()"]:  # fmt: skip
+    for old in [
+        "(loss_fn(model, batch(t, r)) / world).backward()",
+        "(sum(_loss(model, t, r) for r in range(world)) / world).backward()",
+        "(sum(_loss(model, 0, r) for r in range(world_size)) / world_size).backward()",
+        "(loss_fn(model, *batch(step, r, m)) / (world * micro)).backward()",
+    ]:
         assert SCALED_BY_WORLD.search(old), old  # the pattern this test refuses is recognised
     assert not SCALED_BY_WORLD.search("(loss_fn(model, *batch(t, rank, m)) / micro).backward()")
     found = [
@@ -77,29 +79,29 @@ def _floor_within(a, b, rtol, atol, what):
 
 @pytest.mark.parametrize("world_size", [3, 4, 5])
 def test_adamw_tolerance_covers_the_noise_floor(world_size):
-    from test_adamw import TOL, reference
+    from _adamw_cases import TOL, reference
 
     a, _, _ = reference(world_size)
     b, _, _ = reference(world_size, reversed_order=True)
-    _floor_within([p.detach() for p in a], [p.detach() for p in b], **TOL, what="test_adamw.TOL")
+    _floor_within([p.detach() for p in a], [p.detach() for p in b], **TOL, what="_adamw_cases.TOL")
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon"])
 def test_step_agreement_tolerance_covers_the_noise_floor(kind):
-    from test_step_agreement import TOL, _reference
+    from _step_agreement_cases import TOL, reference
 
-    a, _ = _reference(kind, 3)
-    b, _ = _reference(kind, 3, reversed_order=True)
-    _floor_within(a, b, **TOL[kind], what=f"test_step_agreement.TOL[{kind!r}]")
+    a, _ = reference(kind, 3)
+    b, _ = reference(kind, 3, reversed_order=True)
+    _floor_within(a, b, **TOL[kind], what=f"_step_agreement_cases.TOL[{kind!r}]")
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon", "shampoo"])
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_fsdp_tolerance_covers_the_noise_floor(kind, world_size):
-    from test_fsdp import TOL, reference
+    from _fsdp_cases import TOL, reference
 
     a, b = reference(kind, world_size), reference(kind, world_size, reversed_order=True)
-    _floor_within(a, b, rtol=1e-5, atol=TOL[kind], what=f"test_fsdp.TOL[{kind!r}]")
+    _floor_within(a, b, rtol=1e-5, atol=TOL[kind], what=f"_fsdp_cases.TOL[{kind!r}]")
 
 
 HF_CASES = [("llama", "adamw", 2), ("llama", "muon", 2), ("mixtral", "adamw", 2), ("mixtral", "muon", 1)]
@@ -108,9 +110,8 @@ HF_CASES = [("llama", "adamw", 2), ("llama", "muon", 2), ("mixtral", "adamw", 2)
 @pytest.mark.parametrize("kind,optimizer,steps", HF_CASES)
 def test_hf_tolerance_covers_the_noise_floor(kind, optimizer, steps):
     pytest.importorskip("transformers")
-    from _hf_models import reference
-    from test_hf import TOL, WORLD
+    from _hf_models import TOL, WORLD, reference
 
     a = reference(kind, optimizer, WORLD, steps)
     b = reference(kind, optimizer, WORLD, steps, reversed_order=True)
-    _floor_within(a, b, rtol=1e-5, atol=TOL[optimizer], what=f"test_hf.TOL[{optimizer!r}]")
+    _floor_within(a, b, rtol=1e-5, atol=TOL[optimizer], what=f"_hf_models.TOL[{optimizer!r}]")

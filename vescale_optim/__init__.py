@@ -45,4 +45,3 @@ __all__ = [
     "muon_plan",
     "set_collective_timeout",
 ]
-

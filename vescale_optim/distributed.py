@@ -161,11 +161,13 @@ def init_distributed(
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, kept across attempts
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         meet = pg_timeout or default_pg_timeout
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=meet)  # fmt: skip
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=meet
+        )
         number = _generation(store, rank, world_size, meet)
-        kwargs.update(store=dist.PrefixStore(f"{NAMESPACE}/group/{number}", store), rank=rank,
-                      world_size=world_size)  # fmt: skip
+        kwargs.update(
+            store=dist.PrefixStore(f"{NAMESPACE}/group/{number}", store), rank=rank, world_size=world_size
+        )
     dist.init_process_group(backend, timeout=pg_timeout, **kwargs)
     _joined = True
     return device

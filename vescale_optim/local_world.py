@@ -60,16 +60,22 @@ class RankError(RuntimeError):
         self.rank, self.details = rank, details
 
 
-def _worker(rank: int, size: int, init_method: str, threads: int, collective_timeout: float,
-            tasks, results) -> None:  # fmt: skip
+def _worker(
+    rank: int, size: int, init_method: str, threads: int, collective_timeout: float, tasks, results
+) -> None:
     """One rank: join the group, answer `ready`, then run tasks until told to stop (None)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=collective_timeout))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
     except BaseException:  # noqa: BLE001 - the traceback goes back to the parent
         results.put((rank, False, traceback.format_exc()))
         return
@@ -121,10 +127,14 @@ class LocalWorld:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, size, init, threads, collective_timeout, self._tasks[r],
-                                              self._results), daemon=True, name=f"rank-{r}-of-{size}")
+            ctx.Process(
+                target=_worker,
+                args=(r, size, init, threads, collective_timeout, self._tasks[r], self._results),
+                daemon=True,
+                name=f"rank-{r}-of-{size}",
+            )
             for r in range(size)
-        ]  # fmt: skip
+        ]
         try:
             for p in self._procs:
                 p.start()
@@ -174,8 +184,9 @@ class LocalWorld:
                     break
                 if grace_end is None and timeout is not None and now - start >= timeout:
                     self.kill()
-                    raise TimeoutError(f"ranks {missing} of a {self.size}-rank world did not {what} "
-                                       f"within {timeout:g} s") from None  # fmt: skip
+                    raise TimeoutError(
+                        f"ranks {missing} of a {self.size}-rank world did not {what} within {timeout:g} s"
+                    ) from None
                 continue
             if ok:
                 out[rank] = payload
@@ -233,6 +244,7 @@ def run_local(
 ) -> list:
     """`fn(*args, **kwargs)` on every rank of a fresh `size`-rank world, closed afterwards: each call
     gets new processes, so per-process measurements (peak RSS) do not mix."""
-    with LocalWorld(size, threads=threads, preload=preload, store=store,
-                    collective_timeout=collective_timeout) as world:  # fmt: skip
+    with LocalWorld(
+        size, threads=threads, preload=preload, store=store, collective_timeout=collective_timeout
+    ) as world:
         return world.run(fn, *args, timeout=timeout, **kwargs)

@@ -115,7 +115,7 @@ def _dcp_save(path, steps):
     params = make_params()
     opt = vo.AdamW(groups(params))
     _run(opt, params, range(steps))
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(torch.nn.ParameterList(params)), checkpoint_id=path)
     return [p.detach().clone() for p in params]
 
 
@@ -125,9 +125,10 @@ def _dcp_load_and_state(path, values):
         for p, v in zip(params, values):
             p.copy_(v)
     opt = vo.AdamW(groups(params))
-    sd = opt.sharded_state_dict()
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
+    sd = opt.sharded_state_dict(names)
     dcp.load(sd, checkpoint_id=path)
-    opt.load_sharded_state_dict(sd)
+    opt.load_sharded_state_dict(sd, names)
     return opt.state_dict()
 
 
@@ -151,13 +152,14 @@ def test_dcp_save_at_4_load_at_3_and_1_continues_exactly(world, tmp_path):
 def _dcp_bf16(path, save):
     params = make_params(torch.bfloat16)
     opt = vo.AdamW(groups(params))
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
     if save:
         _run(opt, params, range(2))
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     else:  # fresh, untrained parameters: everything must come from the checkpoint
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
     _run(opt, params, range(2, 4))
     return [p.detach().float() for p in params]
 
@@ -183,6 +185,7 @@ def _refuses_amsgrad_state():
     theirs = torch.optim.AdamW(groups(twins, amsgrad=True))
     set_grads(twins, 0, 0)
     theirs.step()
+
     def with_state(index, entry):
         return {**before, "state": {**before["state"], index: entry}}
 
@@ -290,8 +293,10 @@ def test_bf16_state_cross_loads_with_torch_and_a_stale_master_loses_to_the_param
     _run(theirs, twins, range(2, 4), rank=0)
     back = theirs.state_dict()  # its masters are now two steps old
     trained = [p.detach().clone() for p in twins]
-    without = {**back, "state": {i: {k: v for k, v in st.items() if k != "master"}
-                                 for i, st in back["state"].items()}}  # fmt: skip
+    without = {
+        **back,
+        "state": {i: {k: v for k, v in st.items() if k != "master"} for i, st in back["state"].items()},
+    }
     got = _bf16_train(range(4, 6), trained, back)[0]
     want = _bf16_train(range(4, 6), trained, without)[0]
     for a, b in zip(got, want):

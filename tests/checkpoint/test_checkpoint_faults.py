@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _fsdp_cases import SHAMPOO
+from _resume import Counter, assert_same, full, make, train
 from _tiny_gpt import build
-from test_fsdp import SHAMPOO
-from test_resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST
@@ -30,8 +30,12 @@ from vescale_optim.checkpoint import MANIFEST
 
 def _everything(model, opt, sched, counter):
     """All a load could change: model, optimizer, scheduler, stateful, random states."""
-    return {**full(model, opt, sched), "counter": counter.n, "torch": torch.get_rng_state(),
-            "python": random.getstate()}  # fmt: skip
+    return {
+        **full(model, opt, sched),
+        "counter": counter.n,
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+    }
 
 
 # --- a save killed in the middle --------------------------------------------------------------
@@ -45,8 +49,9 @@ def _crash(rank: int, store: str, directory: str, where: str) -> None:
     """Train to 4 saving at 2, then die while saving 4: rank 1 once it has written its
     files ("write"), or rank 0 once every rank has, before renaming ("rename")."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     model, opt, sched = make("adamw")
     manager = vo.CheckpointManager(directory, model, opt, sched)
     train(model, opt, sched, Counter(), 0, 2, False)
@@ -145,8 +150,10 @@ def _fail_halfway(self, plan, planner):
 _READ = dcp.FileSystemReader.read_data
 
 DAMAGE = {
-    "truncated data file": (lambda p: _truncate(_biggest(p), _biggest(p).stat().st_size // 2),
-                            "is truncated"),  # fmt: skip
+    "truncated data file": (
+        lambda p: _truncate(_biggest(p), _biggest(p).stat().st_size // 2),
+        "is truncated",
+    ),
     "missing data file": (lambda p: _biggest(p).unlink(), "is missing"),
     "missing metadata": (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
     "truncated metadata": (lambda p: _truncate(p / ".metadata", 20), ".metadata is truncated (20 bytes; "),
@@ -179,8 +186,9 @@ def _loader(kind="adamw", scheduler=True, stateful="counter"):
     model, opt, sched = _make(kind, seed=7)
     counter = Counter()
     train(model, opt, sched, counter, 0, 1, False)
-    manager = vo.CheckpointManager("unused", model, opt, sched if scheduler else None,
-                                   stateful={stateful: counter})  # fmt: skip
+    manager = vo.CheckpointManager(
+        "unused", model, opt, sched if scheduler else None, stateful={stateful: counter}
+    )
     return manager, (model, opt, sched, counter)
 
 
@@ -211,34 +219,43 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_changes(saved, tmp_path, da
 # case: (the saved run, the run loading it, what the error says)
 MISMATCH = {
     "another optimizer class": (
-        "adamw", dict(kind="muon"),
+        "adamw",
+        dict(kind="muon"),
         "its optimizer is vescale_optim.optim.adamw.AdamW, this one is vescale_optim.optim.muon.Muon",
     ),
     "amsgrad (shapes the state)": (
-        "adamw", dict(kind="amsgrad"),
+        "adamw",
+        dict(kind="amsgrad"),
         "param group 0 has amsgrad=False there, True here (it shapes the state: build the optimizer with "
         "amsgrad=False)",
     ),
     "8-bit state into fp32": (
-        "adamw8", dict(kind="adamw32"),
+        "adamw8",
+        dict(kind="adamw32"),
         "its optimizer state is stored in 8 bits, this optimizer's in 32 (build it with state_bits=8)",
     ),
     "fp32 state into 8-bit": (
-        "adamw32", dict(kind="adamw8"),
+        "adamw32",
+        dict(kind="adamw8"),
         "its optimizer state is stored in 32 bits, this optimizer's in 8 (build it with state_bits=32)",
     ),
     "another model": (
-        "adamw", dict(kind="adamw8"), "another model: shapes: embed.weight [37, 16] there, [37, 64] here",
+        "adamw",
+        dict(kind="adamw8"),
+        "another model: shapes: embed.weight [37, 16] there, [37, 64] here",
     ),
     "other tiles": (
-        "shampoo", dict(kind="shampoo4"), "param group 0 has max_preconditioner_dim=8 there, 4 here",
+        "shampoo",
+        dict(kind="shampoo4"),
+        "param group 0 has max_preconditioner_dim=8 there, 4 here",
     ),
     "no scheduler": (
-        "adamw", dict(scheduler=False),
+        "adamw",
+        dict(scheduler=False),
         "its LR scheduler is torch.optim.lr_scheduler.LambdaLR, this one is None",
     ),
     "another stateful object": ("adamw", dict(stateful="data"), "it has no state for stateful ['data']"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(MISMATCH))
@@ -285,8 +302,9 @@ def _fails_on_rank_0(directory: str, where: str, async_save: bool):
     if where == "prepare" and dist.get_rank() == 0:
         target.parent.mkdir(exist_ok=True)
         target.write_text("not a folder")
-    manager = vo.CheckpointManager(target, model, opt, sched, async_save=async_save,
-                                   timeout=timedelta(seconds=60))  # fmt: skip
+    manager = vo.CheckpointManager(
+        target, model, opt, sched, async_save=async_save, timeout=timedelta(seconds=60)
+    )
     if where == "commit" and dist.get_rank() == 0:
         manager._commit = _no_space  # this manager's, on rank 0 only
     start, error = time.monotonic(), None
@@ -346,6 +364,8 @@ def test_a_stateful_failing_to_load_says_what_was_loaded(saved):
     counter.load_state_dict = refuse
     with pytest.raises(vo.CheckpointError, match="incomplete") as info:
         manager.load(2)
-    assert ("stateful['counter']'s load_state_dict failed (ValueError: no such position); the model, the "
-            "optimizer, the LR scheduler were loaded already") in str(info.value)  # fmt: skip
+    assert (
+        "stateful['counter']'s load_state_dict failed (ValueError: no such position); the model, the "
+        "optimizer, the LR scheduler were loaded already"
+    ) in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)

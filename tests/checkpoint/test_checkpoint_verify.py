@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_resume import Counter, assert_same, full, make, train
+from _resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST, checksum
+
+LEGACY = Path(__file__).parent / "legacy_index"  # a checkpoint of format 2, state keyed by index
 
 
 def _flip_a_tensor_bit(step_dir) -> str:
     """Flip one mantissa bit in the middle of the largest fp32 tensor's data (a finite value
     changes a little, the file's structure does not): the data file's name."""
     md = dcp.FileSystemReader(step_dir).read_metadata()
-    tensors = [(info.length, info) for index, info in md.storage_data.items()
-               if getattr(md.state_dict_metadata[index.fqn], "properties", None) is not None
-               and md.state_dict_metadata[index.fqn].properties.dtype == torch.float32]  # fmt: skip
+    tensors = [
+        (info.length, info)
+        for index, info in md.storage_data.items()
+        if getattr(md.state_dict_metadata[index.fqn], "properties", None) is not None
+        and md.state_dict_metadata[index.fqn].properties.dtype == torch.float32
+    ]
     _, info = max(tensors, key=lambda t: t[0])
     path = step_dir / info.relative_path
     data = bytearray(path.read_bytes())
@@ -99,28 +106,29 @@ def test_a_damaged_newest_step_is_named_on_every_rank_and_skipped(world, tmp_pat
 
 
 def test_a_manifest_without_checksums_still_loads_with_a_warning(tmp_path):
-    """Format 1 (before checksums): it loads, warning that nothing verified its bytes; its files
-    are still checked for presence and size through DCP's metadata."""
-    model, opt, sched = make("adamw")
-    train(model, opt, sched, Counter(), 0, 2, False)
-    vo.CheckpointManager(tmp_path, model, opt, sched).save(2)
-    want = full(model, opt, sched)["model"]
-    file = tmp_path / "step-2" / MANIFEST
+    """Format 1 (before checksums, the optimizer state keyed by parameter index): it loads, warning
+    that nothing verified its bytes; its files are still checked for presence and size through DCP's
+    metadata. Made from the format-2 fixture of legacy_index/ (see its make.py), checksums taken out."""
+    from legacy_index import make
+
+    shutil.copytree(LEGACY / f"step-{make.STEP}", tmp_path / f"step-{make.STEP}")
+    file = tmp_path / f"step-{make.STEP}" / MANIFEST
     old = json.loads(file.read_text())
     assert old["format"] == 2 and old["checksum"] == "crc32"
-    assert set(old["files"]) == {p.name for p in (tmp_path / "step-2").iterdir()} - {MANIFEST}
+    assert set(old["files"]) == {p.name for p in (tmp_path / f"step-{make.STEP}").iterdir()} - {MANIFEST}
     old = {k: v for k, v in old.items() if k not in ("files", "checksum")} | {"format": 1}
     file.write_text(json.dumps(old))
 
-    model, opt, sched = make("adamw", seed=7)
-    manager = vo.CheckpointManager(tmp_path, model, opt, sched)
-    assert manager.latest() == 2
+    model, opt = make.model_and_optimizer()
+    manager = vo.CheckpointManager(tmp_path, model, opt)
+    assert manager.latest() == make.STEP
     with pytest.warns(UserWarning, match="records no checksums .a manifest of format 1"):
-        assert manager.load().step == 2
-    assert_same(full(model, opt, sched)["model"], want)
-    next(p for p in (tmp_path / "step-2").glob("*.distcp")).unlink()
-    with pytest.raises(vo.CheckpointError, match=r"cannot load step 2 from .*__0_0.distcp is missing"):
-        manager.load(2)
+        assert manager.load().step == make.STEP
+    want = torch.load(LEGACY / "expected.pt")["model"]
+    assert_same(opt.full_model_state_dict(), want)
+    next(p for p in (tmp_path / f"step-{make.STEP}").glob("*.distcp")).unlink()
+    with pytest.raises(vo.CheckpointError, match=r"cannot load step 3 from .*__0_0.distcp is missing"):
+        manager.load(make.STEP)
     assert manager.latest() is None
 
 

@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _tiny_gpt import batch, build, loss_fn
-from test_fsdp import make_ours
+from _resume import Counter, assert_same, full, make, train
 
 import vescale_optim as vo
 from vescale_optim.checkpoint import MANIFEST
@@ -30,71 +29,6 @@ from vescale_optim.shard.dcp import DcpPiece
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-class Counter:
-    """A stateful object: how many batches this run has seen."""
-
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
-
-
-def make(kind, sharded=True, mesh=None, seed=0, comm_bits=None):
-    """A tiny GPT (wider for 8-bit state, which needs tensors of 4096+ elements), its
-    optimizer and a scheduler; `comm_bits=8`: 8-bit all-gathers and gradient reductions
-    (what is saved stays full precision)."""
-    model = build(seed=seed, dim=64 if kind == "adamw8" else 16)
-    sharding = {"shard_modules": [*model.layers, model] if sharded else None}
-    if comm_bits is not None:
-        sharding.update(gather_bits=comm_bits, reduce_bits=comm_bits, comm_block=16)
-    if mesh is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        sharding["mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
-    if kind == "adamw8":
-        opt = vo.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), state_bits=8, **sharding)
-    else:
-        opt = make_ours(kind, model, **sharding)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.25 * s))
-    return model, opt, sched
-
-
-def train(model, opt, sched, counter, first, last, noise):
-    """Steps `first`..`last`; with `noise` the loss is scaled by draws from torch's and
-    Python's random generators, so the trajectory depends on the random states too."""
-    for t in range(first, last):
-        loss = loss_fn(model, *batch(t, _rank()))
-        if noise:
-            loss = loss * (1 + 0.1 * torch.rand(()).item() + 0.1 * random.random())
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        counter.n += 1
-
-
-def full(model, opt, sched):
-    """Everything in torch's format, copied (collective)."""
-    weights = {k: v.clone() for k, v in model.state_dict().items()}  # without units: the live tensors
-    return {"model": weights, "optim": opt.state_dict(), "sched": sched.state_dict()}
-
-
-def assert_same(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got.keys(), want.keys())
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
 
 
 @contextlib.contextmanager
@@ -122,8 +56,9 @@ def _save_run(kind, directory, config, async_save=False, noise=True):
     random.seed(rank)
     model, opt, sched = make(kind, **config)
     counter = Counter()
-    manager = vo.CheckpointManager(directory, model, opt, sched, stateful={"counter": counter},
-                                   async_save=async_save)  # fmt: skip
+    manager = vo.CheckpointManager(
+        directory, model, opt, sched, stateful={"counter": counter}, async_save=async_save
+    )
     with slow_writes(1.0 if async_save else 0.0):
         train(model, opt, sched, counter, 0, 2, noise)
         start = time.perf_counter()
@@ -195,8 +130,9 @@ def test_resume_at_another_world_size_continues_exactly(world, tmp_path, case):
     for (got_two, got_final, _), final in zip(resumed, want):
         assert_same(got_two, at_two)
         assert_same(got_final, final)
-    assert any("saved by 2 ranks and is loaded by 3: the random states are not restored" in m
-               for m in resumed[0][2])  # fmt: skip
+    assert any(
+        "saved by 2 ranks and is loaded by 3: the random states are not restored" in m for m in resumed[0][2]
+    )
     if case == "adamw-zero2":  # and in one process, without a process group
         got_two, _, _ = _resume(kind, str(tmp_path), config, False)
         assert_same(got_two, at_two)
@@ -303,7 +239,7 @@ def test_staged_buffers_are_reused_and_hold_the_values_of_their_save(kind):
     reuses every buffer (no new bytes) and holds the values of that moment."""
     model, opt, sched = make(kind)
     stager = HostStager(policy=lambda device, asynchronous: Staging.PINNED)
-    state = lambda: {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}  # noqa: E731
+    state = lambda: {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}  # noqa: E731
     train(model, opt, sched, Counter(), 0, 1, False)
     first = stager.stage(state(), asynchronous=True)
     live = {k: _stage_values(v) for k, v in _tensors(state()).items()}
@@ -349,9 +285,11 @@ def test_a_cpu_save_stages_as_before(tmp_path):
     background.save(1)
     background.close()
     got = background.last_staging
-    state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
-    want = sum(v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
-               for v in _tensors(state).values())  # fmt: skip
+    state = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}
+    want = sum(
+        v.dtype.itemsize * (v._numel if isinstance(v, DcpPiece) else v.numel())
+        for v in _tensors(state).values()
+    )
     assert got.copied_bytes == want > 0 and got.pinned_bytes == got.device_bytes == got.syncs == 0
 
 

@@ -5,12 +5,8 @@ stopped (torch.optim.AdamW on the mean gradient of each step's data-parallel ran
 
 import pytest
 import torch
-from _reference import mean_grad_reference
 from _resume import save_and_load
-from test_tensor_parallel import ADAMW, PLAN, _batch, _build, _loss
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from _tp import ADAMW, at_layout, build, full, mean_grad, train
 
 import vescale_optim as vo
 
@@ -23,46 +19,30 @@ LAYOUTS = [(2, 2), (4, 1), (1, 4)]  # (dp, tp) of the resumed run
 def reference(dp_after: int) -> dict:
     """One process that never stopped: BEFORE steps over 2 data-parallel batches, then AFTER
     steps over `dp_after`."""
-    model = _build()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     for t in range(BEFORE + AFTER):
-        dp = 2 if t < BEFORE else dp_after
-        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        mean_grad(model, t, 2 if t < BEFORE else dp_after)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _setup(dp: int, tp: int, weights: dict | None = None):
     """The model at (dp, tp) (a plain one at tp=1) with vo.AdamW, and this rank's dp rank."""
-    model = _build()
-    if weights is not None:
-        model.load_state_dict(weights)
-    if tp == 1:
-        return model, vo.AdamW(model.parameters(), **ADAMW), torch.distributed.get_rank()
-    world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(model, world["tp"], PLAN)
-    return model, vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW), world["dp"].get_local_rank()
-
-
-def _steps(model, opt, dp_rank: int, steps: range) -> None:
-    for t in steps:
-        _loss(model, *_batch(t, dp_rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    return at_layout(dp, tp, lambda params, **mesh: vo.AdamW(params, **mesh, **ADAMW), weights)
 
 
 def _full(model) -> dict:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}  # fmt: skip
+    return full(model.state_dict())
 
 
 def _round_trip(path: str, kind: str, dp: int, tp: int) -> dict:
     """Train BEFORE steps at dp2 x tp2, save (`kind`: "dcp", "full" or "manager"), resume at
     (dp, tp), train AFTER steps; the final parameters, whole."""
     model, opt, dp_rank = _setup(2, 2)
-    _steps(model, opt, dp_rank, range(BEFORE))
+    train(model, opt, dp_rank, range(BEFORE))
     model, opt, dp_rank = save_and_load(kind, path, model, opt, BEFORE, _full, lambda w: _setup(dp, tp, w))
-    _steps(model, opt, dp_rank, range(BEFORE, BEFORE + AFTER))
+    train(model, opt, dp_rank, range(BEFORE, BEFORE + AFTER))
     return _full(model)
 
 
@@ -79,8 +59,7 @@ def _pieces_are_global():
     """The DCP pieces of a TP parameter carry its global shape and its TP shard's offsets."""
     model, opt, _ = _setup(2, 2)
     piece = opt.sharded_model_state_dict(model)["wq.weight"]
-    index = [n for n, _ in model.named_parameters()].index("wq.weight")
-    state = opt.sharded_state_dict()["state"][str(index)]["exp_avg"]
+    state = opt.sharded_state_dict(model)["state.wq.weight.exp_avg"]
     rows = [tuple(c.offsets) for c in piece.__create_chunk_list__()]
     return tuple(piece.shape), tuple(state.shape), rows
 

@@ -132,21 +132,52 @@ def test_a_cuda_run_reports_only_what_cuda_measures(tmp_path, capsys):
     from benchmarks._train import PHASES
 
     def timed(seconds):
-        return [{"params": 100, "times_s": {k: [seconds] * 2 for k in PHASES},
-                 "exposed_s": {k: [0.0] * 2 for k in PHASES}, "losses": [2.0, 1.5], "loss_after": 1.0,
-                 "comm": {"calls": {"all-gather": 2}, "sent": {"all-gather": 2**20}}, "copies": None,
-                 "device": "cuda"}] * 2  # fmt: skip
+        return [
+            {
+                "params": 100,
+                "times_s": {k: [seconds] * 2 for k in PHASES},
+                "exposed_s": {k: [0.0] * 2 for k in PHASES},
+                "losses": [2.0, 1.5],
+                "loss_after": 1.0,
+                "comm": {"calls": {"all-gather": 2}, "sent": {"all-gather": 2**20}},
+                "copies": None,
+                "device": "cuda",
+            }
+        ] * 2
 
     def memory(config, peak):
-        return [{"model": "wide", "config": config, "params": 100, "live_peak": peak, "live_start": peak // 2,
-                 "memory_stats": None, "source": "torch.cuda.max_memory_allocated"}] * 2  # fmt: skip
+        return [
+            {
+                "model": "wide",
+                "config": config,
+                "params": 100,
+                "live_peak": peak,
+                "live_start": peak // 2,
+                "memory_stats": None,
+                "source": "torch.cuda.max_memory_allocated",
+            }
+        ] * 2
 
     configs = {"ours Z3 AdamW": (0.01, 2**20), "FSDP2 AdamW": (0.02, 2**21)}
-    rows = fsdp.summarize("wide", {c: timed(t) for c, (t, _) in configs.items()},
-                          {c: memory(c, m) for c, (_, m) in configs.items()})  # fmt: skip
-    run = dict(world=2, steps=2, warmup=1, memory_steps=2, malloc=None, shapes={"wide": fsdp.QUICK["wide"]},
-               quick=True, threads=[1, 1], wall_s=1.0, torchrun=True, device="cuda",
-               backend="nccl")  # fmt: skip
+    rows = fsdp.summarize(
+        "wide",
+        {c: timed(t) for c, (t, _) in configs.items()},
+        {c: memory(c, m) for c, (_, m) in configs.items()},
+    )
+    run = dict(
+        world=2,
+        steps=2,
+        warmup=1,
+        memory_steps=2,
+        malloc=None,
+        shapes={"wide": fsdp.QUICK["wide"]},
+        quick=True,
+        threads=[1, 1],
+        wall_s=1.0,
+        torchrun=True,
+        device="cuda",
+        backend="nccl",
+    )
     with results_in(tmp_path):
         out = report(rows, [], run)
     ours = config_row(out, "ours Z3 AdamW")

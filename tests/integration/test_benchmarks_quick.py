@@ -112,8 +112,9 @@ def test_collectives(tmp_path, capsys):
     with results_in(tmp_path):
         out = collectives.main(["--quick", "--world-size", "2", "--runs", "2"])
     rows = out["rows"]
-    assert {(r["path"], r["op"]) for r in rows} == {(p, op) for p in ("ours, 3 buckets", "FSDP2")
-                                                    for op in collectives.OPS}  # fmt: skip
+    assert {(r["path"], r["op"]) for r in rows} == {
+        (p, op) for p in ("ours, 3 buckets", "FSDP2") for op in collectives.OPS
+    }
     _finite(rows, ["median ms", "min ms"])
     for r in rows:
         assert r["median ms"] > 0
@@ -153,7 +154,8 @@ def test_scale(tmp_path, capsys):
         out = scale.main(["--quick"])
     rows = out["rows"]
     assert {(r["model"], r["W"], r["config"]) for r in rows} == {
-        ("llama3-70b", w, c) for w in scale.QUICK_WORLDS for c in ("ours", "FSDP2 + torch Muon")}
+        ("llama3-70b", w, c) for w in scale.QUICK_WORLDS for c in ("ours", "FSDP2 + torch Muon")
+    }
     assert all(set(scale.COLUMNS) <= set(r) for r in rows)
     _finite(rows, scale.NUMBERS)
     _finite(out["plans"], [k for k in out["plans"][0] if k not in ("model",)])

@@ -23,13 +23,15 @@ MODES = {
     "no_sync": dict(micro=2, no_sync=True),
     "activation checkpointing": dict(checkpoint=True),
     "bf16 params": dict(param_dtype=torch.bfloat16),
-    "8-bit collectives, no_sync, checkpointing": dict(micro=2, no_sync=True, checkpoint=True, gather_bits=8,
-                                                      reduce_bits=8, comm_block=16),
+    "8-bit collectives, no_sync, checkpointing": dict(
+        micro=2, no_sync=True, checkpoint=True, gather_bits=8, reduce_bits=8, comm_block=16
+    ),
 }
 
 
-def _train(compiled: str | None, micro=1, no_sync=False, checkpoint=False, backend="aot_eager", mesh=None,
-           **sharding):  # fmt: skip
+def _train(
+    compiled: str | None, micro=1, no_sync=False, checkpoint=False, backend="aot_eager", mesh=None, **sharding
+):
     torch.compiler.reset()
     model = build(layers=3, checkpoint=checkpoint)
     if mesh is not None:
@@ -99,8 +101,12 @@ def _graphs():
     x, y = batch(0, dist.get_rank())
     loss = torch.compile(lambda x, y: loss_fn(model, x, y), backend=counting)(x, y)
     torch.testing.assert_close(loss, loss_fn(model, x, y))  # the graphs compute the eager loss
-    block_graph = any("L_self_modules_attn_parameters_weight_" in g.code and "layer_norm" in g.code
-                      and "scaled_dot_product_attention" in g.code for g in graphs)  # fmt: skip
+    block_graph = any(
+        "L_self_modules_attn_parameters_weight_" in g.code
+        and "layer_norm" in g.code
+        and "scaled_dot_product_attention" in g.code
+        for g in graphs
+    )
     return len(graphs), block_graph
 
 

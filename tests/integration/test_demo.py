@@ -34,8 +34,9 @@ from vescale_optim.demo.train import train
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = TrainConfig(optimizer="adamw", batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3,
-                  val_tokens=1024)  # fmt: skip
+TINY = TrainConfig(
+    optimizer="adamw", batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=3, val_tokens=1024
+)
 TINY_FLAGS = ["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
 
 
@@ -123,8 +124,12 @@ def test_the_default_run_trains_adamw_and_muon_from_the_same_weights(tmp_path, o
     assert optimizer_names(parse_args(["--checkpoint-dir", "d", "--optimizer", "muon"])[0]) == ["muon"]
     assert optimizer_names(parse_args(["--optimizer", "muon,adamw"])[0]) == ["muon", "adamw"]
     assert optimizer_names(parse_args(["--optimizer", "all"])[0]) == list(OPTIMIZERS)
-    for bad in (["--optimizer", "sgd"], ["--optimizer", "adamw,adamw"], ["--optimizer", "adamw,"],
-                ["--checkpoint-dir", "d", "--optimizer", "adamw,muon"]):  # fmt: skip
+    for bad in (
+        ["--optimizer", "sgd"],
+        ["--optimizer", "adamw,adamw"],
+        ["--optimizer", "adamw,"],
+        ["--checkpoint-dir", "d", "--optimizer", "adamw,muon"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -226,8 +231,12 @@ def test_resume_continues_bit_for_bit_in_process(tmp_path, one_thread):
 
 def test_checkpoint_flags_are_checked():
     assert parse_args(["--resume", "--checkpoint-dir", "d"])[0].resume
-    for bad in (["--resume"], ["--checkpoint-dir", "d", "--optimizer", "all"], ["--checkpoint-every", "0"],
-                ["--timeout", "0"]):  # fmt: skip
+    for bad in (
+        ["--resume"],
+        ["--checkpoint-dir", "d", "--optimizer", "all"],
+        ["--checkpoint-every", "0"],
+        ["--timeout", "0"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -237,8 +246,21 @@ def test_muon_variants_train_from_the_same_weights(tmp_path, one_thread):
     """--muon-variant: Muon, Polar Express and NorMuon each train from the seeded weights."""
     runs = {}
     for variant in ("muon", "polar", "normuon"):
-        flags = ["--optimizer", "muon", "--muon-variant", variant, "--steps", "8", "--warmup", "2",
-                 "--val-tokens", "512", "--no-progress", "--out", str(tmp_path / variant)]  # fmt: skip
+        flags = [
+            "--optimizer",
+            "muon",
+            "--muon-variant",
+            variant,
+            "--steps",
+            "8",
+            "--warmup",
+            "2",
+            "--val-tokens",
+            "512",
+            "--no-progress",
+            "--out",
+            str(tmp_path / variant),
+        ]
         cfg, _ = parse_args([*TINY_FLAGS, *flags])
         assert cfg.muon_variant == variant
         runs[variant] = train(cfg)["runs"]["muon"]

@@ -29,17 +29,58 @@ import pytest
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-            "--max-restarts", "1", "--monitor-interval", "0.1"]  # fmt: skip
-TINY = ["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--n-layers", "2", "--n-heads", "2",
-        "--warmup", "3", "--val-tokens", "256", "--no-progress"]  # fmt: skip
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc-per-node",
+    "2",
+    "--standalone",
+    "--max-restarts",
+    "1",
+    "--monitor-interval",
+    "0.1",
+]
+TINY = [
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--d-model",
+    "32",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--warmup",
+    "3",
+    "--val-tokens",
+    "256",
+    "--no-progress",
+]
 FLAGS = ["--steps", "100", "--checkpoint-every", "10", "--resume", "--timeout", "20"]
 LIMIT = 150  # seconds for one torchrun, restarts included
 
 EXAMPLE = ROOT / "examples" / "train_torchrun.py"
 FAULTY = ROOT / "tests" / "_elastic_example.py"  # the example, with a death inside a checkpoint write
-EXAMPLE_FLAGS = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16", "--steps", "40",
-                 "--save-every", "10", "--log-every", "10", "--timeout", "20"]  # fmt: skip
+EXAMPLE_FLAGS = [
+    "--dim",
+    "32",
+    "--layers",
+    "2",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "16",
+    "--steps",
+    "40",
+    "--save-every",
+    "10",
+    "--log-every",
+    "10",
+    "--timeout",
+    "20",
+]
 EXAMPLE_LIMIT = 90
 
 
@@ -48,22 +89,41 @@ def _launch(folder: Path, cmd: list[str], **env: str) -> tuple[subprocess.Popen,
     folder.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     with open(folder / "log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     return proc, folder / "log"
 
 
 def _start(folder: Path) -> tuple[subprocess.Popen, Path]:
     """torchrun of the demo, checkpointing into `folder/ckpt`."""
-    cmd = [*TORCHRUN, "-m", "vescale_optim.demo", *TINY, *FLAGS,
-           "--checkpoint-dir", str(folder / "ckpt"), "--out", str(folder / "out")]  # fmt: skip
+    cmd = [
+        *TORCHRUN,
+        "-m",
+        "vescale_optim.demo",
+        *TINY,
+        *FLAGS,
+        "--checkpoint-dir",
+        str(folder / "ckpt"),
+        "--out",
+        str(folder / "out"),
+    ]
     return _launch(folder, cmd)
 
 
 def _start_example(folder: Path, restarts: int, script: Path = EXAMPLE, **env: str):
     """torchrun of examples/train_torchrun.py (or `script`), checkpointing into `folder/ckpt`."""
-    cmd = [*TORCHRUN[:6], "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(script),
-           *EXAMPLE_FLAGS, "--checkpoint-dir", str(folder / "ckpt")]  # fmt: skip
+    cmd = [
+        *TORCHRUN[:6],
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.1",
+        str(script),
+        *EXAMPLE_FLAGS,
+        "--checkpoint-dir",
+        str(folder / "ckpt"),
+    ]
     return _launch(folder, cmd, **env)
 
 
@@ -203,8 +263,10 @@ def test_the_example_killed_after_a_checkpoint_restarts_and_ends_bit_identical(t
                     _kill(proc, victims[t])
                     waiting.discard(t)
                 elif proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"trial {t}: no step-10 before torchrun ended or the deadline:\n"
-                                f"{log.read_text()[-4000:]}")  # fmt: skip
+                    pytest.fail(
+                        f"trial {t}: no step-10 before torchrun ended or the deadline:\n"
+                        f"{log.read_text()[-4000:]}"
+                    )
             time.sleep(0.01)
         outs = [_finish(proc, log, deadline) for proc, log in runs]
     finally:

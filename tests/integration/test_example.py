@@ -11,16 +11,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import math
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _docs import blocks_with
+from _launch import fingerprint, run_script
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
@@ -29,40 +27,31 @@ EXAMPLE = ROOT / "examples" / "train_torchrun.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
 SMALL = ["--dim", "32", "--layers", "2", "--batch-size", "8", "--seq-len", "16"]
 HF_EXAMPLE = ROOT / "examples" / "hf_llama.py"
-HF_SMALL = ["--vocab", "64", "--hidden", "32", "--intermediate", "48", "--layers", "2", "--batch-size", "4",
-            "--seq-len", "16"]  # fmt: skip
-
-
-def _run(cmd: list[str], cwd: Path, timeout: float = 150) -> str:
-    """Run `cmd` in its own session; on timeout kill the session (torchrun and its ranks)."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+HF_SMALL = [
+    "--vocab",
+    "64",
+    "--hidden",
+    "32",
+    "--intermediate",
+    "48",
+    "--layers",
+    "2",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "16",
+]
 
 
 def _losses(out: str) -> dict[int, float]:
     return {int(s): float(x) for s, x in re.findall(r"step (\d+): loss ([\d.]+) \(mean over all ranks", out)}
 
 
-def _fingerprint(out: str) -> str:
-    found = re.findall(r"weights fingerprint (\S+);", out)
-    assert len(found) == 1, out[-2000:]
-    return found[0]
-
-
 @pytest.mark.timeout(480)
 def test_example_trains_saves_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = [str(EXAMPLE), *SMALL, "--log-every", "4", "--save-every", "4", "--checkpoint-dir", str(ckpt)]
-    first = _run([*TORCHRUN, *args, "--steps", "8"], tmp_path)
+    first = run_script([*TORCHRUN, *args, "--steps", "8"], tmp_path)
     assert "on 2 rank(s), cpu; from scratch" in first
     assert f"saved {ckpt / 'step-4'}" in first and f"saved {ckpt / 'step-8'}" in first
     losses = _losses(first)
@@ -71,13 +60,13 @@ def test_example_trains_saves_and_resumes(tmp_path):
 
     # resume from step 4 (as if the run had stopped there), saving asynchronously: the same weights
     shutil.rmtree(ckpt / "step-8")
-    resumed = _run([*TORCHRUN, *args, "--steps", "8", "--async-save"], tmp_path)
+    resumed = run_script([*TORCHRUN, *args, "--steps", "8", "--async-save"], tmp_path)
     assert f"resumed from {ckpt / 'step-4'}" in resumed and f"saving {ckpt / 'step-8'}" in resumed
     assert _losses(resumed)[8] == losses[8]
-    assert _fingerprint(resumed) == _fingerprint(first)
+    assert fingerprint(resumed) == fingerprint(first)
 
     # a checkpoint written by 2 ranks loads in one process, without torchrun
-    alone = _run([sys.executable, *args, "--steps", "10"], tmp_path)
+    alone = run_script([sys.executable, *args, "--steps", "10"], tmp_path)
     assert f"on 1 rank(s), cpu; resumed from {ckpt / 'step-8'}" in alone
     assert 10 in _losses(alone)
 
@@ -86,9 +75,21 @@ def test_example_trains_saves_and_resumes(tmp_path):
 def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
     pytest.importorskip("transformers")
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    args = [str(HF_EXAMPLE), *HF_SMALL, "--steps", "4", "--log-every", "2", "--save-every", "2",
-            "--checkpoint-dir", str(ckpt), "--out", str(out)]  # fmt: skip
-    first = _run([*TORCHRUN, *args], tmp_path)
+    args = [
+        str(HF_EXAMPLE),
+        *HF_SMALL,
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--save-every",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
+    first = run_script([*TORCHRUN, *args], tmp_path)
     assert "in 3 units on 2 rank(s), cpu; from scratch" in first
     assert f"saved {ckpt / 'step-2'}" in first and f"saved {ckpt / 'step-4'}" in first
     losses = _losses(first)
@@ -96,10 +97,10 @@ def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
 
     # resume from step 2 (as if the run had stopped there): the same losses and weights
     shutil.rmtree(ckpt / "step-4")
-    resumed = _run([*TORCHRUN, *args], tmp_path)
+    resumed = run_script([*TORCHRUN, *args], tmp_path)
     assert f"resumed from {ckpt / 'step-2'}" in resumed and f"wrote {out}" in resumed
     assert _losses(resumed)[4] == losses[4]
-    assert _fingerprint(resumed) == _fingerprint(first)
+    assert fingerprint(resumed) == fingerprint(first)
 
     # transformers loads the folder rank 0 wrote, with the weights the run ended with
     from transformers import AutoModelForCausalLM
@@ -108,7 +109,7 @@ def test_hf_example_trains_resumes_and_writes_a_hugging_face_folder(tmp_path):
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     data = b"".join(v.float().numpy().tobytes() for v in model.state_dict().values())
-    assert hashlib.sha256(data).hexdigest()[:16] == _fingerprint(first)
+    assert hashlib.sha256(data).hexdigest()[:16] == fingerprint(first)
 
 
 def _readme_torchrun_script() -> str:
@@ -121,7 +122,7 @@ def _readme_torchrun_script() -> str:
 def test_readme_torchrun_script_runs_on_two_ranks(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_readme_torchrun_script())
-    out = _run([*TORCHRUN, str(script)], tmp_path)
+    out = run_script([*TORCHRUN, str(script)], tmp_path)
     assert (tmp_path / "checkpoint" / ".metadata").exists(), out[-2000:]
 
 
@@ -131,7 +132,7 @@ def test_readme_hsdp_script_runs_as_two_replicas_of_two_shards(tmp_path):
     assert len(found) == 1, f"README.md and docs/ show one HSDP script: {[name for name, _ in found]}"
     script = tmp_path / "hsdp.py"
     script.write_text(found[0][1])
-    out = _run([*TORCHRUN[:-3], "--nproc-per-node", "4", "--standalone", str(script)], tmp_path)
+    out = run_script([*TORCHRUN[:-3], "--nproc-per-node", "4", "--standalone", str(script)], tmp_path)
     # the 4 ranks print into one pipe: a rank's number and its dict may be split by another's line
     stats = [ast.literal_eval(p) for p in re.findall(r"\{'ns_matrices'[^}]*\}", out)]
     assert len(stats) == 4, out[-2000:]

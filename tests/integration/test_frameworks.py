@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from torch import nn
+from wrapped._common import Rows, TrainerModel, lightning_module
 
 import vescale_optim as vo
 
@@ -23,50 +23,33 @@ def _data(n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
 
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
 # --- Hugging Face Trainer ----------------------------------------------------------------------
-
-
-class _HFModel(nn.Module):
-    """What Trainer expects of a model: keyword inputs, a dict with the loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = _net()
-
-    def forward(self, x, labels=None):
-        out = self.net(x)
-        return {"loss": (out - labels).square().mean() * 50, "logits": out}  # large: clipping acts
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self):
-        self.x, self.y = _data()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
 
 
 def _hf(kind: str, tmp: str) -> list[torch.Tensor]:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    model = _HFModel()
+    model = TrainerModel()
     cls = vo.AdamW if kind == "vo" else torch.optim.AdamW
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
     args = transformers.TrainingArguments(
-        output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=4, max_grad_norm=0.5, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0,
-        disable_tqdm=True, data_seed=0,
-    )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(), optimizers=(opt, sched))
+        output_dir=tmp,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        data_seed=0,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(*_data()), optimizers=(opt, sched)
+    )
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert len(norms) == STEPS and max(norms) > 0.5  # it clipped
@@ -85,29 +68,22 @@ def test_hf_trainer_with_max_grad_norm_trains_like_torch_adamw(tmp_path):
 
 def _lightning(kind: str, tmp: str, clip: str) -> list[torch.Tensor]:
     L = pytest.importorskip("lightning")
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _net()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return (self.net(x) - y).square().mean() * 50
-
-        def configure_optimizers(self):
-            cls = vo.AdamW if kind == "vo" else torch.optim.AdamW
-            return cls(self.parameters(), lr=1e-2, weight_decay=0.01)
-
     x, y = _data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    module = Module()
+    module = lightning_module("vo_adamw" if kind == "vo" else "torch")  # lr 1e-2, weight decay 0.01
     os.environ.setdefault("PL_DISABLE_FORK", "1")
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, gradient_clip_val=0.5 if clip == "norm" else 0.02,
-        gradient_clip_algorithm=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp,
-    )  # fmt: skip
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        gradient_clip_val=0.5 if clip == "norm" else 0.02,
+        gradient_clip_algorithm=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
     trainer.fit(module, loader)
     return [p.detach().clone() for p in module.parameters()]
 

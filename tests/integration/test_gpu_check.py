@@ -97,8 +97,11 @@ def test_dry_run_names_every_stage(tmp_path, mode):
     )
     assert ("-n 8 -p benchmarks._pytest_live" in text) == (mode == "gpu")
     assert "VESCALE_OPTIM_FORCE_COLLECTIVES=1" in text
-    limits = [int(line.split("(limit ")[1].split()[0]) for line in text.splitlines() if line.startswith("[")
-              and "(limit " in line]  # fmt: skip
+    limits = [
+        int(line.split("(limit ")[1].split()[0])
+        for line in text.splitlines()
+        if line.startswith("[") and "(limit " in line
+    ]
     assert len(limits) == len(STAGES) and all(lim > 0 for lim in limits)
     total = int(text.split("stage limits add up to ")[1].split()[0])
     assert total == sum(limits) + gpu_check.SETUP_S
@@ -260,18 +263,30 @@ def test_a_warm_up_runs_beside_the_first_stages_and_the_warm_ones_wait_for_it(tm
     cache.mkdir()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     fill = f"import time, os; time.sleep(3); [os.mkdir(os.path.join({str(cache)!r}, w)) for w in 'abc']"
-    warmup = stages.Warmup([sys.executable, "-c", fill], limit=30, log=tmp_path / "warm.log",
-                           env=stages.child_env("cpu"))  # fmt: skip
+    warmup = stages.Warmup(
+        [sys.executable, "-c", fill], limit=30, log=tmp_path / "warm.log", env=stages.child_env("cpu")
+    )
     seen = tmp_path / "seen"
     codes = {  # each writes what it saw of the cache; the warm one compiles 2 kernels of its own
         "early": f"import os; open({f'{seen}.early'!r}, 'w').write(str(len(os.listdir({str(cache)!r}))))",
         "late": f"import os; open({str(seen) + '.late'!r}, 'w').write(str(len(os.listdir({str(cache)!r}))));"
         f"[os.mkdir(os.path.join({str(cache)!r}, f'k{{i}}')) for i in range(2)]",
     }
-    fakes = [stages.Stage(n, lambda r, **kw: None, {"cpu": 30, "gpu": 30}, n, plan=lambda m, c=c: [c],
-                          warm=n == "late") for n, c in codes.items()]  # fmt: skip
-    stages.run_all(fakes, mode="cpu", out=tmp_path, title="t", budget=120, warmup=warmup,
-                   command=lambda s: [sys.executable, "-c", s.plan("cpu")[0]])  # fmt: skip
+    fakes = [
+        stages.Stage(
+            n, lambda r, **kw: None, {"cpu": 30, "gpu": 30}, n, plan=lambda m, c=c: [c], warm=n == "late"
+        )
+        for n, c in codes.items()
+    ]
+    stages.run_all(
+        fakes,
+        mode="cpu",
+        out=tmp_path,
+        title="t",
+        budget=120,
+        warmup=warmup,
+        command=lambda s: [sys.executable, "-c", s.plan("cpu")[0]],
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["stage"] for r in report["stages"]] == ["warm", "early", "late"]
     assert report["stages"][0]["status"] == "passed" and report["stages"][0]["seconds"] >= 3

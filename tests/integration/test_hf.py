@@ -19,18 +19,11 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _hf_models import CLASSES, batch, build, hf_initialised, loss_fn, ours, reference  # noqa: E402
+from _hf_models import CLASSES, TOL, WORLD, batch, build, hf_initialised, loss_fn, ours, reference  # noqa: E402
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
-WORLD = 3
 STEPS = 2
-# Both cover twice the noise floor of summing the ranks' gradients in another order (gloo's ring
-# does on W=3), measured by tests/test_references.py; the reference sums them in rank order and
-# then divides, as the library does (`_reference.mean_grad_reference`). AdamW: that floor,
-# ~1.3e-7 (rtol 1e-5 on top). Muon: Newton-Schulz in bf16 turns the floor into the odd flipped
-# rounding of its output (see tests/units/test_fsdp.py), ~1.4e-4 measured.
-TOL = {"adamw": 1e-5, "muon": 2e-3}
 
 
 def _units(model) -> list:
@@ -53,8 +46,13 @@ def _train(kind: str, optimizer: str, checkpointing: bool = False, steps: int = 
 # (model, optimizer, HF gradient checkpointing, steps). Mixtral under Muon takes one step:
 # the update's bf16 rounding flips (above) move the router's logits, and at the next step a
 # token whose top-2 experts nearly tie may pick another expert here than in the reference.
-CASES = [("llama", "adamw", False, 2), ("llama", "muon", False, 2), ("llama", "muon", True, 2),
-         ("mixtral", "adamw", True, 2), ("mixtral", "muon", False, 1)]  # fmt: skip
+CASES = [
+    ("llama", "adamw", False, 2),
+    ("llama", "muon", False, 2),
+    ("llama", "muon", True, 2),
+    ("mixtral", "adamw", True, 2),
+    ("mixtral", "muon", False, 1),
+]
 
 
 @pytest.mark.parametrize("kind,optimizer,checkpointing,steps", CASES)

@@ -26,17 +26,33 @@ def test_editable_install_imports_from_the_source_tree():
 def test_regular_install_ships_every_subpackage(tmp_path):
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-         str(target), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
         check=True,
         env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-    )  # fmt: skip
+    )
     for name in PACKAGES:
         assert (target / name.replace(".", os.sep) / "__init__.py").is_file(), name
-    code = f"import importlib, vescale_optim; [importlib.import_module(n) for n in {PACKAGES!r}]; " \
+    code = (
+        f"import importlib, vescale_optim; [importlib.import_module(n) for n in {PACKAGES!r}]; "
         "print(vescale_optim.__file__)"
+    )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(target)},
-    ).stdout  # fmt: skip
+    ).stdout
     assert str(target) in out

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_example import _fingerprint, _run
+from _launch import fingerprint, run_script
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
@@ -29,9 +29,21 @@ def _losses(out: str) -> dict[int, float]:
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_tp_example_trains_saves_and_resumes_exactly(tmp_path, optimizer):
     ckpt = tmp_path / "ckpt"
-    args = [str(EXAMPLE), *SMALL, "--optimizer", optimizer, "--steps", "8", "--log-every", "4",
-            "--save-every", "4", "--checkpoint-dir", str(ckpt)]  # fmt: skip
-    first = _run([*TORCHRUN, *args], tmp_path)
+    args = [
+        str(EXAMPLE),
+        *SMALL,
+        "--optimizer",
+        optimizer,
+        "--steps",
+        "8",
+        "--log-every",
+        "4",
+        "--save-every",
+        "4",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    first = run_script([*TORCHRUN, *args], tmp_path)
     assert f"{optimizer} on dp2 x tp2, cpu; from scratch" in first
     assert f"saved {ckpt / 'step-4'}" in first and f"saved {ckpt / 'step-8'}" in first
     losses = _losses(first)
@@ -41,7 +53,7 @@ def test_tp_example_trains_saves_and_resumes_exactly(tmp_path, optimizer):
 
     # resume from step 4 (as if the run had stopped there): the same losses and weights
     shutil.rmtree(ckpt / "step-8")
-    resumed = _run([*TORCHRUN, *args], tmp_path)
+    resumed = run_script([*TORCHRUN, *args], tmp_path)
     assert f"resumed from {ckpt / 'step-4'}" in resumed
     assert _losses(resumed)[8] == losses[8]
-    assert _fingerprint(resumed) == _fingerprint(first)
+    assert fingerprint(resumed) == fingerprint(first)

@@ -13,14 +13,13 @@ only). FSDP2 averages the gradients and the optimizer steps FSDP2's shards."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import run_script
 
 pytestmark = pytest.mark.slow  # make test-fast leaves it out
 
@@ -43,21 +42,11 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    """Run `cmd` in its own session (on timeout the session is killed: launcher and ranks); a
-    failure shows the tail of its output, stderr included."""
+    """Run `cmd` (`_launch.run_script`) with one thread per rank, a free port for Lightning's
+    rendezvous and this tree on the path."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])  # this tree's
-    to = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, **to, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {TIMEOUT} s:\n{out[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}")
-    return out
+    return run_script(cmd, cwd, TIMEOUT, env, tail=6000)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +102,14 @@ def test_accelerate_fsdp2_plugin_trains_like_torch(launch):
     under DDP: torch's Muon on FSDP2's shards would orthogonalize each rank's rows apart (not
     Muon), while the library's brings each matrix whole to one owner, so it must end where
     whole-matrix Muon does (FSDP2 and DDP average the same two gradients)."""
-    _same(launch("accelerate_loop.py", "--opt", "vo_adamw", "--wrap", "fsdp2"),
-          launch("accelerate_loop.py", "--opt", "torch", "--wrap", "fsdp2"))  # fmt: skip
-    _same(launch("accelerate_loop.py", "--opt", "vo_muon", "--wrap", "fsdp2"),
-          launch("accelerate_loop.py", "--opt", "torch_muon"))  # fmt: skip
+    _same(
+        launch("accelerate_loop.py", "--opt", "vo_adamw", "--wrap", "fsdp2"),
+        launch("accelerate_loop.py", "--opt", "torch", "--wrap", "fsdp2"),
+    )
+    _same(
+        launch("accelerate_loop.py", "--opt", "vo_muon", "--wrap", "fsdp2"),
+        launch("accelerate_loop.py", "--opt", "torch_muon"),
+    )
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "bucket_view"])

@@ -39,7 +39,10 @@ def build(tmp_path_factory):
         [sys.executable, "-m", "vescale_optim.kernels.aot", "--out", str(out)],
         # 636 kernels: 3 minutes on an idle 2-core machine, 10 on a busy one (the 232 of the
         # packed wire format compile in under a minute)
-        env=_env(out), capture_output=True, text=True, timeout=1200,
+        env=_env(out),
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     return proc, out
 
@@ -72,7 +75,9 @@ def _quant_dtype(record):
 
 def _compiled(records, role, arch, config, dtype=None):
     return any(
-        r["role"] == role and r["arch"] == arch and all(r["config"].get(k) == v for k, v in config)
+        r["role"] == role
+        and r["arch"] == arch
+        and all(r["config"].get(k) == v for k, v in config)
         and (dtype is None or _quant_dtype(r) == dtype)
         for r in records
     )
@@ -174,7 +179,10 @@ def test_check_fails_when_stages_overflow_shared_memory(tmp_path):
     """8 stages of 128x64 and 64x128 bf16 tiles need 224-256 KiB; the blocks may have 163/227."""
     proc = subprocess.run(
         [sys.executable, "-c", OVERSIZED, str(tmp_path)],
-        env=_env(tmp_path), capture_output=True, text=True, timeout=240,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     records = _records(tmp_path)
@@ -206,8 +214,9 @@ WARM = textwrap.dedent(
 def test_warming_fills_tritons_cache_once(tmp_path):
     """`aot --warm` (gpu_check's set-up) compiles through Triton's cache: the kernels land in
     TRITON_CACHE_DIR, and warming again finds them there (the same keys a launch looks up)."""
-    proc = subprocess.run([sys.executable, "-c", WARM], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", WARM], env=_env(tmp_path), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     launches, first, second = map(int, proc.stdout.split()[-3:])
     assert launches >= 2 and first >= 2 and second == first
@@ -228,8 +237,20 @@ def test_ptxas_report_is_parsed():
 
 
 def _record(**kw):
-    base = dict(kernel="poly", role="newton_schulz", arch=90, config={}, smem_bytes=1024, regs=64,
-                spills=0, tensor_cores=True, mma="wgmma", ptx="x.ptx", inputs=[], error=None)
+    base = dict(
+        kernel="poly",
+        role="newton_schulz",
+        arch=90,
+        config={},
+        smem_bytes=1024,
+        regs=64,
+        spills=0,
+        tensor_cores=True,
+        mma="wgmma",
+        ptx="x.ptx",
+        inputs=[],
+        error=None,
+    )
     return {**base, **kw}
 
 

@@ -37,8 +37,11 @@ TRAIN = textwrap.dedent(
     """
 )
 
-BLOCKED = "import sys\nsys.modules['triton'] = None\n" + TRAIN + textwrap.dedent(
-    """
+BLOCKED = (
+    "import sys\nsys.modules['triton'] = None\n"
+    + TRAIN
+    + textwrap.dedent(
+        """
     import importlib.util
 
     from vescale_optim.kernels import newton_schulz, quantize_blockwise
@@ -62,6 +65,7 @@ BLOCKED = "import sys\nsys.modules['triton'] = None\n" + TRAIN + textwrap.dedent
     torch.save(train(), sys.argv[1])
     assert sys.modules["triton"] is None
     """
+    )
 )
 
 

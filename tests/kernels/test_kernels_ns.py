@@ -44,8 +44,16 @@ def _muon_step(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
     (momentum 0, no Nesterov, no weight decay): ``-lr' * NS(x)`` in fp32, NS(x) in bf16."""
     param = torch.nn.Parameter(torch.zeros(x.shape))
     param.grad = x.float().clone()  # Muon's iteration starts from the gradient in bf16
-    opt = torch.optim.Muon([param], lr=LR, weight_decay=0.0, momentum=0.0, nesterov=False,
-                           ns_coefficients=COEFFS, eps=1e-7, ns_steps=steps)  # fmt: skip
+    opt = torch.optim.Muon(
+        [param],
+        lr=LR,
+        weight_decay=0.0,
+        momentum=0.0,
+        nesterov=False,
+        ns_coefficients=COEFFS,
+        eps=1e-7,
+        ns_steps=steps,
+    )
     opt.step()
     return param.detach()
 

@@ -29,8 +29,9 @@ from vescale_optim.kernels.wire import codec
 NAN, INF = float("nan"), float("inf")
 DEVICE = torch.device("cpu" if _quant_triton.INTERPRET else "cuda")
 pytestmark = [
-    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(),
-                       reason="TRITON_INTERPRET=0 needs a GPU"),  # fmt: skip
+    pytest.mark.skipif(
+        DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="TRITON_INTERPRET=0 needs a GPU"
+    ),
     # the interpreter computes with numpy, which warns about the NaN these tests are about
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),  # huge values to fp16
@@ -105,8 +106,9 @@ def _row_order_sum(packed: torch.Tensor, rows: int, block_size: int, numel: int)
     total = None
     for r in range(rows):
         q = packed[r, :numel].contiguous().view(torch.int8)
-        row = dequantize_blockwise(q, _scales(packed[r : r + 1], numel).reshape(-1), block_size,
-                                   backend="torch")  # fmt: skip
+        row = dequantize_blockwise(
+            q, _scales(packed[r : r + 1], numel).reshape(-1), block_size, backend="torch"
+        )
         total = row if total is None else total + row
     return total
 
@@ -131,8 +133,9 @@ def test_triton_matches_torch_bit_for_bit(kinds, rows, block_size, tail, dtype, 
     got = pack_blockwise(x.to(DEVICE), rows, block_size, backend="triton")
     _assert_packed_equal(got, ref, numel)
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-        want = unpack_blockwise(ref, rows, block_size, out_dtype, backend="torch",
-                                out=torch.empty(rows * numel, dtype=out_dtype))  # fmt: skip
+        want = unpack_blockwise(
+            ref, rows, block_size, out_dtype, backend="torch", out=torch.empty(rows * numel, dtype=out_dtype)
+        )
         out = torch.empty(rows * numel, dtype=out_dtype, device=DEVICE)
         got = unpack_blockwise(ref.to(DEVICE), rows, block_size, out=out, backend="triton")
         _assert_bits_equal(got, want)
@@ -230,8 +233,10 @@ def test_auto_takes_torch_on_cpu_and_for_big_blocks(monkeypatch):
     big = 2 * MAX_TRITON_BLOCK
     for x, block_size in ((torch.randn(64), 16), (torch.randn(2 * big), big)):
         packed = pack_blockwise(x, 2, block_size)
-        _assert_bits_equal(unpack_blockwise(packed, 2, block_size),
-                           dequantize_blockwise(*quantize_blockwise(x, block_size), block_size))  # fmt: skip
+        _assert_bits_equal(
+            unpack_blockwise(packed, 2, block_size),
+            dequantize_blockwise(*quantize_blockwise(x, block_size), block_size),
+        )
         unpack_sum_blockwise(packed, 2, block_size)
     with pytest.raises(ValueError, match="block_size <= 8192"):
         pack_blockwise(torch.randn(big), 1, big, backend="triton")
@@ -240,9 +245,11 @@ def test_auto_takes_torch_on_cpu_and_for_big_blocks(monkeypatch):
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_quant_triton, "INTERPRET", False)
     packed = pack_blockwise(torch.randn(64), 2, 16, backend="torch")
-    for call in (lambda: pack_blockwise(torch.randn(64), 2, 16, backend="triton"),
-                 lambda: unpack_blockwise(packed, 2, 16, backend="triton"),
-                 lambda: unpack_sum_blockwise(packed, 2, 16, backend="triton")):  # fmt: skip
+    for call in (
+        lambda: pack_blockwise(torch.randn(64), 2, 16, backend="triton"),
+        lambda: unpack_blockwise(packed, 2, 16, backend="triton"),
+        lambda: unpack_sum_blockwise(packed, 2, 16, backend="triton"),
+    ):
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             call()
 
@@ -261,8 +268,10 @@ PACKED = pack_blockwise(torch.randn(64), 2, 16, backend="torch")  # rows of 32 +
         (lambda: pack_blockwise(torch.randn(64), 2, 16, backend="gpu"), "backend"),
         (lambda: pack_blockwise(torch.randn(64), 2, 16, out=torch.empty(79, dtype=torch.uint8)), "80"),
         (lambda: pack_blockwise(torch.randn(64), 2, 16, out=torch.empty(80, dtype=torch.int8)), "uint8"),
-        (lambda: pack_blockwise(torch.randn(64), 2, 16,
-                                out=torch.empty(160, dtype=torch.uint8)[::2]), "contiguous"),  # fmt: skip
+        (
+            lambda: pack_blockwise(torch.randn(64), 2, 16, out=torch.empty(160, dtype=torch.uint8)[::2]),
+            "contiguous",
+        ),
         (lambda: unpack_blockwise(PACKED.float(), 2, 16), "uint8"),
         (lambda: unpack_blockwise(PACKED, 3, 16), "rows=3"),
         (lambda: unpack_blockwise(PACKED, 2, 8), "whole number"),

@@ -300,9 +300,7 @@ def test_update_is_one_torch_adamw_step(backend, n, block_size, step, maximize):
     opt.step()
     tol = _update_tolerance(state, block_size, **HYPER, step=step)
     state = _to(_dev(backend), state)
-    adamw8bit_update_(
-        *state, **HYPER, step=step, maximize=maximize, block_size=block_size, backend=backend
-    )
+    adamw8bit_update_(*state, **HYPER, step=step, maximize=maximize, block_size=block_size, backend=backend)
     p, _, qm_new, sm_new, qv_new, sv_new = _to("cpu", state)
     # torch.optim.AdamW runs the same chain of fp32 operations (see _update_tolerance).
     _assert_within(p, param.detach(), tol)
@@ -413,8 +411,9 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 
 def _update_with(**overrides):
     n, bs = 300, 100
-    args = dict(zip(["param_fp32", "grad", "q_exp_avg", "s_exp_avg", "q_exp_avg_sq",
-                     "s_exp_avg_sq"], _state(n, bs)))  # fmt: skip
+    args = dict(
+        zip(["param_fp32", "grad", "q_exp_avg", "s_exp_avg", "q_exp_avg_sq", "s_exp_avg_sq"], _state(n, bs))
+    )
     kw = dict(HYPER, step=1, block_size=bs)
     for key, value in overrides.items():
         (args if key in args else kw)[key] = value
@@ -429,10 +428,16 @@ def _update_with(**overrides):
         (lambda: quantize_blockwise(torch.randn(8), backend="gpu"), "backend"),
         (lambda: dequantize_blockwise(torch.zeros(8), torch.ones(1), 8), "int8"),
         (lambda: dequantize_blockwise(torch.zeros(9, dtype=torch.int8), torch.ones(1), 8), "2"),
-        (lambda: dequantize_blockwise(torch.zeros(8, dtype=torch.int8), torch.ones(1), 8,
-                                      shape=(3, 3)), "shape"),  # fmt: skip
-        (lambda: dequantize_blockwise(torch.zeros(8, dtype=torch.int8), torch.ones(1), 8,
-                                      dtype=torch.int32), "dtype"),  # fmt: skip
+        (
+            lambda: dequantize_blockwise(torch.zeros(8, dtype=torch.int8), torch.ones(1), 8, shape=(3, 3)),
+            "shape",
+        ),
+        (
+            lambda: dequantize_blockwise(
+                torch.zeros(8, dtype=torch.int8), torch.ones(1), 8, dtype=torch.int32
+            ),
+            "dtype",
+        ),
         (lambda: _update_with(step=0), "step"),
         (lambda: _update_with(lr=-1.0), "lr"),
         (lambda: _update_with(beta2=1.0), "betas"),

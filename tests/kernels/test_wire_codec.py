@@ -106,8 +106,13 @@ def _through_q16(world_size: int) -> int:
         rank = dist.get_rank() if dist.is_initialized() else 0
         model = build(layers=2)
         want = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt = vo.AdamW(model.parameters(), shard_modules=[*model.layers, model], gather_bits=16,
-                       reduce_bits=16, comm_block=BLOCK)  # fmt: skip
+        opt = vo.AdamW(
+            model.parameters(),
+            shard_modules=[*model.layers, model],
+            gather_bits=16,
+            reduce_bits=16,
+            comm_block=BLOCK,
+        )
         assert all(u.gather_codec.name == "q16" and u.layout.shard_size % BLOCK == 0 for u in opt.units)
         seen = {}
         model.layers[0].register_forward_pre_hook(
@@ -122,8 +127,13 @@ def _through_q16(world_size: int) -> int:
             assert bool(((got - exact).abs() <= exact.abs() * 2**-7).all()), name
 
         named = list(model.named_parameters())
-        grads = [{n: torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * r + i))
-                  for i, (n, p) in enumerate(named)} for r in range(world_size)]  # fmt: skip
+        grads = [
+            {
+                n: torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * r + i))
+                for i, (n, p) in enumerate(named)
+            }
+            for r in range(world_size)
+        ]
         for n, p in model.named_parameters():
             p.grad = grads[rank][n].clone()
         opt.reduce_gradients()

@@ -5,34 +5,22 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _adamw_cases import SHAPES, full_precision, groups, make_params, mean_grads, schedule, set_grads
+from _adamw_cases import (
+    SHAPES,
+    SKIP,
+    STEPS,
+    TOL,
+    full_precision,
+    groups,
+    make_params,
+    reference,
+    schedule,
+    set_grads,
+)
 from _reference import mean_grad_reference
 
 import vescale_optim as vo
 from vescale_optim.optim.adamw import adamw_update_
-
-STEPS = 4
-SKIP = {2: (1,), 3: (4,)}  # step -> params that get no gradient that step
-# fp32 against torch.optim.AdamW: covers twice the noise floor of summing the ranks' gradients
-# in another order (gloo's ring does on W >= 3), measured by tests/test_references.py
-TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def reference(
-    world, steps=STEPS, clip=None, dtype=torch.float32, norm_type=2.0, amsgrad=True, reversed_order=False
-):
-    params = [torch.nn.Parameter(p.detach().to(full_precision(dtype))) for p in make_params(dtype)]
-    opt = torch.optim.AdamW(groups(params, amsgrad=amsgrad))
-    sched = schedule(opt)
-    norms = []
-    for t in range(steps):
-        for p, g in zip(params, mean_grads(t, world, dtype, SKIP.get(t, ()), reversed_order)):
-            p.grad = None if g is None else g.clone()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(params, clip, norm_type).item())
-        opt.step()
-        sched.step()
-    return params, opt, norms
 
 
 def _train(steps=STEPS, clip=None, dtype=torch.float32, state=False, norm_type=2.0, state_bits=32):

@@ -8,36 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _muon_cases import STEPS, grad, hyper, make_params, mean_grad, n_matrices, reference
 from _reference import mean_of
 
 import vescale_optim as vo
 from vescale_optim.optim._muon_math import ns_flops
 from vescale_optim.owners.balance import assign_owners, imbalance
-
-# tall, wide, square, tiny, a 3-D stack of 3 wide matrices, a 4-D conv, and two repeats
-MUON_SHAPES = [(12, 5), (4, 10), (8, 8), (2, 3), (3, 4, 6), (6, 2, 3, 3), (8, 8), (12, 5)]
-ADAM_SHAPES = [(7,), (5, 3)]
-STEPS = 3
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    muon = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in MUON_SHAPES]
-    adam = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ADAM_SHAPES]
-    return muon, adam
-
-
-def grad(shape, step, rank, i):
-    g = torch.Generator().manual_seed(7919 * step + 101 * rank + i)
-    return torch.randn(shape, generator=g) * (1 + rank)
-
-
-def mean_grad(shape, step, world, i):
-    return mean_of(grad(shape, step, r, i) for r in range(world))
-
-
-def hyper(adjust, nesterov):
-    return dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
 
 
 def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
@@ -59,40 +35,6 @@ def _train(adjust, nesterov, steps=STEPS, cap=64 * 1024 * 1024, state=False):
     if state:
         out["state"] = opt.state_dict()
     return out
-
-
-def reference(world, adjust, nesterov, steps=STEPS):
-    """torch.optim.Muon on every matrix (3-D stacks slice by slice, 4-D viewed as 2-D)."""
-    muon, adam = make_params()
-    mats, owners = [], []
-    for i, p in enumerate(muon):
-        if p.ndim == 3:
-            for s in range(p.shape[0]):
-                mats.append(torch.nn.Parameter(p.detach()[s].clone()))
-                owners.append((i, s))
-        else:
-            mats.append(torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()))
-            owners.append((i, None))
-    adam = [torch.nn.Parameter(p.detach().clone()) for p in adam]
-    mopt = torch.optim.Muon(mats, **hyper(adjust, nesterov))
-    aopt = torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
-    for t in range(steps):
-        full = [mean_grad(p.shape, t, world, i) for i, p in enumerate(muon)]
-        for m, (i, s) in zip(mats, owners):
-            m.grad = (full[i][s] if s is not None else full[i].reshape(m.shape)).clone()
-        for j, p in enumerate(adam):
-            p.grad = mean_grad(p.shape, t, world, len(muon) + j)
-        mopt.step()
-        aopt.step()
-    out = []
-    for i, p in enumerate(muon):
-        pieces = [m.detach() for m, (k, _) in zip(mats, owners) if k == i]
-        out.append(torch.stack(pieces) if p.ndim == 3 else pieces[0].reshape(p.shape))
-    return out + [p.detach() for p in adam], mopt
-
-
-def n_matrices():
-    return sum(s[0] if len(s) == 3 else 1 for s in MUON_SHAPES)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
@@ -155,18 +97,19 @@ def _dcp(path, mode, values=None):
             for p, v in zip(muon + adam, values):
                 p.copy_(v)
     opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False}], lr=0.02)
+    names = torch.nn.ParameterList(muon + adam)  # the names its state is keyed by
     steps = range(2) if mode == "save" else range(2, 4)
     if mode == "load":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
     for t in steps if mode != "straight" else range(4):
         opt.zero_grad()
         for i, p in enumerate(muon + adam):
             p.grad = mean_grad(p.shape, t, 4, i)
         opt.step()
     if mode == "save":
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     return [p.detach().clone() for p in muon + adam]
 
 
@@ -285,9 +228,13 @@ def test_muon_param_groups_inherit_the_optimizers_hyperparameters():
     assert opt.param_groups[1]["betas"] == (0.8, 0.9) and "betas" not in opt.param_groups[0]
     # asked for: a separate AdamW lr, betas and weight decay, a Muon momentum
     groups = vo.muon_param_groups(
-        model, exclude=["lm_head"], momentum=0.9,
-        adamw_lr=3e-4, adamw_betas=(0.9, 0.99), adamw_weight_decay=0.01,
-    )  # fmt: skip
+        model,
+        exclude=["lm_head"],
+        momentum=0.9,
+        adamw_lr=3e-4,
+        adamw_betas=(0.9, 0.99),
+        adamw_weight_decay=0.01,
+    )
     opt = vo.Muon(groups, lr=0.05)
     muon, adam = opt.param_groups
     assert (muon["lr"], muon["weight_decay"], muon["momentum"]) == (0.05, 0.1, 0.9)
@@ -314,7 +261,7 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
     assert len(muon["params"]) == 2 and len(warned) == 1
     assert "'2' (the model's last Linear)" in warned[0] and "exclude=" in warned[0]
 
-    class Net(torch.nn.Module):
+    class LikelyHeads(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(50, 8)
@@ -322,10 +269,13 @@ def test_muon_param_groups_warn_when_a_likely_head_goes_to_muon():
             self.expand = torch.nn.Linear(8, 2048)  # vocabulary-sized
             self.mix = torch.nn.Linear(8, 8)
 
-    _, _, warned = _split(Net())
+    _, _, warned = _split(LikelyHeads())
     assert len(warned) == 1
-    for part in ("'decode' (out_features equals an embedding's rows)", "'expand' (vocabulary-sized",
-                 "'mix' (the model's last Linear)"):  # fmt: skip
+    for part in (
+        "'decode' (out_features equals an embedding's rows)",
+        "'expand' (vocabulary-sized",
+        "'mix' (the model's last Linear)",
+    ):
         assert part in warned[0]
     _, _, warned = _split(Tiny())  # a head found by name only before: now Muon, with a warning
     assert len(warned) == 1 and "'lm_head' (named like one, the model's last Linear" in warned[0]

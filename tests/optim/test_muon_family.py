@@ -4,6 +4,7 @@ at every world size and layout (ZeRO-2, ZeRO-3, HSDP, 8-bit state, resumed at an
 
 import pytest
 import torch
+from _muon_cases import normuon_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,15 +46,6 @@ def _bf16_in_torchs_order(g: torch.Tensor) -> torch.Tensor:
         s = x @ x.mT
         x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
-
-
-def normuon_reference(o: torch.Tensor, v: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NorMuon (arXiv 2510.05491, Algorithm 1): per-neuron second moment, row normalization,
-    then back to O's Frobenius norm."""
-    o = o.float()
-    v = beta2 * v + (1 - beta2) * (o * o).mean(dim=1)
-    on = o / (v.sqrt() + 1e-8)[:, None]
-    return on * (o.norm() / on.norm().clamp(min=1e-8)), v
 
 
 @given(st.integers(2, 24), st.integers(2, 24), st.integers(0, 2**16))
@@ -167,8 +159,10 @@ def _build(group=None, adam=None, cls=vo.Muon, **kwargs):
     )
     if cls is vo.AdamW:
         return cls([{"params": [w, b], "param_names": ["w", "b"], **(group or {})}], **kwargs)
-    groups = [{"params": [w], "param_names": ["w"], **(group or {})},
-              {"params": [b], "param_names": ["b"], "use_muon": False, **(adam or {})}]  # fmt: skip
+    groups = [
+        {"params": [w], "param_names": ["w"], **(group or {})},
+        {"params": [b], "param_names": ["b"], "use_muon": False, **(adam or {})},
+    ]
     return cls(groups, **kwargs)
 
 
@@ -201,12 +195,15 @@ def test_other_keys_pass_through_and_normuon_on_muon_groups_only():
     assert opt.param_groups[0]["normuon"] and not opt.param_groups[1]["normuon"]
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(ns_coefficients="polar"), "param group 0: unknown ns_coefficients name"),
-    (dict(normuon_beta2=-0.5), "param group 0: normuon_beta2"),
-    (dict(split_sizes=(4, 8)), "param group 0: 'split_sizes' changed"),
-    (dict(normuon=True), "param group 0: 'normuon' changed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(ns_coefficients="polar"), "param group 0: unknown ns_coefficients name"),
+        (dict(normuon_beta2=-0.5), "param group 0: normuon_beta2"),
+        (dict(split_sizes=(4, 8)), "param group 0: 'split_sizes' changed"),
+        (dict(normuon=True), "param group 0: 'normuon' changed"),
+    ],
+)
 def test_refused_at_a_step_changes_nothing(change, match):
     opt = _build()
     w = opt.param_groups[0]["params"][0]
@@ -295,7 +292,7 @@ def test_split_newton_schulz_takes_polar_express(world, single):
             assert torch.equal(a, b)
 
 
-class _Net(torch.nn.Module):
+class _FusedQKVNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -306,10 +303,12 @@ class _Net(torch.nn.Module):
 def _modules(layout: str = "zero2"):
     """Three steps of a fused-QKV layer and an output layer (NorMuon, per-block and per-head)
     from one input, under `layout`; the model's full state dict after."""
-    net = _Net()
-    groups = [{"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
-              {"params": [net.out.weight], "num_heads": 2},
-              {"params": [net.out.bias], "use_muon": False}]  # fmt: skip
+    net = _FusedQKVNet()
+    groups = [
+        {"params": [net.qkv.weight], "split_sizes": (Q, KV, KV)},
+        {"params": [net.out.weight], "num_heads": 2},
+        {"params": [net.out.bias], "use_muon": False},
+    ]
     sharding = {}
     if layout == "zero3":
         sharding["shard_modules"] = [net.qkv, net.out]
@@ -399,16 +398,17 @@ def _normuon_q8_dcp(path, mode):
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in Q8_SHAPES]
     opt = vo.Muon(params, **HYPER, normuon=True, state_bits=8)
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
     if mode == "load":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
         return opt.state_dict()
     for t in range(2):
         for i, p in enumerate(params):
             p.grad = _grad(p.shape, t, i)
         opt.step()
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     return opt.state_dict()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _fsdp_cases import TOL, Reference, assert_equal, make_ours
+from _muon_cases import grad
 from _reference import mean_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,11 +148,6 @@ STEPS = 3
 HYPER = dict(lr=0.02, weight_decay=0.1)
 
 
-def _grad(shape, step, rank, i):
-    g = torch.Generator().manual_seed(7919 * step + 101 * rank + i)
-    return torch.randn(shape, generator=g) * (1 + rank)
-
-
 def _params():
     g = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES + ADAM]
@@ -159,12 +156,16 @@ def _params():
 def _train(cap):
     rank, params = dist.get_rank(), _params()
     muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
-    opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
-                  bucket_cap_numel=cap, cost_model=FREE_COMM)  # fmt: skip
+    opt = vo.Muon(
+        [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}],
+        **HYPER,
+        bucket_cap_numel=cap,
+        cost_model=FREE_COMM,
+    )
     stats = []
     for t in range(STEPS):
         for i, p in enumerate(params):
-            p.grad = _grad(p.shape, t, rank, i)
+            p.grad = grad(p.shape, t, rank, i)
         opt.step()
         stats.append((opt.step_stats["ns_matrices"], opt.step_stats["ns_flops"]))
     return [p.detach().clone() for p in params], stats, opt.ns_load, dict(opt.plan.groups), opt.homes
@@ -174,21 +175,28 @@ def _reference(world):
     params = _params()
     muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
     mats = [(i, s) for i, p in enumerate(muon) for s in (range(p.shape[0]) if p.ndim == 3 else [None])]
-    views = [torch.nn.Parameter((muon[i].detach()[s] if s is not None else muon[i].detach()).clone())
-             for i, s in mats]  # fmt: skip
-    mopt, aopt = torch.optim.Muon(views, **HYPER), torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95),
-                                                                    weight_decay=0.1)  # fmt: skip
+    views = [
+        torch.nn.Parameter((muon[i].detach()[s] if s is not None else muon[i].detach()).clone())
+        for i, s in mats
+    ]
+    mopt, aopt = (
+        torch.optim.Muon(views, **HYPER),
+        torch.optim.AdamW(adam, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1),
+    )
     for t in range(STEPS):
-        mean = [mean_of(_grad(p.shape, t, r, i) for r in range(world))
-                for i, p in enumerate(params)]  # fmt: skip
+        mean = [mean_of(grad(p.shape, t, r, i) for r in range(world)) for i, p in enumerate(params)]
         for v, (i, s) in zip(views, mats):
             v.grad = (mean[i][s] if s is not None else mean[i]).clone()
         for j, p in enumerate(adam):
             p.grad = mean[len(muon) + j]
         mopt.step()
         aopt.step()
-    out = [torch.stack([v.detach() for v, (k, _) in zip(views, mats) if k == i]) if p.ndim == 3
-           else views[[k for k, _ in mats].index(i)].detach() for i, p in enumerate(muon)]  # fmt: skip
+    out = [
+        torch.stack([v.detach() for v, (k, _) in zip(views, mats) if k == i])
+        if p.ndim == 3
+        else views[[k for k, _ in mats].index(i)].detach()
+        for i, p in enumerate(muon)
+    ]
     return out + [p.detach() for p in adam]
 
 
@@ -213,33 +221,28 @@ def test_a_world_of_4_with_split_matrices_equals_torch_muon(world, cap):
 
 
 def _hsdp(shape):
-    from _tiny_gpt import batch, build, loss_fn
-    from test_fsdp import make_ours
+    from _tiny_gpt import build, train
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, model = dist.get_rank(), build(layers=1)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     opt = make_ours("muon", model, mesh=mesh, shard_modules=[*model.layers, model], cost_model=FREE_COMM)
-    for t in range(STEPS):
-        loss_fn(model, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(STEPS), rank)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, len(opt.plan.groups)
 
 
 def test_hsdp_2x2_with_split_matrices_equals_one_process(world):
     from _tiny_gpt import build, world_grads
-    from test_fsdp import TOL, _assert_equal, _Reference
 
     model = build(layers=1)
-    ref = _Reference("muon", model)
+    ref = Reference("muon", model)
     for t in range(STEPS):
         world_grads(model, t, 4)
         ref.step()
     want = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for got, split in world(4).run(_hsdp, (2, 2), timeout=120):
         assert split >= 1
-        _assert_equal(got, want, TOL["muon"])
+        assert_equal(got, want, TOL["muon"])
 
 
 # --- a process group smaller than the world: its split groups made by all of its ranks --------------
@@ -294,11 +297,15 @@ def _on_three_of_four(bound):
             return calls, None, None
         me, params = dist.get_rank(sub), _params()
         muon, adam = params[: len(SHAPES)], params[len(SHAPES) :]
-        opt = vo.Muon([{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}], **HYPER,
-                      cost_model=FREE_COMM, process_group=sub)  # fmt: skip
+        opt = vo.Muon(
+            [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01}],
+            **HYPER,
+            cost_model=FREE_COMM,
+            process_group=sub,
+        )
         for t in range(STEPS):
             for i, p in enumerate(params):
-                p.grad = _grad(p.shape, t, me, i)
+                p.grad = grad(p.shape, t, me, i)
             opt.step()
     made = sorted({tuple(r + 1 for r in g) for g in opt.plan.groups.values()})
     return calls, made, [p.detach().clone() for p in params]

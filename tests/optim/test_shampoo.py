@@ -22,10 +22,19 @@ SHAPES = [(10, 7), (8, 3, 2), (13,), (5, 12), (1, 6), (6,), (9, 2, 2), (21, 16)]
 # preconditioning every other step from step 2
 MIXED = [
     ([0, 1, 2, 7], dict(max_preconditioner_dim=4, weight_decay=0.1)),
-    ([3, 4, 5], dict(max_preconditioner_dim=5, grafting="adagrad", betas=(0.5, 1.0), lr=3e-3,
-                     precondition_frequency=2, start_preconditioning_step=2)),
+    (
+        [3, 4, 5],
+        dict(
+            max_preconditioner_dim=5,
+            grafting="adagrad",
+            betas=(0.5, 1.0),
+            lr=3e-3,
+            precondition_frequency=2,
+            start_preconditioning_step=2,
+        ),
+    ),
     ([6], dict(max_preconditioner_dim=3, grafting="sgd", lr=0.05)),
-]  # fmt: skip
+]
 COMMON = dict(epsilon=1e-6, root_dtype=torch.float64)
 FP32_ROOTS = [(idx, {**hyper, "root_dtype": torch.float32}) for idx, hyper in MIXED]  # the default
 STEPS = 5
@@ -279,7 +288,7 @@ def _dcp_save(path, steps):
     params = make_params()
     opt = vo.Shampoo(groups(params, MIXED))
     _run(opt, params, range(steps))
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(torch.nn.ParameterList(params)), checkpoint_id=path)
     return [p.detach().clone() for p in params]
 
 
@@ -289,9 +298,10 @@ def _dcp_resume(path, values, steps):
         for p, v in zip(params, values):
             p.copy_(v)
     opt = vo.Shampoo(groups(params, MIXED))
-    sd = opt.sharded_state_dict()
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
+    sd = opt.sharded_state_dict(names)
     dcp.load(sd, checkpoint_id=path)
-    opt.load_sharded_state_dict(sd)
+    opt.load_sharded_state_dict(sd, names)
     loaded = opt.state_dict()
     _run(opt, params, steps)
     return [p.detach().clone() for p in params], loaded, dist.get_rank()
@@ -364,9 +374,12 @@ def test_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "change, match",
-    [(dict(start_preconditioning_step=None), "start_preconditioning_step"), (dict(lr=-1.0), "learning rate"),
-     (dict(precondition_frequency=0), "precondition_frequency")],
-)  # fmt: skip
+    [
+        (dict(start_preconditioning_step=None), "start_preconditioning_step"),
+        (dict(lr=-1.0), "learning rate"),
+        (dict(precondition_frequency=0), "precondition_frequency"),
+    ],
+)
 def test_a_bad_hyperparameter_set_after_construction_is_refused_before_anything_changes(change, match):
     params = make_params()
     opt = vo.Shampoo(groups(params, MIXED))

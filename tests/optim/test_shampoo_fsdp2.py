@@ -10,14 +10,14 @@ and `Shard(1)` pieces of a 2-D mesh) the same as one process too."""
 import copy
 import math
 
+import _tp
+import _tp_shampoo
 import pytest
-import test_tensor_parallel as tp
-import test_tensor_parallel_shampoo as tp_shampoo
 import torch
 import torch.distributed as dist
+from _fsdp_cases import SHAMPOO, reference
 from _shampoo_reference import ReferenceShampoo, tile_slices
-from _tiny_gpt import batch, build, loss_fn, world_grads
-from test_fsdp import SHAMPOO, reference
+from _tiny_gpt import build, train, world_grads
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -32,7 +32,7 @@ MESHES = {"W2": (2,), "W3": (3,), "hsdp2x2": (2, 2)}
 # same model is 5.9e-6 off at W=1 and 4.6e-6 at W=2 (test_fsdp), the embedding's tiles with
 # near-singular factors (unused rows) amplifying eigh's rounding; FSDP2 reducing the gradient in
 # its own order adds 2e-7 to 5e-7 (the reference fed FSDP2's gradients vs fed the mean). So
-# test_fsdp's tolerance, 1e-5 with rtol 1e-5.
+# the fully sharded tests' tolerance (`_fsdp_cases.TOL`), 1e-5 with rtol 1e-5.
 TOL = 1e-5
 # Inverse roots, relative to their tile's largest entry: the embedding's last tile (5 rows) has a
 # rank-deficient R whose null space takes epsilon^-1/4 = 1000, where eigh(F + eps*I) (ours) and the
@@ -56,23 +56,13 @@ def _setup(shape):
 
 def _steps(model, opt, steps) -> list[int]:
     """Train on this rank's batch of each step in `steps`; the roots this rank computed per step."""
-    roots = []
-    for t in steps:
-        loss_fn(model, *batch(t, dist.get_rank())).backward()
-        opt.step()
-        opt.zero_grad()
-        roots.append(opt.step_stats["roots"])
-    return roots
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    return train(model, opt, steps, dist.get_rank(), "roots")
 
 
 def _train(shape):
     model, opt = _setup(shape)
     roots = _steps(model, opt, range(STEPS))
-    return _full(model), roots, opt.root_work
+    return _tp.full(model.state_dict()), roots, opt.root_work
 
 
 def _tiles(p: torch.Tensor) -> dict:
@@ -127,7 +117,7 @@ def _round_trip(shape):
     opt.load_state_dict(saved)
     again = opt.state_dict()
     _steps(resumed, opt, range(HALF, STEPS))
-    return saved["state"], again["state"], _full(model), _full(resumed)
+    return saved["state"], again["state"], _tp.full(model.state_dict()), _tp.full(resumed.state_dict())
 
 
 def _reference_state(world_size: int) -> list[dict | None]:
@@ -163,27 +153,22 @@ def test_full_state_dict_is_one_processs_and_resumes_bitwise(world):
 
 
 def _tp_train():
-    """test_tensor_parallel's block under torch's TP plan on world["tp"] and FSDP2 on world["dp"]
+    """The TP tests' block (`_tp`) under torch's TP plan on world["tp"] and FSDP2 on world["dp"]
     (dp2 x tp2), vo.Shampoo given no mesh: the whole model after the steps, and each step's roots."""
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(tp._build(), world["tp"], tp.PLAN)
+    world = _tp.mesh()
+    model = parallelize_module(_tp.build(), world["tp"], _tp.PLAN)
     fully_shard(model, mesh=world["dp"])
     opt = vo.Shampoo(model.parameters(), **SHAMPOO)
-    roots = []
-    for t in range(tp_shampoo.STEPS):
-        tp._loss(model, *tp._batch(t, world["dp"].get_local_rank())).backward()
-        opt.step()
-        opt.zero_grad()
-        roots.append(opt.step_stats["roots"])
-    return tp._full(model.state_dict()), roots
+    roots = _tp.train(model, opt, world["dp"].get_local_rank(), range(_tp_shampoo.STEPS), "roots")
+    return _tp.full(model.state_dict()), roots
 
 
 def test_over_fsdp2_and_tensor_parallelism_equals_one_process(world):
     # FSDP2's strided row shards of the colwise matrices, its row shards of the rowwise ones' TP
     # columns: every matrix whole at one owner of the dp x tp world
-    want = tp_shampoo.reference()
+    want = _tp_shampoo.reference()
     results = world(4).run(_tp_train, timeout=120)
-    for t, n in enumerate(tp_shampoo._roots_per_step()):
+    for t, n in enumerate(_tp_shampoo.roots_per_step()):
         assert sum(roots[t] for _, roots in results) == n, (t, [roots for _, roots in results])
     for got, _ in results:
         for k in want:

@@ -10,7 +10,7 @@ import torch
 
 import vescale_optim as vo
 from vescale_optim.kernels import dequantize_blockwise, quantize_blockwise
-from vescale_optim.optim import _step_stats, muon, state_tiers
+from vescale_optim.optim import _muon_setup, _step_stats, state_tiers
 from vescale_optim.units.segment import FROZEN, StateSpec
 
 OPTIM = Path(vo.__file__).resolve().parent / "optim"
@@ -19,8 +19,11 @@ TIERS = {state_tiers.FP32.tier, state_tiers.BF16.tier, state_tiers.Q8.tier}
 
 def tier_names(source: str) -> list[tuple[int, str]]:
     """`(line, literal)` of every string literal in `source` that is a tier's name."""
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and node.value in TIERS]  # fmt: skip
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value in TIERS
+    ]
 
 
 def test_the_tier_names_are_the_ones_this_test_looks_for():
@@ -133,7 +136,7 @@ def test_muon_plans_at_construction_only(monkeypatch):
         raise AssertionError("planned during a step")
 
     for name in ("plan_matrices", "plan_owners", "matrix_work", "spread_homes", "keep_homes"):
-        monkeypatch.setattr(muon, name, refused)
+        monkeypatch.setattr(_muon_setup, name, refused)
     for _ in range(2):
         model(torch.randn(4, 16)).square().mean().backward()
         opt.step()

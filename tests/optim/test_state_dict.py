@@ -13,6 +13,7 @@ import vescale_optim as vo
 
 def _hooked(opt, log):
     """Register every hook; each logs what it was called with."""
+
     def keys(sd):
         return sorted(sd), sorted(sd["state"]), sorted(sd["state"][0])
 
@@ -52,8 +53,11 @@ def test_every_hook_fires_as_for_torch_adamw():
     ours, theirs = _exercise(vo.AdamW), _exercise(torch.optim.AdamW)
     assert ours == theirs
     assert [e[0] for e in ours] == ["global_pre", "step_pre", "step_post", "global_post"] * 2 + [
-        "sd_pre", "sd_post", "load_pre", "load_post"
-    ]  # fmt: skip
+        "sd_pre",
+        "sd_post",
+        "load_pre",
+        "load_post",
+    ]
 
 
 def _hook_results(make):
@@ -108,8 +112,16 @@ def test_hooks_fire_for_muon_and_shampoo(make):
     opt.load_state_dict(opt.state_dict())
     for h in handles:
         h.remove()
-    assert [e[0] for e in log] == ["global_pre", "step_pre", "step_post", "global_post", "sd_pre", "sd_post",
-                                   "load_pre", "load_post"]  # fmt: skip
+    assert [e[0] for e in log] == [
+        "global_pre",
+        "step_pre",
+        "step_post",
+        "global_post",
+        "sd_pre",
+        "sd_post",
+        "load_pre",
+        "load_post",
+    ]
     assert all(e[1] for e in log)
 
 

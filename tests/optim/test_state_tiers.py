@@ -93,17 +93,18 @@ def _dcp_8bit(path, mode):
     g = torch.Generator().manual_seed(5)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(33, 256), (7,), (20, 300)]]
     opt = vo.AdamW(params, lr=1e-2, state_bits=8)
+    names = torch.nn.ParameterList(params)  # the names its state is keyed by
     if mode == "load":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(names)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, names)
         return opt.state_dict()
     for t in range(2):
         gg = torch.Generator().manual_seed(100 + t + dist.get_rank())
         for p in params:
             p.grad = torch.randn(p.shape, generator=gg)
         opt.step()
-    dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+    dcp.save(opt.sharded_state_dict(names), checkpoint_id=path)
     return opt.state_dict()
 
 

@@ -65,8 +65,10 @@ def cases(draw):
 
 def plans(case):
     topo, work, sources, channels, slack, tolerate = case
-    return [plan_owners(work, topo, w, slack=slack, tolerate=tolerate, channels=channels, sources=sources)
-            for w in range(topo.world_size)]  # fmt: skip
+    return [
+        plan_owners(work, topo, w, slack=slack, tolerate=tolerate, channels=channels, sources=sources)
+        for w in range(topo.world_size)
+    ]
 
 
 def values(i, k, c, n):
@@ -121,8 +123,10 @@ def test_plans_deliver_each_item_whole_to_its_owner_and_its_result_back(case):
         if not segs[0].moved:
             assert all(s.gather is None and not s.arriving and not s.returned for s in segs)
             continue
-        src = [source(i, items, seg, topo.shard_of(w), sources and sources[i][topo.shard_of(w)], channels)
-               for w, seg in enumerate(segs)]  # fmt: skip
+        src = [
+            source(i, items, seg, topo.shard_of(w), sources and sources[i][topo.shard_of(w)], channels)
+            for w, seg in enumerate(segs)
+        ]
         received = segs[0].gather.simulate(src)
         # an owner gathers from its own replica only
         assert all(topo.coords(t.src)[0] == topo.coords(t.dst)[0] for t in segs[0].gather.transfers)
@@ -165,8 +169,10 @@ def test_loads_add_up_and_stay_within_the_balancers_bound(case):
     assert sum(plan.loads) == sum(costs)
     assert sum(plan.home_loads) == sum(item.cost for item in flat if item.home is not None)
     # an item travels unless it has one replica and every piece of it is on its owner's shard
-    travel = [topo.replicas > 1 or {p.rank for p in item.pieces if p.stop > p.start} != {topo.shard_of(o)}
-              for item, o in zip(flat, plan.owners)]  # fmt: skip
+    travel = [
+        topo.replicas > 1 or {p.rank for p in item.pieces if p.stop > p.start} != {topo.shard_of(o)}
+        for item, o in zip(flat, plan.owners)
+    ]
     assert plan.moved == sum(travel)
     if costs:
         mean = sum(costs) / topo.world_size
@@ -174,8 +180,11 @@ def test_loads_add_up_and_stay_within_the_balancers_bound(case):
         assert max(plan.loads) <= bound + 1e-9
 
 
-@given(st.integers(1, 6), st.lists(st.tuples(st.integers(1, 40), st.integers(0, 5)), max_size=30),
-       st.sampled_from([0.0, 0.05, 0.2]))  # fmt: skip
+@given(
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 5)), max_size=30),
+    st.sampled_from([0.0, 0.05, 0.2]),
+)
 def test_the_balancer_keeps_homes_it_can_and_evens_the_rest(world, items, slack):
     costs, homes = [c for c, _ in items], [h % world for _, h in items]
     mean = sum(costs) / world
@@ -203,8 +212,10 @@ def test_homes_are_dealt_evenly_over_replicas(replicas, shards, costs):
         assert max(load) - min(load) <= max([costs[k] for k in mine], default=0)
 
 
-@given(st.integers(1, 6), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)),
-                                   max_size=30))  # fmt: skip
+@given(
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)), max_size=30),
+)
 def test_owners_given_or_placed_after_loads(world, items):
     costs, homes = [c + 1 for c, _, _ in items], [h % world for _, h, _ in items]
     before = [float(r) for r in range(world)]  # work placed earlier: rank r carries r
@@ -219,16 +230,20 @@ def test_owners_given_or_placed_after_loads(world, items):
         mine = [i for i in range(len(keys)) if keys[i] == k]
         assert sorted(traded[i] for i in mine) == sorted(owners[i] for i in mine)
         for i in mine:  # an item away from home: no slot of its key was left at its home
-            assert traded[i] == homes[i] or sum(traded[j] == homes[i] for j in mine) == \
-                sum(owners[j] == homes[i] for j in mine)  # fmt: skip
+            assert traded[i] == homes[i] or sum(traded[j] == homes[i] for j in mine) == sum(
+                owners[j] == homes[i] for j in mine
+            )
     topo = Topology((tuple(range(world)),), 0, 0)
     work, _ = segment_items([3] * len(costs), [0] * len(costs), costs, world, "whole")
     plan = plan_owners([work], topo, 0, owners=traded)
     assert plan.owners == traded and plan.loads == rank_loads(costs, traded, world)
 
 
-@given(st.integers(1, 3), st.integers(1, 3),
-       st.lists(st.tuples(st.integers(1, 20), st.integers(-1, 2), st.booleans()), max_size=30))  # fmt: skip
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.lists(st.tuples(st.integers(1, 20), st.integers(-1, 2), st.booleans()), max_size=30),
+)
 def test_items_with_allowed_ranks_stay_among_them(groups, per_group, items):
     """An item restricted to some ranks (an expert matrix: its EP rank's ranks) is owned by one of
     them, home or not, and keeps the trades of equal cost inside its class; the rest go anywhere."""

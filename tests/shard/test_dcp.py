@@ -45,8 +45,9 @@ def test_piece_chunks_tile_its_flat_range_exactly(shape, data):
     full, flat = _full(shape), _full(shape).reshape(-1)
     index = torch.arange(n).view(shape)
     view = dcp_piece(shape, start, stop, flat[start:stop])
-    reader = dcp_piece(shape, start, stop, read=lambda a, b: flat[start + a : start + b].clone(),
-                       dtype=torch.float64)  # fmt: skip
+    reader = dcp_piece(
+        shape, start, stop, read=lambda a, b: flat[start + a : start + b].clone(), dtype=torch.float64
+    )
     for piece in (view, reader):
         assert isinstance(piece, torch.Tensor) and piece.shape == shape and piece.dtype == torch.float64
         items = piece.__create_write_items__("x", piece)
@@ -107,8 +108,10 @@ def _rank():
 
 def _save_pieces(path, cuts):
     r = _rank()
-    sd = {f"t{k}": {"x": dcp_piece(s, c[r], c[r + 1], _full(s).reshape(-1)[c[r] : c[r + 1]])}
-          for k, (s, c) in enumerate(zip(SHAPES, cuts))}  # fmt: skip
+    sd = {
+        f"t{k}": {"x": dcp_piece(s, c[r], c[r + 1], _full(s).reshape(-1)[c[r] : c[r + 1]])}
+        for k, (s, c) in enumerate(zip(SHAPES, cuts))
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message=NO_DIST)
@@ -160,7 +163,8 @@ def _params(dtype=torch.float32):
 
 def _opt(dtype, bits, steps):
     params = _params(dtype)
-    opt = vo.AdamW(params, lr=1e-2, state_bits=bits)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]  # DCP's keys name them
+    opt = vo.AdamW(named, lr=1e-2, state_bits=bits)
     for t in range(steps):
         g = torch.Generator().manual_seed(100 + t + _rank())
         for p in params:
@@ -192,7 +196,7 @@ def _bytes_held(root) -> int:
 
 
 def _pieces(sd):
-    return [v for entry in sd["state"].values() for v in entry.values() if isinstance(v, DcpPiece)]
+    return [v for v in sd.values() if isinstance(v, DcpPiece)]
 
 
 @contextlib.contextmanager
@@ -245,7 +249,8 @@ def test_sharded_state_dict_holds_no_copies_and_warns_nothing(world, tmp_path, d
 def _shampoo_dcp(path, mode):
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(21, 10), (6,), (9, 4)]]
-    opt = vo.Shampoo(params, max_preconditioner_dim=4, epsilon=1e-6)
+    named = torch.nn.ParameterList(params).named_parameters()  # DCP's keys name them
+    opt = vo.Shampoo(named, max_preconditioner_dim=4, epsilon=1e-6)
     if mode == "save":
         for t in range(2):
             gg = torch.Generator().manual_seed(10 * t)

@@ -181,6 +181,7 @@ def test_segments_cost_little_padding():
     segments = ["vec" if len(s) == 1 else "mat" for s in shapes]
     for world in (3, 8, 16):
         flat = plan_layout(sizes, granules, world)
-        seg = plan_layout(sizes, granules, world, aligns=[256 if len(s) > 1 else 1 for s in shapes],
-                          segments=segments)  # fmt: skip
+        seg = plan_layout(
+            sizes, granules, world, aligns=[256 if len(s) > 1 else 1 for s in shapes], segments=segments
+        )
         assert seg.padding / sum(sizes) <= 0.03, (world, flat.padding, seg.padding)

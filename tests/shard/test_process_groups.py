@@ -7,13 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _adamw_cases import groups, make_params, set_grads
-from test_adamw import SKIP, STEPS
-from test_adamw import reference as adamw_reference
-from test_muon import STEPS as MUON_STEPS
-from test_muon import grad as muon_grad
-from test_muon import make_params as muon_params
-from test_muon import reference as muon_reference
+from _adamw_cases import SKIP, STEPS, groups, make_params, set_grads
+from _adamw_cases import reference as adamw_reference
+from _muon_cases import STEPS as MUON_STEPS
+from _muon_cases import grad as muon_grad
+from _muon_cases import make_params as muon_params
+from _muon_cases import reference as muon_reference
 
 import vescale_optim as vo
 from vescale_optim.shard import handle
@@ -96,8 +95,11 @@ def _on_subgroup(kind):
     muon, adam = muon_params()
     opt = vo.Muon(
         [{"params": muon}, {"params": adam, "use_muon": False, "lr": 0.01, "weight_decay": 0.05}],
-        lr=0.02, weight_decay=0.1, bucket_cap_numel=64, process_group=sub,
-    )  # fmt: skip
+        lr=0.02,
+        weight_decay=0.1,
+        bucket_cap_numel=64,
+        process_group=sub,
+    )
     for t in range(MUON_STEPS):
         for i, p in enumerate(muon + adam):
             p.grad = muon_grad(p.shape, t, me, i)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _reference import mean_grad_reference
+from _small_model import small_loss, small_model
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import vescale_optim as vo
@@ -15,27 +16,17 @@ import vescale_optim as vo
 STEPS, OVERFLOW = 3, 1  # at step 1 one rank's gradient overflows
 
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def _loss(model, t, rank):
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + rank))
-    return model(x).square().mean()
-
-
 def _scaled(kind):
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    model = _model()
+    model = small_model()
     opt = vo.AdamW(model.parameters(), lr=0.01)
     make = ShardedGradScaler if kind == "sharded" else torch.amp.GradScaler
     scaler = make("cpu", init_scale=2.0**10)
     scales = []
     for t in range(STEPS):
         opt.zero_grad()
-        scaler.scale(_loss(model, t, rank)).backward()
+        scaler.scale(small_loss(model, t, rank)).backward()
         if t == OVERFLOW and rank == world - 1:  # an overflowing gradient replaces this rank's
             model[0].weight.grad = torch.full_like(model[0].weight, math.inf)
         scaler.step(opt)
@@ -45,10 +36,10 @@ def _scaled(kind):
 
 
 def _check(results, world):
-    model = _model()
+    model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for t in range(STEPS):
-        mean_grad_reference(model.parameters(), world, lambda r, t=t: _loss(model, t, r).backward())
+        mean_grad_reference(model.parameters(), world, lambda r, t=t: small_loss(model, t, r).backward())
         if t != OVERFLOW:  # skipped on every rank
             opt.step()
     for params, scales in results:

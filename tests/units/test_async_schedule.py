@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-from _tiny_gpt import batch, build, loss_fn
+from _tiny_gpt import batch, build, loss_fn, train
 from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_optim as vo
@@ -44,10 +44,7 @@ def _run(kind, backward_prefetch, emulate):
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, n=name: events.append(f"accumulated {n}"))
     with delayed() if emulate else contextlib.nullcontext() as delays, traced(into=events):
-        for t in range(STEPS):
-            loss_fn(model, *batch(t, dist.get_rank())).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, range(STEPS), dist.get_rank())
     held = delays.held_at_wait if emulate else None
     return events, {k: v.clone() for k, v in model.state_dict().items()}, held
 

@@ -101,8 +101,15 @@ def _emulated(geometry, launches):
 def test_the_chunks_of_a_shard_draw_what_the_whole_fill_draws_there(setup):
     geometry, chunk, n, ranges, base = setup
     generator = Generator(base)
-    whole = fill(generator, n, geometry.blocks, geometry.unroll, geometry.block, geometry.element_size,
-                 geometry.index_limit)  # fmt: skip
+    whole = fill(
+        generator,
+        n,
+        geometry.blocks,
+        geometry.unroll,
+        geometry.block,
+        geometry.element_size,
+        geometry.index_limit,
+    )
 
     def needed(start, stop):
         return any(a < stop and start < b for a, b in ranges)

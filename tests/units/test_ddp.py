@@ -33,7 +33,7 @@ AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 SHAMPOO = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=2, root_dtype=torch.float64)
 # Both runs see DDP's mean gradient, so only the update math differs. Measured after 3 steps at
 # W=2: AdamW 2.4e-7, Shampoo 4.2e-6 (fp64 roots), Muon 6e-8 (bf16 Newton-Schulz rounding alike in
-# both here); Muon's tolerance stays at the library's Muon floor (test_fsdp's 2e-3), since another
+# both here); Muon's tolerance stays at the library's Muon floor (`_fsdp_cases.TOL`, 2e-3), since another
 # host's bf16 matmuls may flip an output rounding that this one does not.
 TOL = {"adamw": 1e-6, "muon": 2e-3, "shampoo": 1e-5}
 MATRICES = 12  # TinyGPT's Muon matrices: 3 layers x (attn, proj, mlp.0, mlp.2)
@@ -56,8 +56,11 @@ def _split(model: nn.Module) -> tuple[list, list]:
 
 def _optimizers(kind: str, model: nn.Module, ours: bool, **sharding) -> list[torch.optim.Optimizer]:
     if kind == "adamw":
-        return [vo.AdamW(model.parameters(), **ADAMW, **sharding) if ours else
-                torch.optim.AdamW(model.parameters(), **ADAMW)]  # fmt: skip
+        return [
+            vo.AdamW(model.parameters(), **ADAMW, **sharding)
+            if ours
+            else torch.optim.AdamW(model.parameters(), **ADAMW)
+        ]
     if kind == "muon":
         mats, rest = _split(model)
         if ours:

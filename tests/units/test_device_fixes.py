@@ -16,7 +16,7 @@ import vescale_optim as vo
 from vescale_optim.shard.comm import _group_device
 
 
-class Rotary(nn.Module):
+class BufferOnlyRotary(nn.Module):
     """A buffer-only module, as a rotary embedding: `inv_freq` is computed, not learned."""
 
     def __init__(self, dim: int):
@@ -33,12 +33,12 @@ class Rotary(nn.Module):
         return x * torch.cos(self.inv_freq).repeat(2)
 
 
-class Block(nn.Module):
+class BufferedBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, dim)
-        self.rope = Rotary(dim)
+        self.rope = BufferOnlyRotary(dim)
         self.register_buffer("count", torch.zeros(3))
 
     def reset_parameters(self) -> None:
@@ -49,10 +49,10 @@ class Block(nn.Module):
         return x + self.fc(self.rope(self.norm(x))) * self.count.sum()
 
 
-class Net(nn.Module):
+class BufferedNet(nn.Module):
     def __init__(self, dim: int = 8, layers: int = 2):
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(BufferedBlock(dim) for _ in range(layers))
         self.head = nn.Linear(dim, 3)
 
     def forward(self, x):
@@ -65,9 +65,9 @@ def _built(meta: bool, **sharding):
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):
-            model = Net()
+            model = BufferedNet()
     else:
-        model = Net()
+        model = BufferedNet()
         for block in model.layers:
             block.reset_parameters()
     opt = vo.AdamW(model.parameters(), lr=0.1, shard_modules=[*model.layers, model], **sharding)
@@ -96,7 +96,7 @@ class Extra(nn.Module):
 
 
 def test_a_meta_buffer_nothing_can_initialise_is_named():
-    class WithExtra(Net):
+    class WithExtra(BufferedNet):
         def __init__(self):
             super().__init__()
             self.extra = Extra()
@@ -162,13 +162,17 @@ def _hsdp_bytes(reduce_dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    opt = vo.AdamW(model.parameters(), lr=0.01, mesh=mesh, shard_modules=[*model, model],
-                   reduce_dtype=reduce_dtype)  # fmt: skip
+    opt = vo.AdamW(
+        model.parameters(), lr=0.01, mesh=mesh, shard_modules=[*model, model], reduce_dtype=reduce_dtype
+    )
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
     model(x).square().mean().backward()
     opt.step()
-    return opt.step_stats["bytes_sent"], [u.grads.sent_bytes for u in opt.units], [p.detach() for p in
-                                                                                  model.state_dict().values()]
+    return (
+        opt.step_stats["bytes_sent"],
+        [u.grads.sent_bytes for u in opt.units],
+        [p.detach() for p in model.state_dict().values()],
+    )
 
 
 def test_hsdp_reduces_across_replicas_in_reduce_dtype(world):
@@ -176,8 +180,10 @@ def test_hsdp_reduces_across_replicas_in_reduce_dtype(world):
     half = world(4).run(_hsdp_bytes, torch.bfloat16)
     for (_, f, pf), (_, h, ph) in zip(full, half):
         assert [b * 2 for b in h] == f  # every byte of the reduction, across replicas too, in bf16
-        assert all(math.isfinite(float((a - b).abs().max())) and torch.allclose(a, b, atol=2e-2)
-                   for a, b in zip(pf, ph))  # fmt: skip
+        assert all(
+            math.isfinite(float((a - b).abs().max())) and torch.allclose(a, b, atol=2e-2)
+            for a, b in zip(pf, ph)
+        )
 
 
 def test_cpu_parameters_over_an_nccl_group_are_refused_by_name():
@@ -197,8 +203,12 @@ def _full_state(to_rank):
     model, opt = _built(meta=False)
     plain = model.state_dict()
     mine = opt.full_model_state_dict(to_rank=to_rank)
-    return sorted(plain), sorted(mine), all(torch.equal(mine[k], plain[k]) for k in mine), \
-        {v.device.type for v in mine.values()}
+    return (
+        sorted(plain),
+        sorted(mine),
+        all(torch.equal(mine[k], plain[k]) for k in mine),
+        {v.device.type for v in mine.values()},
+    )
 
 
 def test_the_full_model_state_dict_on_one_rank_or_every_rank(world):
@@ -254,10 +264,16 @@ def _param_init_fn():
     torch.manual_seed(3)
     with torch.device("meta"):
         model = PlainNet()
-    vo.Muon([{"params": [b.w for b in model.blocks]}, {"params": [model.scale], "use_muon": False}],
-            shard_modules=[*model.blocks, model], device="cpu", param_init_fn=_init)  # fmt: skip
-    got, want = {**model.state_dict(), **dict(model.named_buffers())}, {**normal.state_dict(),
-                                                                        **dict(normal.named_buffers())}
+    vo.Muon(
+        [{"params": [b.w for b in model.blocks]}, {"params": [model.scale], "use_muon": False}],
+        shard_modules=[*model.blocks, model],
+        device="cpu",
+        param_init_fn=_init,
+    )
+    got, want = (
+        {**model.state_dict(), **dict(model.named_buffers())},
+        {**normal.state_dict(), **dict(normal.named_buffers())},
+    )
     return all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -277,5 +293,9 @@ def test_a_tensor_param_init_fn_skips_is_named():
             module.scale.data.fill_(1.0)
 
     with pytest.raises(ValueError, match=r"PlainNet\.blocks\.0\.freq was not initialised by param_init_fn"):
-        vo.AdamW(model.parameters(), shard_modules=[*model.blocks, model], device="cpu",
-                 param_init_fn=forgets_buffers)  # fmt: skip
+        vo.AdamW(
+            model.parameters(),
+            shard_modules=[*model.blocks, model],
+            device="cpu",
+            param_init_fn=forgets_buffers,
+        )

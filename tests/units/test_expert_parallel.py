@@ -99,8 +99,10 @@ def _train(muon, zero3=False):
     model = MoE(world["ep"])
     units = dict(shard_modules=[model]) if zero3 else {}
     if muon:
-        groups = [{"params": [model.experts, model.proj.weight]},
-                  {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+        groups = [
+            {"params": [model.experts, model.proj.weight]},
+            {"params": [model.proj.bias], "use_muon": False, **ADAMW},
+        ]
         opt = vo.Muon(groups, mesh=world["dp"], **units, **MUON)
     else:
         opt = vo.AdamW(model.parameters(), mesh=world["dp"], **units, **ADAMW)
@@ -165,8 +167,12 @@ def _tp_reference():
         mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
         for opt in opts:
             opt.step()
-    state = {"experts": torch.stack(list(model.moe.experts)), "proj": model.moe.proj.weight,
-             "up": model.up.weight, "down": model.down.weight}  # fmt: skip
+    state = {
+        "experts": torch.stack(list(model.moe.experts)),
+        "proj": model.moe.proj.weight,
+        "up": model.up.weight,
+        "down": model.down.weight,
+    }
     return {k: v.detach().clone() for k, v in state.items()}
 
 
@@ -180,15 +186,22 @@ def _tp_train(one_group, zero3):
     opt = vo.Muon(groups, mesh=world["dp"], **units, **MUON)
     counts = _steps(model, opt, world["dp"].get_local_rank())
     with opt.gathered():
-        state = {"experts": model.moe.experts, "proj": model.moe.proj.weight, "up": model.up.weight,
-                 "down": model.down.weight}  # fmt: skip
+        state = {
+            "experts": model.moe.experts,
+            "proj": model.moe.proj.weight,
+            "up": model.up.weight,
+            "down": model.down.weight,
+        }
         state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}
         state = {k: v.clone() for k, v in state.items()}
     return state, counts
 
 
-@pytest.mark.parametrize("one_group, zero3", [(False, False), (True, False), (True, True)],
-                         ids=["groups", "one-segment", "one-segment-zero3"])  # fmt: skip
+@pytest.mark.parametrize(
+    "one_group, zero3",
+    [(False, False), (True, False), (True, True)],
+    ids=["groups", "one-segment", "one-segment-zero3"],
+)
 def test_expert_stacks_next_to_tp_cut_matrices_equal_one_process(world, one_group, zero3):
     """tp2 x ep2 (experts on the tp ranks) next to Colwise/Rowwise matrices and a plain one, in
     groups of their own or in one segment: each matrix once in the world (E experts, the plain
@@ -209,8 +222,10 @@ def _resumed():
 
     def make():
         model = MoE(world["ep"])
-        groups = [{"params": [model.experts, model.proj.weight]},
-                  {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+        groups = [
+            {"params": [model.experts, model.proj.weight]},
+            {"params": [model.proj.bias], "use_muon": False, **ADAMW},
+        ]
         return model, vo.Muon(groups, mesh=world["dp"], **MUON)
 
     def step(model, opt, t):
@@ -242,9 +257,9 @@ def test_expert_stack_state_dict_resumes_exactly(world):
 
 
 def _normuon_reference():
-    """One process, the loop written out (test_muon_family's NorMuon) on each expert and on
+    """One process, the loop written out (`_muon_cases.normuon_reference`) on each expert and on
     `proj`, AdamW on the bias; the stack, `proj`, and the state under the one-process keys."""
-    from test_muon_family import normuon_reference
+    from _muon_cases import normuon_reference
 
     from vescale_optim.kernels import newton_schulz
     from vescale_optim.optim._muon_math import adjusted_lr
@@ -272,8 +287,10 @@ def _normuon_reference():
 def _normuon_train():
     world = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp", "ep"))
     model = MoE(world["ep"])
-    groups = [{"params": [model.experts, model.proj.weight]},
-              {"params": [model.proj.bias], "use_muon": False, **ADAMW}]  # fmt: skip
+    groups = [
+        {"params": [model.experts, model.proj.weight]},
+        {"params": [model.proj.bias], "use_muon": False, **ADAMW},
+    ]
     opt = vo.Muon(groups, mesh=world["dp"], normuon=True, **MUON)
     counts = _steps(model, opt, world["dp"].get_local_rank())
     saved = opt.state_dict()["state"]

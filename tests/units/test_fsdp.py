@@ -10,120 +10,37 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from _shampoo_reference import ReferenceShampoo
-from _tiny_gpt import TinyGPT, batch, build, loss_fn, train, world_grads
+from _fsdp_cases import (
+    ADAMW,
+    STEPS,
+    TOL,
+    Reference,
+    assert_equal,
+    make_ours,
+    reference,
+    reference_model,
+    train_sharded,
+)
+from _tiny_gpt import batch, build, loss_fn, train, world_grads
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import delayed
 from vescale_optim.units import State
-
-STEPS = 3
-ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-MUON = dict(lr=0.02, weight_decay=0.1)
-AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-# roots from two steps of gradients, in fp64 (the reference's eigh and power round differently)
-SHAMPOO = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=2, root_dtype=torch.float64)
-
-
-def _model(meta=False, checkpoint=False):
-    if meta:
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            return TinyGPT(checkpoint=checkpoint)
-    return build(checkpoint=checkpoint)
-
-
-def _reference_model(meta=False, checkpoint=False):
-    if meta:
-        torch.manual_seed(0)
-        return TinyGPT(checkpoint=checkpoint)
-    return build(checkpoint=checkpoint)
-
-
-def _split(model):
-    """Muon's matrices and the rest (embedding tied with the head, norms, biases)."""
-    mats = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "embed" not in n)]
-    return mats, rest
-
-
-def make_ours(kind, model, **sharding):
-    if kind == "adamw":
-        return vo.AdamW(model.parameters(), **ADAMW, **sharding)
-    if kind == "muon":
-        mats, rest = _split(model)
-        return vo.Muon([{"params": mats}, {"params": rest, "use_muon": False, **AUX}], **MUON, **sharding)
-    return vo.Shampoo(model.parameters(), **SHAMPOO, **sharding)
-
-
-class _Reference:
-    def __init__(self, kind, model):
-        if kind == "adamw":
-            self.opts = [torch.optim.AdamW(model.parameters(), **ADAMW)]
-        elif kind == "muon":
-            mats, rest = _split(model)
-            self.opts = [torch.optim.Muon(mats, **MUON), torch.optim.AdamW(rest, **AUX)]
-        else:
-            self.opts = [ReferenceShampoo(list(model.parameters()), **SHAMPOO)]
-
-    def step(self):
-        for opt in self.opts:
-            opt.step()
-
-
-def reference(kind, world, steps=STEPS, micro=1, meta=False, checkpoint=False, reversed_order=False):
-    model = _reference_model(meta, checkpoint)
-    opt = _Reference(kind, model)
-    for t in range(steps):
-        world_grads(model, t, world, micro, reversed_order)
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _train(kind, steps=STEPS, micro=1, no_sync=False, meta=False, checkpoint=False, **sharding):
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    model = _model(meta, checkpoint)
-    opt = make_ours(kind, model, shard_modules=[*model.layers, model], **sharding)
-    for t in range(steps):
-        for m in range(micro):
-            quiet = opt.no_sync() if no_sync and m < micro - 1 else contextlib.nullcontext()
-            with quiet:
-                (loss_fn(model, *batch(t, rank, m)) / micro).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-
-
-def _assert_equal(got, want, atol=1e-6):
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=atol, msg=k)
-
-
-# Where each comes from (tests/test_references.py checks that each covers twice the noise floor
-# of summing the ranks' gradients in another order, as gloo's ring does on W >= 3; rtol 1e-5).
-# AdamW, Shampoo (fp32): that floor, ~5e-7 at W=4 after 3 steps.
-# Muon: the mean gradient rounds differently here and in one process, and Newton-Schulz in
-# bf16 turns that into the odd flipped rounding of its output: one flip moves a parameter by
-# at most 2^-8 (|O| < 1) times the adjusted lr (0.02 * sqrt(3) for the 48x16 attention
-# matrix), 1.4e-4; the tolerance allows about a dozen over the run. test_muon holds Muon to
-# torch exactly on gradients whose mean is exact.
-TOL = {"adamw": 1e-6, "muon": 2e-3, "shampoo": 1e-5}
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon", "shampoo"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fully_sharded_equals_one_process(world, kind, world_size):
     want = reference(kind, world_size)
-    for got in world(world_size).run(_train, kind):
-        _assert_equal(got, want, TOL[kind])
+    for got, _ in world(world_size).run(train_sharded, kind):
+        assert_equal(got, want, TOL[kind])
 
 
 CASES = {
     "keep gathered after forward": dict(reshard_after_forward=False),
     "no backward prefetch": dict(backward_prefetch=False),
     "accumulate": dict(micro=2),
-    "accumulate under no_sync": dict(micro=3, no_sync=True),
+    "accumulate under no_sync": dict(micro=3, accumulate="no_sync"),
     "activation checkpointing": dict(checkpoint=True),
     "meta-device model": dict(meta=True),
 }
@@ -135,8 +52,8 @@ def test_variants_equal_one_process(world, kind, case):
     args = CASES[case]
     keys = ("micro", "meta", "checkpoint")
     want = reference(kind, 3, **{k: args[k] for k in keys if k in args})
-    for got in world(3).run(_train, kind, **args):
-        _assert_equal(got, want, TOL[kind])
+    for got, _ in world(3).run(train_sharded, kind, **args):
+        assert_equal(got, want, TOL[kind])
 
 
 def _bf16_dtypes():
@@ -153,7 +70,7 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
     assert world(2).run(_bf16_dtypes)[0] == {(torch.bfloat16, torch.float32, torch.float32)}
     want = reference("adamw", 2)
     init = build().state_dict()
-    for got in world(2).run(_train, "adamw", param_dtype=torch.bfloat16):
+    for got, _ in world(2).run(train_sharded, "adamw", param_dtype=torch.bfloat16):
         diff = torch.cat([(got[k] - want[k]).abs().flatten() for k in want])
         moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
         assert diff.max() <= 2 * ADAMW["lr"] * STEPS
@@ -163,8 +80,13 @@ def test_bf16_compute_over_fp32_shards_tracks_fp32(world):
 def _reduced_in_fp32():
     """A unit's bf16 gradients reduce-scattered in fp32: what is alive while that runs."""
     model = build()
-    opt = make_ours("adamw", model, shard_modules=[*model.layers, model], param_dtype=torch.bfloat16,
-                    reduce_dtype=torch.float32)  # fmt: skip
+    opt = make_ours(
+        "adamw",
+        model,
+        shard_modules=[*model.layers, model],
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+    )
     with opt.no_sync():  # keep the full gradients, to reduce one unit by hand
         loss_fn(model, *batch(0, dist.get_rank())).backward()
     unit = opt.units[0]
@@ -186,7 +108,9 @@ def test_bf16_gradients_reduced_in_fp32(world):
         assert after == 0 and sent == fp32_bytes // 2  # ring bytes of one fp32 shard at W=2
     want = reference("adamw", 2)
     init = build().state_dict()
-    for got in world(2).run(_train, "adamw", param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+    for got, _ in world(2).run(
+        train_sharded, "adamw", param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    ):
         diff = torch.cat([(got[k] - want[k]).abs().flatten() for k in want])
         moved = torch.cat([(want[k] - init[k]).abs().flatten() for k in want])
         assert diff.max() <= 2 * ADAMW["lr"] * STEPS
@@ -309,10 +233,7 @@ def _first_block_prefetched():
     seen = []
     gathering = lambda p: seen.append(first.state is not State.RESHARDED)  # noqa: E731
     model.head.weight.register_post_accumulate_grad_hook(gathering)  # after the schedule's hook
-    for t in range(2):
-        loss_fn(model, *batch(t, dist.get_rank())).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, range(2), dist.get_rank())
     return seen
 
 
@@ -378,7 +299,7 @@ def _state_dict_round_trip():
 def test_model_state_dict_is_full_and_loads_into_the_shards(world):
     want = reference("adamw", 3, steps=1)
     for full, same, loss, fresh_loss in world(3).run(_state_dict_round_trip):
-        _assert_equal(full, want)
+        assert_equal(full, want)
         assert same and loss == pytest.approx(fresh_loss, rel=1e-6)
 
 
@@ -488,8 +409,8 @@ def _between_steps():
 
 
 def test_between_steps_parameters_refuse_reads_eval_works_and_casts_are_refused(world):
-    model = reference_model = _reference_model()
-    opt = _Reference("adamw", reference_model)
+    model = reference_model()
+    opt = Reference("adamw", model)
     world_grads(model, 0, 2)
     opt.step()
     for rank, (readable, freed, logits) in enumerate(world(2).run(_between_steps, timeout=60)):

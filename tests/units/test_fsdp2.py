@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _tiny_gpt import batch, build, loss_fn
+from _tiny_gpt import batch, build, loss_fn, train
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +36,7 @@ MUON = dict(lr=0.02, weight_decay=0.1)
 AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 # Both runs see FSDP2's reduced gradient, so only the update math differs. Measured after 3
 # steps here: AdamW 2.7e-7, Muon 6e-8 (both Newton-Schulz on whole bf16 matrices); Muon's
-# tolerance stays at the library's Muon floor (test_fsdp's 2e-3), since another host's bf16
+# tolerance stays at the library's Muon floor (`_fsdp_cases.TOL`, 2e-3), since another host's bf16
 # matmuls may flip an output rounding that this one does not.
 TOL = {"adamw": 1e-6, "muon": 2e-3}
 MATRICES = 12  # TinyGPT's Muon matrices: 3 layers x (attn, proj, mlp.0, mlp.2)
@@ -101,8 +101,11 @@ class _WholeMuon:
 
 def _optimizer(kind: str, model: nn.Module, ours: bool, **kwargs):
     if kind == "adamw":
-        return vo.AdamW(model.parameters(), **ADAMW, **kwargs) if ours else torch.optim.AdamW(
-            model.parameters(), **ADAMW)  # fmt: skip
+        return (
+            vo.AdamW(model.parameters(), **ADAMW, **kwargs)
+            if ours
+            else torch.optim.AdamW(model.parameters(), **ADAMW)
+        )
     mats, rest = _split(model)
     if ours:
         return vo.Muon([{"params": mats}, {"params": rest, "use_muon": False, **AUX}], **MUON, **kwargs)
@@ -192,10 +195,7 @@ def _eight_bit(layout: str):
     for bits in (32, 8):
         model, dp_rank = _wrapped(layout, dim=64)
         opt = vo.AdamW(model.parameters(), **ADAMW, state_bits=bits)
-        for t in range(STEPS):
-            loss_fn(model, *batch(t, dp_rank)).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, range(STEPS), dp_rank)
         out += [_full(model), opt.local_state_bytes()]
     return out
 
@@ -209,11 +209,7 @@ def test_8_bit_state_over_fsdp2(world):
 
 
 def _steps(model: nn.Module, opt, dp_rank: int, steps: range) -> None:
-    for t in steps:
-        loss_fn(model, *batch(t, dp_rank)).backward()
-        opt.clip_grad_norm_(0.5)
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, steps, dp_rank, clip=0.5)
 
 
 def _resume(kind: str, layout: str):
@@ -303,7 +299,7 @@ def _through_dcp(kind: str, layout: str, path: str, api: str):
     opt = _optimizer(kind, model, True)
     _steps(model, opt, dp_rank, range(STEPS - 1))
     if api == "ours":
-        dcp.save(opt.sharded_state_dict(), checkpoint_id=path)
+        dcp.save(opt.sharded_state_dict(model), checkpoint_id=path)
     else:
         dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=path)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -315,9 +311,9 @@ def _through_dcp(kind: str, layout: str, path: str, api: str):
             v.copy_(params[k])
     opt = _optimizer(kind, model, True)
     if api == "ours":
-        sd = opt.sharded_state_dict()
+        sd = opt.sharded_state_dict(model)
         dcp.load(sd, checkpoint_id=path)
-        opt.load_sharded_state_dict(sd)
+        opt.load_sharded_state_dict(sd, model)
     else:
         sd = get_optimizer_state_dict(model, opt)
         dcp.load(sd, checkpoint_id=path)

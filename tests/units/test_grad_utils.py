@@ -24,7 +24,7 @@ INF = math.inf
 NORMS = (2.0, 1.0, 3.0, INF, 0.0)
 
 
-class Net(nn.Module):
+class RaggedNet(nn.Module):
     """Two blocks and a head: ragged cuts at W=2 and 3 (4*6+4, 6*5+5, 5*3+3 elements)."""
 
     def __init__(self):
@@ -133,7 +133,7 @@ def _make(mode: str, model: nn.Module):
 def _ours(mode: str, names: list[str]) -> dict:
     """Every case on this rank after a fresh backward (the first one at iteration 0)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = Net()
+    model = RaggedNet()
     opt = _make(mode, model)
     out = {}
     for t, name in enumerate(names):
@@ -147,7 +147,7 @@ def _ours(mode: str, names: list[str]) -> dict:
 
 
 def _reference(world: int, names: list[str]) -> dict:
-    model = Net()
+    model = RaggedNet()
     out = {}
     for t, name in enumerate(names):
         mean_grad_reference(model.parameters(), world, lambda r, t=t: _loss(model, t, r).backward())
@@ -174,7 +174,7 @@ NAMES = list(CASES)
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])
 def test_gradient_utilities_in_one_process_are_torch_on_plain_tensors(mode):
     got = _ours(mode, NAMES)
-    model = Net()
+    model = RaggedNet()
     opt = _make(mode, model)
     _loss(model, 0, 0).backward()
     assert all(type(p.grad) is torch.Tensor for p in model.parameters())  # iteration 0
@@ -208,7 +208,7 @@ def test_gradient_utilities_under_hsdp_and_muon_equal_torch_on_the_mean_gradient
 
 def _collectives(mode: str) -> dict:
     rank = dist.get_rank()
-    model = Net()
+    model = RaggedNet()
     opt = _make(mode, model)
     out = {}
     for t in range(2):
@@ -258,12 +258,15 @@ def test_clip_grad_norm_is_one_small_all_reduce_for_all_parameters(world, mode):
 
 def _train(kind: str, steps: int = 4) -> list[torch.Tensor]:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = Net()
+    model = RaggedNet()
     if kind == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        opt = vo.AdamW(model.parameters(), lr=1e-2, **({"shard_modules": [*model.blocks, model]}
-                                                         if kind == "zero3" else {}))  # fmt: skip
+        opt = vo.AdamW(
+            model.parameters(),
+            lr=1e-2,
+            **({"shard_modules": [*model.blocks, model]} if kind == "zero3" else {}),
+        )
     for t in range(steps):
         opt.zero_grad(set_to_none=True)
         _loss(model, t, rank).backward()
@@ -290,7 +293,7 @@ def test_issue_loop_with_clipping_equals_torch_adamw_in_one_process():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_training_with_torch_clipping_over_ranks_equals_torch_adamw(world, world_size):
-    model = Net()
+    model = RaggedNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for t in range(4):
         mean_grad_reference(model.parameters(), world_size, lambda r, t=t: _loss(model, t, r).backward())

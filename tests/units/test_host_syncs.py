@@ -16,10 +16,9 @@ import contextlib
 
 import pytest
 import torch.distributed as dist
-from test_amp import _loss, _model  # the same small model and per-rank loss
-from test_tensor_parallel import ADAMW, PLAN, _batch, _build
-from test_tensor_parallel import _loss as _tp_loss
-from torch.distributed.device_mesh import init_device_mesh
+from _small_model import small_loss, small_model
+from _tp import ADAMW, PLAN, batch, build, mesh
+from _tp import loss as tp_loss
 from torch.distributed.tensor.parallel import parallelize_module
 
 import vescale_optim as vo
@@ -33,12 +32,12 @@ def _reads(sharded: bool, quiet_last: bool):
     step was skipped. Step 2's gradient holds a NaN on rank 1 only. `quiet_last`: the step's
     one backward runs inside `no_sync()` (its gradients are reduced at the step)."""
     rank = dist.get_rank()
-    model = _model()
+    model = small_model()
     units = dict(shard_modules=[model[0], model]) if sharded else {}
     opt = vo.AdamW(model.parameters(), lr=0.01, skip_nonfinite=True, **units)
     found = []
     for t in range(STEPS):
-        loss = _loss(model, t, rank) * (float("nan") if t == 2 and rank == 1 else 1.0)
+        loss = small_loss(model, t, rank) * (float("nan") if t == 2 and rank == 1 else 1.0)
         with host_reads() as backward, opt.no_sync() if quiet_last else contextlib.nullcontext():
             loss.backward()
         with host_reads() as step, pytest.warns(UserWarning) if t == 2 else contextlib.nullcontext():
@@ -68,14 +67,14 @@ def test_gradients_reduced_at_the_step_are_checked_once_reduced(world):
 def _tp_reads(poisoned: int | None):
     """dp2 x tp2, `skip_nonfinite`: the reads of step 2 (after the first), and whether it was
     skipped; `poisoned`: the global rank whose local gradient of wq holds a NaN then."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), mesh["tp"], PLAN)
-    opt = vo.AdamW(model.parameters(), mesh=mesh["dp"], skip_nonfinite=True, **ADAMW)
-    dp_rank = mesh["dp"].get_local_rank()
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
+    opt = vo.AdamW(model.parameters(), mesh=world["dp"], skip_nonfinite=True, **ADAMW)
+    dp_rank = world["dp"].get_local_rank()
     for t in range(2):
         nan = t == 1 and dist.get_rank() == poisoned
         hook = model.wq.weight.register_hook(lambda g: g * float("nan")) if nan else None
-        _tp_loss(model, *_batch(t, dp_rank)).backward()
+        tp_loss(model, *batch(t, dp_rank)).backward()
         if hook is not None:
             hook.remove()
         with (

@@ -2,13 +2,11 @@
 gradient over all ranks, every matrix orthogonalized (and every Shampoo root computed)
 once in the whole world, checkpoints across topologies, clear errors for bad meshes."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
+from _fsdp_cases import SHAMPOO, STEPS, TOL, assert_equal, make_ours, reference, train_sharded
 from _tiny_gpt import batch, build, loss_fn, train
-from test_fsdp import STEPS, TOL, _assert_equal, make_ours, reference
 from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_optim as vo
@@ -23,22 +21,11 @@ def _mesh(shape):
 def _train(kind, shape, sharded=True, micro=1, accumulate="reduce", steps=STEPS, backward_prefetch=True):
     """`accumulate`: "reduce" (every micro-batch reduced everywhere), "no_sync" (kept whole
     until the last) or "no_all_reduce" (reduce-scattered, all-reduced across replicas last)."""
-    rank = dist.get_rank()
-    model = build()
-    modules = [*model.layers, model] if sharded else None
-    opt = make_ours(kind, model, mesh=_mesh(shape), shard_modules=modules,
-                    backward_prefetch=backward_prefetch)  # fmt: skip
-    stats = []
-    for t in range(steps):
-        for m in range(micro):
-            last = m == micro - 1
-            quiet = contextlib.nullcontext() if last or accumulate == "reduce" else getattr(opt, accumulate)()
-            with quiet:
-                (loss_fn(model, *batch(t, rank, m)) / micro).backward()
-        opt.step()
-        opt.zero_grad()
-        stats.append(dict(opt.step_stats))
-    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, stats
+    units = {} if sharded else {"shard_modules": None}  # a unit per block and the root's, or ZeRO-2
+    quiet = None if accumulate == "reduce" else accumulate
+    return train_sharded(
+        kind, steps, micro, quiet, mesh=_mesh(shape), backward_prefetch=backward_prefetch, **units
+    )
 
 
 @pytest.mark.parametrize("kind", ["adamw", "muon", "shampoo"])
@@ -48,7 +35,7 @@ def test_any_mesh_equals_one_process(world, kind, mesh, sharded):
     want = reference(kind, 4)
     results = world(4).run(_train, kind, MESHES[mesh], sharded)
     for got, _ in results:
-        _assert_equal(got, want, TOL[kind])
+        assert_equal(got, want, TOL[kind])
     if kind == "muon":  # every matrix once in the whole world, each step
         per_step = [sum(stats[t]["ns_matrices"] for _, stats in results) for t in range(STEPS)]
         assert per_step == [12] * STEPS  # 3 layers x (attn, proj, mlp.0, mlp.2)
@@ -57,15 +44,16 @@ def test_any_mesh_equals_one_process(world, kind, mesh, sharded):
 @pytest.mark.parametrize("accumulate", ["reduce", "no_all_reduce"])
 def test_2x2_without_backward_prefetch_equals_one_process(world, accumulate):
     want = reference("adamw", 4, micro=2)
-    for got, _ in world(4).run(_train, "adamw", MESHES["2x2"], micro=2, accumulate=accumulate,
-                               backward_prefetch=False):  # fmt: skip
-        _assert_equal(got, want, TOL["adamw"])
+    for got, _ in world(4).run(
+        _train, "adamw", MESHES["2x2"], micro=2, accumulate=accumulate, backward_prefetch=False
+    ):
+        assert_equal(got, want, TOL["adamw"])
 
 
 def test_two_replicas_of_one_rank_equal_one_process(world):
     want = reference("muon", 2)
     for got, _ in world(2).run(_train, "muon", MESHES["2x1"]):
-        _assert_equal(got, want, TOL["muon"])
+        assert_equal(got, want, TOL["muon"])
 
 
 @pytest.mark.parametrize("accumulate", ["no_sync", "no_all_reduce"])
@@ -73,7 +61,7 @@ def test_two_replicas_of_one_rank_equal_one_process(world):
 def test_accumulation_modes_equal_one_process(world, kind, accumulate):
     want = reference(kind, 4, micro=2)
     for got, _ in world(4).run(_train, kind, MESHES["2x2"], True, 2, accumulate):
-        _assert_equal(got, want, TOL[kind])
+        assert_equal(got, want, TOL[kind])
 
 
 def _overlap():
@@ -134,8 +122,6 @@ def _roots(shape):
 
 
 def test_every_shampoo_root_is_computed_once_in_the_world(world):
-    from test_fsdp import SHAMPOO
-
     model = build()
     tiles = vo.Shampoo(model.parameters(), **SHAMPOO).num_tiles
     for shape in ("2x2", "4x1"):
@@ -179,8 +165,10 @@ def _load(path, kind, shape, steps=0, first=0, save_to=None):
     opt.load_sharded_state_dict(sd["optim"])
     loaded = (model.state_dict(), opt.state_dict())
     if save_to is not None:
-        dcp.save({"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()},
-                 checkpoint_id=save_to)  # fmt: skip
+        dcp.save(
+            {"model": opt.sharded_model_state_dict(), "optim": opt.sharded_state_dict()},
+            checkpoint_id=save_to,
+        )
     train(model, opt, range(first, first + steps), rank)
     return loaded, {k: v.clone() for k, v in model.state_dict().items()}
 

@@ -13,7 +13,7 @@ from torch import nn
 import vescale_optim as vo
 
 
-class Rope(nn.Module):
+class ReplacingRotary(nn.Module):
     """Computes its buffer afresh in `reset_parameters()` and assigns it."""
 
     def __init__(self, dim: int):
@@ -38,10 +38,10 @@ class Fresh(nn.Linear):
             nn.init.zeros_(self.bias)
 
 
-class Net(nn.Module):
+class ReplacingNet(nn.Module):
     def __init__(self, dim: int = 8):
         super().__init__()
-        self.rope = Rope(dim)
+        self.rope = ReplacingRotary(dim)
         self.fc = Fresh(dim, dim)
         self.head = nn.Linear(dim, 3)
 
@@ -49,16 +49,16 @@ class Net(nn.Module):
         return self.head(self.fc(self.rope(x)))
 
 
-def _optimizer(model: Net, **kw) -> vo.AdamW:
+def _optimizer(model: ReplacingNet, **kw) -> vo.AdamW:
     return vo.AdamW(model.parameters(), lr=0.1, shard_modules=[model.fc, model], **kw)
 
 
 def test_replaced_buffers_and_parameters_are_adopted():
     torch.manual_seed(0)
-    want = Net()
+    want = ReplacingNet()
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = Net()
+        model = ReplacingNet()
     held = list(model.parameters())
     opt = _optimizer(model, device="cpu")
     assert [id(p) for p in model.parameters()] == [id(p) for p in held]  # the optimizer's parameters
@@ -84,7 +84,7 @@ def test_a_replaced_parameter_of_another_shape_is_named():
             self.weight = nn.Parameter(torch.zeros(rows, self.in_features))
             nn.init.zeros_(self.bias)
 
-    class Bad(Net):
+    class Bad(ReplacingNet):
         def __init__(self):
             super().__init__()
             self.fc = Wrong(8, 8)

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from test_amp import _loss, _model  # the same small model and per-rank loss
+from _small_model import small_loss, small_model
 
 import vescale_optim as vo
 
@@ -23,9 +23,9 @@ import vescale_optim as vo
 def _stepped_once():
     """This rank, a model sharded by units [model[0], model], and its optimizer after one step."""
     rank = _rank()
-    model = _model()
+    model = small_model()
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 0, rank).backward()
+    small_loss(model, 0, rank).backward()
     opt.step()
     opt.zero_grad()
     return rank, model, opt
@@ -37,19 +37,19 @@ def _rank():
 
 def test_a_mesh_that_is_not_a_device_mesh_is_a_type_error():
     with pytest.raises(TypeError, match="mesh must be a torch.distributed.device_mesh.DeviceMesh.*str 'cpu'"):
-        vo.AdamW(_model().parameters(), mesh="cpu")
+        vo.AdamW(small_model().parameters(), mesh="cpu")
     with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
-        vo.AdamW(_model().parameters(), process_group="gloo")
+        vo.AdamW(small_model().parameters(), process_group="gloo")
 
 
 def test_a_shard_modules_entry_without_the_optimizers_parameters_is_refused():
-    model, other = _model(), torch.nn.Linear(3, 3)
+    model, other = small_model(), torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match=r"shard_modules\[1\] \(Linear\) holds none of the optimizer's"):
         vo.AdamW(model.parameters(), shard_modules=[model[0], other, model])
 
 
 def _differing_shard_modules():
-    model = _model()
+    model = small_model()
     units = [model[0], model] if _rank() == 0 else [model[2], model]
     with pytest.raises(ValueError, match="unit 0 differs between rank 0 .* and rank 1 .*shard_modules"):
         vo.AdamW(model.parameters(), shard_modules=units)
@@ -67,7 +67,7 @@ def _second_optimizer():
     rank, model, opt = _stepped_once()
     with pytest.raises(ValueError, match=r"#0 of param group 0 \(shape \(8, 6\)\) is already sharded by"):
         vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 1, rank).backward()  # the first optimizer goes on as if nothing happened
+    small_loss(model, 1, rank).backward()  # the first optimizer goes on as if nothing happened
     opt.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -75,10 +75,10 @@ def _second_optimizer():
 def test_a_second_optimizer_over_sharded_parameters_is_refused_and_the_first_goes_on(world):
     from _reference import mean_grad_reference
 
-    model = _model()
+    model = small_model()
     ref = torch.optim.AdamW(model.parameters(), lr=0.01)
     for t in range(2):
-        mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: small_loss(model, t, r).backward())
         ref.step()
     for got in world(2).run(_second_optimizer, timeout=60):
         for k, v in model.state_dict().items():
@@ -87,15 +87,15 @@ def test_a_second_optimizer_over_sharded_parameters_is_refused_and_the_first_goe
 
 def _lr_on_one_rank(sharded):
     rank = _rank()
-    model = _model()
+    model = small_model()
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model] if sharded else None)
-    _loss(model, 0, rank).backward()
+    small_loss(model, 0, rank).backward()
     opt.step()
     opt.zero_grad()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     if rank == 1:
         opt.param_groups[0]["lr"] = 0.02
-    _loss(model, 1, rank).backward()
+    small_loss(model, 1, rank).backward()
     with pytest.raises(RuntimeError, match=r"param group 0: 'lr' is 0.02 on rank 1 but 0.01 on rank 0"):
         opt.step()
     unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -117,7 +117,7 @@ def _ema_and_init(steps, sharded, ref_model=None):
     and (after step 1) an `nn.init` of the last layer; `ref_model` (one process, torch's
     AdamW fed the mean gradient) does the same with its plain parameters."""
     rank = _rank()
-    model = ref_model if ref_model is not None else _model()
+    model = ref_model if ref_model is not None else small_model()
     if ref_model is not None:
         from _reference import mean_grad_reference
 
@@ -129,9 +129,9 @@ def _ema_and_init(steps, sharded, ref_model=None):
     ema = None
     for t in range(steps):
         if ref_model is not None:
-            mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+            mean_grad_reference(model.parameters(), 2, lambda r, t=t: small_loss(model, t, r).backward())
         else:
-            _loss(model, t, rank).backward()
+            small_loss(model, t, rank).backward()
         opt.step()
         opt.zero_grad()
         with torch.no_grad(), whole():
@@ -147,7 +147,7 @@ def _ema_and_init(steps, sharded, ref_model=None):
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["zero2", "zero3"])
 def test_an_ema_and_an_init_inside_gathered_match_the_unsharded_run(world, sharded):
-    ema, state = _ema_and_init(4, sharded, ref_model=_model())
+    ema, state = _ema_and_init(4, sharded, ref_model=small_model())
     for got_ema, got_state in world(2).run(_ema_and_init, 4, sharded, timeout=60):
         for a, b in zip(got_ema, ema):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -170,8 +170,7 @@ def _pieces(opt, model):
 def _masters_kept(gather_bits, sharded):
     """bf16 parameters over fp32 masters: a write inside `gathered()` reaches the written
     parameter's master; every other master keeps all its bits (none is rounded to bf16)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).bfloat16()
+    model = small_model().bfloat16()
     units = [model[0], model] if sharded else None
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=units, gather_bits=gather_bits)
     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(_rank())).bfloat16()).sum().backward()
@@ -255,7 +254,7 @@ def _misreads():
     like = [torch.zeros_like(w), torch.full_like(w, 2.0), w.new_zeros(3)]  # shaped like it: no value read
     assert [type(t) for t in like] == [torch.Tensor] * 3
     assert like[1].shape == (8, 6) and bool((like[1] == 2).all())
-    _loss(model, 1, rank).backward()  # the model still trains, and torch's clipping reads .grad
+    small_loss(model, 1, rank).backward()  # the model still trains, and torch's clipping reads .grad
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     opt.step()
     return errors, own, meta, norm, {k: v.clone() for k, v in model.state_dict().items()}
@@ -264,11 +263,11 @@ def _misreads():
 def test_a_resharded_parameter_refuses_reads_and_writes_by_name(world):
     from _reference import mean_grad_reference
 
-    model = _model()
+    model = small_model()
     ref = torch.optim.AdamW(model.parameters(), lr=0.01)
     norms = []
     for t in range(2):
-        mean_grad_reference(model.parameters(), 2, lambda r, t=t: _loss(model, t, r).backward())
+        mean_grad_reference(model.parameters(), 2, lambda r, t=t: small_loss(model, t, r).backward())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         ref.step()
     for errors, own, meta, norm, state in world(2).run(_misreads, timeout=60):
@@ -287,25 +286,25 @@ def test_a_resharded_parameter_refuses_reads_and_writes_by_name(world):
 
 def _stale_graph(sharded):
     rank = _rank()
-    model = _model()
+    model = small_model()
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model] if sharded else None)
-    old = _loss(model, 0, rank)  # a graph built before the step
-    _loss(model, 1, rank).backward()
+    old = small_loss(model, 0, rank)  # a graph built before the step
+    small_loss(model, 1, rank).backward()
     opt.step()
     opt.zero_grad()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         old.backward()
     opt.zero_grad()
-    _loss(model, 2, rank).backward()  # a graph built after it is fine
+    small_loss(model, 2, rank).backward()  # a graph built after it is fine
     opt.step()
     return True
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["zero2", "zero3"])
 def test_a_backward_through_a_graph_from_before_the_step_raises_as_in_torch(world, sharded):
-    model = _model()
-    old = _loss(model, 0, 0)
-    _loss(model, 1, 0).backward()
+    model = small_model()
+    old = small_loss(model, 0, 0)
+    small_loss(model, 1, 0).backward()
     torch.optim.AdamW(model.parameters(), lr=0.01).step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         old.backward()  # torch's behaviour, which the library's matches
@@ -314,17 +313,17 @@ def test_a_backward_through_a_graph_from_before_the_step_raises_as_in_torch(worl
 
 def _grad_at_iteration_0():
     rank = _rank()
-    model = _model()
+    model = small_model()
     vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model])
-    _loss(model, 0, rank).backward()
+    small_loss(model, 0, rank).backward()
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
 def test_grad_at_iteration_0_is_the_averaged_gradient_of_every_unit(world):
     from _reference import mean_grad_reference
 
-    model = _model()
-    mean_grad_reference(model.parameters(), 2, lambda r: _loss(model, 0, r).backward())
+    model = small_model()
+    mean_grad_reference(model.parameters(), 2, lambda r: small_loss(model, 0, r).backward())
     for got in world(2).run(_grad_at_iteration_0, timeout=60):
         for n, p in model.named_parameters():
             torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-7, msg=n)
@@ -335,7 +334,7 @@ def _no_sync_on_one_rank(micro: int):
     every rank raises the named error in the first backward, before any reduce-scatter, the
     weights unchanged (`test_no_sync_agreement.py`: every micro-batch, ZeRO-2, host syncs)."""
     rank = _rank()
-    model = _model()
+    model = small_model()
     group = dist.new_group([0, 1])
     opt = vo.AdamW(model.parameters(), lr=0.01, shard_modules=[model[0], model], process_group=group)
     shards = [u.shard.clone() for u in opt.runtime.units]
@@ -343,7 +342,7 @@ def _no_sync_on_one_rank(micro: int):
     with pytest.raises(vo.NoSyncMismatchError, match=named):
         for m in range(micro):
             with opt.no_sync() if rank == 0 else contextlib.nullcontext():
-                _loss(model, m, rank).backward()
+                small_loss(model, m, rank).backward()
         opt.step()
     return bool(shards) and all(torch.equal(s, u.shard) for s, u in zip(shards, opt.runtime.units))
 

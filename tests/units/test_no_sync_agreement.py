@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _reference import mean_grad_reference
-from test_amp import _loss, _model  # the same small model and per-rank loss
+from _small_model import small_loss, small_model
 
 import vescale_optim as vo
 from vescale_optim.shard.handle import delayed, run_delayed, traced
@@ -37,7 +37,7 @@ def _mismatch(sharded: bool, micro: int, at: int):
     whether the shards are unchanged, and the averaged gradient of a fresh run afterwards in
     the same group."""
     rank = dist.get_rank()
-    model = _model()
+    model = small_model()
     opt = _optimizer(model, sharded)
     shards = [u.shard.clone() for u in opt.runtime.units]
     events: list[str] = []
@@ -48,7 +48,7 @@ def _mismatch(sharded: bool, micro: int, at: int):
             try:
                 for m in range(micro):
                     quiet = m < at or (m == at and rank == 0)
-                    loss = _loss(model, m, rank)
+                    loss = small_loss(model, m, rank)
                     phase = f"backward {m}"
                     events.append(phase)
                     with opt.no_sync() if quiet else contextlib.nullcontext():
@@ -62,9 +62,9 @@ def _mismatch(sharded: bool, micro: int, at: int):
                 raised = (phase, str(e))
         unchanged = all(torch.equal(s, u.shard) for s, u in zip(shards, opt.runtime.units))
         # the group goes on: a fresh run in it averages its gradients right
-        fresh = _model()
+        fresh = small_model()
         _optimizer(fresh, sharded)
-        _loss(fresh, 7, rank).backward()
+        small_loss(fresh, 7, rank).backward()
         grads = {n: p.grad.full_tensor() for n, p in fresh.named_parameters()}
     finally:
         vo.set_collective_timeout(None)
@@ -82,8 +82,8 @@ CASES = {
 def test_no_sync_on_one_rank_raises_on_every_rank_before_any_reduce_scatter(world, case, sharded):
     micro, at = CASES[case]
     results = world(2).run(_mismatch, sharded, micro, at, timeout=90)
-    model = _model()
-    mean_grad_reference(model.parameters(), 2, lambda r: _loss(model, 7, r).backward())
+    model = small_model()
+    mean_grad_reference(model.parameters(), 2, lambda r: small_loss(model, 7, r).backward())
     for rank, (raised, events, held, unchanged, grads) in enumerate(results):
         assert held > 0, held  # the emulation held collectives back
         assert raised is not None, f"rank {rank} raised nothing"
@@ -102,14 +102,14 @@ def _agreed(sharded: bool, micro: int):
     """Every rank inside `no_sync()` for all micro-batches but the last: no error, one
     agreement per backward, each read before the backward's first reduce-scatter."""
     rank = dist.get_rank()
-    model = _model()
+    model = small_model()
     opt = _optimizer(model, sharded)
     events: list[str] = []
     with delayed(), traced(into=events):
         for m in range(micro):
             events.append(f"backward {m}")
             with opt.no_sync() if m < micro - 1 else contextlib.nullcontext():
-                _loss(model, m, rank).backward()
+                small_loss(model, m, rank).backward()
         opt.step()
     return events
 

@@ -31,9 +31,14 @@ def test_a_block_round_trips_within_half_a_code_step(kinds, rows, seed):
     pieces = []
     for kind in kinds:
         x = torch.randn(BLOCK, generator=g)
-        x = {"zero": x * 0, "constant": torch.full_like(x, 3.5), "tiny": x * 1e-30, "huge": x * 1e30,
-             "nan": x.index_fill(0, torch.tensor([5]), float("nan")),
-             "inf": x.index_fill(0, torch.tensor([7]), float("inf"))}.get(kind, x)  # fmt: skip
+        x = {
+            "zero": x * 0,
+            "constant": torch.full_like(x, 3.5),
+            "tiny": x * 1e-30,
+            "huge": x * 1e30,
+            "nan": x.index_fill(0, torch.tensor([5]), float("nan")),
+            "inf": x.index_fill(0, torch.tensor([7]), float("inf")),
+        }.get(kind, x)
         pieces.append(x)
     flat = torch.cat(pieces * rows)
     back = Q8.unpack(Q8.pack(flat, rows), torch.float32)
@@ -67,7 +72,8 @@ def _gathered():
     vo.AdamW(model.parameters(), shard_modules=[*model.layers, model], gather_bits=8, comm_block=BLOCK)
     seen = {}
     model.layers[0].register_forward_pre_hook(  # after the unit's own hook: gathered
-        lambda m, a: seen.update({n: p.detach().clone() for n, p in m.named_parameters()}))
+        lambda m, a: seen.update({n: p.detach().clone() for n, p in m.named_parameters()})
+    )
     with torch.no_grad():
         model(batch(0, 0)[0])
     one_process = {}
@@ -101,8 +107,13 @@ def _reduced(world_size):
     the bound: per element, the mean over ranks of half a code step of its block."""
     model = build(layers=2)
     opt = vo.AdamW(model.parameters(), shard_modules=[*model.layers, model], reduce_bits=8, comm_block=BLOCK)
-    grads = [{n: torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * r + i))
-              for i, (n, p) in enumerate(model.named_parameters())} for r in range(world_size)]  # fmt: skip
+    grads = [
+        {
+            n: torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * r + i))
+            for i, (n, p) in enumerate(model.named_parameters())
+        }
+        for r in range(world_size)
+    ]
     for n, p in model.named_parameters():
         p.grad = grads[dist.get_rank()][n].clone()
     opt.reduce_gradients()
@@ -177,8 +188,13 @@ def test_8bit_collectives_without_units_and_on_a_mesh(world, layout):
 
 def _skips_nonfinite():
     model = build(layers=1)
-    opt = vo.AdamW(model.parameters(), shard_modules=[*model.layers, model], reduce_bits=8, comm_block=BLOCK,
-                   skip_nonfinite=True)  # fmt: skip
+    opt = vo.AdamW(
+        model.parameters(),
+        shard_modules=[*model.layers, model],
+        reduce_bits=8,
+        comm_block=BLOCK,
+        skip_nonfinite=True,
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loss_fn(model, *batch(0, dist.get_rank())).backward()
     if dist.get_rank() == 1:

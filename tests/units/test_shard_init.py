@@ -19,11 +19,10 @@ import math
 
 import pytest
 import torch
+from _tp import full, mesh
 from hypothesis import given
 from hypothesis import strategies as st
-from test_tensor_parallel import _full
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -296,7 +295,7 @@ def _materialised(shape):
     every rank draws from it), its parameters cut by
     LAYOUT over tp, then materialised by vo.AdamW over dp (a unit per module): its whole state,
     and the allocations while the optimizer was built."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    world = mesh(*shape)
     rank = torch.distributed.get_rank()
     torch.manual_seed(0 if rank == 0 else 100 + rank)
     with torch.device("meta"):
@@ -310,7 +309,7 @@ def _materialised(shape):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         vo.AdamW(held, mesh=world["dp"], shard_modules=[model.stack, model.odd, model], lr=0.1)
     assert all(p is q for p, q in zip(model.parameters(), held, strict=True))  # the optimizer's own
-    return _full(model.state_dict()), _allocations(prof)
+    return full(model.state_dict()), _allocations(prof)
 
 
 @pytest.mark.slow

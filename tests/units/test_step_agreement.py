@@ -7,93 +7,29 @@ import pytest
 import torch
 import torch.distributed as dist
 from _reference import mean_grad_reference
+from _step_agreement_cases import STEPS, TOL, PartlyUsedNet, freeze_schedule, groups, loss, reference
 
 import vescale_optim as vo
 from vescale_optim.units import ReducedGrad
 
-STEPS = 6
-# Each covers twice the noise floor of summing the ranks' gradients in another order (gloo's
-# ring does on W >= 3), measured by tests/test_references.py; Muon's is one flipped bf16
-# rounding of a Newton-Schulz output (2**-8 of an update of size ~lr * 0.2 * sqrt(n)).
-TOL = {"adamw": dict(rtol=1e-5, atol=1e-6), "muon": dict(rtol=0, atol=2e-4)}
-LR = dict(muon=0.02, adam=0.01)
-
-
-class Net(torch.nn.Module):
-    """`side` is used only by rank 0 on even steps; `unused` never."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 4)
-        self.side, self.unused = torch.nn.Linear(8, 4), torch.nn.Linear(4, 4)
-
-    def forward(self, x, side: bool):
-        h = torch.tanh(self.a(x))
-        return self.b(h) + self.side(h) if side else self.b(h)
-
-
-def _loss(model, t, rank):
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * t + rank)).to(model.a.weight.dtype)
-    return model(x, side=rank == 0 and t % 2 == 0).square().mean()
-
-
-def _freeze_schedule(model, t):
-    if t == 2:
-        model.b.weight.requires_grad_(False)  # frozen after construction: takes no step
-    if t == 4:
-        model.b.weight.requires_grad_(True)
-
-
-def _groups(model, kind):
-    if kind == "adamw":
-        return [{"params": list(model.parameters()), "lr": LR["adam"], "weight_decay": 0.1}]
-    mats = [p for p in model.parameters() if p.ndim == 2]
-    vecs = [p for p in model.parameters() if p.ndim == 1]
-    return [
-        {"params": mats, "lr": LR["muon"], "weight_decay": 0.1},
-        {"params": vecs, "lr": LR["adam"], "weight_decay": 0.1, "use_muon": False},
-    ]
-
 
 def _train(kind, steps=STEPS):
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = Net()
-    opt = (vo.AdamW if kind == "adamw" else vo.Muon)(_groups(model, kind))
+    model = PartlyUsedNet()
+    opt = (vo.AdamW if kind == "adamw" else vo.Muon)(groups(model, kind))
     for t in range(steps):
-        _freeze_schedule(model, t)
+        freeze_schedule(model, t)
         opt.zero_grad()
         assert all(p.grad is None for p in model.parameters())  # as torch: no stale gradients
-        _loss(model, t, rank).backward()
+        loss(model, t, rank).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.state_dict()
 
 
-def _reference(kind, world, steps=STEPS, reversed_order=False):
-    model = Net()
-    groups = _groups(model, kind)
-    if kind == "adamw":
-        opts = [torch.optim.AdamW(groups)]
-    else:
-        opts = [
-            torch.optim.Muon(groups[0]["params"], lr=LR["muon"], weight_decay=0.1),
-            torch.optim.AdamW(groups[1]["params"], lr=LR["adam"], betas=(0.9, 0.95), weight_decay=0.1),
-        ]
-    for t in range(steps):
-        _freeze_schedule(model, t)
-        backward = lambda r, t=t: _loss(model, t, r).backward()
-        mean_grad_reference(model.parameters(), world, backward, reversed_order)
-        for o in opts:
-            o.step()
-    position = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
-    state = {position[id(p)]: s for o in opts for p, s in o.state.items()}
-    return [p.detach() for p in model.parameters()], state
-
-
 def _check(kind, world, results):
-    want, state = _reference(kind, world)
+    want, state = reference(kind, world)
     tol = TOL[kind]
-    initial = [p.detach() for p in Net().parameters()]
+    initial = [p.detach() for p in PartlyUsedNet().parameters()]
     for params, sd in results:
         for got, ref in zip(params, want):
             torch.testing.assert_close(got, ref, **tol)
@@ -122,9 +58,9 @@ def test_only_parameters_with_a_gradient_on_some_rank_step(world, kind, world_si
 def _zero_grad_keeps_zeros():
     """set_to_none=False: the gradients that exist become zero and step as zero gradients."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = Net()
+    model = PartlyUsedNet()
     opt = vo.AdamW(model.parameters(), lr=0.01)
-    _loss(model, 0, rank).backward()
+    loss(model, 0, rank).backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
     grads = [p.grad for p in model.parameters()]
@@ -142,9 +78,9 @@ def _zero_grad_keeps_zeros():
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_zero_grad_without_set_to_none_steps_zero_gradients_as_torch(world, world_size):
     results = world(world_size).run(_zero_grad_keeps_zeros) if world_size > 1 else [_zero_grad_keeps_zeros()]
-    model = Net()
+    model = PartlyUsedNet()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    mean_grad_reference(model.parameters(), world_size, lambda r: _loss(model, 0, r).backward())
+    mean_grad_reference(model.parameters(), world_size, lambda r: loss(model, 0, r).backward())
     opt.step()
     opt.zero_grad(set_to_none=False)
     opt.step()
@@ -158,10 +94,10 @@ def test_zero_grad_without_set_to_none_steps_zero_gradients_as_torch(world, worl
 
 def _refused(change, ranks=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model = Net()
+    model = PartlyUsedNet()
     model.unused.weight.requires_grad_(False)  # frozen at construction: not in the buffers
     opt = vo.AdamW(model.named_parameters(), lr=0.01)
-    _loss(model, 0, rank).backward()
+    loss(model, 0, rank).backward()
     opt.step()
     before = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()
@@ -169,7 +105,7 @@ def _refused(change, ranks=None):
         change(model, opt)
     opt.zero_grad()
     try:
-        _loss(model, 1, rank).backward()
+        loss(model, 1, rank).backward()
         opt.step()
     except RuntimeError as e:
         error = str(e)
@@ -207,7 +143,7 @@ def _refused_and_recovers(name):
         assert all(torch.equal(v, after["state"][i][k]) for k, v in st.items())
     if name == "double":  # moved back: the optimizer takes the parameters up again
         model.float()
-        _loss(model, 1, opt.rank).backward()
+        loss(model, 1, opt.rank).backward()
         opt.step()
         assert not torch.equal(before[0], model.a.weight.detach())
     return error

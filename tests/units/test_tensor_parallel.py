@@ -5,105 +5,41 @@ and named errors for what is not supported."""
 
 import pytest
 import torch
-from _reference import mean_grad_reference
+from _tp import (
+    ADAMW,
+    DIM,
+    PLAN,
+    PROJECTIONS,
+    STEPS,
+    WIDE,
+    WIDE_PLAN,
+    Wide,
+    adamw_reference,
+    batch,
+    build,
+    full,
+    local,
+    loss,
+    mesh,
+    placements,
+    replicated_mesh,
+    train,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 import vescale_optim as vo
 from vescale_optim.units import ReducedGrad
 
 pytestmark = pytest.mark.slow
 
-DIM, HIDDEN, HEAD, STEPS, BATCH, SEQ = 16, 32, 4, 3, 2, 5
-ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-PLAN = {
-    **{name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")},
-    **{name: RowwiseParallel() for name in ("wo", "w2")},
-}
-
-
-class Block(nn.Module):
-    """A Llama-like block: attention over heads of `HEAD` features, a SwiGLU MLP; under TP
-    each rank computes its own heads and hidden features (the views read the local width)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(DIM), nn.LayerNorm(DIM)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        h = self.norm1(x)
-        q, k, v = (w(h).view(b, t, -1, HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
-        h = self.norm2(x)
-        return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
-
-
-def _build(block: type[nn.Module] | None = None):
-    """The seeded block (`block`, test_sequence_parallel's, has the same norms)."""
-    torch.manual_seed(0)
-    model = (block or Block)()
-    with torch.no_grad():  # norms away from their init, so their gradients matter
-        for norm in (model.norm1, model.norm2):
-            norm.weight.uniform_(0.5, 1.5)
-        model.norm2.bias.uniform_(-0.1, 0.1)
-    return model
-
-
-def _batch(step, dp_rank, seq=SEQ):
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randn(BATCH, seq, DIM, generator=g), torch.randn(BATCH, seq, DIM, generator=g)
-
-
-def _loss(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def reference(dp=2, steps=STEPS, clip=None, clip_value=None, grads=False):
-    """One process, the unparallelised model, torch.optim.AdamW on the mean gradient over the
-    dp ranks' batches (clipped to norm `clip`: then each step's norm before clipping too, as
-    `norm{t}`; or to `clip_value`), and with `grads` the first step's mean gradients as `grad.{name}`."""
-    model = _build()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    extra = {}
-    for t in range(steps):
-        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
-        if t == 0 and grads:
-            extra.update({f"grad.{n}": p.grad.clone() for n, p in model.named_parameters()})
-        if clip is not None:
-            extra[f"norm{t}"] = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if clip_value is not None:
-            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
-        opt.step()
-    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **extra}
-
-
-def _world():
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-
-
-def _full(state):
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _placements(model):
-    return {n: tuple(p.placements) if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
-
 
 def _train(kind, steps=STEPS, clip=None):
-    world = _world()
-    model = parallelize_module(_build(), world["tp"], PLAN)
-    before = _placements(model)
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
+    before = placements(model)
     if kind == "ours":
         opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
     else:  # FSDP2 after the same plan
@@ -114,21 +50,21 @@ def _train(kind, steps=STEPS, clip=None):
     dp_rank = world["dp"].get_local_rank()
     per_step = []
     for t in range(steps):
-        _loss(model, *_batch(t, dp_rank)).backward()
+        loss(model, *batch(t, dp_rank)).backward()
         norm = opt.clip_grad_norm_(clip) if clip is not None else None
         opt.step()
         opt.zero_grad()
-        per_step.append(_full(model.state_dict()))
+        per_step.append(full(model.state_dict()))
         if norm is not None:
-            per_step[-1]["norm"] = _full({"norm": norm})["norm"]
+            per_step[-1]["norm"] = full({"norm": norm})["norm"]
     if kind == "ours":
-        assert _placements(model) == before  # DTensors with their TP placements after every step
+        assert placements(model) == before  # DTensors with their TP placements after every step
         assert all(isinstance(model.get_parameter(n), DTensor) == (p is not None) for n, p in before.items())
     return per_step
 
 
 def test_dp2_tp2_adamw_equals_one_process(world):
-    want = reference()
+    want = adamw_reference()
     for got in world(4).run(_train, "ours"):
         for k in want:
             torch.testing.assert_close(got[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -145,33 +81,38 @@ def test_dp2_tp2_adamw_equals_fsdp2_step_for_step(world):
 def _local_views_and_state():
     """The parameters' local tensors are the unit's memory; .grad reads as a DTensor of the same
     placements; the state dicts round trip."""
-    world = _world()
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
     opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW)
     unit = opt.units[0]
     base = unit.full.data.untyped_storage().data_ptr()
     for p in model.parameters():
-        assert _local(p).untyped_storage().data_ptr() == base  # zero copy: a view of the unit's buffer
+        assert local(p).untyped_storage().data_ptr() == base  # zero copy: a view of the unit's buffer
     dp_rank = world["dp"].get_local_rank()
-    _loss(model, *_batch(0, dp_rank)).backward()
-    grads = {n: (type(p.grad), tuple(p.grad.placements)) for n, p in model.named_parameters()
-             if isinstance(p, DTensor)}  # fmt: skip
+    loss(model, *batch(0, dp_rank)).backward()
+    grads = {
+        n: (type(p.grad), tuple(p.grad.placements))
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
     opt.step()
     opt.zero_grad()
     sd = model.state_dict()
     kinds = {k: tuple(v.placements) if isinstance(v, DTensor) else None for k, v in sd.items()}
     saved = opt.state_dict()
-    model2 = parallelize_module(_build(), world["tp"], PLAN)
+    model2 = parallelize_module(build(), world["tp"], PLAN)
     opt2 = vo.AdamW(model2.parameters(), mesh=world["dp"], **ADAMW)
     model2.load_state_dict(sd)
     opt2.load_state_dict(saved)
     for t in (1, 2):
         for m, o in ((model, opt), (model2, opt2)):
-            _loss(m, *_batch(t, dp_rank)).backward()
+            loss(m, *batch(t, dp_rank)).backward()
             o.step()
             o.zero_grad()
-    same = all(torch.equal(_local(a), _local(b)) for a, b in zip(model.state_dict().values(),
-                                                                model2.state_dict().values()))  # fmt: skip
+    same = all(
+        torch.equal(local(a), local(b))
+        for a, b in zip(model.state_dict().values(), model2.state_dict().values())
+    )
     return grads, kinds, same
 
 
@@ -189,8 +130,8 @@ def test_local_tensors_are_views_and_state_dicts_round_trip(world):
 
 
 def _refused(case):
-    world = _world()
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
     if case == "unrelated mesh":
         other = init_device_mesh("cpu", (4,))  # spans the dp ranks too
         weight = distribute_tensor(model.norm1.weight.detach(), other, [Replicate()])
@@ -234,7 +175,7 @@ def test_what_cannot_be_sharded_is_refused_on_every_rank(world, case, error, wor
 def test_clip_grad_norm_sums_tp_shards_and_counts_replicated_parameters_once(world):
     """opt.clip_grad_norm_ under TP (FSDP2 2-D cannot run torch's clip_grad_norm_ here: its
     per-parameter norms live on two meshes, dp and dp x tp, which torch.stack refuses)."""
-    want = reference(clip=0.05)
+    want = adamw_reference(clip=0.05)
     for got in world(4).run(_train, "ours", clip=0.05):
         for t in range(STEPS):  # the norm before clipping
             torch.testing.assert_close(got[t]["norm"], want[f"norm{t}"], rtol=1e-5, atol=1e-7)
@@ -249,15 +190,15 @@ def _torch_utils(shape, zero3, how, clip=0.05):
     get_total_norm with foreach, then clip_grads_with_norm_) or "clip_grad_value_"; the first
     step's `p.grad.full_tensor()` too. Gradients are DTensors' under TP (global shape,
     placements) with their values in the optimizer's shards."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
-    projections = [getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    world = mesh(*shape)
+    model = parallelize_module(build(), world["tp"], PLAN)
+    projections = [getattr(model, n) for n in PROJECTIONS]
     extra = dict(shard_modules=[*projections, model]) if zero3 else {}
     opt = vo.AdamW(model.parameters(), mesh=world["dp"], **extra, **ADAMW)
     dp_rank, out = world["dp"].get_local_rank(), {}
     utils = torch.nn.utils
     for t in range(STEPS):
-        _loss(model, *_batch(t, dp_rank)).backward()
+        loss(model, *batch(t, dp_rank)).backward()
         if t == 0:
             out.update({f"grad.{n}": p.grad.full_tensor() for n, p in model.named_parameters()})
             w = model.wq.weight.grad
@@ -273,20 +214,28 @@ def _torch_utils(shape, zero3, how, clip=0.05):
             utils.clip_grad_value_(model.parameters(), 1e-3)
         opt.step()
         opt.zero_grad()
-    return {**out, **_full(model.state_dict())}
+    return {**out, **full(model.state_dict())}
 
 
 @pytest.mark.parametrize(
     "shape, zero3, how",
-    [((2, 2), False, "clip_grad_norm_"), ((2, 2), True, "titan"), ((1, 4), False, "clip_grad_norm_"),
-     ((2, 2), True, "clip_grad_value_")],
-)  # fmt: skip
+    [
+        ((2, 2), False, "clip_grad_norm_"),
+        ((2, 2), True, "titan"),
+        ((1, 4), False, "clip_grad_norm_"),
+        ((2, 2), True, "clip_grad_value_"),
+    ],
+)
 def test_torch_gradient_utilities_see_the_whole_model(world, shape, zero3, how):
     """The norm torch's clipping computes is the whole model's (TP shards summed over TP, a
     replicated parameter counted once), the same on every rank as one process's; the clipped
     step and `p.grad.full_tensor()` equal one process's on the mean gradient."""
-    want = reference(dp=shape[0], clip=None if how == "clip_grad_value_" else 0.05,
-                     clip_value=1e-3 if how == "clip_grad_value_" else None, grads=True)  # fmt: skip
+    want = adamw_reference(
+        dp=shape[0],
+        clip=None if how == "clip_grad_value_" else 0.05,
+        clip_value=1e-3 if how == "clip_grad_value_" else None,
+        grads=True,
+    )
     for got in world(4).run(_torch_utils, shape, zero3, how):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -298,18 +247,18 @@ def test_torch_gradient_utilities_see_the_whole_model(world, shape, zero3, how):
 def _train_zero3(steps=STEPS):
     """ZeRO-3 over the TP model (a unit per projection, the norms in the root's): per step the
     whole model state, and what a weight between steps, `opt.gathered()` and the state dict give."""
-    world = _world()
-    model = parallelize_module(_build(), world["tp"], PLAN)
-    before = _placements(model)
-    projections = [getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")]
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
+    before = placements(model)
+    projections = [getattr(model, n) for n in PROJECTIONS]
     opt = vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=[*projections, model], **ADAMW)
     dp_rank = world["dp"].get_local_rank()
     per_step, refused, seen = [], [], {}
     for t in range(steps):
-        _loss(model, *_batch(t, dp_rank)).backward()
+        loss(model, *batch(t, dp_rank)).backward()
         opt.step()
         opt.zero_grad()
-        assert _placements(model) == before  # DTensors with their TP placements after every step
+        assert placements(model) == before  # DTensors with their TP placements after every step
         assert len(opt.units) == 8 and all(u.sharded and u.full.nbytes == 0 for u in opt.units)  # freed
         w = model.wq.weight
         assert isinstance(w, DTensor) and isinstance(w, nn.Parameter) and w.shape == (DIM, DIM)
@@ -323,15 +272,15 @@ def _train_zero3(steps=STEPS):
                 refused.append(False)
         state = model.state_dict()
         seen = {k: tuple(v.placements) if isinstance(v, DTensor) else None for k, v in state.items()}
-        per_step.append(_full(state))
+        per_step.append(full(state))
         with opt.gathered():
-            whole = {n: _local(p).detach().clone() for n, p in model.named_parameters()}
-        assert all(torch.equal(whole[k], _local(state[k])) for k in whole)  # TP-local values, whole
+            whole = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+        assert all(torch.equal(whole[k], local(state[k])) for k in whole)  # TP-local values, whole
     return per_step, refused, seen
 
 
 def test_zero3_dp2_tp2_equals_one_process_and_fsdp2_step_for_step(world):
-    want, theirs = reference(), world(4).run(_train, "fsdp2")
+    want, theirs = adamw_reference(), world(4).run(_train, "fsdp2")
     for (ours, refused, seen), fsdp in zip(world(4).run(_train_zero3), theirs):
         for k in want:
             torch.testing.assert_close(ours[-1][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -348,26 +297,23 @@ def test_zero3_dp2_tp2_equals_one_process_and_fsdp2_step_for_step(world):
 
 def _train_hsdp(shape, zero3):
     """HSDP x TP on a 3-D root mesh of `shape` (replicate, shard, tp): the model state after STEPS."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
-    before = _placements(model)
-    shard_modules = [*(getattr(model, n) for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3")), model]
-    opt = vo.AdamW(model.parameters(), mesh=world["dp_replicate", "dp_shard"],
-                   shard_modules=shard_modules if zero3 else None, **ADAMW)  # fmt: skip
-    replica, shard = world.get_coordinate()[:2]
-    dp_rank = replica * shape[1] + shard
+    world, dp_rank = replicated_mesh(shape)
+    model = parallelize_module(build(), world["tp"], PLAN)
+    before = placements(model)
+    shard_modules = [*(getattr(model, n) for n in PROJECTIONS), model] if zero3 else None
+    opt = vo.AdamW(
+        model.parameters(), mesh=world["dp_replicate", "dp_shard"], shard_modules=shard_modules, **ADAMW
+    )
     for t in range(STEPS):
-        _loss(model, *_batch(t, dp_rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        assert _placements(model) == before
-    return _full(model.state_dict())
+        train(model, opt, dp_rank, [t])
+        assert placements(model) == before
+    return full(model.state_dict())
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
 @pytest.mark.parametrize("zero3", [False, True])
 def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
-    want = reference()
+    want = adamw_reference()
     for got in world(4).run(_train_hsdp, shape, zero3):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -376,55 +322,33 @@ def test_hsdp_tp_adamw_equals_one_process(world, shape, zero3):
 # --- skip_nonfinite, 8-bit state and 8-bit collectives under TP --------------------------------
 
 
-# A block wide enough for 8-bit state: its 64 x 64 TP shards reach QUANT_MIN_NUMEL (4096) elements,
-# under which state stays in fp32 (the Llama block's shards are all smaller).
-WIDE, WIDE_HIDDEN = 64, 128
-WIDE_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.norm = nn.RMSNorm(WIDE)
-        self.up = nn.Linear(WIDE, WIDE_HIDDEN, bias=False)
-        self.down = nn.Linear(WIDE_HIDDEN, WIDE, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
-
-
 def _train_with(dp, options, steps=STEPS, poison=None, same_batch=False, wide=False):
     """dp x tp2 (dp * 2 ranks) with vo.AdamW(**options): the model state after `steps` (whole),
     and the optimizer's state dict (with `wide`, of the Wide block, and the segments' tiers too).
     `poison=(step, rank)`: that global rank's local gradient of wq holds a NaN at that step (its
     TP peer's does not). `same_batch`: every dp rank trains on step t's batch of rank 0, so the
     mean gradient does not depend on dp."""
-    world = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(Wide() if wide else _build(), world["tp"], WIDE_PLAN if wide else PLAN)
+    world = mesh(dp, 2)
+    model = parallelize_module(Wide() if wide else build(), world["tp"], WIDE_PLAN if wide else PLAN)
     opt = vo.AdamW(model.parameters(), mesh=world["dp"], **ADAMW, **options)
     dp_rank = 0 if same_batch else world["dp"].get_local_rank()
     for t in range(steps):
         if poison is not None and poison == (t, torch.distributed.get_rank()):
             hook = model.wq.weight.register_hook(lambda g: g * float("nan"))
-        x, y = _batch(t, dp_rank)
-        if wide:
-            g = torch.Generator().manual_seed(1000 * t + dp_rank)
-            x, y = torch.randn(BATCH, SEQ, WIDE, generator=g), torch.randn(BATCH, SEQ, WIDE, generator=g)
-        _loss(model, x, y).backward()
+        loss(model, *batch(t, dp_rank, dim=WIDE if wide else DIM)).backward()
         if poison is not None and poison == (t, torch.distributed.get_rank()):
             hook.remove()
         opt.step()
         opt.zero_grad()
     if wide:
-        return _full(model.state_dict()), opt.state_dict(), [seg.tier for seg in opt.segments]
-    return _full(model.state_dict()), opt.state_dict()
+        return full(model.state_dict()), opt.state_dict(), [seg.tier for seg in opt.segments]
+    return full(model.state_dict()), opt.state_dict()
 
 
 def test_skip_nonfinite_skips_on_every_tp_rank(world):
     """A NaN in one TP rank's shard of a gradient skips the step on all four ranks: the run equals
     one that never took that step's data (the TP shards of wq stay one matrix)."""
-    want = reference(steps=1)
+    want = adamw_reference(steps=1)
     for got, _ in world(4).run(_train_with, 2, dict(skip_nonfinite=True), 2, (1, 0)):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -452,7 +376,7 @@ def test_8bit_state_is_identical_at_any_dp_size_for_one_tp_size(world):
 def test_8bit_collectives_under_tp_stay_near_fp32(world, options):
     """Within STEPS steps of lr of the fp32 run (Adam's updates of tiny gradients may flip with the
     wire's rounding), and the parameters left out of the plan still equal on every TP rank."""
-    want, runs = reference(), world(4).run(_train_with, 2, options)
+    want, runs = adamw_reference(), world(4).run(_train_with, 2, options)
     for got, _ in runs:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=STEPS * ADAMW["lr"], msg=k)
@@ -466,14 +390,14 @@ def _different_plans(case):
     """Rank 0's plan differs from the others' (`case`): every rank must raise at construction
     ("no plan": rank 0 holds a plain model, no DTensor at all, while its TP peer holds DTensors;
     they keep their own chunks, src_data_rank=None, or torch's plan would wait for rank 0's)."""
-    world = _world()
+    world = mesh()
     plan, rank0 = dict(PLAN), torch.distributed.get_rank() == 0
     if rank0 and case == "colwise vs rowwise":
         plan["wq"] = RowwiseParallel()
     if case in ("no plan", "no plan, no mesh"):
-        model = _build() if rank0 else parallelize_module(_build(), world["tp"], plan, src_data_rank=None)
+        model = build() if rank0 else parallelize_module(build(), world["tp"], plan, src_data_rank=None)
     else:
-        model = parallelize_module(_build(), world["tp"], plan)
+        model = parallelize_module(build(), world["tp"], plan)
     if rank0 and case == "dtensor vs plain":  # wq a plain tensor of the same shape on rank 0 alone
         model.wq.weight = nn.Parameter(torch.zeros(DIM, DIM))
     try:  # "no plan, no mesh": nobody passes mesh= either (the peers' DTensors need it)

@@ -9,11 +9,23 @@ that nothing initialises is named on every rank."""
 
 import pytest
 import torch
-from _reference import mean_grad_reference
-from test_tensor_parallel import ADAMW, DIM, HEAD, PLAN, STEPS, Block, _batch, _full, _placements
-from test_tensor_parallel_muon import ADAM, MUON
+from _tp import (
+    ADAMW,
+    DIM,
+    HEAD,
+    MUON,
+    PLAN,
+    PROJECTIONS,
+    STEPS,
+    LlamaBlock,
+    full,
+    mean_grad,
+    mesh,
+    placements,
+    train,
+)
+from _tp import MUON_ADAM as ADAM
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -21,10 +33,8 @@ import vescale_optim as vo
 
 pytestmark = pytest.mark.slow
 
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
-
-class Rotary(nn.Module):
+class RotaryEmbedding(nn.Module):
     """Rotary position embedding over `HEAD` features: a buffer its `reset_parameters()` computes
     afresh and assigns (as torchtitan's `freqs_cis`), so on the meta device it waits for it."""
 
@@ -43,13 +53,13 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class RopeBlock(Block):
-    """test_tensor_parallel's Llama-like block with rotary queries and keys; every parameter and
-    buffer comes from its module's own initialisation (norms at ones and zeros)."""
+class RopeBlock(LlamaBlock):
+    """The TP tests' Llama-like block with rotary queries and keys; every parameter and buffer
+    comes from its module's own initialisation (norms at ones and zeros)."""
 
     def __init__(self):
         super().__init__()
-        self.rope = Rotary()
+        self.rope = RotaryEmbedding()
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -59,10 +69,6 @@ class RopeBlock(Block):
         x = x + self.wo(att.transpose(1, 2).reshape(b, t, -1))
         h = self.norm2(x)
         return x + self.w2(torch.nn.functional.silu(self.w1(h)) * self.w3(h))
-
-
-def _loss(model, x, y):
-    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def reference(dp, steps=STEPS, muon=False):
@@ -83,7 +89,7 @@ def reference(dp, steps=STEPS, muon=False):
         else:
             opts = [torch.optim.AdamW(model.parameters(), **ADAMW)]
         for t in range(steps):
-            mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+            mean_grad(model, t, dp)
             for opt in opts:
                 opt.step()
         return built, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -119,9 +125,9 @@ def _train_meta(shape, steps=STEPS, muon=False, meta=True):
     """dp x tp of `shape` from the meta device (or built normally, `meta=False`): the whole model
     state after construction and after `steps` of vo.AdamW (ZeRO-3, a unit per projection and the
     root's); with `muon`, of vo.Muon on the matrices with an AdamW group for the norms."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    world = mesh(*shape)
     model = _meta_model(world) if meta else _normal_model(world)
-    before = _placements(model)
+    before = placements(model)
     units = [*(getattr(model, n) for n in PROJECTIONS), model]
     if muon:
         mats, norms = _muon_groups(model)
@@ -129,23 +135,20 @@ def _train_meta(shape, steps=STEPS, muon=False, meta=True):
         opt = vo.Muon(groups, mesh=world["dp"], shard_modules=units, **MUON)
     else:
         opt = vo.AdamW(model.parameters(), mesh=world["dp"], shard_modules=units, **ADAMW)
-    assert _placements(model) == before  # DTensors with their TP placements, off the meta device
+    assert placements(model) == before  # DTensors with their TP placements, off the meta device
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    built = _full(model.state_dict())
-    dp_rank = world["dp"].get_local_rank()
-    for t in range(steps):
-        _loss(model, *_batch(t, dp_rank)).backward()
-        opt.step()
-        opt.zero_grad()
-    assert _placements(model) == before
-    return built, _full(model.state_dict())
+    built = full(model.state_dict())
+    train(model, opt, world["dp"].get_local_rank(), range(steps))
+    assert placements(model) == before
+    return built, full(model.state_dict())
 
 
 SHAPES = [((2, 2), False), ((1, 4), False), ((4, 1), False), ((2, 2), True), ((1, 4), True)]
 
 
-@pytest.mark.parametrize("shape, muon", SHAPES,
-                         ids=[f"dp{d}xtp{t}" + ("-muon" if m else "") for (d, t), m in SHAPES])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, muon", SHAPES, ids=[f"dp{d}xtp{t}" + ("-muon" if m else "") for (d, t), m in SHAPES]
+)
 def test_meta_dtensors_equal_the_model_built_normally_then_one_process(world, shape, muon):
     """With Muon, also bitwise the same TP model built normally and trained alike: bf16 Newton–Schulz
     of this block's gradients is ill-conditioned (a relative 1e-6 of noise in the reference's
@@ -173,7 +176,7 @@ class Skips(nn.Linear):
 
 
 def _uninitialised():
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = mesh()
 
     class Broken(RopeBlock):
         def __init__(self):

@@ -3,13 +3,27 @@ world["tp"], vo.Muon on the data-parallel mesh; each full matrix (its Colwise ro
 Rowwise column blocks from both TP ranks) orthogonalized once in the whole world, the same
 numbers as one process running torch.optim.Muon (+ AdamW for the norms) on the mean gradient."""
 
+import _muon_cases
 import pytest
 import torch
-from _reference import mean_grad_reference
 from _resume import save_and_load
-from test_tensor_parallel import BATCH, PLAN, SEQ, WIDE, WIDE_PLAN, Wide, _batch, _build, _full, _loss
+from _tp import (
+    MUON,
+    PLAN,
+    WIDE,
+    WIDE_PLAN,
+    Wide,
+    batch,
+    build,
+    full,
+    loss,
+    mean_grad,
+    mesh,
+    replicated_mesh,
+    train,
+)
+from _tp import MUON_ADAM as ADAM
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -18,8 +32,6 @@ import vescale_optim as vo
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-MUON = dict(lr=0.02, weight_decay=0.1)
-ADAM = dict(lr=0.01, weight_decay=0.05)
 EXTRA = (8, 12)  # a plain matrix beside the model, replicated over TP, in a Muon group of its own
 
 
@@ -48,12 +60,12 @@ def reference(dp=2, extra=False):
 
 
 def _reference(dp, extra):
-    model, x = _build(), _extra()
+    model, x = build(), _extra()
     mats, vecs = _groups(model)
     muon = torch.optim.Muon(mats + ([x] if extra else []), **MUON)
     adam = torch.optim.AdamW(vecs, betas=(0.9, 0.95), eps=1e-8, **ADAM)
     for t in range(STEPS):
-        mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+        mean_grad(model, t, dp)
         x.grad = sum(_extra_grad(t, r) for r in range(dp)) / dp
         muon.step()
         adam.step()
@@ -64,25 +76,23 @@ def _train(shape, zero3, extra, one_group=False):
     """vo.Muon on a (replicate, shard, tp) root mesh of `shape`: the model state after STEPS and
     each step's Newton–Schulz matrices on this rank; with `one_group` the plain matrix shares the
     TP matrices' group (and their segment: each kind moves in a part of its own)."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    world, dp_rank = replicated_mesh(shape)
     dp = world["dp_shard"] if shape[0] == 1 else world["dp_replicate", "dp_shard"]
-    model, x = parallelize_module(_build(), world["tp"], PLAN), _extra()
+    model, x = parallelize_module(build(), world["tp"], PLAN), _extra()
     mats, vecs = _groups(model)
     groups = [{"params": mats + ([x] if one_group else [])}, {"params": vecs, "use_muon": False, **ADAM}]
     groups += [{"params": [x]}] if extra and not one_group else []
     units = dict(shard_modules=[*(getattr(model, n) for n in PLAN), model]) if zero3 else {}
     opt = vo.Muon(groups, mesh=dp, **units, **MUON)
-    replica, shard = world.get_coordinate()[:2]
-    dp_rank = replica * shape[1] + shard
     counts = []
     for t in range(STEPS):
-        _loss(model, *_batch(t, dp_rank)).backward()
+        loss(model, *batch(t, dp_rank)).backward()
         x.grad = _extra_grad(t, dp_rank)
         opt.step()
         opt.zero_grad()
         counts.append(opt.step_stats["ns_matrices"])
     assert all(isinstance(p, DTensor) for p in mats)
-    return {**_full(model.state_dict()), "extra": x.detach().clone()}, counts
+    return {**full(model.state_dict()), "extra": x.detach().clone()}, counts
 
 
 @pytest.mark.parametrize(
@@ -95,15 +105,21 @@ def _train(shape, zero3, extra, one_group=False):
         ((1, 2, 2), False, True, True),
         ((2, 1, 2), False, True, True),
     ],
-    ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2", "dp2xtp2-plain-matrix", "dp2xtp2-plain-matrix-one-group",
-         "hsdp2x1xtp2-plain-matrix-one-group"],
-)  # fmt: skip
+    ids=[
+        "dp2xtp2",
+        "dp2xtp2-zero3",
+        "hsdp2x1xtp2",
+        "dp2xtp2-plain-matrix",
+        "dp2xtp2-plain-matrix-one-group",
+        "hsdp2x1xtp2-plain-matrix-one-group",
+    ],
+)
 def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, extra, one_group):
     want = reference(extra=extra)
     if not extra:
         del want["extra"]
     results = world(4).run(_train, shape, zero3, extra, one_group)
-    n = sum(1 for p in _build().parameters() if p.ndim == 2) + extra
+    n = sum(1 for p in build().parameters() if p.ndim == 2) + extra
     for t in range(STEPS):  # every full matrix orthogonalized exactly once in the world, each step
         assert sum(counts[t] for _, counts in results) == n
     for got, _ in results:
@@ -115,8 +131,13 @@ def test_muon_under_tp_equals_one_process_each_matrix_once(world, shape, zero3, 
 # orthogonalizes them where they lie (no TP traffic); a RowwiseParallel shard holds a column slice
 # of every block, made whole over TP by its owner. Reference: torch.optim.Muon on each block as a
 # parameter of its own.
-BLOCKS = {"wq": dict(num_heads=4), "wk": dict(num_heads=4), "wo": dict(num_heads=4),
-          "w1": dict(split_sizes=(16, 16)), "w2": dict(split_sizes=(4, 12))}  # fmt: skip
+BLOCKS = {
+    "wq": dict(num_heads=4),
+    "wk": dict(num_heads=4),
+    "wo": dict(num_heads=4),
+    "w1": dict(split_sizes=(16, 16)),
+    "w2": dict(split_sizes=(4, 12)),
+}
 
 
 def _sizes(name, rows, blocks=BLOCKS):
@@ -132,7 +153,7 @@ def _blocked_reference(dp=2):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _build()
+        model = build()
         weights = {n: getattr(model, n).weight for n in BLOCKS}
         sizes = {n: _sizes(n, w.shape[0]) for n, w in weights.items()}
         blocks = {
@@ -143,7 +164,7 @@ def _blocked_reference(dp=2):
         muon = torch.optim.Muon(mats + [b for bs in blocks.values() for b in bs], **MUON)
         adam = torch.optim.AdamW(vecs, betas=(0.9, 0.95), eps=1e-8, **ADAM)
         for t in range(STEPS):
-            mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+            mean_grad(model, t, dp)
             for n, w in weights.items():
                 for b, g in zip(blocks[n], w.grad.split(sizes[n])):
                     b.grad = g.clone()
@@ -158,8 +179,8 @@ def _blocked_reference(dp=2):
 
 
 def _blocked_train(blocks):
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
     mats, vecs = _groups(model)
     weights = {n: getattr(model, n).weight for n in blocks}
     rest = [p for p in mats if all(p is not w for w in weights.values())]
@@ -168,19 +189,14 @@ def _blocked_train(blocks):
         opt = vo.Muon([*groups, {"params": vecs, "use_muon": False, **ADAM}], mesh=world["dp"], **MUON)
     except NotImplementedError as e:
         return str(e), None
-    counts = []
-    for t in range(STEPS):
-        _loss(model, *_batch(t, world["dp"].get_local_rank())).backward()
-        opt.step()
-        opt.zero_grad()
-        counts.append(opt.step_stats["ns_matrices"])
-    return _full(model.state_dict()), counts
+    counts = train(model, opt, world["dp"].get_local_rank(), range(STEPS), "ns_matrices")
+    return full(model.state_dict()), counts
 
 
 def test_blocks_of_tp_cut_matrices_equal_torch_muon_per_block(world):
     want = _blocked_reference()
     results = world(4).run(_blocked_train, BLOCKS)
-    n = sum(len(_sizes(name, getattr(_build(), name).weight.shape[0])) for name in BLOCKS) + 2  # + wv, w3
+    n = sum(len(_sizes(name, getattr(build(), name).weight.shape[0])) for name in BLOCKS) + 2  # + wv, w3
     for t in range(STEPS):  # every block once in the world
         assert sum(counts[t] for _, counts in results) == n
     for got, _ in results:
@@ -195,8 +211,8 @@ def test_a_colwise_cut_through_a_block_is_refused_on_every_rank(world):
 
 # NorMuon on TP-cut matrices: the owner holds the full matrix (a ColwiseParallel shard's whole heads,
 # a RowwiseParallel matrix's column blocks put side by side), so it keeps each matrix's per-row
-# second moment as without TP. Reference: the loop written out (test_muon_family's NorMuon) on the
-# unparallelised model, per block.
+# second moment as without TP. Reference: the loop written out (`_muon_cases.normuon_reference`) on
+# the unparallelised model, per block.
 NORMUON_BLOCKS = {"wq": dict(num_heads=4), "w2": dict(split_sizes=(4, 12))}  # Shard(0) heads, Shard(1) blocks
 BETA2 = 0.9
 BEFORE = 2  # steps before a checkpoint
@@ -215,15 +231,13 @@ def _normuon_reference(steps=STEPS, dp_after=2):
     the paper on each block (`normuon_reference`), AdamW on the norms; the parameters and the state
     under the one-process keys (`momentum_buffer`, `variance_neuron`, `variance_neuron_{b}`). The
     mean gradient is over 2 data-parallel ranks for BEFORE steps, then over `dp_after`."""
-    from test_muon_family import normuon_reference
-
     from vescale_optim.kernels import newton_schulz
     from vescale_optim.optim._muon_math import adjusted_lr
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _build()
+        model = build()
         params = dict(model.named_parameters())
         mats, vecs = _normuon_names(model)
         adam = torch.optim.AdamW([params[n] for n in vecs], betas=(0.9, 0.95), eps=1e-8, **ADAM)
@@ -233,8 +247,7 @@ def _normuon_reference(steps=STEPS, dp_after=2):
         buf = {n: torch.zeros_like(params[n]) for n in mats}
         v = {n: [torch.zeros(r) for r in sizes.get(n, [params[n].shape[0]])] for n in mats}
         for t in range(steps):
-            dp = 2 if t < BEFORE else dp_after
-            mean_grad_reference(model.parameters(), dp, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
+            mean_grad(model, t, 2 if t < BEFORE else dp_after)
             with torch.no_grad():
                 for n in mats:
                     p, g = params[n], params[n].grad
@@ -242,7 +255,7 @@ def _normuon_reference(steps=STEPS, dp_after=2):
                     u = g.lerp(buf[n], 0.95)
                     rows = sizes.get(n, [p.shape[0]])
                     for b, (block, ub) in enumerate(zip(p.split(rows), u.split(rows))):
-                        o, v[n][b] = normuon_reference(newton_schulz(ub, 5), v[n][b], BETA2)
+                        o, v[n][b] = _muon_cases.normuon_reference(newton_schulz(ub, 5), v[n][b], BETA2)
                         block.mul_(1 - MUON["lr"] * MUON["weight_decay"])
                         block.add_(o.bfloat16(), alpha=-adjusted_lr(MUON["lr"], None, *ub.shape))
             adam.step()
@@ -262,42 +275,34 @@ def _normuon_setup(dp, tp, weights=None, zero3=False, replicas=1):
     """The model at (dp, tp) (a plain one at tp=1) with vo.Muon(normuon=True) on its matrices
     (the blocked ones in groups of their own) and AdamW on the norms; and this rank's dp rank.
     `zero3`: a unit per projection and the root's; `replicas` > 1: HSDP, `replicas` x dp/replicas."""
-    model = _build()
+    model = build()
     if weights is not None:
         model.load_state_dict(weights)
-    mesh = {}
+    sharding = {}
     if tp > 1 and replicas > 1:
-        names = ("dp_replicate", "dp_shard", "tp")
-        world = init_device_mesh("cpu", (replicas, dp // replicas, tp), mesh_dim_names=names)
-        model, mesh = parallelize_module(model, world["tp"], PLAN), dict(mesh=world[names[:2]])
-        replica, shard = world.get_coordinate()[:2]
+        world, dp_rank = replicated_mesh((replicas, dp // replicas, tp))
+        sharding["mesh"] = world["dp_replicate", "dp_shard"]
     elif tp > 1:
-        world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model, mesh = parallelize_module(model, world["tp"], PLAN), dict(mesh=world["dp"])
+        world = mesh(dp, tp)
+        sharding["mesh"], dp_rank = world["dp"], world["dp"].get_local_rank()
+    else:
+        dp_rank = torch.distributed.get_rank()
+    if tp > 1:
+        model = parallelize_module(model, world["tp"], PLAN)
     if zero3:
-        mesh["shard_modules"] = [*(getattr(model, n) for n in PLAN), model]
+        sharding["shard_modules"] = [*(getattr(model, n) for n in PLAN), model]
     params = dict(model.named_parameters())
     mats, vecs = _normuon_names(model)
     plain = [params[n] for n in mats[: -len(NORMUON_BLOCKS)]]
     blocked = [{"params": [params[f"{n}.weight"]], **spec} for n, spec in NORMUON_BLOCKS.items()]
     groups = [{"params": plain}, *blocked]
     groups.append({"params": [params[n] for n in vecs], "use_muon": False, **ADAM})
-    opt = vo.Muon(groups, normuon=True, normuon_beta2=BETA2, **mesh, **MUON)
-    if tp > 1 and replicas > 1:
-        dp_rank = replica * (dp // replicas) + shard
-    else:
-        dp_rank = world["dp"].get_local_rank() if tp > 1 else torch.distributed.get_rank()
+    opt = vo.Muon(groups, normuon=True, normuon_beta2=BETA2, **sharding, **MUON)
     return model, opt, dp_rank
 
 
 def _normuon_steps(model, opt, dp_rank, steps):
-    counts = []
-    for t in steps:
-        _loss(model, *_batch(t, dp_rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        counts.append(opt.step_stats["ns_matrices"])
-    return counts
+    return train(model, opt, dp_rank, steps, "ns_matrices")
 
 
 def _normuon_train(zero3=False, replicas=1):
@@ -308,7 +313,7 @@ def _normuon_train(zero3=False, replicas=1):
     names = _normuon_names(model)[0]  # the first parameters of the optimizer, in its order
     saved = opt.state_dict()["state"]
     state = {(n, k): x for i, n in enumerate(names) for k, x in saved[i].items() if k != "step"}
-    return _full(model.state_dict()), counts, state
+    return full(model.state_dict()), counts, state
 
 
 @pytest.fixture(scope="module")
@@ -316,12 +321,13 @@ def normuon_reference():
     return _normuon_reference()
 
 
-@pytest.mark.parametrize("zero3, replicas", [(False, 1), (True, 1), (False, 2)],
-                         ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "zero3, replicas", [(False, 1), (True, 1), (False, 2)], ids=["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"]
+)
 def test_normuon_under_tp_equals_one_process_each_matrix_once(world, normuon_reference, zero3, replicas):
     want, want_state = normuon_reference
     results = world(4).run(_normuon_train, zero3, replicas)
-    blocks = len(_normuon_names(_build())[0]) - len(NORMUON_BLOCKS) + 4 + 2  # wq's 4 heads, w2's 2 blocks
+    blocks = len(_normuon_names(build())[0]) - len(NORMUON_BLOCKS) + 4 + 2  # wq's 4 heads, w2's 2 blocks
     for t in range(STEPS):  # every matrix (block) once in the world
         assert sum(counts[t] for _, counts, _ in results) == blocks
     for got, _, state in results:
@@ -338,13 +344,14 @@ def _normuon_round_trip(path, kind, dp, tp):
 
     model, opt, dp_rank = _normuon_setup(2, 2)
     _normuon_steps(model, opt, dp_rank, range(BEFORE + 1))
-    straight = _full(model.state_dict())
+    straight = full(model.state_dict())
     model, opt, dp_rank = _normuon_setup(2, 2)
     _normuon_steps(model, opt, dp_rank, range(BEFORE))
-    model, opt, dp_rank = save_and_load(kind, path, model, opt, BEFORE, lambda m: _full(m.state_dict()),
-                                        lambda w: _normuon_setup(dp, tp, w))  # fmt: skip
+    model, opt, dp_rank = save_and_load(
+        kind, path, model, opt, BEFORE, lambda m: full(m.state_dict()), lambda w: _normuon_setup(dp, tp, w)
+    )
     _normuon_steps(model, opt, dp_rank, range(BEFORE, BEFORE + 1))
-    return _full(model.state_dict()), straight
+    return full(model.state_dict()), straight
 
 
 RESUMES = [("full", 2, 2), ("dcp", 2, 2), ("manager", 2, 2)] + [
@@ -371,27 +378,29 @@ def test_normuon_state_under_tp_resumes_exactly(world, tmp_path, kind, dp, tp):
 
 # 8-bit NorMuon under TP: the momentum's and v's int8 blocks lie in each TP shard (q8 from
 # QUANT_MIN_NUMEL elements of the local shard), so at one TP size they are bitwise the same at any
-# dp size, and near the fp32 state's run (test_tensor_parallel's Wide: 64 x 64 shards reach q8).
+# dp size, and near the fp32 state's run (`_tp.Wide`: 64 x 64 shards reach q8).
+
 
 def _wide_normuon(dp, state_bits):
     """dp x tp2, every dp rank on rank 0's batches (the mean gradient does not depend on dp):
     vo.Muon(normuon=True, num_heads on `up`) for STEPS; the parameters, whole, opt.state_dict()'s
     state by (name, key), and the Muon segments' tiers."""
-    world = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    world = mesh(dp, 2)
     model = parallelize_module(Wide(), world["tp"], WIDE_PLAN)
-    groups = [{"params": [model.up.weight], "num_heads": 4}, {"params": [model.down.weight]},
-              {"params": [model.norm.weight], "use_muon": False, **ADAM}]  # fmt: skip
+    groups = [
+        {"params": [model.up.weight], "num_heads": 4},
+        {"params": [model.down.weight]},
+        {"params": [model.norm.weight], "use_muon": False, **ADAM},
+    ]
     opt = vo.Muon(groups, mesh=world["dp"], normuon=True, normuon_beta2=BETA2, state_bits=state_bits, **MUON)
     for t in range(STEPS):
-        g = torch.Generator().manual_seed(1000 * t)
-        x, y = torch.randn(BATCH, SEQ, WIDE, generator=g), torch.randn(BATCH, SEQ, WIDE, generator=g)
-        _loss(model, x, y).backward()
+        loss(model, *batch(t, 0, dim=WIDE)).backward()
         opt.step()
         opt.zero_grad()
     names = ["up.weight", "down.weight", "norm.weight"]
     state = {(names[i], k): v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
     tiers = [seg.tier for seg in opt.segments if seg.group["use_muon"]]
-    return _full(model.state_dict()), state, tiers
+    return full(model.state_dict()), state, tiers
 
 
 def test_8bit_normuon_under_tp_is_identical_at_any_dp_size_for_one_tp_size(world):

@@ -9,14 +9,26 @@ world too. torch's full format holds the one-process reference's state on every 
 bitwise at dp2 x tp2, dp4 x tp1 and dp1 x tp4. Cuts off the grid are refused."""
 
 import pytest
-import test_sequence_parallel as sp
 import torch
-from _reference import mean_grad_reference
+from _fsdp_cases import SHAMPOO
 from _resume import save_and_load
-from _shampoo_reference import ReferenceShampoo, tile_slices
-from test_fsdp import SHAMPOO
-from test_tensor_parallel import PLAN, _batch, _build, _full, _loss
-from torch.distributed.device_mesh import init_device_mesh
+from _shampoo_reference import ReferenceShampoo
+from _tp import (
+    PLAN,
+    SP_PLAN,
+    SP_SEQ,
+    SP_TP,
+    SequenceParallelBlock,
+    at_layout,
+    build,
+    full,
+    mean_grad,
+    mesh,
+    replicated_mesh,
+    train,
+    train_sequence_parallel,
+)
+from _tp_shampoo import STEPS, reference, roots_per_step
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -24,30 +36,7 @@ import vescale_optim as vo
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4  # roots refreshed at steps 2 and 4 (precondition_frequency=2)
-D = SHAMPOO["max_preconditioner_dim"]  # 8: every TP shard of the block (8 or 16 rows / columns) on the grid
-
-
-def reference(dp=2, dp_after=None, opts=SHAMPOO, steps=STEPS):
-    """One process, the unparallelised model, the reference Shampoo on the mean gradient over
-    dp (over `dp_after` from step STEPS/2 on, if given): the model after `steps`, and the
-    optimizer's state per parameter."""
-    model = _build()
-    opt = ReferenceShampoo(list(model.parameters()), **opts)
-    for t in range(steps):
-        n = dp if dp_after is None or t < STEPS // 2 else dp_after
-        mean_grad_reference(model.parameters(), n, lambda r, t=t: _loss(model, *_batch(t, r)).backward())
-        opt.step()
-    if steps != STEPS:
-        return [opt.state.get(p) for p in model.parameters()]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _roots_per_step() -> list[int]:
-    """Inverse roots of the full model's tiles each step: two per tile where roots refresh."""
-    tiles = sum(len(tile_slices(p.shape[0], p[0].numel(), D)) for p in _build().parameters() if p.ndim >= 2)
-    return [2 * tiles if (t + 1) % SHAMPOO["precondition_frequency"] == 0 else 0 for t in range(STEPS)]
-
+# SHAMPOO's max_preconditioner_dim is 8: every TP shard of the block (8 or 16 rows / columns) on the grid
 
 # the MLP cut over TP; attention replicated over TP: wq, wk, wv plain, wo a Replicate DTensor
 MLP_PLAN = {name: style for name, style in PLAN.items() if name in ("w1", "w3", "w2")}
@@ -58,32 +47,27 @@ def _parallelize(model, tp, plan):
     model = parallelize_module(model, tp, plan)
     if plan is MLP_PLAN:
         distribute_module(
-            model.wo, tp,
+            model.wo,
+            tp,
             input_fn=lambda _, xs, mesh: tuple(DTensor.from_local(x, mesh, [Replicate()]) for x in xs),
             output_fn=lambda _, out, mesh: out.to_local(),
-        )  # fmt: skip
+        )
     return model
 
 
 def _train(shape, zero3, plan=PLAN):
     """vo.Shampoo on a (replicate, shard, tp) root mesh of `shape`: the whole model after STEPS
     and each step's roots computed on this rank."""
-    world = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    world, dp_rank = replicated_mesh(shape)
     dp = world["dp_shard"] if shape[0] == 1 else world["dp_replicate", "dp_shard"]
-    model = _parallelize(_build(), world["tp"], plan)
+    model = _parallelize(build(), world["tp"], plan)
     units = dict(shard_modules=[*(getattr(model, n) for n in plan), model]) if zero3 else {}
     opt = vo.Shampoo(model.parameters(), mesh=dp, **units, **SHAMPOO)
-    replica, shard = world.get_coordinate()[:2]
-    roots = []
-    for t in range(STEPS):
-        _loss(model, *_batch(t, replica * shape[1] + shard)).backward()
-        opt.step()
-        opt.zero_grad()
-        roots.append(opt.step_stats["roots"])
+    roots = train(model, opt, dp_rank, range(STEPS), "roots")
     assert all(isinstance(getattr(model, n).weight, DTensor) for n in plan)
     if plan is MLP_PLAN:
         assert not isinstance(model.wq.weight, DTensor) and model.wo.weight.placements == (Replicate(),)
-    return _full(model.state_dict()), roots
+    return full(model.state_dict()), roots
 
 
 LAYOUTS = [((1, 2, 2), False), ((1, 2, 2), True), ((2, 1, 2), False)]
@@ -94,7 +78,7 @@ IDS = ["dp2xtp2", "dp2xtp2-zero3", "hsdp2x1xtp2"]
 def test_shampoo_under_tp_equals_one_process_each_tile_once(world, shape, zero3):
     want = reference()
     results = world(4).run(_train, shape, zero3)
-    for t, n in enumerate(_roots_per_step()):  # each tile's roots computed once in the world
+    for t, n in enumerate(roots_per_step()):  # each tile's roots computed once in the world
         assert sum(roots[t] for _, roots in results) == n, (t, [roots for _, roots in results])
     for got, _ in results:
         for k in want:
@@ -103,21 +87,8 @@ def test_shampoo_under_tp_equals_one_process_each_tile_once(world, shape, zero3)
 
 def _setup(dp, tp, plan=PLAN, opts=SHAMPOO, weights=None):
     """The model at (dp, tp) (a plain one at tp=1) with vo.Shampoo, and this rank's dp rank."""
-    model = _build()
-    if weights is not None:
-        model.load_state_dict(weights)
-    if tp == 1:
-        return model, vo.Shampoo(model.parameters(), **opts), torch.distributed.get_rank()
-    world = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = _parallelize(model, world["tp"], plan)
-    return model, vo.Shampoo(model.parameters(), mesh=world["dp"], **opts), world["dp"].get_local_rank()
-
-
-def _steps(model, opt, dp_rank, steps):
-    for t in steps:
-        _loss(model, *_batch(t, dp_rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    optimizer = lambda params, **mesh: vo.Shampoo(params, **mesh, **opts)  # noqa: E731
+    return at_layout(dp, tp, optimizer, weights, lambda model, tp_mesh: _parallelize(model, tp_mesh, plan))
 
 
 def _round_trip(path, kind, dp, tp):
@@ -125,10 +96,10 @@ def _round_trip(path, kind, dp, tp):
     "manager"), resumed at (dp, tp) for the rest; the whole model."""
     half = STEPS // 2
     model, opt, dp_rank = _setup(2, 2)
-    _steps(model, opt, dp_rank, range(half))
+    train(model, opt, dp_rank, range(half))
     model, opt, dp_rank = save_and_load(kind, path, model, opt, half, None, lambda _: _setup(dp, tp))
-    _steps(model, opt, dp_rank, range(half, STEPS))
-    return _full(model.state_dict())
+    train(model, opt, dp_rank, range(half, STEPS))
+    return full(model.state_dict())
 
 
 @pytest.mark.parametrize("kind", ["dcp", "manager"])
@@ -154,14 +125,14 @@ def _full_round_trip(dp, tp):
     one the loaded optimizer gives back, and the whole model at the end."""
     half = STEPS // 2
     model, opt, dp_rank = _setup(2, 2, MLP_PLAN, D4)
-    _steps(model, opt, dp_rank, range(half))
-    saved, weights = opt.state_dict(), _full(model.state_dict())
+    train(model, opt, dp_rank, range(half))
+    saved, weights = opt.state_dict(), full(model.state_dict())
     torch.distributed.barrier()
     model, opt, dp_rank = _setup(dp, tp, MLP_PLAN, D4, weights)
     opt.load_state_dict(saved)
     again = opt.state_dict()
-    _steps(model, opt, dp_rank, range(half, STEPS))
-    return saved["state"], again["state"], _full(model.state_dict())
+    train(model, opt, dp_rank, range(half, STEPS))
+    return saved["state"], again["state"], full(model.state_dict())
 
 
 @pytest.mark.parametrize("dp, tp", [(2, 2), (4, 1), (1, 4)], ids=["dp2xtp2", "dp4xtp1", "dp1xtp4"])
@@ -177,8 +148,13 @@ def test_full_state_dict_under_tp_is_one_processs_and_resumes_exactly(world, dp,
             for key, v in entry.items():
                 assert not isinstance(v, DTensor), (i, key)
                 ref = torch.as_tensor(state[i][key]).double()
-                torch.testing.assert_close(v.double(), ref, rtol=ROOTS if "inv_root" in key else 1e-5,
-                                           atol=1e-6 * float(ref.abs().max()), msg=f"{i} {key}")  # fmt: skip
+                torch.testing.assert_close(
+                    v.double(),
+                    ref,
+                    rtol=ROOTS if "inv_root" in key else 1e-5,
+                    atol=1e-6 * float(ref.abs().max()),
+                    msg=f"{i} {key}",
+                )
                 assert torch.equal(v, results[0][0][i][key]), (i, key)  # the same on every rank
                 assert torch.equal(again[i][key], v), (i, key)  # fp32 state bitwise after the load
         for k in want:
@@ -186,8 +162,8 @@ def test_full_state_dict_under_tp_is_one_processs_and_resumes_exactly(world, dp,
 
 
 def _refused(block):
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_build(), world["tp"], PLAN)
+    world = mesh()
+    model = parallelize_module(build(), world["tp"], PLAN)
     before = {n: p.to_local().clone() for n, p in model.named_parameters() if isinstance(p, DTensor)}
     try:
         vo.Shampoo(model.named_parameters(), mesh=world["dp"], **{**SHAMPOO, "max_preconditioner_dim": block})
@@ -211,41 +187,28 @@ def test_matrices_replicated_over_tp_next_to_cut_ones_equal_one_process_each_til
     # the dp x tp world, its update on every TP rank's copy; the MLP's tiles in their TP shards
     want = reference()
     results = world(4).run(_train, shape, zero3, MLP_PLAN)
-    for t, n in enumerate(_roots_per_step()):
+    for t, n in enumerate(roots_per_step()):
         assert sum(roots[t] for _, roots in results) == n, (t, [roots for _, roots in results])
     for got, _ in results:
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def _sp_pair(model, t, r):
-    """The output of `model` on test_sequence_parallel's batch of step `t`, rank `r`, and its target."""
-    x, y = sp._batch(t, r, sp.SEQ)
-    return model(x), y
-
-
 def _sequence_parallel():
-    """vo.Shampoo on test_sequence_parallel's plan (SequenceParallel norms, Replicate DTensors
-    whose gradients arrive Partial): the whole model after its steps."""
-    world = init_device_mesh("cpu", (2, sp.TP), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(sp._build(sp.Block), world["tp"], sp.PLAN)
+    """vo.Shampoo on the sequence-parallel plan (`_tp.SP_PLAN`: SequenceParallel norms, Replicate
+    DTensors whose gradients arrive Partial): the whole model after its steps."""
+    world = mesh(2, SP_TP)
+    model = parallelize_module(build(SequenceParallelBlock), world["tp"], SP_PLAN)
     opt = vo.Shampoo(model.parameters(), mesh=world["dp"], **SHAMPOO)
-    dp, tp = world["dp"].get_local_rank(), world["tp"].get_local_rank()
-    cut = slice(tp * sp.SEQ // sp.TP, (tp + 1) * sp.SEQ // sp.TP)  # this TP rank's sequence shard
-    for t in range(STEPS):
-        x, y = (z[:, cut] for z in sp._batch(t, dp, sp.SEQ))
-        (torch.nn.functional.mse_loss(model(x), y) / sp.TP).backward()
-        opt.step()
-        opt.zero_grad()
-    return _full(model.state_dict())
+    train_sequence_parallel(model, opt, world, range(STEPS))
+    return full(model.state_dict())
 
 
 def test_sequence_parallel_norms_next_to_tp_matrices_equal_one_process(world):
-    model = sp._build(sp.Block)
+    model = build(SequenceParallelBlock)
     opt = ReferenceShampoo(list(model.parameters()), **SHAMPOO)
-    loss = lambda r, t: torch.nn.functional.mse_loss(*_sp_pair(model, t, r))  # noqa: E731
     for t in range(STEPS):
-        mean_grad_reference(model.parameters(), 2, lambda r, t=t: loss(r, t).backward())
+        mean_grad(model, t, 2, SP_SEQ)
         opt.step()
     for got in world(4).run(_sequence_parallel):
         for k, v in model.state_dict().items():

@@ -51,10 +51,16 @@ def _torch_cases():
             configs[name].append((case.desc, base))
             configs[name] += [(f"{case.desc} & {f}", {**base, f: True}) for f in flags]
         errors[name] = [
-            (e.optimizer_error_input.desc, e.optimizer_error_input.params, e.optimizer_error_input.kwargs,
-             e.error_type, e.error_regex, e.error_on == OptimizerErrorEnum.STEP_ERROR)
+            (
+                e.optimizer_error_input.desc,
+                e.optimizer_error_input.params,
+                e.optimizer_error_input.kwargs,
+                e.error_type,
+                e.error_regex,
+                e.error_on == OptimizerErrorEnum.STEP_ERROR,
+            )
             for e in info.optim_error_inputs_func("cpu", torch.float32)
-        ]  # fmt: skip
+        ]
     return configs, errors
 
 

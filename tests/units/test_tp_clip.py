@@ -5,9 +5,8 @@ of TP shards), and its norm is one process's on the mean gradient (dp2 x tp2 on 
 import pytest
 import torch
 from _reference import mean_grad_reference
-from test_tensor_parallel import PLAN, _batch, _build
+from _tp import PLAN, batch, build, loss, mesh
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import vescale_optim as vo
@@ -17,17 +16,13 @@ CLIP = 0.05
 
 
 def _model(layers: int) -> nn.Sequential:
-    """`layers` seeded blocks of test_tensor_parallel (each a different seed)."""
-    blocks = []
-    for i in range(layers):
-        torch.manual_seed(i)
-        blocks.append(_build())
-    return nn.Sequential(*blocks)
+    """`layers` blocks of the TP tests, one after the other (`_tp.build` seeds each alike: the same
+    weights in every block)."""
+    return nn.Sequential(*(build() for _ in range(layers)))
 
 
 def _loss(model, t, dp_rank):
-    x, y = _batch(t, dp_rank)
-    return torch.nn.functional.mse_loss(model(x), y)
+    return loss(model, *batch(t, dp_rank))
 
 
 def _reference(layers: int, dp: int = 2) -> torch.Tensor:
@@ -40,7 +35,7 @@ def _reference(layers: int, dp: int = 2) -> torch.Tensor:
 def _clip(layers: int, zero3: bool):
     """The collectives torch's clip_grad_norm_ issues on the TP model's gradients (foreach and
     not), and the norm it returns."""
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = mesh()
     model = _model(layers)
     plan = {f"{i}.{name}": style for i in range(layers) for name, style in PLAN.items()}
     model = parallelize_module(model, world["tp"], plan)

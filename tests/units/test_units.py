@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 import vescale_optim as vo
 from vescale_optim.shard import plan_layout
 from vescale_optim.shard.collectives import Comm
-from vescale_optim.units import State, Unit
+from vescale_optim.units import ShardingConfig, State, Unit
 from vescale_optim.units.assign import assign_units
 from vescale_optim.units.reduced_grad import ReducedGrad
 from vescale_optim.units.schedule import Schedule
+from vescale_optim.units.unit import UnitComms
 
 LR = 0.1
 # test_adamw.TOL. Measured over 80 interleavings at W=2: the first step's gradients equal the
@@ -36,12 +37,22 @@ def make_units(model, shard_modules, comm, sharded=True, param_dtype=None):
         order = sorted(set(unit_of), key=unit_of.index)
         groups = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
         modules = [listed[k] for k in order]
+    config = ShardingConfig(shard_modules=shard_modules if sharded else None, param_dtype=param_dtype)
     units = []
     for idx in groups:
         ps = [params[i] for i in idx]
         layout = plan_layout([p.numel() for p in ps], [1] * len(ps), comm.world_size, 4)
-        units.append(Unit(ps, [names[i] for i in idx], layout, comm, index=len(units),
-                          name=str(len(units)), sharded=sharded, param_dtype=param_dtype))  # fmt: skip
+        units.append(
+            Unit(
+                ps,
+                [names[i] for i in idx],
+                layout,
+                UnitComms(comm),
+                config,
+                index=len(units),
+                name=str(len(units)),
+            )
+        )
     return units, modules
 
 
@@ -60,8 +71,9 @@ def _train(steps, mode, micro=1, no_sync=False, reshard=True, checkpoint=False, 
     model = build(checkpoint=checkpoint)
     shard_modules = None if mode == "zero2" else [*model.layers, model]
     units, modules = make_units(model, shard_modules, comm, sharded=mode == "zero3", param_dtype=param_dtype)
-    assert all(u.shard.dtype == torch.float32 and u.full.data.dtype == (param_dtype or torch.float32)
-               for u in units)  # fmt: skip
+    assert all(
+        u.shard.dtype == torch.float32 and u.full.data.dtype == (param_dtype or torch.float32) for u in units
+    )
     sched = Schedule(units, modules, reshard_after_forward=reshard)
     peak = []
 
@@ -102,8 +114,9 @@ def test_sgd_on_shards_equals_one_process(world, world_size, mode):
             assert peak <= 3  # the root, the running layer and the prefetched one
 
 
-@pytest.mark.parametrize("case", [dict(reshard=False), dict(micro=2), dict(micro=3, no_sync=True),
-                                  dict(checkpoint=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", [dict(reshard=False), dict(micro=2), dict(micro=3, no_sync=True), dict(checkpoint=True)]
+)
 def test_variants(world, case):
     results = world(3).run(_train, 2, "zero3", **case)
     want = reference(3, 2, micro=case.get("micro", 1), checkpoint=case.get("checkpoint", False))
@@ -207,7 +220,7 @@ def test_blocks_under_a_root_without_parameters_are_freed_after_forward():
 # --- several forwards before their backwards: any interleaving torch accepts ------------------
 
 
-class _Net(torch.nn.Module):
+class _ReusedBlockNet(torch.nn.Module):
     """A root with parameters of its own around two blocks (the second called twice when
     `shared`): the root is watched (its input needs no gradient), the blocks have triggers."""
 
@@ -215,8 +228,9 @@ class _Net(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(6, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-                                          for _ in range(2))  # fmt: skip
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)
+        )
         self.head = torch.nn.Linear(8, 1)
         self.shared = shared
 
@@ -266,9 +280,12 @@ def interleavings(draw):
 def _interleaved(events, mode, shared, steps):
     """Each step's `.grad` right after its backwards (gathered whole), and the parameters
     after `steps` AdamW steps."""
-    model = _Net(shared)
-    sharding = {} if mode == "zero2" else dict(shard_modules=[*model.blocks, model],
-                                               reshard_after_forward=mode == "zero3")  # fmt: skip
+    model = _ReusedBlockNet(shared)
+    sharding = (
+        {}
+        if mode == "zero2"
+        else dict(shard_modules=[*model.blocks, model], reshard_after_forward=mode == "zero3")
+    )
     opt = vo.AdamW(model.parameters(), lr=0.01, **sharding)
     blocks = [u for u in opt.units if u.name.startswith("blocks.")]
 
@@ -296,7 +313,7 @@ def _interleaved_reference(events, shared, steps, world):
     """torch's: each backward's gradients averaged over the ranks as a reduction does (summed
     in rank order, then divided: `mean_of`), added up over the backwards in their order;
     torch.optim.AdamW stepping on them."""
-    model = _Net(shared)
+    model = _ReusedBlockNet(shared)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     grads = []
     for t in range(steps):

@@ -148,9 +148,6 @@ def of_file(path: Path, buffer: bytearray | None = None) -> tuple[int, str]:
     return summer.size, summer.hexdigest()
 
 
-
-
-
 def verify(path: Path, files: dict[str, list], names: list[str], checksums: bool = True) -> list[str]:
     """What is wrong with the files `names` of the checkpoint in `path`, against the
     manifest's `files` (name -> [bytes, checksum or None]): a file missing, of another size,
@@ -182,4 +179,6 @@ def verify(path: Path, files: dict[str, list], names: list[str], checksums: bool
         if got != digest:
             problems.append(f"{name} is damaged: its {ALGORITHM} is {got}, the manifest records {digest}")
     return problems
+
+
 __all__ = ["ALGORITHM", "Crc32", "SummingFileSystem", "SummingWriter", "of_file", "verify"]

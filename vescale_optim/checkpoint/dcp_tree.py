@@ -99,24 +99,24 @@ def check_storage(path: Path) -> list[str]:
 
 
 def check_files(path: Path, live: dict) -> list[str]:
-        """DCP's metadata must be readable, list every key we load with its shape, and
-        every file it points into must be whole."""
-        md = _metadata(path)
-        if isinstance(md, str):
-            return [md]
-        problems = _storage(path, md)
-        saved = md.state_dict_metadata
-        for key, value in leaves(live):
-            entry = saved.get(key)
-            if entry is None:
-                problems.append(f"it lacks {key}")
-            elif isinstance(value, torch.Tensor):
-                shape = getattr(entry, "size", None)
-                if shape is None:
-                    problems.append(f"{key} is not a tensor there")
-                elif tuple(shape) != tuple(value.shape):
-                    problems.append(f"{key} has shape {tuple(shape)} there, {tuple(value.shape)} here")
-        return problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
+    """DCP's metadata must be readable, list every key we load with its shape, and
+    every file it points into must be whole."""
+    md = _metadata(path)
+    if isinstance(md, str):
+        return [md]
+    problems = _storage(path, md)
+    saved = md.state_dict_metadata
+    for key, value in leaves(live):
+        entry = saved.get(key)
+        if entry is None:
+            problems.append(f"it lacks {key}")
+        elif isinstance(value, torch.Tensor):
+            shape = getattr(entry, "size", None)
+            if shape is None:
+                problems.append(f"{key} is not a tensor there")
+            elif tuple(shape) != tuple(value.shape):
+                problems.append(f"{key} has shape {tuple(shape)} there, {tuple(value.shape)} here")
+    return problems[:8] + ([f"and {len(problems) - 8} more"] if len(problems) > 8 else [])
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

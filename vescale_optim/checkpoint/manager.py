@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -50,9 +49,10 @@ from ..shard import handle
 from ..shard.collectives import Comm, all_gather_object
 from . import checksum, outcome
 from . import manifest as _manifest
-from .dcp_tree import blank, check_files, map_leaves, persistent_buffers, take
-from .manifest import MANIFEST, fsync_dir
+from .dcp_tree import blank, check_files, map_leaves, take
+from .manifest import BY_NAME, MANIFEST, fsync_dir
 from .outcome import CheckpointError
+from .parts import Parts
 from .rng import rng_state, set_rng_state
 from .staging import HostStager, StagingStats, on_device
 from .verdict import Verifier, refused
@@ -88,7 +88,13 @@ class CheckpointManager:
     """Save and resume a training run in `directory/step-N/`; every call is collective.
 
     `model` and `optimizer` (a vescale_optim optimizer, with or without `shard_modules`,
-    any mesh) are always saved, `scheduler` when given, `stateful` objects (by name) with
+    any mesh) are always saved: one of each, or, as torchtitan's checkpointer takes them,
+    a list of model parts with one optimizer each (this rank's pipeline stages, each part
+    the model with the modules other stages own deleted, so its names are the whole
+    model's; each optimizer over its stage's data-parallel ranks). Parameters and
+    optimizer state are keyed by parameter name, so the stages' parts merge into one
+    checkpoint that loads at another pipeline degree, data-parallel size or without
+    pipelining. Also saved: `scheduler` when given, `stateful` objects (by name) with
     their `state_dict()`, which every rank has the same (rank 0's is kept), and each
     rank's random states (torch's, CUDA's when in use, Python's, numpy's; restored when
     the world size is unchanged). `keep` is how many checkpoints up to the newest stay
@@ -113,8 +119,8 @@ class CheckpointManager:
     def __init__(
         self,
         directory: str | os.PathLike,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | list[nn.Module],
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         scheduler=None,
         *,
         stateful: Mapping[str, object] | None = None,
@@ -123,8 +129,6 @@ class CheckpointManager:
         timeout: timedelta | None = None,
         verify: bool = True,
     ):
-        if not hasattr(optimizer, "sharded_state_dict"):
-            raise TypeError(f"{type(optimizer).__name__} is not a vescale_optim optimizer")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive number of checkpoints or None, not {keep!r}")
         stateful = dict(stateful or {})
@@ -137,16 +141,10 @@ class CheckpointManager:
         self._distributed = handle.initialized()
         self.rank = handle.group_rank() if self._distributed else 0
         self.world_size = handle.group_size() if self._distributed else 1
-        # under tensor parallelism the optimizer spans the data-parallel ranks, its TP groups the rest
-        tp = math.prod(c.world_size for c in getattr(optimizer.runtime, "tp", ()))
-        if optimizer.runtime.dp.world_size * tp != self.world_size:
-            raise ValueError(
-                f"the optimizer spans {optimizer.runtime.dp.world_size} of the {self.world_size} ranks"
-                + (f" (x {tp} tensor-parallel)" if tp > 1 else "")
-                + "; checkpoints are of the whole world: build it over every rank"
-            )
+        self._parts = Parts(model, optimizer)
         self._group = None
         self._comm = Comm()  # the main thread's exchanges of verdicts (the default group)
+        self._world = self._parts.agree(self._comm)  # every stage's groups and model, for manifests
         self._verifier = Verifier(self._comm, self.verify)
         if async_save and self._distributed:  # DCP's collectives from the background thread
             self._group = handle.new_group(backend="gloo", timeout=timeout)
@@ -155,7 +153,6 @@ class CheckpointManager:
         self._skipped: set[int] = set()  # newer checkpoints a load skipped as damaged or incomplete
         self._thread: ThreadPoolExecutor | None = None  # the asynchronous saves' writer
         self._stager = HostStager()
-        self._params = list(optimizer.sharded_model_state_dict(model))
 
     @property
     def last_staging(self) -> StagingStats | None:
@@ -171,8 +168,11 @@ class CheckpointManager:
         """Steps of the complete checkpoints in the directory, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [int(m[1]) for d in self.directory.iterdir()
-                 if (m := _NAME.fullmatch(d.name)) and (d / MANIFEST).is_file()]  # fmt: skip
+        found = [
+            int(m[1])
+            for d in self.directory.iterdir()
+            if (m := _NAME.fullmatch(d.name)) and (d / MANIFEST).is_file()
+        ]
         return sorted(found)
 
     def latest(self) -> int | None:
@@ -189,12 +189,13 @@ class CheckpointManager:
 
     # --- saving -------------------------------------------------------------------------
 
-    def _state(self, extra, rng_ranks: list[int]) -> dict:
-        """What a checkpoint holds, as DCP sees it: live pieces and tensors, no copies."""
-        params = self.optimizer.sharded_model_state_dict(self.model)
+    def _state(self, extra, rng_ranks: list[int], by_index: bool = False) -> dict:
+        """What a checkpoint holds, as DCP sees it: live pieces and tensors, no copies
+        (`by_index`: the optimizer state in the layout of manifests of format 1 and 2)."""
+        model, optim = self._parts.state(by_index)
         sd = {
-            "model": {**params, **persistent_buffers(self.model)},
-            "optim": self.optimizer.sharded_state_dict(),
+            "model": model,
+            "optim": optim,
             "extra": _Blob(extra),
             "rng": {str(r): _Blob(rng_state() if r == self.rank else None) for r in rng_ranks},
         }
@@ -204,10 +205,8 @@ class CheckpointManager:
             sd["stateful"] = {name: _Blob(obj.state_dict()) for name, obj in self.stateful.items()}
         return sd
 
-    def _describe(self, step: int, sd: dict) -> dict:
-        model = {k: v.shape for k, v in sd["model"].items()}
-        opt, sched = self.optimizer, self.scheduler
-        return _manifest.describe(step, self.world_size, opt, sched, model, list(self.stateful))
+    def _describe(self, step: int) -> dict:
+        return _manifest.describe(step, self.world_size, self._world, self.scheduler, list(self.stateful))
 
     def _settle(self, error: BaseException | None, final: Path) -> None:
         """Where the ranks wait for each other: each one's outcome, so that a failure on
@@ -222,9 +221,12 @@ class CheckpointManager:
         newer = [s for s in self.steps() if s > step and s not in self._skipped]
         if set(newer) - self._rewinds:
             self._rewinds.update(newer)
-            warnings.warn(f"saving step {step} while {self.directory} holds newer checkpoints "
-                          f"{[f'step-{s}' for s in newer]}: latest() and load() still choose "
-                          f"step-{newer[-1]}; remove them to resume from this run", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"saving step {step} while {self.directory} holds newer checkpoints "
+                f"{[f'step-{s}' for s in newer]}: latest() and load() still choose "
+                f"step-{newer[-1]}; remove them to resume from this run",
+                stacklevel=3,
+            )
 
     def save(self, step: int, *, extra: dict | None = None) -> Path:
         """Save everything as `step` (collective); returns the folder it becomes.
@@ -250,7 +252,7 @@ class CheckpointManager:
                 error = e
         self._settle(error, final)
         sd = self._state(dict(extra or {}), [self.rank])
-        manifest = self._describe(step, sd) if self.rank == 0 else None
+        manifest = self._describe(step) if self.rank == 0 else None
         staged = self._stager.stage(sd, asynchronous=self.async_save)
         if not self.async_save:
             try:
@@ -372,8 +374,7 @@ class CheckpointManager:
         is not a fresh start). A sound checkpoint that does not fit raises either way."""
         self.wait()
         steps, step = self._agree((self.steps()[::-1] if self.rank == 0 and step is None else [], step))
-        found = self._verifier.choose(self.directory, step, steps, self.path,
-                                      lambda at: self._describe(at, self._state(None, [])))  # fmt: skip
+        found = self._verifier.choose(self.directory, step, steps, self.path, self._describe)
         if found is None:
             return None
         chosen, manifest = found
@@ -381,19 +382,18 @@ class CheckpointManager:
             self._skipped.update(s for s in steps if s > chosen)
         path = self.path(chosen)
         same_world = manifest["world_size"] == self.world_size
-        live = self._state(None, [self.rank] if same_world else [])
+        live = self._state(None, [self.rank] if same_world else [], manifest["format"] < BY_NAME)
         self._refuse(path, chosen, check_files(path, live))
         loaded = map_leaves(live, blank)
         try:
             with _quiet():
                 dcp.load(loaded, checkpoint_id=path, process_group=self._group, no_dist=not self._distributed)
-            self.optimizer.validate_param_groups(loaded["optim"]["param_groups"])
+            self._parts.validate(loaded["optim"])
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
             raise refused(path, chosen, [outcome.reason(e)]) from e
         with torch.no_grad():
             take(live, loaded)
-        self.optimizer.load_sharded_model_state_dict({k: live["model"][k] for k in self._params})
-        self.optimizer.load_sharded_state_dict(live["optim"])
+        self._parts.load(live["model"], live["optim"])
         rest = [(f"stateful[{n!r}]", obj, loaded["stateful"][n].value) for n, obj in self.stateful.items()]
         if self.scheduler is not None:
             rest.insert(0, ("the LR scheduler", self.scheduler, loaded["scheduler"].value))
@@ -401,8 +401,11 @@ class CheckpointManager:
         if same_world:
             set_rng_state(loaded["rng"][str(self.rank)].value)
         elif self.rank == 0:
-            warnings.warn(f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
-                          f"{self.world_size}: the random states are not restored", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{path} was saved by {manifest['world_size']} ranks and is loaded by "
+                f"{self.world_size}: the random states are not restored",
+                stacklevel=2,
+            )
         return Loaded(chosen, path, loaded["extra"].value)
 
 

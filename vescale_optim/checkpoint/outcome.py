@@ -47,7 +47,9 @@ def load_rest(path, rest: list[tuple[str, object, object]]) -> None:
         try:
             obj.load_state_dict(state)
         except Exception as e:
-            raise CheckpointError(f"loading {path} is incomplete: {what}'s load_state_dict failed "
-                                  f"({reason(e)}); {', '.join(done)} were loaded already, the rest was "
-                                  "not: load again, or build the run anew") from e  # fmt: skip
+            raise CheckpointError(
+                f"loading {path} is incomplete: {what}'s load_state_dict failed "
+                f"({reason(e)}); {', '.join(done)} were loaded already, the rest was "
+                "not: load again, or build the run anew"
+            ) from e
         done.append(what)

@@ -34,9 +34,11 @@ def set_rng_state(state: dict) -> None:
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            warnings.warn(f"the checkpoint has the random states of {len(cuda)} CUDA devices, this process "
-                          f"sees {torch.cuda.device_count()}: CUDA's random states are not restored",
-                          stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"the checkpoint has the random states of {len(cuda)} CUDA devices, this process "
+                f"sees {torch.cuda.device_count()}: CUDA's random states are not restored",
+                stacklevel=3,
+            )
         else:
             torch.cuda.set_rng_state_all(cuda)
     np = _numpy()

@@ -122,10 +122,16 @@ class HostStager:
         self._buffers = run.used  # buffers this save did not use are let go
         device = min((d.index for d in run.devices), default=None)
         self.last = StagingStats(
-            seconds=time.perf_counter() - start, device_bytes=run.device_bytes, copied_bytes=run.copied_bytes,
-            pinned_bytes=self.pinned_bytes, new_pinned_bytes=run.new_bytes, buffers=len(run.used),
-            reused=run.reused, syncs=syncs, device=device,
-        )  # fmt: skip
+            seconds=time.perf_counter() - start,
+            device_bytes=run.device_bytes,
+            copied_bytes=run.copied_bytes,
+            pinned_bytes=self.pinned_bytes,
+            new_pinned_bytes=run.new_bytes,
+            buffers=len(run.used),
+            reused=run.reused,
+            syncs=syncs,
+            device=device,
+        )
         return staged
 
 

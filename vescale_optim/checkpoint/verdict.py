@@ -24,8 +24,9 @@ from .outcome import CheckpointError
 
 def refused(path: Path, step: int, problems: list[str]) -> CheckpointError:
     """The error of a load of `step` from `path` refused for `problems`, before any change."""
-    return CheckpointError(f"cannot load step {step} from {path}: {'; '.join(problems)}. "
-                           "Nothing was changed.")  # fmt: skip
+    return CheckpointError(
+        f"cannot load step {step} from {path}: {'; '.join(problems)}. Nothing was changed."
+    )
 
 
 def unverified(manifest: dict) -> bool:
@@ -84,8 +85,9 @@ class Verifier:
         unique = [list(dict.fromkeys(p for mine in everyone for p in mine[i])) for i in (0, 1)]
         return unique[0], unique[1], manifest
 
-    def newest(self, steps: list[int], path: Callable[[int], Path], ours: Callable[[int], dict] | None = None
-               ) -> tuple[int | None, dict | None, list[str], list[tuple[int, list[str]]]]:
+    def newest(
+        self, steps: list[int], path: Callable[[int], Path], ours: Callable[[int], dict] | None = None
+    ) -> tuple[int | None, dict | None, list[str], list[tuple[int, list[str]]]]:
         """The first of `steps` (every rank's the same: newest first) that is complete and
         verifies (collective): (its step or None, its manifest, its misfits, and the steps
         skipped before it with their problems)."""
@@ -97,8 +99,14 @@ class Verifier:
             skipped.append((step, problems))
         return None, None, [], skipped
 
-    def choose(self, directory: Path, step: int | None, steps: list[int], path: Callable[[int], Path],
-               ours: Callable[[int], dict]) -> tuple[int, dict] | None:  # fmt: skip
+    def choose(
+        self,
+        directory: Path,
+        step: int | None,
+        steps: list[int],
+        path: Callable[[int], Path],
+        ours: Callable[[int], dict],
+    ) -> tuple[int, dict] | None:
         """What a load of `step` reads (collective): (the step, its manifest), or None when
         `step` is None and `steps` (every rank's the same: newest first) is empty. `step`
         must be complete, sound and fit, else `CheckpointError`; without it, the newest
@@ -109,22 +117,29 @@ class Verifier:
             if step is None:
                 if skipped:
                     bad = "; ".join(f"step-{s}: {', '.join(p)}" for s, p in skipped)
-                    raise CheckpointError(f"no checkpoint in {directory} can be loaded ({bad}). "
-                                          "Nothing was changed.")  # fmt: skip
+                    raise CheckpointError(
+                        f"no checkpoint in {directory} can be loaded ({bad}). Nothing was changed."
+                    )
                 return None
             if skipped and self.rank == 0:
                 bad = "; ".join(f"step-{s} ({', '.join(p)})" for s, p in skipped)
-                warnings.warn(f"{directory}: skipped {bad}; loading step-{step}, the newest checkpoint "
-                              "that is complete and verifies", stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"{directory}: skipped {bad}; loading step-{step}, the newest checkpoint "
+                    "that is complete and verifies",
+                    stacklevel=3,
+                )
         else:
             integrity, misfit, manifest = self.examine(path(step), step, ours)
             problems = integrity + misfit
         if problems:
             raise refused(path(step), step, problems)
         if self.verify and self.rank == 0 and unverified(manifest):
-            warnings.warn(f"{path(step)} records no checksums (a manifest of format 1, from before they were "
-                          "recorded, or a save with verify=False): its files were checked for presence and "
-                          "size only", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{path(step)} records no checksums (a manifest of format 1, from before they were "
+                "recorded, or a save with verify=False): its files were checked for presence and "
+                "size only",
+                stacklevel=3,
+            )
         return step, manifest
 
 

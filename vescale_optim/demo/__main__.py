@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import fields
 
 from .config import TrainConfig
@@ -28,7 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add = p.add_argument
+    for add_options in (_what_runs, _model_and_batches, _training, _checkpoints):
+        add_options(p.add_argument, d)
+    return p
+
+
+def _what_runs(add: Callable, d: TrainConfig) -> None:
+    """The world, the optimizers, the sharding and precision, how long, where the report goes."""
     add("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     add(
         "--optimizer",
@@ -65,11 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--steps", type=int, default=d.steps, help="optimizer steps")
     add("--out", default=d.out, help="folder for summary.json and loss.png (loss vs step and vs wall time)")
+
+
+def _model_and_batches(add: Callable, d: TrainConfig) -> None:
+    """The batches and the model's shape."""
     add("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     add("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
     add("--d-model", type=int, default=d.d_model, help="model width")
     add("--n-layers", type=int, default=d.n_layers, help="transformer blocks")
     add("--n-heads", type=int, default=d.n_heads, help="attention heads")
+
+
+def _training(add: Callable, d: TrainConfig) -> None:
+    """The schedule, clipping, validation, seed and progress bar."""
     add(
         "--lr",
         type=float,
@@ -82,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--val-tokens", type=int, default=d.val_tokens, help="validation tokens scored at the end")
     add("--seed", type=int, default=d.seed, help="initial weights and batches")
     add("--progress", action=argparse.BooleanOptionalAction, default=d.progress, help="rank 0's progress bar")
+
+
+def _checkpoints(add: Callable, d: TrainConfig) -> None:
+    """Saving, resuming, and how long a collective may wait."""
     add(
         "--checkpoint-dir",
         metavar="DIR",
@@ -109,7 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a collective may wait for the other ranks before failing with an error that "
         "names it (the process group's timeout; on gloo also vescale_optim.set_collective_timeout)",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int]:

@@ -9,15 +9,14 @@ import torch
 
 # Top-level stdlib modules a-m that exist in every CPython from 3.10 on (the ones
 # removed in 3.12/3.13 are left out), in sorted order. About 1.5 MB of text.
-STDLIB_MODULES: tuple[str, ...] = (
-    "abc", "argparse", "ast", "base64", "bdb", "bisect", "bz2", "calendar", "cmd", "code",
-    "codecs", "codeop", "colorsys", "compileall", "configparser", "contextlib", "copy",
-    "copyreg", "csv", "dataclasses", "datetime", "difflib", "dis", "doctest", "enum",
-    "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools", "genericpath",
-    "getopt", "getpass", "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac",
-    "imaplib", "inspect", "io", "ipaddress", "keyword", "linecache", "locale", "lzma",
-    "mailbox", "mimetypes", "modulefinder",
-)  # fmt: skip
+_STDLIB_NAMES = """
+abc argparse ast base64 bdb bisect bz2 calendar cmd code codecs codeop colorsys compileall
+configparser contextlib copy copyreg csv dataclasses datetime difflib dis doctest enum filecmp
+fileinput fnmatch fractions ftplib functools genericpath getopt getpass gettext glob graphlib gzip
+hashlib heapq hmac imaplib inspect io ipaddress keyword linecache locale lzma mailbox mimetypes
+modulefinder
+"""
+STDLIB_MODULES: tuple[str, ...] = tuple(_STDLIB_NAMES.split())
 
 
 def stdlib_files(modules: tuple[str, ...] = STDLIB_MODULES) -> list[Path]:

@@ -100,9 +100,15 @@ def make_shampoo(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Sharded Shampoo with Adam grafting, tiles of at most 128, roots every 10 steps."""
     lr = cfg.lr if cfg.lr is not None else 3e-3
     return vo.Shampoo(
-        decay_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), epsilon=1e-8, max_preconditioner_dim=128,
-        precondition_frequency=10, grafting="adam", **sharding(model, cfg),
-    )  # fmt: skip
+        decay_groups(model, 0.1),
+        lr=lr,
+        betas=(0.9, 0.95),
+        epsilon=1e-8,
+        max_preconditioner_dim=128,
+        precondition_frequency=10,
+        grafting="adam",
+        **sharding(model, cfg),
+    )
 
 
 def make_soap(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -160,8 +166,10 @@ def optimizer_names(cfg: TrainConfig) -> list[str]:
         names = [n.strip() for n in cfg.optimizer.split(",")]
         unknown = [n for n in names if n not in OPTIMIZERS]
         if unknown or not names:
-            raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}, "
-                             "or several separated by commas")  # fmt: skip
+            raise ValueError(
+                f"unknown optimizer {cfg.optimizer!r}; choose from {[*OPTIMIZERS, 'all']}, "
+                "or several separated by commas"
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"optimizer {cfg.optimizer!r} names one twice")
     if cfg.checkpoint_dir is not None and len(names) > 1:

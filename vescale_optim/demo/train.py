@@ -15,7 +15,7 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -99,63 +99,106 @@ def evaluate(model: GPT, val: torch.Tensor, cfg: TrainConfig, world: World) -> t
     return (total[0] / total[1]).item(), int(total[1].item())
 
 
-def train_one(
-    name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: World
-) -> dict:
-    """Train a fresh model (same seed, so the same initial weights) with optimizer `name`, or
-    continue the newest checkpoint's run with `cfg.resume`."""
+@dataclass
+class _Run:
+    """One optimizer's training: what it trains, and the losses and seconds of its steps so far."""
+
+    model: GPT
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    batches: Batches
+    checkpoints: Checkpoints
+    init_digest: str  # the seeded weights every optimizer starts from
+    first: int  # the step it starts at (after a resume)
+    losses: list[float]
+    seconds: list[float]
+
+
+def _start(name: str, cfg: TrainConfig, train_data: torch.Tensor, world: World) -> _Run:
+    """A fresh model (same seed, so the same initial weights) and optimizer `name`, or the
+    newest checkpoint's run with `cfg.resume`."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(world.device)
     opt = OPTIMIZERS[name](model, cfg)
-    init_digest = params_sha256(model)  # the seeded weights every optimizer starts from
+    init_digest = params_sha256(model)
     sched = make_scheduler(opt, cfg)
     batches = Batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed, world.rank)
     checkpoints = Checkpoints(cfg, model, opt, sched, batches)
     first, losses, seconds = checkpoints.resume()
     if first and world.rank == 0:
         print(f"resumed from {checkpoints.manager.path(first)}", flush=True)
+    return _Run(model, opt, sched, batches, checkpoints, init_digest, first, losses, seconds)
+
+
+def _step(run: _Run, cfg: TrainConfig, world: World) -> torch.Tensor:
+    """One optimizer step on this rank's next batch; the batch's loss."""
+    x, y = run.batches.next()
+    x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+    loss = run.model.loss(x, y)  # in the gathered parameters' dtype (--param-dtype), fp32 logits' loss
+    loss.backward()
+    if hasattr(run.opt, "clip_grad_norm_"):
+        run.opt.clip_grad_norm_(cfg.grad_clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.opt.step()
+    run.opt.zero_grad()
+    run.sched.step()
+    return loss
+
+
+def train_one(
+    name: str, cfg: TrainConfig, train_data: torch.Tensor, val_data: torch.Tensor, world: World
+) -> dict:
+    """Train a fresh model (same seed, so the same initial weights) with optimizer `name`, or
+    continue the newest checkpoint's run with `cfg.resume`."""
+    run = _start(name, cfg, train_data, world)
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
-    bar = tqdm(range(first, cfg.steps), desc=name, initial=first, total=cfg.steps,
-               disable=world.rank != 0 or not cfg.progress, dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        range(run.first, cfg.steps),
+        desc=name,
+        initial=run.first,
+        total=cfg.steps,
+        disable=world.rank != 0 or not cfg.progress,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
-    before = next((t for t in reversed(seconds) if math.isfinite(t)), 0.0)  # trained before a resume
+    before = next((t for t in reversed(run.seconds) if math.isfinite(t)), 0.0)  # trained before a resume
     for step in bar:
-        x, y = batches.next()
-        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        loss = model.loss(x, y)  # in the gathered parameters' dtype (--param-dtype), fp32 logits' loss
-        loss.backward()
-        if hasattr(opt, "clip_grad_norm_"):
-            opt.clip_grad_norm_(cfg.grad_clip)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+        loss = _step(run, cfg, world)
         # every rank has batch_size x seq_len tokens: the mean of the ranks' means is the mean over all;
         # the seconds since training began, the ranks' mean (the same number on every rank)
         now = torch.tensor([loss.item(), before + time.perf_counter() - start], dtype=torch.float64)
         mean = world.sum(now.to(world.device)).cpu() / world.size
-        losses.append(mean[0].item())
-        seconds.append(mean[1].item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}", refresh=False)
-        saved = checkpoints.after_step(step + 1, losses, seconds)
+        run.losses.append(mean[0].item())
+        run.seconds.append(mean[1].item())
+        bar.set_postfix(loss=f"{run.losses[-1]:.3f}", lr=f"{run.sched.get_last_lr()[0]:.2e}", refresh=False)
+        saved = run.checkpoints.after_step(step + 1, run.losses, run.seconds)
         if saved and world.rank == 0:
             bar.write(f"saved {saved}")
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     train_time = time.perf_counter() - start
     bar.close()
-    final_step = max(first, cfg.steps)
-    digest = params_sha256(model)
-    val_loss, val_tokens = evaluate(model, val_data, cfg, world)
-    tokens = (final_step - first) * cfg.batch_size * cfg.seq_len * world.size
-    held = held_memory(opt)  # between steps: what a rank keeps
-    tail = losses[-min(TAIL, len(losses)) :]
-    result = {
-        "loss": losses,
-        "time_s": seconds,
-        "peak_lr": sched.base_lrs[0],
+    result = _result(run, cfg, val_data, world, train_time)
+    del run
+    gc.collect()
+    return result
+
+
+def _result(run: _Run, cfg: TrainConfig, val_data: torch.Tensor, world: World, train_time: float) -> dict:
+    """What a finished run reports: its losses and seconds, validation, throughput, weights'
+    digests and every rank's memory (collective: validation and the gathers)."""
+    final_step = max(run.first, cfg.steps)
+    digest = params_sha256(run.model)
+    val_loss, val_tokens = evaluate(run.model, val_data, cfg, world)
+    tokens = (final_step - run.first) * cfg.batch_size * cfg.seq_len * world.size
+    held = held_memory(run.opt)  # between steps: what a rank keeps
+    tail = run.losses[-min(TAIL, len(run.losses)) :]
+    return {
+        "loss": run.losses,
+        "time_s": run.seconds,
+        "peak_lr": run.sched.base_lrs[0],
         "final_loss": sum(tail) / len(tail),
         "final_loss_steps": len(tail),
         "val_loss": val_loss,
@@ -163,15 +206,12 @@ def train_one(
         "tokens_per_s": tokens / train_time if tokens else 0.0,
         "train_time_s": train_time,
         "final_step": final_step,
-        "resumed_from_step": first,
+        "resumed_from_step": run.first,
         "params_sha256": digest,
-        "init_params_sha256": init_digest,
+        "init_params_sha256": run.init_digest,
         "peak_memory": [{"rank": r, **m} for r, m in enumerate(world.gather(peak_memory(world.device)))],
         "held_bytes": world.gather(held),
     }
-    del model, opt, sched, checkpoints
-    gc.collect()
-    return result
 
 
 def train(cfg: TrainConfig, launch_time: float | None = None) -> dict:
@@ -267,8 +307,10 @@ def write_report(summary: dict, out: Path) -> None:
     starts = {r["init_params_sha256"] for r in runs.values()}
     if len(runs) > 1:
         same = "the same initial weights" if len(starts) == 1 else "DIFFERENT initial weights"
-        print(f"{', '.join(runs)} trained from {same} (SHA-256 {', '.join(sorted(s[:12] for s in starts))}) "
-              "on the same batches")  # fmt: skip
+        print(
+            f"{', '.join(runs)} trained from {same} (SHA-256 {', '.join(sorted(s[:12] for s in starts))}) "
+            "on the same batches"
+        )
     print(format_table(*memory_table(summary)))
     print(
         "held between steps, from opt.memory_stats(): parameter and gradient shards (whole parameters "
@@ -277,15 +319,17 @@ def write_report(summary: dict, out: Path) -> None:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_losses(summary, out / "loss.png")
-    print(f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'} "
-          "(loss vs step and vs training wall time)")  # fmt: skip
+    print(
+        f"wall time {summary['wall_time_s']:.1f} s; wrote {out / 'summary.json'} and {out / 'loss.png'} "
+        "(loss vs step and vs training wall time)"
+    )
 
 
 def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     """The mean of each value and its neighbours, `window` of them centred on it (fewer at the ends)."""
     half = window // 2
-    return [sum(values[max(0, i - half) : i + half + 1]) / len(values[max(0, i - half) : i + half + 1])
-            for i in range(len(values))]  # fmt: skip
+    windows = [values[max(0, i - half) : i + half + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
 def plot_losses(summary: dict, path: Path) -> None:

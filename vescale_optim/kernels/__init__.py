@@ -12,6 +12,12 @@ from .packed import pack_blockwise, packed_width, unpack_blockwise, unpack_sum_b
 from .quant import adamw8bit_update_, dequantize_blockwise, quantize_blockwise
 
 __all__ = [
-    "adamw8bit_update_", "dequantize_blockwise", "newton_schulz", "pack_blockwise", "packed_width",
-    "quantize_blockwise", "unpack_blockwise", "unpack_sum_blockwise",
+    "adamw8bit_update_",
+    "dequantize_blockwise",
+    "newton_schulz",
+    "pack_blockwise",
+    "packed_width",
+    "quantize_blockwise",
+    "unpack_blockwise",
+    "unpack_sum_blockwise",
 ]

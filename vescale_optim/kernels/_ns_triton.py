@@ -40,28 +40,49 @@ from ._triton_common import INTERPRET, Launch, cast_rne, device_of
 from .newton_schulz import Triple, as_stack, ns_schedule
 
 __all__ = [
-    "INTERPRET", "newton_schulz_launches", "newton_schulz_triton", "poly", "poly_config", "poly_launch",
-    "syrk", "syrk_config", "syrk_launch",
+    "INTERPRET",
+    "newton_schulz_launches",
+    "newton_schulz_triton",
+    "poly",
+    "poly_config",
+    "poly_launch",
+    "syrk",
+    "syrk_config",
+    "syrk_launch",
 ]
 
 
 @triton.jit
 def _syrk_kernel(
-    l_ptr, c_ptr, out_ptr, tiles_ptr, P, K, num_tiles,
-    stride_lb, stride_lr, stride_lk,
-    stride_cb, stride_cr, stride_cc,
-    stride_ob, stride_or, stride_oc,
-    alpha, beta,
-    HAS_C: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    l_ptr,
+    c_ptr,
+    out_ptr,
+    tiles_ptr,
+    P,
+    K,
+    num_tiles,
+    stride_lb,
+    stride_lr,
+    stride_lk,
+    stride_cb,
+    stride_cr,
+    stride_cc,
+    stride_ob,
+    stride_or,
+    stride_oc,
+    alpha,
+    beta,
+    HAS_C: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """OUT = alpha * L Lᵀ (+ beta * C) for a symmetric C; tiles (i <= j) from ``tiles_ptr``,
     ``num_tiles`` of them per matrix."""
     pid = tl.program_id(0)
     bid = (pid // num_tiles).to(tl.int64)
     pid = pid % num_tiles
-    ti = tl.load(tiles_ptr + 2 * pid)
-    tj = tl.load(tiles_ptr + 2 * pid + 1)
+    ti, tj = tl.load(tiles_ptr + 2 * pid), tl.load(tiles_ptr + 2 * pid + 1)  # the tile's block row, column
     ri = ti * BLOCK + tl.arange(0, BLOCK)
     rj = tj * BLOCK + tl.arange(0, BLOCK)
     rk = tl.arange(0, BLOCK_K)
@@ -96,13 +117,26 @@ def _syrk_kernel(
 
 @triton.jit
 def _poly_kernel(
-    b_ptr, x_ptr, out_ptr, P, Q,
-    stride_bb, stride_br, stride_bc,
-    stride_xb, stride_xr, stride_xc,
-    stride_ob, stride_or, stride_oc,
+    b_ptr,
+    x_ptr,
+    out_ptr,
+    P,
+    Q,
+    stride_bb,
+    stride_br,
+    stride_bc,
+    stride_xb,
+    stride_xr,
+    stride_xc,
+    stride_ob,
+    stride_or,
+    stride_oc,
     a_coef,
-    INTERPRETED: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """OUT = a * X + B X for B of shape (P, P) and X of shape (P, Q)."""
     pid = tl.program_id(0)
@@ -164,18 +198,33 @@ def syrk_config(P: int, K: int, block: int | None = None, block_k: int | None = 
     return dict(BLOCK=block, BLOCK_K=block_k, num_warps=8 if block >= 128 else 4, num_stages=3)
 
 
-def poly_config(P: int, Q: int, block_m: int | None = None, block_n: int | None = None,
-                block_k: int | None = None) -> dict:
+def poly_config(
+    P: int, Q: int, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None
+) -> dict:
     """Tiles, warps and stages of ``poly`` for ``B (P, P)`` times ``X (P, Q)``."""
     block_m = block_m or _pow2_clamp(P, 16, 128)
     block_n = block_n or _pow2_clamp(Q, 16, 128)
     block_k = block_k or _pow2_clamp(P, 16, 64)
-    return dict(GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+    return dict(
+        GROUP_M=8,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=8 if block_m * block_n >= 128 * 128 else 4,
+        num_stages=3,
+    )
 
 
-def syrk_launch(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
-                C: Tensor | None = None, block: int | None = None, block_k: int | None = None) -> Launch:
+def syrk_launch(
+    L: Tensor,
+    out: Tensor,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    C: Tensor | None = None,
+    block: int | None = None,
+    block_k: int | None = None,
+) -> Launch:
     """The launch of ``syrk`` (see there), planned but not run."""
     nb, P, K = L.shape
     config = syrk_config(P, K, block, block_k)
@@ -183,19 +232,36 @@ def syrk_launch(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0
     c = out if C is None else C
     num_tiles = tiles.shape[0]
     args = (L, c, out, tiles, P, K, num_tiles, *L.stride(), *c.stride(), *out.stride(), alpha, beta)
-    return Launch(_syrk_kernel, (num_tiles * nb,), args,
-                  dict(HAS_C=C is not None, INTERPRETED=INTERPRET, **config))
+    return Launch(
+        _syrk_kernel, (num_tiles * nb,), args, dict(HAS_C=C is not None, INTERPRETED=INTERPRET, **config)
+    )
 
 
-def syrk(L: Tensor, out: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
-         C: Tensor | None = None, block: int | None = None, block_k: int | None = None) -> Tensor:
+def syrk(
+    L: Tensor,
+    out: Tensor,
+    *,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    C: Tensor | None = None,
+    block: int | None = None,
+    block_k: int | None = None,
+) -> Tensor:
     """``out = alpha * L Lᵀ (+ beta * C)`` for stacks ``L (B, P, K)``, symmetric ``C (B, P, P)``."""
     syrk_launch(L, out, alpha=alpha, beta=beta, C=C, block=block, block_k=block_k)()
     return out
 
 
-def poly_launch(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = None,
-                block_n: int | None = None, block_k: int | None = None) -> Launch:
+def poly_launch(
+    B: Tensor,
+    X: Tensor,
+    out: Tensor,
+    *,
+    a: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> Launch:
     """The launch of ``poly`` (see there), planned but not run."""
     nb, P, Q = X.shape
     config = poly_config(P, Q, block_m, block_n, block_k)
@@ -204,8 +270,16 @@ def poly_launch(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | N
     return Launch(_poly_kernel, grid, args, dict(INTERPRETED=INTERPRET, **config))
 
 
-def poly(B: Tensor, X: Tensor, out: Tensor, *, a: float, block_m: int | None = None,
-         block_n: int | None = None, block_k: int | None = None) -> Tensor:
+def poly(
+    B: Tensor,
+    X: Tensor,
+    out: Tensor,
+    *,
+    a: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+) -> Tensor:
     """``out = a * X + B X`` for stacks ``B (B, P, P)`` and ``X (B, P, Q)``; ``out`` may be
     any strided view of shape ``(B, P, Q)`` that does not overlap ``X``."""
     poly_launch(B, X, out, a=a, block_m=block_m, block_n=block_n, block_k=block_k)()

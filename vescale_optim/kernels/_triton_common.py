@@ -50,7 +50,7 @@ def check_grid(grid: tuple[int, ...]) -> None:
     """Refuse a grid CUDA cannot launch, at planning time (a launch would fail with an
     invalid-argument error, and the interpreter would run it regardless)."""
     if not 1 <= len(grid) <= 3 or any(not 0 <= g <= limit for g, limit in zip(grid, MAX_GRID)):
-        raise ValueError(f"grid {grid} exceeds CUDA's limits {MAX_GRID[:len(grid)]} programs per axis")
+        raise ValueError(f"grid {grid} exceeds CUDA's limits {MAX_GRID[: len(grid)]} programs per axis")
 
 
 def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:

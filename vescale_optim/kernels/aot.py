@@ -4,10 +4,10 @@
     python -m vescale_optim.kernels.aot --warm --arch 90   # only fill Triton's cache (see `warm`)
 
 The launchers plan each launch before running it (``*_launch`` in ``_ns_triton`` and
-``_quant_triton``, the packed wire format's kernels included); here the same planning
-runs on meta tensors over a sweep of inputs, so every tile size, ``num_warps``,
+``_quant_triton``, the packed wire format's kernels included); ``aot_cases`` runs the same
+planning on meta tensors over a sweep of inputs, so every tile size, ``num_warps``,
 ``num_stages`` and dtype the dispatcher can choose appears, with the argument
-specializations (divisibility by 16, unit strides) a real launch would get: they come
+specializations (divisibility by 16, unit strides) a real launch would get: here they come
 from Triton's own launch binder (an internal API, written against the pinned Triton 3.7).
 Each distinct kernel is compiled with ``triton.compile``
 for each architecture; its PTX goes to ``DIR``, and its registers and spills come from the
@@ -37,13 +37,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-
-import torch
 
 try:
     import triton
@@ -57,113 +55,27 @@ except ImportError as e:
 
 from . import _ns_triton, _quant_triton
 from ._triton_common import INTERPRET, Launch
-from .newton_schulz import DEFAULT_COEFFICIENTS
-from .packed import packed_width
-from .quant import MAX_TRITON_BLOCK
+from .aot_cases import NS_BATCH, NS_LARGE, PACK_ROWS, QUANT_LARGE, Case, cases
 
+# with the sweep's sizes and `Case` (`aot_cases`): a caller builds its own case list from them
 __all__ = [
-    "SMEM_LIMIT", "Case", "build", "cases", "check", "main", "markdown", "ptxas_usage", "tensor_core_ops",
+    "NS_BATCH",
+    "NS_LARGE",
+    "PACK_ROWS",
+    "QUANT_LARGE",
+    "SMEM_LIMIT",
+    "Case",
+    "build",
+    "cases",
+    "check",
+    "main",
+    "markdown",
+    "ptxas_usage",
+    "tensor_core_ops",
 ]
 
 SMEM_LIMIT = {80: 166912, 90: 232448}
 """Bytes of shared memory one block may use, by compute capability (see the module docstring)."""
-
-NS_WIDTHS = (16, 32, 64, 128, 1024, 4096)
-"""Matrix sides swept for Newton–Schulz: every tile the choice clamps to (16 to 128) and
-the widths of real weights; every (m, n) pair is taken, so tall matrices too."""
-NS_RAGGED = ((24, 40), (100, 300), (1000, 3000), (3000, 1000))
-"""Sides that are not multiples of 16: masked tiles, arguments without divisibility hints."""
-NS_BATCH = 4
-NS_LARGE = ((2, 32768, 65536),)
-"""A stack past 2**31 elements: its batch stride is passed as int64 (another specialization)."""
-QUANT_DTYPES = (torch.float32, torch.bfloat16)
-QUANT_LARGE = ((1, 2**31 + 1), (256, 2**32))
-"""Flat shards past 2**31 elements: ``n`` (and ``nblocks`` at block size 1) are int64 arguments."""
-PACK_ROWS = 4
-"""Rows (ranks) of the packed sweep."""
-_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "i8"}
-
-
-@dataclass(frozen=True)
-class Case:
-    """A planned launch (on meta tensors) and the input it came from."""
-
-    role: str
-    input: str
-    launch: Launch
-
-
-def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
-def _ns_inputs() -> Iterator[torch.Tensor]:
-    for m in NS_WIDTHS:
-        for n in NS_WIDTHS:
-            yield _meta(m, n)
-    for w in (128, 1024, 4096):
-        yield _meta(NS_BATCH, w, w)
-        yield _meta(NS_BATCH, w, 4 * w)
-    for m, n in NS_RAGGED:
-        yield _meta(m, n)
-        yield _meta(NS_BATCH, m, n)
-    for shape in NS_LARGE:
-        yield _meta(*shape)
-
-
-def _quant_inputs() -> Iterator[tuple[int, int]]:
-    """(block_size, n) for every tile the choice can make, ``block_size <= MAX_TRITON_BLOCK``:
-    a power of two with whole blocks, and a smaller odd size with a partial last block; then
-    ``QUANT_LARGE``."""
-    block = 1
-    while block <= MAX_TRITON_BLOCK:
-        yield block, 64 * block
-        if block > 2:
-            yield block // 2 + 1, 64 * (block // 2 + 1) - 1
-        block *= 2
-    yield from QUANT_LARGE
-
-
-def cases() -> Iterator[Case]:
-    """Every launch the dispatcher plans for the input sweep, Newton–Schulz first."""
-    for x in _ns_inputs():
-        name = f"bf16 {tuple(x.shape)}"
-        _, plan = _ns_triton.newton_schulz_launches(x, 5, DEFAULT_COEFFICIENTS, 1e-7)
-        for launch in plan:
-            if isinstance(launch, Launch):
-                yield Case("newton_schulz", name, launch)
-    hyper = dict(salt=1, decay=0.99, w1=0.1, beta2=0.999, w2=0.001, step_size=1e-3, bc2_sqrt=0.03, eps=1e-8,
-                 maximize=False)
-    for block_size, n in _quant_inputs():
-        for dtype in QUANT_DTYPES:
-            name = f"{_DTYPE[dtype]} n={n} block_size={block_size}"
-            x = _meta(n, dtype=dtype)
-            launch, q, scales = _quant_triton.quantize_launch(x, block_size)
-            yield Case("quantize", name, launch)
-            launch, _ = _quant_triton.dequantize_launch(q, scales, block_size, dtype)
-            yield Case("dequantize", name, launch)
-            p = _meta(n, dtype=torch.float32)
-            launch = _quant_triton.adamw8bit_launch(p, x, q, scales, q, scales, block_size, **hyper)
-            yield Case("adamw8bit", name, launch)
-    yield from _packed_cases()
-
-
-def _packed_cases() -> Iterator[Case]:
-    """The packed wire format's kernels over the same sweep: ``PACK_ROWS`` rows of whole
-    blocks where ``n`` divides into them, else one row with a partial last block (in fp32
-    only: the dtypes are swept on whole blocks, the masks and unaligned sizes here); the row
-    sum of ``PACK_ROWS`` rows of ``n`` elements (a loop over rows: one row is a constant there)."""
-    for block_size, n in _quant_inputs():
-        rows = PACK_ROWS if n % (PACK_ROWS * block_size) == 0 else 1
-        packed = _meta(rows, packed_width(n // rows, block_size), dtype=torch.uint8)
-        for dtype in QUANT_DTYPES if rows > 1 or n > 2**31 else QUANT_DTYPES[:1]:
-            name = f"{_DTYPE[dtype]} n={n} rows={rows} block_size={block_size}"
-            x = _meta(n, dtype=dtype)
-            yield Case("pack", name, _quant_triton.pack_launch(x, packed, rows, block_size))
-            yield Case("unpack", name, _quant_triton.unpack_launch(packed, x, rows, block_size))
-        summed = _meta(PACK_ROWS, packed_width(n, block_size), dtype=torch.uint8)
-        launch = _quant_triton.unpack_sum_launch(summed, _meta(n, dtype=torch.float32), PACK_ROWS, block_size)
-        yield Case("unpack_sum", f"fp32 n={n} rows={PACK_ROWS} block_size={block_size}", launch)
 
 
 @dataclass
@@ -218,10 +130,24 @@ def _plan(archs: Sequence[int], case_list: Sequence[Case], out: Path) -> list[_J
             key = hashlib.sha256(f"{name}|{sorted(meta.items())}|{text}".encode()).hexdigest()[:10]
             job_id = f"{name}-sm{arch}-{key}"
             if job_id not in jobs:
-                config = {**meta, "num_warps": options.num_warps, "num_stages": options.num_stages,
-                          "signature": text}
-                jobs[job_id] = _Job(name, case.role, arch, config, signature, constexprs, attrs,
-                                    options.__dict__, str(out / f"{job_id}.ptx"), [])
+                config = {
+                    **meta,
+                    "num_warps": options.num_warps,
+                    "num_stages": options.num_stages,
+                    "signature": text,
+                }
+                jobs[job_id] = _Job(
+                    name,
+                    case.role,
+                    arch,
+                    config,
+                    signature,
+                    constexprs,
+                    attrs,
+                    options.__dict__,
+                    str(out / f"{job_id}.ptx"),
+                    [],
+                )
             if case.input not in jobs[job_id].inputs:
                 jobs[job_id].inputs.append(case.input)
     return list(jobs.values())
@@ -251,9 +177,20 @@ def _kernel_fn(name: str):
 
 
 def _compile(job: _Job) -> dict:
-    record = dict(kernel=job.kernel, role=job.role, arch=job.arch, config=job.config, smem_bytes=None,
-                  regs=None, spills=None, tensor_cores=None, mma=None, ptx=Path(job.ptx).name,
-                  inputs=job.inputs, error=None)
+    record = dict(
+        kernel=job.kernel,
+        role=job.role,
+        arch=job.arch,
+        config=job.config,
+        smem_bytes=None,
+        regs=None,
+        spills=None,
+        tensor_cores=None,
+        mma=None,
+        ptx=Path(job.ptx).name,
+        inputs=job.inputs,
+        error=None,
+    )
     try:
         src = ASTSource(_kernel_fn(job.kernel), job.signature, job.constexprs, job.attrs)
         log = io.StringIO()
@@ -302,8 +239,15 @@ def warm(archs: Sequence[int], case_list: Sequence[Case] | None = None, jobs: in
 def _ptxas_log(job: _Job) -> str:
     """``ptxas -v`` on the written PTX with Triton's flags, if Triton did not print its own."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [knobs.nvidia.ptxas.path, "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(job.arch)}", job.ptx, "-o", f"{tmp}/k.cubin"]
+        cmd = [
+            knobs.nvidia.ptxas.path,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(job.arch)}",
+            job.ptx,
+            "-o",
+            f"{tmp}/k.cubin",
+        ]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
 
 
@@ -322,8 +266,12 @@ def check(record: dict) -> list[str]:
     return problems
 
 
-def build(out: Path, archs: Sequence[int] = (80, 90), case_list: Sequence[Case] | None = None,
-          jobs: int | None = None) -> list[dict]:
+def build(
+    out: Path,
+    archs: Sequence[int] = (80, 90),
+    case_list: Sequence[Case] | None = None,
+    jobs: int | None = None,
+) -> list[dict]:
     """Compile every distinct kernel of ``case_list`` (default: ``cases()``) for ``archs`` into
     ``out``; write and return the records, each with its ``problems``."""
     if INTERPRET:
@@ -353,43 +301,62 @@ def _config_text(config: dict) -> str:
 
 def markdown(records: Sequence[dict]) -> str:
     """The report as a Markdown table, one row per record."""
-    lines = ["| kernel | arch | config | example input (of n) | smem B | regs | spills | TC | status |",
-             "|---|---|---|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| kernel | arch | config | example input (of n) | smem B | regs | spills | TC | status |",
+        "|---|---|---|---|---:|---:|---:|---|---|",
+    ]
     for r in records:
         status = "; ".join(r["problems"]) or "ok"
         tc = "" if r["tensor_cores"] is None else (r["mma"] or "no")
         example = f"{r['inputs'][0]} ({len(r['inputs'])})"
-        cells = [r["kernel"], f"sm_{r['arch']}", _config_text(r["config"]), example,
-                 r["smem_bytes"], r["regs"], r["spills"], tc, status]
+        cells = [
+            r["kernel"],
+            f"sm_{r['arch']}",
+            _config_text(r["config"]),
+            example,
+            r["smem_bytes"],
+            r["regs"],
+            r["spills"],
+            tc,
+            status,
+        ]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None, case_list: Sequence[Case] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vescale_optim.kernels.aot",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m vescale_optim.kernels.aot", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, help="directory for report.json and the PTX (not with --warm)")
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: all cores)")
-    parser.add_argument("--warm", action="store_true",
-                        help="only fill Triton's cache (TRITON_CACHE_DIR) for --arch: no PTX, no report")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="only fill Triton's cache (TRITON_CACHE_DIR) for --arch: no PTX, no report",
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.warm:
         failed = warm(args.arch, case_list, args.jobs)
         print(*failed, sep="\n")
         where = os.environ.get("TRITON_CACHE_DIR") or "Triton's default cache"
-        print(f"Triton's cache ({where}) warmed for {', '.join(f'sm_{a}' for a in args.arch)} in "
-              f"{time.perf_counter() - start:.0f} s; {len(failed)} kernels failed to compile")
+        print(
+            f"Triton's cache ({where}) warmed for {', '.join(f'sm_{a}' for a in args.arch)} in "
+            f"{time.perf_counter() - start:.0f} s; {len(failed)} kernels failed to compile"
+        )
         return 1 if failed else 0
     if args.out is None:
         parser.error("--out is required (or --warm)")
     records = build(args.out, args.arch, case_list, args.jobs)
     print(markdown(records))
     bad = [r for r in records if r["problems"]]
-    print(f"\n{len(records)} kernels compiled for {', '.join(f'sm_{a}' for a in args.arch)} "
-          f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems; "
-          f"report: {args.out / 'report.json'}")
+    print(
+        f"\n{len(records)} kernels compiled for {', '.join(f'sm_{a}' for a in args.arch)} "
+        f"in {time.perf_counter() - start:.0f} s; {len(bad)} with problems; "
+        f"report: {args.out / 'report.json'}"
+    )
     return 1 if bad else 0
 
 

@@ -38,8 +38,11 @@ __all__ = ["POLAR_EXPRESS", "newton_schulz", "ns_schedule"]
 
 
 def _is_triple(c) -> bool:
-    return (isinstance(c, tuple | list) and len(c) == 3
-            and all(isinstance(v, Real) and not isinstance(v, bool) for v in c))  # fmt: skip
+    return (
+        isinstance(c, tuple | list)
+        and len(c) == 3
+        and all(isinstance(v, Real) and not isinstance(v, bool) for v in c)
+    )
 
 
 def ns_schedule(coefficients, steps: int) -> tuple[tuple[Triple, ...], float]:
@@ -54,8 +57,7 @@ def ns_schedule(coefficients, steps: int) -> tuple[tuple[Triple, ...], float]:
         return NAMED_COEFFICIENTS[coefficients]
     if _is_triple(coefficients):
         return (tuple(float(c) for c in coefficients),) * steps, 1.0
-    if (isinstance(coefficients, tuple | list) and coefficients
-            and all(_is_triple(t) for t in coefficients)):  # fmt: skip
+    if isinstance(coefficients, tuple | list) and coefficients and all(_is_triple(t) for t in coefficients):
         return tuple(tuple(float(c) for c in t) for t in coefficients), 1.0
     raise ValueError(
         "coefficients must be three floats (a, b, c), a sequence of such triples (one per step) or "

@@ -60,8 +60,12 @@ def pack_blockwise(
 
 
 def unpack_blockwise(
-    packed: Tensor, rows: int, block_size: int = 256, dtype: torch.dtype | None = None,
-    out: Tensor | None = None, backend: str = "auto",
+    packed: Tensor,
+    rows: int,
+    block_size: int = 256,
+    dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """The values ``pack_blockwise`` packed into ``packed`` (``rows`` rows), dequantized
     (``q * scale``, then cast to ``dtype`` as ``dequantize_blockwise`` does) into flat

@@ -32,9 +32,7 @@ _MASK32 = 0xFFFFFFFF
 _COL_MIX, _STEP_MIX, _FMIX1, _FMIX2 = 0x9E3779B1, 0x27D4EB2F, 0x85EBCA6B, 0xC2B2AE35
 
 
-def quantize_blockwise(
-    x: Tensor, block_size: int = 256, backend: str = "auto"
-) -> tuple[Tensor, Tensor]:
+def quantize_blockwise(x: Tensor, block_size: int = 256, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Quantize ``x`` to ``(q, scales)``: flat int8 codes and one fp32 scale per block.
 
     ``q`` has ``x.numel()`` elements, ``scales`` has ``ceil(numel / block_size)``.
@@ -118,6 +116,29 @@ def adamw8bit_update_(
       denominator would turn a small surviving ``m`` into an ``m / eps`` blow-up,
       while over-estimating a tiny ``v`` only shrinks that element's update.
     """
+    n = _check_update_tensors(param_fp32, grad, q_exp_avg, s_exp_avg, q_exp_avg_sq, s_exp_avg_sq, block_size)
+    _check_update_hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    if n == 0:
+        return
+    hyper = _kernel_scalars(lr, beta1, beta2, eps, weight_decay, step, maximize)
+    args = (param_fp32, grad.contiguous(), q_exp_avg, s_exp_avg, q_exp_avg_sq, s_exp_avg_sq)
+    if _backend(backend, param_fp32, block_size) == "triton":
+        triton_module("_quant_triton", param_fp32).adamw8bit(*args, block_size, **hyper)
+    else:
+        _adamw8bit_torch(*args, block_size, **hyper)
+
+
+def _check_update_tensors(
+    param_fp32: Tensor,
+    grad: Tensor,
+    q_exp_avg: Tensor,
+    s_exp_avg: Tensor,
+    q_exp_avg_sq: Tensor,
+    s_exp_avg_sq: Tensor,
+    block_size: int,
+) -> int:
+    """The number of elements of `adamw8bit_update_`'s flat tensors, once their shapes,
+    dtypes and devices are checked."""
     _check_block_size(block_size)
     n = param_fp32.numel()
     nblocks = math.ceil(n / block_size)
@@ -134,15 +155,27 @@ def adamw8bit_update_(
     tensors = (grad, q_exp_avg, s_exp_avg, q_exp_avg_sq, s_exp_avg_sq)
     if any(t.device != param_fp32.device for t in tensors):
         raise ValueError("all tensors of adamw8bit_update_ must be on param_fp32's device")
+    return n
+
+
+def _check_update_hyper(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> None:
+    """torch's AdamW ranges for the hyperparameters; a step counted from 1."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
     if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
         raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
-    if n == 0:
-        return
-    hyper = dict(
+
+
+def _kernel_scalars(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int, maximize: bool
+) -> dict:
+    """The update's scalars as both implementations take them: the decay, the moments'
+    weights and torch's bias corrections folded into per-step constants, and the dither's salt."""
+    return dict(
         salt=(step * _STEP_MIX) & 0x7FFFFFFF,
         decay=1.0 - lr * weight_decay,
         w1=1.0 - beta1,
@@ -153,17 +186,26 @@ def adamw8bit_update_(
         eps=eps,
         maximize=maximize,
     )
-    args = (param_fp32, grad.contiguous(), q_exp_avg, s_exp_avg, q_exp_avg_sq, s_exp_avg_sq)
-    if _backend(backend, param_fp32, block_size) == "triton":
-        triton_module("_quant_triton", param_fp32).adamw8bit(*args, block_size, **hyper)
-    else:
-        _adamw8bit_torch(*args, block_size, **hyper)
 
 
 def _adamw8bit_torch(
-    p: Tensor, g: Tensor, qm: Tensor, sm: Tensor, qv: Tensor, sv: Tensor, block_size: int, *,
-    decay: float, w1: float, beta2: float, w2: float, step_size: float, bc2_sqrt: float,
-    eps: float, maximize: bool, salt: int,
+    p: Tensor,
+    g: Tensor,
+    qm: Tensor,
+    sm: Tensor,
+    qv: Tensor,
+    sv: Tensor,
+    block_size: int,
+    *,
+    decay: float,
+    w1: float,
+    beta2: float,
+    w2: float,
+    step_size: float,
+    bc2_sqrt: float,
+    eps: float,
+    maximize: bool,
+    salt: int,
 ) -> None:
     """Reference: torch.optim.AdamW's single-tensor ops, a chunk of blocks at a time."""
     n, bs = p.numel(), block_size

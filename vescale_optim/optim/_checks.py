@@ -130,13 +130,17 @@ def _structure_mismatch(rank: int, theirs: list | None, first: list | None) -> s
     """How rank `rank`'s units differ from rank 0's, in words."""
     theirs, first = theirs or [], first or []
     if len(theirs) != len(first):
-        return (f"rank {rank} split the parameters into {len(theirs)} units, rank 0 into {len(first)}: "
-                "shard_modules must list the same modules, in the same order, on every rank")  # fmt: skip
+        return (
+            f"rank {rank} split the parameters into {len(theirs)} units, rank 0 into {len(first)}: "
+            "shard_modules must list the same modules, in the same order, on every rank"
+        )
     for k, (a, b) in enumerate(zip(first, theirs)):
         if a != b:
-            return (f"unit {k} differs between rank 0 ({a[0]}, parameters {a[1]}) and rank {rank} ({b[0]}, "
-                    f"parameters {b[1]}): shard_modules must list the same modules, in the same order, "
-                    "on every rank")  # fmt: skip
+            return (
+                f"unit {k} differs between rank 0 ({a[0]}, parameters {a[1]}) and rank {rank} ({b[0]}, "
+                f"parameters {b[1]}): shard_modules must list the same modules, in the same order, "
+                "on every rank"
+            )
     return f"rank {rank}'s units differ from rank 0's"
 
 

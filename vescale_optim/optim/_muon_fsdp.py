@@ -20,7 +20,7 @@ from ..kernels.newton_schulz import newton_schulz
 from ..owners.balance import assign_owners
 from ..units.fsdp_shards import WholeMoves
 from ..units.segment import Segment
-from ..units.tensor_parallel import local_shape
+from ..units.tp_view import TensorParallel
 from ._muon_math import adjusted_lr, matrix_view, ns_flops, ns_steps_of
 from ._muon_plan import CostModel, MuonPlan
 
@@ -40,10 +40,11 @@ def refused(segs: list[Segment]) -> str | None:
 class FsdpMuon:
     """The plan and the step of Muon's matrices over FSDP2's shards (see the module's docstring)."""
 
-    def __init__(self, segs: list[Segment], shards, world, cost_model: CostModel):
+    def __init__(self, segs: list[Segment], shards, world, cost_model: CostModel, tp: TensorParallel):
         self.segs, self.world = segs, world
         self.where = [(s, i) for s, seg in enumerate(segs) for i in range(len(seg.params))]
         params = [segs[s].params[i] for s, i in self.where]
+        self.shapes = [tp.cut(p).local_shape for p in params]  # FSDP2's local tensors
         steps = [ns_steps_of(segs[s].group) for s, _ in self.where]
         self.views = [matrix_view(tuple(p.shape)) for p in params]
         costs = [n * ns_flops(r, c, k) for (n, r, c), k in zip(self.views, steps)]
@@ -70,14 +71,12 @@ class FsdpMuon:
         `meanwhile()` (work of the step's own, AdamW's) runs while the updates travel to the owners,
         and the pieces of the matrices this rank owns are applied while the others travel back."""
         pieces = []
-        for s, i in self.where:
+        for (s, i), shape in zip(self.where, self.shapes):
             seg, update = self.segs[s], updates.get(s)
             lo, hi = seg.local_range(i)
-            shape = local_shape(seg.params[i])
             pieces.append(update[lo:hi].view(shape) if update is not None else None)
         like = next(p for p in pieces if p is not None)
-        pieces = [p if p is not None else like.new_zeros(local_shape(self.segs[s].params[i]))
-                  for p, (s, i) in zip(pieces, self.where)]  # fmt: skip
+        pieces = [p if p is not None else like.new_zeros(shape) for p, shape in zip(pieces, self.shapes)]
         wholes = self.moves.gather(pieces, "Muon's updates to their owners", meanwhile)
         for k, whole in wholes.items():
             s, i = self.where[k]

@@ -72,8 +72,9 @@ def row_blocks(rows: int, split_sizes: Sequence[int] | None, num_heads: int | No
     return (rows,)
 
 
-def param_blocks(shape: tuple[int, ...], split_sizes: Sequence[int] | None = None,
-                 num_heads: int | None = None) -> list[tuple[int, int, int]]:  # fmt: skip
+def param_blocks(
+    shape: tuple[int, ...], split_sizes: Sequence[int] | None = None, num_heads: int | None = None
+) -> list[tuple[int, int, int]]:
     """`(offset, rows, cols)` of each block of a parameter of `shape`, in flat order: per matrix
     of `matrix_view`, its row blocks (`row_blocks`); a block is contiguous in the flat tensor."""
     count, rows, cols = matrix_view(shape)
@@ -127,8 +128,14 @@ def chunks(runs: Iterable[tuple], size: int = CHUNK) -> Iterator[tuple]:
             yield (a, min(hi, a + size), *rest)
 
 
-def momentum_(buf: torch.Tensor, grad: torch.Tensor, runs: Sequence[Run], momentum: float,
-              nesterov: bool, chunk: int = CHUNK) -> torch.Tensor:  # fmt: skip
+def momentum_(
+    buf: torch.Tensor,
+    grad: torch.Tensor,
+    runs: Sequence[Run],
+    momentum: float,
+    nesterov: bool,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
     """`B <- mu*B + (1-mu)*g` on the runs of the flat `buf`, in place; returns the update `U`
     in bf16, as long as `buf` and zero outside the runs. Temporaries stay `chunk`-sized."""
     update = buf.new_empty(buf.numel(), dtype=torch.bfloat16)
@@ -144,8 +151,9 @@ def momentum_(buf: torch.Tensor, grad: torch.Tensor, runs: Sequence[Run], moment
     return update
 
 
-def orthogonalize_(matrices: Sequence[torch.Tensor], steps: int, coefficients, eps: float,
-                   backend: str = "auto") -> None:  # fmt: skip
+def orthogonalize_(
+    matrices: Sequence[torch.Tensor], steps: int, coefficients, eps: float, backend: str = "auto"
+) -> None:
     """`X <- NS(X)` in place for equal-shaped matrices, batched (one matrix takes torch's
     exact path, unstacked); `coefficients` as `newton_schulz` takes them."""
     x = matrices[0] if len(matrices) == 1 else torch.stack(list(matrices))
@@ -155,8 +163,9 @@ def orthogonalize_(matrices: Sequence[torch.Tensor], steps: int, coefficients, e
         view.copy_(o)
 
 
-def merged(lo: int, hi: int, update: torch.Tensor, back: torch.Tensor,
-           returned: Sequence[tuple[int, int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:  # fmt: skip
+def merged(
+    lo: int, hi: int, update: torch.Tensor, back: torch.Tensor, returned: Sequence[tuple[int, int, int]]
+) -> Iterator[tuple[int, int, torch.Tensor]]:
     """`(a, z, O[a:z])` covering `[lo, hi)` of the local slice: from `back` where a result
     came back there (`returned`: `(offset, in back, length)`, sorted), else from `update`."""
     pos = lo
@@ -172,9 +181,16 @@ def merged(lo: int, hi: int, update: torch.Tensor, back: torch.Tensor,
         yield pos, hi, update[pos:hi]
 
 
-def apply_(params: torch.Tensor, runs: Iterable[tuple[int, int, float]], lr: float, weight_decay: float,
-           update: torch.Tensor, back: torch.Tensor, returned: Sequence[tuple[int, int, int]],
-           chunk: int = CHUNK) -> None:  # fmt: skip
+def apply_(
+    params: torch.Tensor,
+    runs: Iterable[tuple[int, int, float]],
+    lr: float,
+    weight_decay: float,
+    update: torch.Tensor,
+    back: torch.Tensor,
+    returned: Sequence[tuple[int, int, int]],
+    chunk: int = CHUNK,
+) -> None:
     """`p <- p*(1 - lr*wd) - adjusted_lr*O` on the runs `(lo, hi, adjusted_lr)` of the flat
     `params`; `O` as `merged` finds it."""
     decay = 1 - lr * weight_decay

@@ -150,9 +150,15 @@ class MuonPlan:
         return max(self.times) / mean if mean else 1.0
 
 
-def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: int | Sequence[int] = 5,
-              mesh_shape: tuple[int, int] | None = None, cost: CostModel = H200,
-              homes: Sequence[int | None] | None = None) -> MuonPlan:  # fmt: skip
+def muon_plan(
+    shapes: Sequence[tuple[int, ...]],
+    world_size: int,
+    *,
+    ns_steps: int | Sequence[int] = 5,
+    mesh_shape: tuple[int, int] | None = None,
+    cost: CostModel = H200,
+    homes: Sequence[int | None] | None = None,
+) -> MuonPlan:
     """The plan `vo.Muon` builds for parameters of `shapes` (2-D matrices, 3-D stacks, 4-D
     convolutions, in the optimizer's order) on `world_size` ranks; `ns_steps` for all or one per
     shape. `mesh_shape = (replicas, shards)` of a `replicate x shard` mesh (world ranks row-major,
@@ -175,9 +181,14 @@ def muon_plan(shapes: Sequence[tuple[int, ...]], world_size: int, *, ns_steps: i
     return plan_matrices(dims, world_size, cost, homes)
 
 
-def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostModel = H200,
-                  homes: Sequence[int | None] | None = None, whole: Sequence[bool] | None = None,
-                  allowed: Sequence[Sequence[int] | None] | None = None) -> MuonPlan:  # fmt: skip
+def plan_matrices(
+    dims: Sequence[tuple[int, int, int]],
+    world: int,
+    cost: CostModel = H200,
+    homes: Sequence[int | None] | None = None,
+    whole: Sequence[bool] | None = None,
+    allowed: Sequence[Sequence[int] | None] | None = None,
+) -> MuonPlan:
     """`muon_plan` over matrices `(rows, cols, ns_steps)` (see the module's docstring); a matrix
     marked in `whole` is never split (NorMuon's normalization needs all of it on one rank); one
     with `allowed` ranks (an expert matrix, on its EP rank's ranks) is whole and owned by one of them."""
@@ -190,8 +201,11 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
     owners: list[int | None] = [None] * len(dims)
     groups: dict[int, tuple[int, ...]] = {}
     splits: dict[int, Split] = {}
-    line = [i for i, (r, c, s) in enumerate(dims) if world > 1 and not whole[i]
-            and costs[i] > THETA * mean and splittable(r, c, s, cost)]  # fmt: skip
+    line = [
+        i
+        for i, (r, c, s) in enumerate(dims)
+        if world > 1 and not whole[i] and costs[i] > THETA * mean and splittable(r, c, s, cost)
+    ]
     line.sort(key=lambda i: (-costs[i], i))
     for ranks, items in _pools(line, dims, costs, world, mean, cost):
         for i, members, shares in _wrap(items, ranks, costs):
@@ -204,8 +218,13 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
             for k, r in enumerate(groups[i]):
                 loads[r] += split.member_flops(k, dims[i][2])
     rest = [i for i in range(len(dims)) if owners[i] is None and i not in groups]
-    placed = assign_owners([costs[i] for i in rest], world, [homes[i] for i in rest], loads=loads,
-                           allowed=[allowed[i] for i in rest])  # fmt: skip
+    placed = assign_owners(
+        [costs[i] for i in rest],
+        world,
+        [homes[i] for i in rest],
+        loads=loads,
+        allowed=[allowed[i] for i in rest],
+    )
     for i, o in zip(rest, placed):
         owners[i] = o
         loads[o] += costs[i]
@@ -215,14 +234,21 @@ def plan_matrices(dims: Sequence[tuple[int, int, int]], world: int, cost: CostMo
         for r in members:
             received[r] += nbytes
             times[r] += seconds
-    if groups:  # every matrix whole (LPT alone) is the plan when it finishes no later
-        whole = assign_owners(costs, world, homes, allowed=allowed)
-        flat = [0.0] * world
-        for c, o in zip(costs, whole):
-            flat[o] += c
-        if max(flat) / cost.flops <= max(times):
-            return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
+    if groups and (unsplit := _unsplit(costs, world, homes, allowed, cost, max(times))) is not None:
+        return unsplit  # every matrix whole (LPT alone) is the plan when it finishes no later
     return MuonPlan(owners, groups, splits, loads, received, times, cost)
+
+
+def _unsplit(costs, world: int, homes, allowed, cost: CostModel, limit: float) -> MuonPlan | None:
+    """The plan with every matrix whole on one owner (the balancer alone), if its busiest rank
+    finishes within `limit` modelled seconds (the split plan's); else None."""
+    whole = assign_owners(costs, world, homes, allowed=allowed)
+    flat = [0.0] * world
+    for c, o in zip(costs, whole):
+        flat[o] += c
+    if max(flat) / cost.flops > limit:
+        return None
+    return MuonPlan(list(whole), {}, {}, flat, [0.0] * world, [x / cost.flops for x in flat], cost)
 
 
 def _pools(line: list[int], dims, costs, world: int, mean: float, cost: CostModel):

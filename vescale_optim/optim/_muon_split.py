@@ -58,8 +58,15 @@ class SplitStep:
     """The split matrices of Muon's segments `segs` (their `items`, one per matrix, and
     `shapes`, per segment; the plan's matrices are theirs in order), run from world rank `rank`."""
 
-    def __init__(self, plan: MuonPlan, segs: Sequence[Segment], items: Sequence[Sequence[WorkItem]],
-                 shapes: Sequence[Sequence[tuple[int, int]]], topology: Topology, world: Comm):  # fmt: skip
+    def __init__(
+        self,
+        plan: MuonPlan,
+        segs: Sequence[Segment],
+        items: Sequence[Sequence[WorkItem]],
+        shapes: Sequence[Sequence[tuple[int, int]]],
+        topology: Topology,
+        world: Comm,
+    ):
         rank = world.rank
         self.plan, self.world = plan, world
         where = [(s, k) for s, seg_items in enumerate(items) for k in range(len(seg_items))]
@@ -72,9 +79,17 @@ class SplitStep:
             split, cols = plan.splits[i], shapes[s][k][1]
             for j, member in enumerate(plan.groups[i]):
                 lo, hi = split.start(j) * cols, (split.start(j) + split.rows[j]) * cols
-                pieces = tuple(Piece(p.rank, len(blocks), p.offset + max(lo, p.start) - p.start,
-                                     max(lo, p.start) - lo, min(hi, p.stop) - lo)
-                               for p in items[s][k].pieces if p.start < hi and p.stop > lo)  # fmt: skip
+                pieces = tuple(
+                    Piece(
+                        p.rank,
+                        len(blocks),
+                        p.offset + max(lo, p.start) - p.start,
+                        max(lo, p.start) - lo,
+                        min(hi, p.stop) - lo,
+                    )
+                    for p in items[s][k].pieces
+                    if p.start < hi and p.stop > lo
+                )
                 if member == rank:
                     self.mine.append((i, j, len(blocks)))
                 blocks.append(WorkItem(pieces, 0.0))  # owners are given: no cost to balance
@@ -84,10 +99,20 @@ class SplitStep:
         self.moves = moves = plan_owners([blocks], topology, rank, owners=owners).segments[0]
         self.comms = _groups(plan, world)
         self.segs = list(segs)
-        self._mine = [_Block(i, j, b, self.seg_of[b], blocks[b].numel, moves.received_at.get(b),
-                             None if b in moves.received_at else
-                             next(p.offset for p in blocks[b].pieces if p.stop > p.start))
-                      for i, j, b in self.mine]  # fmt: skip
+        self._mine = [
+            _Block(
+                i,
+                j,
+                b,
+                self.seg_of[b],
+                blocks[b].numel,
+                moves.received_at.get(b),
+                None
+                if b in moves.received_at
+                else next(p.offset for p in blocks[b].pieces if p.stop > p.start),
+            )
+            for i, j, b in self.mine
+        ]
 
     def run(self, updates: dict[int, torch.Tensor]) -> tuple[int, int, list[tuple[int, int]]]:
         """Split Newton–Schulz on every split matrix, in place in `updates` (segment position ->
@@ -110,8 +135,17 @@ class SplitStep:
             else:  # held whole here: read and written in place
                 block = src[m.at : m.at + m.numel] if src is not None else like.new_zeros(m.numel)
             comm = self.comms[self.plan.groups[m.matrix]]
-            jobs.append(Job(split, m.member, block.view(-1, split.shape[1]), comm, group["ns_steps"],
-                            group["ns_coefficients"], group["eps"]))  # fmt: skip
+            jobs.append(
+                Job(
+                    split,
+                    m.member,
+                    block.view(-1, split.shape[1]),
+                    comm,
+                    group["ns_steps"],
+                    group["ns_coefficients"],
+                    group["eps"],
+                )
+            )
         outs, gathered = run_split(jobs)
         traffic = [traffic[0] + gathered, traffic[1] + gathered]  # a ring sends what it receives
         out = like.new_empty(moves.result_numel)
@@ -127,8 +161,9 @@ class SplitStep:
                 _copy(updates.get(self.seg_of[b]), piece.offset, back, off, piece.stop - piece.start)
         return traffic[0], traffic[1], [(i, j) for i, j, _ in self.mine]
 
-    def _run(self, plan, src: torch.Tensor, dst: torch.Tensor, which: int, traffic: list[int],
-             what: str) -> None:  # fmt: skip
+    def _run(
+        self, plan, src: torch.Tensor, dst: torch.Tensor, which: int, traffic: list[int], what: str
+    ) -> None:
         """`plan` (the gather or the scatter) from `src` into `dst`, its bytes added to `traffic`."""
         program, rank, size = self.moves.programs[which], self.world.rank, src.element_size()
         run_plan(plan, src, dst, self.world, program, what=what)

@@ -25,7 +25,7 @@ import torch
 from ..owners.balance import assign_owners
 from ..units.fsdp_shards import WholeMoves
 from ..units.segment import Segment
-from ..units.tensor_parallel import local_shape
+from ..units.tp_view import TensorParallel
 from ._shampoo_math import Tile, matrix_shape, schedule, tiles_of
 from ._shampoo_tiles import CHANNELS, FACTORS, TileGroup
 from .state_dict import Owned
@@ -48,13 +48,14 @@ def _moves(params: Sequence[torch.Tensor], owners: Sequence[int], shards, world,
 class FsdpShampoo:
     """The plan, the state and the step of Shampoo's matrices over FSDP2's shards (see the
     module's docstring): `segs` the optimizer's non-frozen segments, `shards` the runtime's
-    `FsdpGrads` (where every rank's piece of each parameter lies), `world` every rank.
+    `FsdpGrads` (where every rank's piece of each parameter lies), `world` every rank, `tp` the
+    runtime's `TensorParallel` (each parameter's cut: FSDP2's local tensors).
 
     Between steps a rank keeps only the factors and roots of the matrices it owns (`local`,
     stacked by segment and tile shape); `kept` and `roots` count a step's roots kept instead of
     refreshed and roots computed, as `SegmentTiles` does."""
 
-    def __init__(self, segs: Sequence[Segment], shards, world):
+    def __init__(self, segs: Sequence[Segment], shards, world, tp: TensorParallel):
         self.segs, self.world = list(segs), world
         self.remote: list[TileGroup] = []  # no tile travels alone: whole matrices do
         self.position = {id(seg): s for s, seg in enumerate(self.segs)}
@@ -65,6 +66,7 @@ class FsdpShampoo:
             if matrix_shape(tuple(p.shape)) is not None
         ]
         params = [self.segs[s].params[i] for s, i in self.where]
+        self.shapes = {(s, i): tp.cut(self.segs[s].params[i]).local_shape for s, i in self.where}
         self.tiles = [
             tiles_of(tuple(p.shape), self.segs[s].group["max_preconditioner_dim"], k)
             for k, ((s, _), p) in enumerate(zip(self.where, params))
@@ -184,7 +186,7 @@ class FsdpShampoo:
         """This rank's piece of matrix k's `channel` (gradient, mhat, grafting update) in its local
         shape; zeros for a segment that does not step."""
         s, i = self.where[k]
-        seg, shape = self.segs[s], local_shape(self.segs[s].params[i])
+        seg, shape = self.segs[s], self.shapes[s, i]
         if s not in staged:
             return like.new_zeros(shape)
         lo, hi = seg.local_range(i)

@@ -5,8 +5,6 @@ update back, as the owner layer planned it (`owners.plan`). The math is
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..owners.moves import Move
@@ -14,7 +12,6 @@ from ..owners.plan import SegmentMoves, WorkItem
 from ..shard.comm import host_to_device
 from ..shard.redistribution import Piece
 from ..units.segment import Segment
-from ..units.tensor_parallel import is_dtensor, is_tp_sharded, local_shape
 from ._shampoo_math import (
     Tile,
     inverse_roots_,
@@ -90,47 +87,17 @@ def _by_step(steps: list[int], device: torch.device):
     return [(st, host_to_device(idx, torch.int64, device)) for st, idx in found.items()]
 
 
-def tp_tile_offset(p: torch.Tensor, max_dim: int, name: str) -> tuple[int, int]:
-    """`(rows, cols)`: how many whole tiles of the full matrix lie above and left of this TP
-    rank's shard of `p` (a DTensor seen as `[shape[0], rest]`; `(0, 0)` for a plain tensor).
-
-    Shampoo under tensor parallelism keeps every tile of the full tensor inside one TP shard,
-    so each TP rank's tiles of its local shard are the full tensor's own tiles, computed where
-    they lie with no TP traffic. That holds when every shard's first row (a `Shard(0)` cut) or
-    column (a cut of a later dimension) starts a tile, and its last one ends a tile or the
-    matrix. The answer is the same on every rank, from the global shape and placements; a cut
-    off the tile grid is a NotImplementedError naming the parameter, the block size and the
-    TP shard shape."""
-    if not is_dtensor(p) or not is_tp_sharded(p) or matrix_shape(tuple(p.shape)) is None:
-        return 0, 0
-    shape, cuts = tuple(p.shape), [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
-    m, n = matrix_shape(shape)
-    dim = cuts[0][1].dim % len(shape)
-    refusal = (
-        f"Shampoo under tensor parallelism needs every tile of the full tensor inside one TP shard: "
-        f"parameter {name} (global shape {shape}, TP shard shape {local_shape(p)}, placements "
-        f"{tuple(p.placements)}) is cut off the grid of max_preconditioner_dim={max_dim}"
-    )
-    if len(cuts) > 1 or math.prod(shape[1:dim]) != 1:
-        raise NotImplementedError(
-            refusal + ": one Shard placement of dim 0, or of a dimension whose shards are column blocks "
-            "of [shape[0], rest], is supported"
-        )
-    size, inner = shape[dim], math.prod(shape[dim + 1 :])
-    extent, ways = (m, 1) if dim == 0 else (n, inner), p.device_mesh.size(cuts[0][0])
-    chunk = -(-size // ways)  # DTensor's Shard cut, torch.chunk's way
-    for s in range(ways):
-        a, b = min(s * chunk, size) * extent[1], min((s + 1) * chunk, size) * extent[1]
-        if b > a and (a % max_dim or (b % max_dim and b != extent[0])):
-            what = "rows" if dim == 0 else "columns"
-            raise NotImplementedError(
-                refusal + f": a TP shard spans {extent[1] * chunk} {what}, not a multiple of it"
-            )
-    start = min(p.device_mesh.get_coordinate()[cuts[0][0]] * chunk, size) * extent[1]
-    return (start // max_dim, 0) if dim == 0 else (0, start // max_dim)
-
-
 CHANNELS = 3  # what travels to a tile's owner: gradient, mhat, grafting update
+
+
+def rows_held(seg: Segment, t: Tile, rank: int, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds (`shapes`: the
+    segment's parameters' local shapes)."""
+    n = matrix_shape(shapes[t.param])[1]
+    start, stop = seg.layout.rank_range(t.param, rank)
+    first, last = (start - seg.layout.offsets[t.param]) // n, (stop - seg.layout.offsets[t.param]) // n
+    a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
+    return (a, z) if z > a else (0, 0)
 
 
 def tile_work(tiles: list[Tile], held: list[list[tuple[int, int]]]) -> list[WorkItem]:
@@ -146,17 +113,18 @@ def tile_work(tiles: list[Tile], held: list[list[tuple[int, int]]]) -> list[Work
 
 
 class SegmentTiles:
-    """One segment's tiles seen from this rank: the tiles it owns (grouped by shape), and the
+    """One segment's tiles seen from this rank (`shapes`: its parameters' local shapes, which the
+    tiles cut): the tiles it owns (grouped by shape), and the
     moves that bring a tile whose rows its owner does not hold to the owner (gradient, mhat
     and grafting update) and the tile's update back. Between steps it holds only factors and
     roots: tiles are read from the step's flat tensors and staging buffers live for one step."""
 
-    def __init__(self, seg: Segment, tiles: list[Tile], moves: SegmentMoves):
+    def __init__(self, seg: Segment, tiles: list[Tile], moves: SegmentMoves, shapes: list[tuple[int, ...]]):
         self.tiles, self.moves, self.owners = tiles, moves, moves.owners
         self.seg, self.like = seg, seg.local_params
         self.where = {}  # param -> (local range, first local row, columns)
         for t in tiles:
-            n = matrix_shape(local_shape(seg.params[t.param]))[1]
+            n = matrix_shape(shapes[t.param])[1]
             lo, hi = seg.local_range(t.param)
             self.where[t.param] = (lo, hi, seg.tensor_range(t.param)[0] // n, n)
         self.moved = len(moves.moved)
@@ -182,8 +150,27 @@ class SegmentTiles:
         lo, hi, first, n = self.where[t.param]
         return flat[lo:hi].view(-1, n)[t.r0 + a - first : t.r0 + b - first, t.c0 : t.c1]
 
-    def step(self, group: dict, steps: list[int], grads: torch.Tensor, mhat: torch.Tensor,
-             update: torch.Tensor, finish) -> Move | None:  # fmt: skip
+    def _pack(self, flats: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """What this rank sends of the tiles that travel: their rows of each flat (gradient, mhat,
+        grafting update), one channel after the other, at the plan's offsets."""
+        send = self.like.new_empty(self.moves.send_numel)
+        for k, p, off in self.moves.pack:
+            t = self.tiles[k]
+            a, b = p.start // t.w, p.stop // t.w
+            out = send[off : off + CHANNELS * (b - a) * t.w].view(CHANNELS, b - a, t.w)
+            for c, flat in enumerate(flats):
+                out[c].copy_(self._rows(flat, t, a, b))
+        return send
+
+    def step(
+        self,
+        group: dict,
+        steps: list[int],
+        grads: torch.Tensor,
+        mhat: torch.Tensor,
+        update: torch.Tensor,
+        finish,
+    ) -> Move | None:
         """Factor updates, roots and preconditioned, grafted updates of the tiles whose
         parameter steps (`steps[k]`: its step count, 0 for none), from the local flat
         `grads`, bias-corrected momentum `mhat` and grafting `update`; the tiles' updates
@@ -206,21 +193,15 @@ class SegmentTiles:
                 for view, u in zip(views[2], out if out is not None else ()):
                     view.copy_(u)
 
-        moves = self.moves
-        send = self.like.new_empty(moves.send_numel)
-        for k, p, off in moves.pack:
-            t = self.tiles[k]
-            a, b = p.start // t.w, p.stop // t.w
-            out = send[off : off + CHANNELS * (b - a) * t.w].view(CHANNELS, b - a, t.w)
-            for c, flat in enumerate(flats):
-                out[c].copy_(self._rows(flat, t, a, b))
+        moves, send = self.moves, self._pack(flats)
 
         def compute(recv: torch.Tensor) -> torch.Tensor:
             result = self.like.new_empty(moves.result_numel if apply else 0)
             for g in self.remote:
                 n, shape = g.h * g.w, (len(g.tiles), g.h, g.w)
-                channels = [torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at])
-                            for c in range(CHANNELS)]  # fmt: skip
+                channels = [
+                    torch.stack([recv[a + c * n : a + (c + 1) * n] for a, _ in g.at]) for c in range(CHANNELS)
+                ]
                 out = run(g, *(x.view(shape) for x in channels))
                 if apply:  # every tile's update goes back (the grafting update where none started)
                     for (_, r), u in zip(g.at, out if out is not None else channels[2]):

@@ -89,8 +89,9 @@ class Split:
 Request = tuple[torch.Tensor, tuple[int, ...]]  # (this member's rows, every member's row count)
 
 
-def member(split: Split, index: int, block: torch.Tensor, steps: int, coefficients,
-           eps: float) -> Generator[Request, torch.Tensor, torch.Tensor]:  # fmt: skip
+def member(
+    split: Split, index: int, block: torch.Tensor, steps: int, coefficients, eps: float
+) -> Generator[Request, torch.Tensor, torch.Tensor]:
     """Member `index`'s split Newton–Schulz on its `block` (its rows of M): yields `(rows,
     counts)` for each all-gather and is sent the gathered matrix (`sum(counts)` rows); returns
     its rows of `NS(M)` in bf16. `coefficients` as `newton_schulz` takes them (one triple,
@@ -135,8 +136,7 @@ def assemble(gathered: torch.Tensor, counts: Sequence[int], cols: int) -> torch.
     return torch.cat([blocks[i, :n] for i, n in enumerate(counts)])
 
 
-def simulate(split: Split, matrix: torch.Tensor, steps: int, coefficients,
-             eps: float) -> torch.Tensor:  # fmt: skip
+def simulate(split: Split, matrix: torch.Tensor, steps: int, coefficients, eps: float) -> torch.Tensor:
     """`NS(matrix)` computed by every member of `split` in this process, the all-gathers done
     through the same padding and assembly as over a process group."""
     gens, requests, results = [], [], [None] * split.size

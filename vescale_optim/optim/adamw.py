@@ -142,28 +142,30 @@ def adamw_segment_step(seg: Segment, grads: torch.Tensor) -> None:
     g = seg.group
     beta1, beta2 = g["betas"]
     hyper = dict(
-        lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
+        lr=float(g["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=g["eps"],
+        weight_decay=g["weight_decay"],
         maximize=g.get("maximize", False),
-    )  # fmt: skip
+    )
     params, codec = seg.local_params, seg.codec
     if isinstance(codec, state_tiers.Blocks):
         (mq, ms), (vq, vs) = codec.parts(seg.state, "exp_avg"), codec.parts(seg.state, "exp_avg_sq")
         blk = codec.block
         for lo, hi, step in runs:
             b0, b1 = lo // blk, -(-hi // blk)
-            adamw8bit_update_(params[lo:hi], grads[lo:hi], mq[lo:hi], ms[b0:b1], vq[lo:hi], vs[b0:b1],
-                              step=step, block_size=blk, **hyper)  # fmt: skip
+            moments = (mq[lo:hi], ms[b0:b1], vq[lo:hi], vs[b0:b1])  # codes per element, scales per block
+            adamw8bit_update_(params[lo:hi], grads[lo:hi], *moments, step=step, block_size=blk, **hyper)
     elif codec.exact:
         amsgrad = "max_exp_avg_sq" in seg.state_names
         cut = lambda t: [t[lo:hi] for lo, hi, _ in runs]  # noqa: E731
         # the fused kernel counts each step up itself before using it
         # copied to the device without a stall (pinned, non-blocking on CUDA)
         steps = host_to_device([float(s - 1) for _, _, s in runs], torch.float32, params.device).unbind()
-        _torch_adamw(
-            cut(params), cut(grads), cut(seg.read("exp_avg")), cut(seg.read("exp_avg_sq")),
-            cut(seg.read("max_exp_avg_sq")) if amsgrad else [], list(steps), fused=True, amsgrad=amsgrad,
-            **hyper,
-        )  # fmt: skip
+        maxima = cut(seg.read("max_exp_avg_sq")) if amsgrad else []
+        moments = (cut(seg.read("exp_avg")), cut(seg.read("exp_avg_sq")), maxima)
+        _torch_adamw(cut(params), cut(grads), *moments, list(steps), fused=True, amsgrad=amsgrad, **hyper)
     else:
         m, v = seg.read("exp_avg"), seg.read("exp_avg_sq")
         for lo, hi, step in runs:

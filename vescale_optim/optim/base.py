@@ -6,7 +6,7 @@ pure math on its flat tensors, or a `Move` for whole matrices or tiles), optiona
 spans a step's segments (`_step_phase`), state kept whole on one rank (`_owned_state`) and
 the step statistics it counts (`step_stat_names`). The runtime (`units.Runtime`) does the
 rest: units, hooks, gradient reduction, which parameters step, clipping, memory; the state
-dicts go through `StateIO`.
+dicts go through `StateIO` (the sharded one for DCP, keyed by parameter name: `sharded_state`).
 
 A parameter takes a step iff some rank has a gradient for it, as in torch; the ranks
 agree on that with one small all-reduce per step.
@@ -27,17 +27,32 @@ from ..owners.moves import run_moves
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment
-from ..units.tensor_parallel import local, refuse_for
+from ..units.tensor_parallel import is_dtensor, local
 from ..units.unit import Unit
 from . import _step_stats, state_tiers
 from ._checks import changed_structure, check_params, check_same_on_every_rank, replaced_params
 from ._guards import caller_stacklevel, check_amp_scaler, label_params
+from ._memory import MemoryAccounting
 from .declarations import Declarations
+from .sharded_state import ShardedStateDict
 from .state_dict import Gather, StateIO
 from .torch_state import LocalState, StateAttribute, through_torch_load, through_torch_state_dict
 
 
-class ShardedOptimizer(Declarations, torch.optim.Optimizer):
+def refuse_dtensors(owner: str, params: list[torch.Tensor], takes_dtensors: bool) -> None:
+    """An optimizer whose math is not element-wise (`takes_dtensors=False`) refuses DTensor
+    parameters by name: it would need each whole matrix or tile across the TP shards, and
+    orthogonalizing the local shards alone would depend on the TP size."""
+    if takes_dtensors or not any(is_dtensor(p) for p in params):
+        return
+    raise NotImplementedError(
+        f"{owner} does not support DTensor (tensor-parallel) parameters yet: its math needs whole "
+        "matrices or tiles across the TP shards; use vo.AdamW for them, or give this optimizer "
+        "plain (non-DTensor) parameters only"
+    )
+
+
+class ShardedOptimizer(Declarations, ShardedStateDict, MemoryAccounting, torch.optim.Optimizer):
     """A `torch.optim.Optimizer` whose parameters, gradients and state are ragged-sharded.
 
     With `shard_modules`, each listed module is a unit whose parameters are gathered before its
@@ -94,10 +109,16 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         self._structure = [{k: g.get(k) for k in self.structural_keys} for g in self.param_groups]
         self._built_over = [list(g["params"]) for g in self.param_groups]  # `_follow_swapped`
         self._io = StateIO(
-            runtime.segments, self.param_groups, self.structural_keys, comm=runtime.comm, world=runtime.dp,
-            replicas=runtime.topology.replicas, stepless=self._stepless, owned=self._owned_state,
+            runtime.segments,
+            self.param_groups,
+            self.structural_keys,
+            comm=runtime.comm,
+            world=runtime.dp,
+            replicas=runtime.topology.replicas,
+            stepless=self._stepless,
+            owned=self._owned_state,
             publish=lambda: runtime.publish(),
-        )  # fmt: skip
+        )
         self.state = LocalState(runtime.segments, self._owned_state)
         self._plan_work()
 
@@ -132,7 +153,7 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
         """Refuse what cannot be sharded (subclasses add their own conditions); a ValueError
         is raised on every rank, whichever rank found it."""
         check_params(params)
-        refuse_for(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
+        refuse_dtensors(type(self).__name__, params, self.takes_dtensors)  # alike on every rank
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -268,8 +289,9 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
             yield
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
 
         Returns the total norm before clipping (the same on every rank, and what
@@ -357,54 +379,6 @@ class ShardedOptimizer(Declarations, torch.optim.Optimizer):
                 g.update(new)
             state = {k: v for k, v in state.items() if k not in ("param_groups", "state")}  # ours stays
         super().__setstate__(state)
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies).
-
-        Pass it to `torch.distributed.checkpoint.save`; to restore, build the optimizer
-        (any world size), call `dcp.load` on a fresh `sharded_state_dict()` and then
-        `load_sharded_state_dict` with it. fp32 state is handed as views; bf16 and 8-bit
-        state is decoded chunk by chunk only while DCP writes it. The param groups'
-        hyperparameters ride along (a scheduler's learning rates come back). Not collective
-        itself."""
-        self._follow_swapped()
-        return self._io.sharded()
-
-    def load_sharded_state_dict(self, state_dict: dict) -> None:
-        """Finish a DCP load (collective): fp32 state and masters were filled in place;
-        buffers DCP decoded into are encoded into the low-bit state and dropped."""
-        self._follow_swapped()
-        self._used = True
-        self._io.load_sharded(state_dict)
-        self.state.changed()
-
-    # --- memory -------------------------------------------------------------------------
-
-    def local_state_numel(self) -> int:
-        """Elements of optimizer state (masters included) held by this rank."""
-        return sum(t.numel() for t in self._local_state_tensors())
-
-    def local_state_bytes(self) -> int:
-        """Bytes of every persistent tensor the optimizer holds on this rank besides the parameters and
-        gradients: state, fp32 masters of bf16/fp16 parameters, owned state (Shampoo's), opt.state's steps."""
-        return sum(t.numel() * t.element_size() for t in self._local_state_tensors())
-
-    def _local_state_tensors(self) -> Iterator[torch.Tensor]:
-        for seg in self.runtime.segments:
-            yield from seg.state.values()
-            for per_param in self._owned_state(seg):
-                yield from (o.tensor for o in per_param if o.tensor is not None)
-        yield from self.runtime.masters()
-        yield from self.state.held()  # the step counts `opt.state` shows, once read
-
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: `parameters` (shards, or whole parameters kept by unsharded
-        units, in their dtypes), `gradients` (averaged-gradient shards, and those kept unsynced
-        across replicas inside `no_all_reduce()`), `state` (`local_state_bytes()`, masters
-        included), `unsharded` (gathered parameters and unreduced gradients between gather and free)."""
-        stats = self.runtime.memory_stats()
-        return {"parameters": stats["parameters"], "gradients": stats["gradients"],
-                "state": self.local_state_bytes(), "unsharded": stats["unsharded"]}  # fmt: skip
 
 
 __all__ = ["Segment", "ShardedOptimizer"]

@@ -5,7 +5,8 @@ owner and back, the owner layer's (`owners.plan`): Muon declares each matrix a w
 pieces, its Newton–Schulz FLOPs, the rank holding it whole if one does); a split matrix's row
 blocks travel to its group's members the same way (`_muon_split`). Under tensor parallelism a
 matrix cut over TP is its full matrix, with pieces from every TP shard, orthogonalized once in
-the dp x tp world by an owner of the same plan (whole, never split: `units.tp_pieces`).
+the dp x tp world by an owner of the same plan (whole, never split: `_muon_tp`), read from the
+runtime's `TensorParallel`. What each rank does is planned once, at construction (`_muon_setup`).
 """
 
 from __future__ import annotations
@@ -15,17 +16,11 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from ..owners.balance import keep_homes, spread_homes
 from ..owners.moves import Move, run_moves
-from ..owners.plan import plan_owners
-from ..units.fsdp_shards import FsdpGrads
-from ..units.segment import FROZEN, Segment, StateSpec
-from ..units.tensor_parallel import local_shape
-from ..units.tp_pieces import TPMatrix, TPWorld, assemble, muon_tp_world, tp_kind
+from ..units.segment import Segment, StateSpec
+from ..units.tp_view import param_cut
 from . import state_tiers
 from ._checks import check_betas, check_params_arg
-from ._muon_fsdp import FsdpMuon
-from ._muon_fsdp import refused as over_fsdp_refused
 from ._muon_math import (
     adjusted_lr,
     apply_,
@@ -34,12 +29,13 @@ from ._muon_math import (
     momentum_,
     normuon_,
     ns_flops,
-    ns_steps_of,  # fmt: skip
+    ns_steps_of,
     orthogonalize_,
 )
-from ._muon_plan import H200, CostModel, MuonPlan, plan_matrices
-from ._muon_split import SplitStep
-from ._muon_work import SegmentWork, local_blocks, matrix_work, refuse_tp_blocks
+from ._muon_plan import H200, CostModel, MuonPlan
+from ._muon_setup import plan_setup
+from ._muon_tp import TPMatrix, assemble, local_blocks, refuse_tp_blocks
+from ._muon_work import SegmentWork
 from .muon_groups import check_blocks, check_muon_group
 from .state_dict import Owned
 
@@ -98,10 +94,18 @@ class Muon(ShardedOptimizer):
         **sharding: Any,
     ):
         defaults = dict(
-            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-            ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-            use_muon=True, normuon=normuon, normuon_beta2=normuon_beta2,
-        )  # fmt: skip
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            use_muon=True,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+        )
         check_muon_group(defaults)
         check_betas(betas)
         check_params_arg(params)
@@ -119,75 +123,27 @@ class Muon(ShardedOptimizer):
         super().__init__(params, defaults, sharding)  # plans the matrices (`_plan_work`)
 
     def _plan_work(self) -> None:
-        """One plan over every matrix of the step and every rank of the world (replicas too), so
-        the step's total is balanced and each matrix is orthogonalized once."""
-        cost_model = self._cost_model
-        runtime, topo = self.runtime, self.runtime.topology
-        segs = [seg for seg in runtime.segments if seg.group["use_muon"] and seg.tier != FROZEN]
-        self._segs, self._position, self._updates = segs, {id(seg): s for s, seg in enumerate(segs)}, {}
-        self._over_fsdp = None
-        if isinstance(runtime.wrapper, FsdpGrads):  # over FSDP2's shards: whole matrices to owners
-            problem = over_fsdp_refused(segs)
-            if problem is not None:
-                raise NotImplementedError(problem)
-            self._over_fsdp = FsdpMuon(segs, runtime.wrapper, runtime.dp, cost_model)
-            self.plan, self.homes, self._split, self._variance = self._over_fsdp.plan, [], None, {}
-            self.ns_load = [float(x) for x in self.plan.loads]
-            self._work = {id(seg): [] for seg in segs}
-            return
-        kinds = [[tp_kind(p) for p in seg.params] for seg in segs]
-        self._tp: TPWorld | None = (tp := muon_tp_world(runtime, segs, kinds))  # None without TP
-        if tp is not None:  # NorMuon's v is kept by owners anywhere in the dp x tp world
-            self._io.owned_world = tp.comm
-        work = [matrix_work(sg, ns_steps_of(sg.group), kind, tp is not None) for sg, kind in zip(segs, kinds)]
-        dims = [(r, c, ns_steps_of(seg.group)) for seg, w in zip(segs, work) for r, c in w.shapes]
-        whole_only = [bool(seg.group["normuon"]) or bool(tp) for seg, w in zip(segs, work) for _ in w.shapes]
-        rank = runtime.dp.rank if tp is None else tp.comm.rank
-        size = topo.world_size if tp is None else tp.comm.world_size
-        items = [item for w in work for item in w.items]
-        costs = [ns_flops(*d) for d in dims]
-        # a matrix lying whole on one shard rank stays there when the balance allows (with
-        # replicas, the matrices of a shard rank are dealt over its replicas)
-        if tp is None:
-            homes = spread_homes(costs, [it.home for it in items], topo.ranks)
-            holders = [() if it.home is None else tuple(row[it.home] for row in topo.ranks) for it in items]
-            allowed, keys = None, costs
-        else:  # an expert matrix is owned on its own EP rank's ranks, and trades owners only there
-            tags = [tag for w in work for tag in w.tags]
-            (homes, holders), allowed = tp.homes(costs, items, tags), tp.allowed(tags)
-            keys = list(zip(costs, allowed))
-        self.homes: list[int | None] = homes  # per matrix, the world rank holding it whole (or None)
-        self.plan: MuonPlan = plan_matrices(dims, size, cost_model, homes, whole_only, allowed)
-        self.ns_load = [float(x) for x in self.plan.loads]  # Newton–Schulz FLOPs per world rank per step
-        owners = keep_homes(self.plan.owners, keys, holders)  # equal costs trade owners: loads stay
-        whole, pos = [], 0  # per segment, the matrices orthogonalized whole: items, shapes, owners, ids
-        self._blocks = [w.blocks for w in work]  # per segment, (param, block) per matrix
-        self._variance: dict[tuple[int, int], state_tiers.Kept] = {}  # NorMuon's v of the matrices owned here
-        self._owners: list[list[int | None]] = []
-        for s, (seg, w) in enumerate(zip(segs, work)):
-            keep = [k for k in range(len(w.items)) if owners[pos + k] is not None]
-            whole.append(([w.items[k] for k in keep], [w.shapes[k] for k in keep],
-                          [owners[pos + k] for k in keep], keep))  # fmt: skip
-            self._owners.append(owners[pos : pos + len(w.items)])
-            for k in keep if seg.group["normuon"] else ():
-                if owners[pos + k] == rank:
-                    codec, device = state_tiers.codec_of(seg.tier), seg.local_params.device  # momentum's tier
-                    self._variance[s, k] = state_tiers.Kept(codec, self.VARIANCE, w.shapes[k][0], device)
-            pos += len(w.items)
-        if tp is None:  # one part per segment
-            fixed, sources = [o for w in whole for o in w[2]], [seg.counts for seg in segs]
-            moves = plan_owners([w[0] for w in whole], topo, rank, sources=sources, owners=fixed).segments
-            planned = [[(list(range(len(w[0]))), m)] for w, m in zip(whole, moves)]
-        else:  # a part per view of the dp x tp world a segment's matrices use
-            tags = [[work[s].tags[k] for k in w[3]] for s, w in enumerate(whole)]
-            planned = tp.moves([w[0] for w in whole], [w[2] for w in whole], [sg.counts for sg in segs], tags)
-        self._work = {id(seg): [SegmentWork.of(m, *([xs[k] for k in at] for xs in (its, shs, ids)))
-                                for at, m in parts]
-                      for seg, parts, (its, shs, _, ids) in zip(segs, planned, whole)}  # fmt: skip
-        self._kinds, self._segs, self._position = kinds, segs, {id(seg): s for s, seg in enumerate(segs)}
-        self._split = SplitStep(self.plan, segs, [w.items for w in work], [w.shapes for w in work], topo,
-                                runtime.dp) if self.plan.groups else None  # fmt: skip
+        """Who orthogonalizes which matrix, and how each gets there (`_muon_setup`): planned once
+        the layout is known, read by every step."""
+        self._setup = plan_setup(self.runtime, self._cost_model, self.VARIANCE)
         self._updates: dict[int, torch.Tensor] = {}  # this step's update of each Muon segment (position)
+        if self._setup.world is not None:  # NorMuon's v is kept by owners anywhere in the dp x tp world
+            self._io.owned_world = self._setup.world.comm
+
+    @property
+    def plan(self) -> MuonPlan:
+        """Who orthogonalizes which matrix (`vo.MuonPlan`), over every rank of the world."""
+        return self._setup.plan
+
+    @property
+    def homes(self) -> list[int | None]:
+        """Per matrix, the world rank holding it whole (or None)."""
+        return self._setup.homes
+
+    @property
+    def ns_load(self) -> list[float]:
+        """Newton–Schulz FLOPs per world rank per step."""
+        return self._setup.ns_load
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -197,7 +153,7 @@ class Muon(ShardedOptimizer):
             raise ValueError(f"param group {len(self.param_groups) - 1}: {e}") from None
 
     def _check_params(self, params):
-        refuse_tp_blocks(self.param_groups)  # before anything is laid out, on every rank alike
+        refuse_tp_blocks(self.param_groups, param_cut)  # before anything is laid out, on every rank alike
         super()._check_params(params)
         for gi, g in enumerate(self.param_groups):
             if not g.get("use_muon", True):
@@ -217,7 +173,7 @@ class Muon(ShardedOptimizer):
     step_stat_names = ("ns_matrices", "ns_flops")  # this rank's Newton–Schulz work in the step
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
-        return local_shape(p)[-1] if group["use_muon"] else 1
+        return p.shape[-1] if group["use_muon"] else 1  # (`p`: a DTensor's local tensor, as laid out)
 
     MOMENTUM = StateSpec("momentum_buffer")
     VARIANCE = StateSpec("variance_neuron", stored_as_sqrt=True)  # NorMuon's v, kept by the owner
@@ -244,45 +200,46 @@ class Muon(ShardedOptimizer):
 
     def _update(self, seg: Segment, grads: torch.Tensor) -> None:
         """Momentum on the local slice; the update waits for `_step_phase` (AdamW groups step now)."""
-        if id(seg) not in self._work:  # over FSDP2: later, while Muon's updates travel (`_step_phase`)
-            if self._over_fsdp is not None:
+        if id(seg) not in self._setup.parts:  # over FSDP2: later, while Muon's updates travel (`_step_phase`)
+            if self._setup.over_fsdp is not None:
                 return self._later.append((seg, grads))
             return adamw_segment_step(seg, grads)
         g, buf = seg.group, seg.read("momentum_buffer")
         runs = [(lo, hi) for lo, hi, _ in seg.runs(key=lambda i: True)]
         update = momentum_(buf, grads, runs, g["momentum"], g["nesterov"], _CHUNK)
         seg.store("momentum_buffer", buf)
-        self._updates[self._position[id(seg)]] = update
+        self._updates[self._setup.position[id(seg)]] = update
         return None
 
     def _step_phase(self, segments: list[Segment]) -> list[Move]:
         """Every Muon segment has its momentum: the split matrices first (all of the step's, by
         their groups, in place in the segments' updates), then each segment's move of its whole
         matrices to their owners (those held whole are orthogonalized and applied now)."""
-        updates, self._updates = self._updates, {}
-        if self._over_fsdp is not None:
+        updates, self._updates, setup = self._updates, {}, self._setup
+        if setup.over_fsdp is not None:
             later, self._later = self._later, []
             adamw = lambda: [adamw_segment_step(seg, grads) for seg, grads in later]  # noqa: E731
             if updates:
-                before = list(self._over_fsdp.moves.traffic)
-                self._over_fsdp.run(updates, self, adamw)
-                self._traffic(*(now - was for now, was in zip(self._over_fsdp.moves.traffic, before)))
+                before = list(setup.over_fsdp.moves.traffic)
+                setup.over_fsdp.run(updates, self, adamw)
+                self._traffic(*(now - was for now, was in zip(setup.over_fsdp.moves.traffic, before)))
             else:
                 adamw()
             return []
-        if self._split is not None and updates:
+        if setup.split is not None and updates:
             self._run_split(updates)
-        moves = [m for position, update in updates.items() for m in self._move(self._segs[position], update)]
-        if self._tp is None:
+        moves = [m for position, update in updates.items() for m in self._move(setup.segs[position], update)]
+        if setup.world is None:
             return moves
-        self._traffic(*run_moves(moves, self._tp.comm))  # over the dp x tp world
+        self._traffic(*run_moves(moves, setup.world.comm))  # over the dp x tp world
         return []
 
     def _move(self, seg: Segment, update: torch.Tensor) -> list[Move]:
         """The segment's whole matrices to their owners and back, one move per part (a view of
         the dp x tp world), applied with the split ones once the last part is back: the parts
         before it copy their results into `update` (a part with nothing to move finishes now)."""
-        parts, left = self._work[id(seg)], [len(self._work[id(seg)])]
+        parts = self._setup.parts[id(seg)]
+        left = [len(parts)]
 
         def finish(work: SegmentWork, back: torch.Tensor) -> None:
             left[0] -= 1
@@ -292,20 +249,28 @@ class Muon(ShardedOptimizer):
             else:
                 self._apply(seg, update, back, work.returned)
 
-        moves = [work.moves.move(
-            update, label="newton_schulz",
-            local=lambda work=work: self._orthogonalize(work.held, seg, update, work.held_ids),
-            compute=lambda received, work=work: self._full(work, seg, received),
-            finish=lambda back, work=work: finish(work, back),
-        ) for work in parts]  # fmt: skip
+        moves = [
+            work.moves.move(
+                update,
+                label="newton_schulz",
+                local=lambda work=work: self._orthogonalize(work.held, seg, update, work.held_ids),
+                compute=lambda received, work=work: self._full(work, seg, received),
+                finish=lambda back, work=work: finish(work, back),
+            )
+            for work in parts
+        ]
         return [m for m in moves if m is not None]
 
     def _full(self, work: SegmentWork, seg: Segment, received: torch.Tensor) -> torch.Tensor:
         """The arriving matrices orthogonalized; those cut over TP by columns made full first."""
-        blocks, kinds = self._blocks[self._position[id(seg)]], self._kinds[self._position[id(seg)]]
+        position = self._setup.position[id(seg)]
+        blocks, kinds = self._setup.blocks[position], self._setup.kinds[position]
         of = [kinds[blocks[i][0]] for i in work.ids]  # per item, how its parameter lies over TP
-        rowwise = [(work.moves.received_at[k], *work.shapes[k], of[k]) for k in work.moves.arriving
-                   if isinstance(of[k], TPMatrix) and of[k].dim == 1]  # fmt: skip
+        rowwise = [
+            (work.moves.received_at[k], *work.shapes[k], of[k])
+            for k in work.moves.arriving
+            if isinstance(of[k], TPMatrix) and of[k].dim == 1
+        ]
         assemble(received, rowwise, back=False)
         self._orthogonalize(work.arriving, seg, received, work.arriving_ids)
         assemble(received, rowwise, back=True)
@@ -313,18 +278,20 @@ class Muon(ShardedOptimizer):
 
     def _run_split(self, updates: dict[int, torch.Tensor]) -> None:
         """Every split matrix of the step, in place in `updates` (segment position -> update)."""
+        setup = self._setup
         with record_function("vescale_optim.newton_schulz_split"):
-            sent, received, done = self._split.run(updates)
+            sent, received, done = setup.split.run(updates)
         self._traffic(sent, received)
         for i, j in done:
-            split, steps = self.plan.splits[i], ns_steps_of(self._segs[self._split.seg_of_matrix[i]].group)
+            split, steps = self.plan.splits[i], ns_steps_of(setup.segs[setup.split.seg_of_matrix[i]].group)
             self.step_stats["ns_flops"] += split.member_flops(j, steps)
             if j == 0:  # a split matrix counts once, at its first member
                 self.orthogonalized += 1
                 self.step_stats["ns_matrices"] += 1
 
-    def _apply(self, seg: Segment, update: torch.Tensor, back: torch.Tensor,
-               returned: list[tuple[int, int, int]]) -> None:  # fmt: skip
+    def _apply(
+        self, seg: Segment, update: torch.Tensor, back: torch.Tensor, returned: list[tuple[int, int, int]]
+    ) -> None:
         """The update on the active runs, with one adjusted learning rate per run of
         parameters that share it (a scalar, as in torch)."""
         g, lr = seg.group, float(seg.group["lr"])
@@ -332,39 +299,46 @@ class Muon(ShardedOptimizer):
             shapes = [matrix_view(tuple(p.shape))[1:] for p in seg.params]
             runs = seg.runs(key=lambda i: adjusted_lr(lr, g["adjust_lr_fn"], *shapes[i]))
         else:
-            runs = self._block_runs(seg, lr, self._kinds[self._position[id(seg)]])
+            position = self._setup.position[id(seg)]
+            runs = self._block_runs(seg, lr, self._setup.cuts[position], self._setup.kinds[position])
         apply_(seg.local_params, runs, lr, g["weight_decay"], update, back, returned, _CHUNK)
 
     @staticmethod
-    def _block_runs(seg: Segment, lr: float, kinds: list) -> list[tuple[int, int, float]]:
+    def _block_runs(seg: Segment, lr: float, cuts: list, kinds: list) -> list[tuple[int, int, float]]:
         """`(lo, hi, adjusted_lr)` over the local pieces of the active parameters, cut where their
         blocks meet: each block scaled by its own (full) shape, as a parameter of that shape would be."""
         runs = []
-        for i, p in enumerate(seg.params):
+        for i in range(len(seg.params)):
             (lo, hi), (start, stop) = seg.local_range(i), seg.tensor_range(i)
             if not seg.active[i] or hi <= lo:
                 continue
-            for at, rows, cols, full_rows, full_cols in local_blocks(p, seg.group, kinds[i]):
+            for at, rows, cols, full_rows, full_cols in local_blocks(cuts[i], seg.group, kinds[i]):
                 a, z = max(start, at), min(stop, at + rows * cols)
                 if a < z:
                     alr = adjusted_lr(lr, seg.group["adjust_lr_fn"], full_rows, full_cols)
                     runs.append((lo + a - start, lo + z - start, alr))
         return runs
 
-    def _orthogonalize(self, batches: dict[tuple[int, int], list[int]], seg: Segment, buf: torch.Tensor,
-                       ids: dict[tuple[int, int], list[int]]) -> torch.Tensor:  # fmt: skip
+    def _orthogonalize(
+        self,
+        batches: dict[tuple[int, int], list[int]],
+        seg: Segment,
+        buf: torch.Tensor,
+        ids: dict[tuple[int, int], list[int]],
+    ) -> torch.Tensor:
         """Newton–Schulz, in place in `buf`, on the matrices at `batches`' offsets, one batch
         per shape; then NorMuon on each matrix of a stepping parameter (`ids`: their indices)."""
         group = seg.group
         steps, coefficients, eps = ns_steps_of(group), group["ns_coefficients"], group["eps"]
-        position, blocks = self._position[id(seg)], self._blocks[self._position[id(seg)]]
+        position = self._setup.position[id(seg)]
+        blocks = self._setup.blocks[position]
         for (rows, cols), offsets in batches.items():
             n = rows * cols
             views = [buf[o : o + n].view(rows, cols) for o in offsets]
             orthogonalize_(views, steps, coefficients, eps, self.ns_backend)
             for view, k in zip(views, ids[rows, cols]) if group["normuon"] else ():
                 if seg.active[blocks[k][0]]:  # a parameter not stepping keeps its v
-                    kept = self._variance[position, k]
+                    kept = self._setup.variance[position, k]
                     v = kept.decode()
                     normuon_(view, v, float(group["normuon_beta2"]))
                     kept.encode_(v)
@@ -381,15 +355,16 @@ class Muon(ShardedOptimizer):
         DTensor's blocks are the whole tensor's (every TP shard's, every expert), under the
         one-process keys, with owners in the dp x tp world (`StateIO.owned_world`)."""
         out: list[list[Owned]] = [[] for _ in seg.params]
-        position = getattr(self, "_position", {}).get(id(seg))
+        setup = getattr(self, "_setup", None)  # (None during construction, before the plan)
+        position = None if setup is None else setup.position.get(id(seg))
         if position is None or not seg.group["normuon"]:
             return out
-        blocks, owners = self._blocks[position], self._owners[position]
+        blocks, owners = setup.blocks[position], setup.owners[position]
         for k, (i, b) in enumerate(blocks):
             whole = group_blocks(tuple(seg.params[i].shape), seg.group)  # a DTensor's: the whole tensor's
             key = "variance_neuron" if len(whole) == 1 else f"variance_neuron_{b}"
             rows = whole[b][1]
-            kept = self._variance.get((position, k))
+            kept = setup.variance.get((position, k))
             tensor = None if kept is None else kept.buffer
             coded = None if kept is None or kept.codec.exact else kept
             out[i].append(Owned(key, (rows,), owners[k], tensor, coded))

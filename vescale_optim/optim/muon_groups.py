@@ -42,24 +42,7 @@ def muon_param_groups(
     comes from the optimizer, e.g. `vo.Muon(groups, lr=0.02, weight_decay=0.1)` sets both
     groups' `lr` and `weight_decay`, and its `betas` the AdamW group's.
     """
-    modules = dict(model.named_modules(remove_duplicate=False))
-    named = dict(model.named_parameters(remove_duplicate=False))
-    own = {id(p) for p in named.values()}
-    adam_ids = set()
-    for item in [exclude] if isinstance(exclude, str | torch.nn.Module | torch.Tensor) else exclude:
-        if isinstance(item, str):
-            if item not in modules and item not in named:
-                raise ValueError(f"exclude: the model has no module or parameter named {item!r}")
-            item = modules.get(item, named.get(item))
-        if isinstance(item, torch.nn.Module):
-            ids = {id(p) for p in item.parameters()}
-        elif isinstance(item, torch.Tensor):
-            ids = {id(item)}
-        else:
-            raise TypeError(f"exclude takes modules, parameters or names; got {type(item).__name__}")
-        if not ids & own:
-            raise ValueError(f"exclude: {type(item).__name__} holds no parameter of the model")
-        adam_ids |= ids
+    adam_ids = _excluded(model, exclude)
     for module in model.modules():
         if isinstance(module, _EMBEDDINGS):
             adam_ids.update(id(p) for p in module.parameters(recurse=False))
@@ -81,6 +64,30 @@ def muon_param_groups(
         if value is not None:
             adam_group[key] = value
     return [{**muon_kwargs, "params": muon, "use_muon": True}, adam_group]
+
+
+def _excluded(model: torch.nn.Module, exclude) -> set[int]:
+    """The ids of the parameters `exclude` names (modules, parameters, or their qualified names);
+    ValueError for a name the model lacks or an item holding none of its parameters."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    own = {id(p) for p in named.values()}
+    adam_ids = set()
+    for item in [exclude] if isinstance(exclude, str | torch.nn.Module | torch.Tensor) else exclude:
+        if isinstance(item, str):
+            if item not in modules and item not in named:
+                raise ValueError(f"exclude: the model has no module or parameter named {item!r}")
+            item = modules.get(item, named.get(item))
+        if isinstance(item, torch.nn.Module):
+            ids = {id(p) for p in item.parameters()}
+        elif isinstance(item, torch.Tensor):
+            ids = {id(item)}
+        else:
+            raise TypeError(f"exclude takes modules, parameters or names; got {type(item).__name__}")
+        if not ids & own:
+            raise ValueError(f"exclude: {type(item).__name__} holds no parameter of the model")
+        adam_ids |= ids
+    return adam_ids
 
 
 def _likely_heads(model: torch.nn.Module, muon_ids: set[int]) -> list[str]:
@@ -130,8 +137,11 @@ def check_muon_group(group: dict) -> None:
         raise ValueError(f"ns_steps must be an integer >= 1; got {steps!r}")
     if isinstance(coefficients, str):
         ns_schedule(coefficients, steps)  # a name it knows, or ValueError naming the known ones
-    elif not (isinstance(coefficients, tuple | list) and len(coefficients) == 3
-              and all(isinstance(c, Real) for c in coefficients)):  # fmt: skip
+    elif not (
+        isinstance(coefficients, tuple | list)
+        and len(coefficients) == 3
+        and all(isinstance(c, Real) for c in coefficients)
+    ):
         try:
             ns_schedule(coefficients, steps)
         except ValueError:

@@ -8,35 +8,29 @@ from typing import Any
 import torch
 
 from ..owners.moves import Move, run_moves
-from ..owners.plan import plan_owners
 from ..shard.collectives import all_reduce_
 from ..units.config import ShardingConfig
-from ..units.fsdp_shards import FsdpGrads, over_dtensors
-from ..units.segment import FROZEN, Segment, StateSpec
-from ..units.tensor_parallel import is_tp_sharded, local_shape
+from ..units.fsdp_shards import over_dtensors
+from ..units.segment import Segment, StateSpec
+from ..units.tp_view import param_cut
 from ._checks import check_params_arg
 from ._guards import caller_stacklevel, label_params
 from ._shampoo_fsdp import FsdpShampoo
 from ._shampoo_math import (
-    Tile,
     bias_correction,
     check_hyperparameters,
     grafting_step_,
-    matrix_shape,
     schedule,
     stripe_granule,
-    tiles_of,
 )
-from ._shampoo_tiles import CHANNELS, FACTORS, SegmentTiles, tile_work, tp_tile_offset
-from ._shampoo_tp import TPTiles, plan_tp_tiles
+from ._shampoo_setup import plan_setup
+from ._shampoo_tiles import FACTORS, SegmentTiles
+from ._shampoo_tp import tp_tile_offset
 from .base import ShardedOptimizer
 from .state_dict import Owned
 
 _SECOND = {"adam": StateSpec("exp_avg_sq"), "adagrad": StateSpec("sum")}  # the grafting's second moment
 _EXP_AVG = StateSpec("exp_avg")
-# No tile leaves the rank holding its rows while no rank's root work exceeds 1.2x the mean;
-# when some must, tiles stay while their rank's work is within 1.1x the mean.
-_TOLERATE, _SLACK = 0.2, 0.1
 
 
 class Shampoo(ShardedOptimizer):
@@ -125,11 +119,17 @@ class Shampoo(ShardedOptimizer):
         **sharding: Any,
     ):
         defaults = dict(
-            lr=lr, betas=tuple(betas), epsilon=epsilon, weight_decay=weight_decay,
-            max_preconditioner_dim=max_preconditioner_dim, precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step, grafting=grafting,
-            grafting_epsilon=grafting_epsilon, root_dtype=root_dtype,
-        )  # fmt: skip
+            lr=lr,
+            betas=tuple(betas),
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            grafting=grafting,
+            grafting_epsilon=grafting_epsilon,
+            root_dtype=root_dtype,
+        )
         check_hyperparameters(defaults)
         check_params_arg(params)
         self.kept_roots = 0  # roots left as they were (non-finite factor, eigh failure), all ranks
@@ -171,7 +171,7 @@ class Shampoo(ShardedOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    tp_tile_offset(p, group["max_preconditioner_dim"], labels[id(p)])
+                    tp_tile_offset(param_cut(p), group["max_preconditioner_dim"], labels[id(p)])
 
     def _granule(self, p: torch.Tensor, group: dict) -> int:
         return stripe_granule(tuple(p.shape), group["max_preconditioner_dim"])
@@ -189,10 +189,16 @@ class Shampoo(ShardedOptimizer):
         runs = list(seg.runs())
         for lo, hi, step in runs:
             grafting_step_(
-                grads[lo:hi], exp_avg[lo:hi], None if second is None else second[lo:hi], update[lo:hi],
-                step=step, beta1=g["betas"][0], beta2=g["betas"][1], eps=g["grafting_epsilon"],
+                grads[lo:hi],
+                exp_avg[lo:hi],
+                None if second is None else second[lo:hi],
+                update[lo:hi],
+                step=step,
+                beta1=g["betas"][0],
+                beta2=g["betas"][1],
+                eps=g["grafting_epsilon"],
                 grafting=g["grafting"],
-            )  # fmt: skip
+            )
             torch.div(exp_avg[lo:hi], bias_correction(g["betas"][0], step), out=mhat[lo:hi])
         seg.store(_EXP_AVG.name, exp_avg)  # nothing to write back while the state is exact (fp32)
         if second_spec:
@@ -205,11 +211,12 @@ class Shampoo(ShardedOptimizer):
                     p[lo:hi].mul_(1 - lr * g["weight_decay"])
                 p[lo:hi].add_(update[lo:hi], alpha=-lr)
 
-        if self._fsdp is not None:  # the matrices whole at their owners, every segment's at once
-            self._refreshed |= self._fsdp.stage(seg, grads, mhat, update, apply)
+        setup = self._setup
+        if setup.fsdp is not None:  # the matrices whole at their owners, every segment's at once
+            self._refreshed |= setup.fsdp.stage(seg, grads, mhat, update, apply)
             return None
-        seg_tiles = self._tiles[id(seg)]
-        parts = [x for x in (seg_tiles, self._shared.get(id(seg))) if x is not None and x.tiles]
+        seg_tiles = setup.tiles[id(seg)]
+        parts = [x for x in (seg_tiles, setup.shared.get(id(seg))) if x is not None and x.tiles]
         left = [len(parts)]  # the update is applied once every part has written its tiles'
 
         def finish() -> None:
@@ -234,20 +241,22 @@ class Shampoo(ShardedOptimizer):
         """The moves of tiles replicated over TP, over the dp x tp world (those over the
         data-parallel group run after, in the base's step); over FSDP2's shards, every matrix's
         exchange with its owner and the updates applied."""
-        if self._fsdp is not None:
-            before = self._fsdp.traffic()
-            self._fsdp.run()
-            self._traffic(*(now - was for now, was in zip(self._fsdp.traffic(), before)))
+        fsdp = self._setup.fsdp
+        if fsdp is not None:
+            before = fsdp.traffic()
+            fsdp.run()
+            self._traffic(*(now - was for now, was in zip(fsdp.traffic(), before)))
             return []
         moves, self._shared_moves = self._shared_moves, []
         if moves:
-            self._traffic(*run_moves(moves, self._tp.world.comm))
+            self._traffic(*run_moves(moves, self._setup.tp.world.comm))
         return []
 
     def _parts(self) -> list[SegmentTiles | FsdpShampoo]:
         """Who holds tiles on this rank: per segment its tiles (and under TP those replicated over
         it), or over FSDP2's shards the owner of whole matrices."""
-        return [*self._tiles.values(), *self._shared.values(), *([self._fsdp] if self._fsdp else [])]
+        setup = self._setup
+        return [*setup.tiles.values(), *setup.shared.values(), *([setup.fsdp] if setup.fsdp else [])]
 
     def _before_update(self) -> None:
         self._refreshed, self._shared_moves = False, []
@@ -266,7 +275,7 @@ class Shampoo(ShardedOptimizer):
         """Sum over ranks the roots kept this step (`local`: this rank's, a device count from
         `inverse_roots_`, or 0); one small all-reduce and one read on steps that refresh
         roots; count them in `kept_roots` and warn."""
-        world = self.runtime.dp if self._tp is None else self._tp.world.comm
+        world = self.runtime.dp if self._setup.tp is None else self._setup.tp.world.comm
         kept = torch.zeros(1, device=world.device)
         if isinstance(local, torch.Tensor):
             kept += local.to(world.device)
@@ -284,69 +293,31 @@ class Shampoo(ShardedOptimizer):
     # --- tile placement -------------------------------------------------------------
 
     def _plan_work(self) -> None:
-        """Declare every tile as owner work and take the owner layer's plan: one balance of
-        root work over the world; tiles whose owner lacks some of their rows travel. Under
-        tensor parallelism the tiles of matrices replicated over TP are planned over the dp x
-        tp world after the others (`_shampoo_tp`), and `root_work` and the counts are the
-        world's."""
-        self._fsdp: FsdpShampoo | None = None
-        if isinstance(self.runtime.wrapper, FsdpGrads):
-            return self._plan_over_fsdp()
-        topo, shared = self.runtime.topology, bool(self.runtime.tp)
-        segs, cut, rep = [], [], []
-        for seg in self.runtime.segments:
-            d = seg.group["max_preconditioner_dim"]
-            params = [] if seg.tier == FROZEN else seg.params  # frozen parameters have no preconditioners
-            first = [tp_tile_offset(p, d, self._labels[id(p)]) for p in params]  # a TP shard's first tile
-            found = [t for i, p in enumerate(params) for t in tiles_of(local_shape(p), d, i, first[i])]
-            mixed = [shared and not is_tp_sharded(params[t.param]) for t in found]  # computed once in dp x tp
-            segs.append(seg)
-            for kind, tiles in ((cut, [t for t, m in zip(found, mixed) if not m]),
-                                (rep, [t for t, m in zip(found, mixed) if m])):  # fmt: skip
-                held = [[self._rows_held(seg, t, r) for r in range(topo.shards)] for t in tiles]
-                kind.append((tiles, tile_work(tiles, held)))
-        plan = plan_owners([w for _, w in cut], topo, self.runtime.dp.rank, slack=_SLACK,
-                           tolerate=_TOLERATE, channels=CHANNELS)  # fmt: skip
-        self._tiles: dict[int, SegmentTiles] = {
-            id(seg): SegmentTiles(seg, tiles, moves)
-            for seg, (tiles, _), moves in zip(segs, cut, plan.segments)
-        }
-        self._shared: dict[int, SegmentTiles] = {}  # tiles replicated over TP, moved over the dp x tp world
-        self._shared_moves: list[Move] = []
-        self._position = {id(seg): i for i, seg in enumerate(segs)}
-        self._tp: TPTiles | None = None
-        if not shared:
-            self.native_root_work, self.root_work = tuple(plan.home_loads), tuple(plan.loads)
-            self.num_tiles, self.moved_tiles = len(plan.owners), plan.moved
-            return
-        tp = plan_tp_tiles(self.runtime, plan, [t for t, _ in cut], [t for t, _ in rep], [w for _, w in rep],
-                           _SLACK, _TOLERATE)  # fmt: skip
-        self._tp = tp
-        self._shared = {id(seg): SegmentTiles(seg, tiles, moves)
-                        for seg, (tiles, _), moves in zip(segs, rep, tp.shared) if tiles}  # fmt: skip
-        self._io.owned_world = tp.world.comm  # every tile's owner is a rank of the dp x tp world
-        self.native_root_work, self.root_work = tp.home_loads, tp.loads
-        self.num_tiles, self.moved_tiles = tp.tiles, tp.moved
+        """Every tile declared as owner work and placed (`_shampoo_setup`): planned once the
+        layout is known, read by every step."""
+        self._setup = plan_setup(self.runtime, self._labels)
+        self._shared_moves: list[Move] = []  # a step's moves of tiles replicated over TP
+        if self._setup.tp is not None:  # every tile's owner is a rank of the dp x tp world
+            self._io.owned_world = self._setup.tp.world.comm
 
-    def _plan_over_fsdp(self) -> None:
-        """Over FSDP2's shards, whole matrices at owners balanced by their tiles' root work over the
-        world (`_shampoo_fsdp`); no tile of the other layouts."""
-        runtime = self.runtime
-        segs = [seg for seg in runtime.segments if seg.tier != FROZEN]
-        self._fsdp = FsdpShampoo(segs, runtime.wrapper, runtime.dp)
-        self._tiles, self._shared, self._shared_moves, self._tp = {}, {}, [], None
-        self._position = {id(seg): i for i, seg in enumerate(segs)}
-        self.native_root_work, self.root_work = tuple(self._fsdp.home_loads), tuple(self._fsdp.loads)
-        self.num_tiles, self.moved_tiles = self._fsdp.num_tiles, self._fsdp.moved_tiles
+    @property
+    def root_work(self) -> tuple[float, ...]:
+        """Root work (sum of `h^3 + w^3` over the tiles owned) per world rank, after balancing."""
+        return self._setup.root_work
 
-    @staticmethod
-    def _rows_held(seg: Segment, t: Tile, rank: int) -> tuple[int, int]:
-        """Rows `[a, b)` of tile `t`, counted from its first row, that `rank` holds."""
-        n = matrix_shape(local_shape(seg.params[t.param]))[1]
-        start, stop = seg.layout.rank_range(t.param, rank)
-        first, last = (start - seg.layout.offsets[t.param]) // n, (stop - seg.layout.offsets[t.param]) // n
-        a, z = max(first, t.r0) - t.r0, min(last, t.r1) - t.r0
-        return (a, z) if z > a else (0, 0)
+    @property
+    def native_root_work(self) -> tuple[float, ...]:
+        """Root work per world rank with each tile at the rank holding most of its rows."""
+        return self._setup.native_root_work
+
+    @property
+    def num_tiles(self) -> int:
+        return self._setup.num_tiles
+
+    @property
+    def moved_tiles(self) -> int:
+        """How many tiles travel to their owner each step."""
+        return self._setup.moved_tiles
 
     def _preconditioners(self):
         for seg_tiles in self._parts():
@@ -364,16 +335,17 @@ class Shampoo(ShardedOptimizer):
         `R_inv_root_i_j`, kept whole by the tile's owner; under tensor parallelism every tile
         of the full tensor, from every TP rank, with its owner in the dp x tp world."""
         out: list[list[Owned]] = [[] for _ in seg.params]
-        if getattr(self, "_position", None) is None:  # during construction, before the tiles are planned
+        setup = getattr(self, "_setup", None)
+        if setup is None:  # during construction, before the tiles are planned
             return out
-        if self._fsdp is not None:
-            return self._fsdp.owned(seg)
-        parts = [x for x in (self._tiles.get(id(seg)), self._shared.get(id(seg))) if x is not None]
-        if self._tp is None:
+        if setup.fsdp is not None:
+            return setup.fsdp.owned(seg)
+        parts = [x for x in (setup.tiles.get(id(seg)), setup.shared.get(id(seg))) if x is not None]
+        if setup.tp is None:
             listed = [(t.param, t.key, t.h, t.w, parts[0].owners[k]) for k, t in enumerate(parts[0].tiles)]
             me = self.runtime.dp.rank
         else:
-            listed, me = self._tp.owned[self._position[id(seg)]], self._tp.world.comm.rank
+            listed, me = setup.tp.owned[setup.position[id(seg)]], setup.tp.world.comm.rank
         mine = {(x.tiles[k].param, x.tiles[k].key): x.factors(k) for x in parts for k in x.owned}
         for param, key, h, w, owner in listed:
             factors = mine[param, key] if owner == me else None

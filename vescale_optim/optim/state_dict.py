@@ -5,8 +5,8 @@ hands out full tensors per parameter under torch's names, so a state dict loads 
 world size and into torch itself. Extra per-parameter state that lives whole on one
 rank of the world (Shampoo's factors and roots: `Owned`) is declared by the optimizer
 and rides the same path: gathered from its owners, validated by shape, loaded on the
-rank that owns it now. `StateIO.sharded` instead describes each rank's own pieces
-(`shard.dcp.DcpPiece`), so DCP writes only local data and reshards on load.
+rank that owns it now. The sharded format for DCP, each rank's own pieces keyed by parameter
+name, is `sharded_state`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..shard.collectives import Comm, all_gather_flat, full_tensor, redistribute
 from ..shard.redistribution import owner_offsets
 from ..shard.spec import RaggedShard
 from ..units.segment import Segment
-from ..units.tensor_parallel import check_same_shard, is_dtensor, local_shape, tp_box, tp_full, tp_slice
+from ..units.tensor_parallel import check_same_shard, is_dtensor, local_shape, tp_full, tp_slice
 
 MASTER = "master"  # the fp32 master of a bf16/fp16 parameter, in both state dict formats
 
@@ -335,86 +335,3 @@ class StateIO:
         elif is_dtensor(p):  # the whole tensor: this TP rank's shard of it
             full = tp_slice(p, torch.as_tensor(full).to(flat.device))
         flat[lo:hi].copy_(torch.as_tensor(full).reshape(-1)[start:stop])
-
-    # --- sharded format (torch.distributed.checkpoint) -------------------------------------------
-
-    def _piece(self, seg: Segment, i: int, name: str):
-        """This rank's piece of parameter `i`'s state `name` (or its fp32 "master") for DCP:
-        a view of state kept exactly, or a reader that decodes other state when DCP writes it."""
-        from ..shard.dcp import dcp_piece
-
-        shape = local_shape(seg.params[i])
-        whole, origin = tp_box(seg.params[i])  # a DTensor's local shard: its place in the whole
-        box = dict(origin=origin, whole=whole)
-        start, stop = seg.tensor_range(i)
-        lo, hi = seg.local_range(i)
-        if name == MASTER:
-            return dcp_piece(shape, start, stop, seg.master[lo:hi], **box)
-        if seg.codec.exact:
-            return dcp_piece(shape, start, stop, seg.read(name)[lo:hi], **box)
-
-        def read(a: int, z: int) -> torch.Tensor:
-            return seg.read_range(name, lo + a, lo + z)
-
-        device = seg.local_params.device
-        return dcp_piece(shape, start, stop, read=read, dtype=torch.float32, device=device, **box)
-
-    def sharded(self) -> dict:
-        """This rank's pieces of the state, keyed by parameter index, for DCP (no copies):
-        fp32 state as views, low-bit state as readers, owned tensors themselves (low-bit ones
-        decoded) in the entry of the rank that owns them; and the param groups' hyperparameters."""
-        state = {}
-        for seg in self.segments:
-            names = seg.state_names + ([MASTER] if seg.master is not None else [])
-            for i, (index, per_param) in enumerate(zip(seg.indices, self.owned(seg))):
-                entry = {"step": torch.tensor(float(seg.steps[i]))}
-                entry.update({name: self._piece(seg, i, name) for name in names})
-                entry.update({o.key: o.values() for o in per_param if o.tensor is not None})
-                state[str(index)] = entry
-        groups, start = [], 0
-        for g in self.param_groups:
-            entry = {k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "param_names")}
-            groups.append({**entry, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_sharded(self, state_dict: dict) -> None:
-        """Finish a DCP load: fp32 state, masters and owned tensors were filled in place;
-        buffers DCP decoded into are encoded into the low-bit state and dropped, and so are
-        low-bit owned tensors' decoded copies."""
-        from ..shard.dcp import DcpPiece
-
-        entries = state_dict["state"]
-        groups = state_dict.get("param_groups")
-        if groups is not None:
-            self.validate_groups(groups)
-        for seg in self.segments:
-            for index in seg.indices:
-                for name in seg.state_names:
-                    if not isinstance(entries[str(index)].get(name), DcpPiece):
-                        raise TypeError(
-                            f"parameter {index}: '{name}' is not a piece from sharded_state_dict(); "
-                            "pass the dict it returned, after dcp.load"
-                        )
-        if groups is not None:
-            self.install_groups(groups)
-        for seg in self.segments:
-            seg.set_steps([int(float(entries[str(index)]["step"])) for index in seg.indices])
-            loaded = {}
-            for name in seg.state_names:
-                for i, index in enumerate(seg.indices):
-                    buf = entries[str(index)][name].take_loaded()
-                    if buf is not None:
-                        loaded[name, i] = buf
-            if loaded:
-                local = self._locals(seg)
-                for (name, i), buf in loaded.items():
-                    lo, hi = seg.local_range(i)
-                    local[name][lo:hi].copy_(buf)
-                self._commit(seg, {n: local[n] for n, _ in loaded})
-            for index, per_param in zip(seg.indices, self.owned(seg)):
-                for o in per_param:
-                    if o.coded is not None and o.tensor is not None:
-                        o.assign_(torch.as_tensor(entries[str(index)][o.key]))
-        self.publish()

@@ -125,8 +125,10 @@ class Kept:
         if isinstance(codec, Blocks):
             head = 4 * -(-n // codec.block)
             self.buffer = torch.zeros(head + n, dtype=torch.int8, device=device)
-            self._state = {f"{spec.name}.scales": self.buffer[:head].view(torch.float32),
-                           f"{spec.name}.q": self.buffer[head:]}  # fmt: skip
+            self._state = {
+                f"{spec.name}.scales": self.buffer[:head].view(torch.float32),
+                f"{spec.name}.q": self.buffer[head:],
+            }
         else:
             self._state = codec.allocate([spec], n, device, torch.float32)
             self.buffer = self._state[spec.name]
@@ -155,8 +157,10 @@ def precision_problem(params: Sequence[torch.Tensor], state_bits: int, labels: d
     below the update precision), or None."""
     for p in params:
         if p.requires_grad and p.dtype == torch.float64 and not codec_for(p, state_bits).exact:
-            return (f"parameter {labels[id(p)]} is float64, but state_bits={state_bits} would keep its "
-                    "state below fp32; use state_bits=32")  # fmt: skip
+            return (
+                f"parameter {labels[id(p)]} is float64, but state_bits={state_bits} would keep its "
+                "state below fp32; use state_bits=32"
+            )
     return None
 
 

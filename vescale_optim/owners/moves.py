@@ -44,12 +44,16 @@ class Move:
     _received: torch.Tensor | None = field(default=None, repr=False)
 
 
+def _programs(m: Move, rank: int) -> tuple[RankProgram, RankProgram | None]:
+    """`rank`'s programs of `m`'s gather and scatter (none for a move that returns nothing)."""
+    return m.gather.program(rank), m.scatter.program(rank) if m.scatter else None
+
+
 def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
     """Run `moves` with their communication overlapped (see the module's docstring); return
     the bytes this rank sent to and received from other ranks."""
     rank = comm.rank
-    programs = [m.programs or (m.gather.program(rank), m.scatter.program(rank) if m.scatter else None)
-                for m in moves]  # fmt: skip
+    programs = [m.programs or _programs(m, rank) for m in moves]
     sent = received = 0
     for m, pair in zip(moves, programs):
         size = m.src.element_size()
@@ -61,8 +65,8 @@ def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
         gathers = []
         for m, (gp, _) in zip(moves, programs):
             m._received = m.src.new_empty(m.gather.dst_numel[rank])
-            gathers.append(run_plan(m.gather, m.src, m._received, comm, gp, async_op=True,
-                                    what=f"{m.label}: gather to owners"))  # fmt: skip
+            what = f"{m.label}: gather to owners"
+            gathers.append(run_plan(m.gather, m.src, m._received, comm, gp, async_op=True, what=what))
     for m in moves:
         with record_function(f"vescale_optim.{m.label}"):
             m.local()
@@ -72,8 +76,8 @@ def run_moves(moves: Sequence[Move], comm: Comm) -> tuple[int, int]:
         with record_function(f"vescale_optim.{m.label}"):
             out = m.compute(m._received)
         if m.scatter is not None:
-            scatters.append(run_plan(m.scatter, out, m.dst, comm, sp, async_op=True,
-                                     what=f"{m.label}: scatter from owners"))  # fmt: skip
+            what = f"{m.label}: scatter from owners"
+            scatters.append(run_plan(m.scatter, out, m.dst, comm, sp, async_op=True, what=what))
         else:
             scatters.append(None)
     with record_function("vescale_optim.moves.finish"):

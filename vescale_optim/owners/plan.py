@@ -131,10 +131,16 @@ class SegmentMoves:
         back = src.new_empty(self.back_numel if returns else 0)
         gather_program, scatter_program = self.programs
         return Move(
-            gather=self.gather, src=src, scatter=self.scatter if returns else None, dst=back,
-            programs=(gather_program, scatter_program if returns else None), label=label,
-            local=local, compute=compute, finish=lambda: finish(back),
-        )  # fmt: skip
+            gather=self.gather,
+            src=src,
+            scatter=self.scatter if returns else None,
+            dst=back,
+            programs=(gather_program, scatter_program if returns else None),
+            label=label,
+            local=local,
+            compute=compute,
+            finish=lambda: finish(back),
+        )
 
 
 @dataclass(frozen=True)
@@ -182,15 +188,22 @@ def plan_owners(
         segments.append(_segment(items, owners[pos : pos + len(items)], topology, rank, channels, numel))
         pos += len(items)
     return OwnerPlan(
-        segments, owners, rank_loads(costs, owners, topology.world_size),
-        rank_loads(costs, homes, topology.world_size), sum(len(s.moved) for s in segments),
-    )  # fmt: skip
+        segments,
+        owners,
+        rank_loads(costs, owners, topology.world_size),
+        rank_loads(costs, homes, topology.world_size),
+        sum(len(s.moved) for s in segments),
+    )
 
 
 def _segment(
-    items: Sequence[WorkItem], owners: list[int], topo: Topology, rank: int, channels: int,
+    items: Sequence[WorkItem],
+    owners: list[int],
+    topo: Topology,
+    rank: int,
+    channels: int,
     source_numel: Sequence[int] | None,
-) -> SegmentMoves:  # fmt: skip
+) -> SegmentMoves:
     """One segment's moves: an item travels unless its owner holds it whole (with replicas,
     every item travels: its result goes to every replica). The owner gathers from the pieces
     of its own replica and scatters to the pieces of every replica."""
@@ -208,51 +221,87 @@ def _segment(
     moved.sort(key=lambda k: (first[k], k))
     numels, to = [items[k].numel for k in moved], [owners[k] for k in moved]
     wide, wide_to = [n for n in numels for _ in range(channels)], [o for o in to for _ in range(channels)]
+    routes = _routes(items, moved, to, coords, rank, channels, source_numel)
+    received, _ = owner_offsets(wide, wide_to, world)
+    results, result_numel = owner_offsets(numels, to, world)
+    owned = [j for j, o in enumerate(to) if o == rank]
+    travels = set(moved)
+    out = SegmentMoves(
+        owners=list(owners),
+        moved=moved,
+        local=[k for k, o in enumerate(owners) if o == rank and k not in travels],
+        arriving=sorted(moved[j] for j in owned),
+        received_at={moved[j]: received[channels * j] for j in owned},
+        result_at={moved[j]: results[j] for j in owned},
+        result_numel=result_numel[rank],
+        send_numel=routes.send_numel[rank],
+        back_numel=0,
+        pack=routes.pack,
+        returned=[],
+    )
+    if not moved:
+        return out
+    out.gather = plan_gather_to_owner(routes.gather, wide, wide_to, world, routes.send_numel)
+    scatter = plan_scatter_from_owner(routes.scatter, numels, to, world, routes.back_numel)
+    out.scatter, where = in_arrival_order(scatter)
+    out.back_numel = out.scatter.dst_numel[rank]
+    out.returned = [(*routes.mine[dst], offset) for dst, offset, _ in where[rank]]
+    out.programs = (out.gather.program(rank), out.scatter.program(rank))
+    return out
+
+
+@dataclass
+class _Routes:
+    """Where each moved item's pieces go, over every world rank: `gather` (to the owner, from
+    its own replica) and `scatter` (the results back, to every replica) as `Piece`s of moved
+    item `j` (channel `c` of it as `channels * j + c` when staged); each rank's `send_numel`
+    and `back_numel`; this rank's `pack` (item, piece, offset in the staged source) and `mine`
+    (its result pieces, by destination offset)."""
+
+    gather: list[Piece] = field(default_factory=list)
+    scatter: list[Piece] = field(default_factory=list)
+    pack: list[tuple[int, Piece, int]] = field(default_factory=list)
+    send_numel: list[int] = field(default_factory=list)
+    back_numel: list[int] = field(default_factory=list)
+    mine: dict[int, tuple[int, Piece]] = field(default_factory=dict)
+
+
+def _routes(
+    items: Sequence[WorkItem],
+    moved: list[int],
+    to: list[int],
+    coords: list[tuple[int, int]],
+    rank: int,
+    channels: int,
+    source_numel: Sequence[int] | None,
+) -> _Routes:
+    """The pieces of the `moved` items (their owners `to`), sent in place from the sources
+    (`source_numel` given) or staged (see the module's docstring)."""
     held: dict[int, list[tuple[int, Piece]]] = {}  # by shard rank, in send order (by owner)
     for j in sorted(range(len(moved)), key=lambda j: (to[j], j)):
         for p in items[moved[j]].pieces:
             if p.stop > p.start:
                 held.setdefault(p.rank, []).append((j, p))
     in_place = source_numel is not None
-    gather, scatter, pack, send_numel, back_numel = [], [], [], [], []
-    mine: dict[int, tuple[int, Piece]] = {}  # this rank's result pieces, by destination offset
+    out = _Routes()
     for w, (replica, shard) in enumerate(coords):
         sent = back = 0
         for j, p in held.get(shard, ()):
             n = p.stop - p.start
             if coords[to[j]][0] == replica:  # the owner gathers from its own replica
                 if in_place:
-                    gather.append(Piece(w, j, p.offset, p.start, p.stop))
+                    out.gather.append(Piece(w, j, p.offset, p.start, p.stop))
                 else:
                     for c in range(channels):  # channels of a piece one after the other
-                        gather.append(Piece(w, channels * j + c, sent + c * n, p.start, p.stop))
+                        out.gather.append(Piece(w, channels * j + c, sent + c * n, p.start, p.stop))
                     if w == rank:
-                        pack.append((moved[j], p, sent))
+                        out.pack.append((moved[j], p, sent))
                     sent += channels * n
             dst = p.offset if in_place else back
-            scatter.append(Piece(w, j, dst, p.start, p.stop))
+            out.scatter.append(Piece(w, j, dst, p.start, p.stop))
             if w == rank:
-                mine[dst] = (moved[j], p)
+                out.mine[dst] = (moved[j], p)
             back += n
-        send_numel.append(source_numel[shard] if in_place else sent)
-        back_numel.append(source_numel[shard] if in_place else back)
-    received, _ = owner_offsets(wide, wide_to, world)
-    results, result_numel = owner_offsets(numels, to, world)
-    owned = [j for j, o in enumerate(to) if o == rank]
-    travels = set(moved)
-    out = SegmentMoves(
-        owners=list(owners), moved=moved,
-        local=[k for k, o in enumerate(owners) if o == rank and k not in travels],
-        arriving=sorted(moved[j] for j in owned),
-        received_at={moved[j]: received[channels * j] for j in owned},
-        result_at={moved[j]: results[j] for j in owned}, result_numel=result_numel[rank],
-        send_numel=send_numel[rank], back_numel=0, pack=pack, returned=[],
-    )  # fmt: skip
-    if not moved:
-        return out
-    out.gather = plan_gather_to_owner(gather, wide, wide_to, world, send_numel)
-    out.scatter, where = in_arrival_order(plan_scatter_from_owner(scatter, numels, to, world, back_numel))
-    out.back_numel = out.scatter.dst_numel[rank]
-    out.returned = [(*mine[dst], offset) for dst, offset, _ in where[rank]]
-    out.programs = (out.gather.program(rank), out.scatter.program(rank))
+        out.send_numel.append(source_numel[shard] if in_place else sent)
+        out.back_numel.append(source_numel[shard] if in_place else back)
     return out

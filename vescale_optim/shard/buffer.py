@@ -104,4 +104,3 @@ class FlatBuffer:
 
     def placement(self, i: int) -> RaggedShard:
         return self.layout.placement(i, self.shapes[i])
-

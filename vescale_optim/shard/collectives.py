@@ -39,7 +39,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 __all__ = [
-    "CollectiveError", "Comm", "Handle", "forced", "get_collective_timeout", "set_collective_timeout",
+    "CollectiveError",
+    "Comm",
+    "Handle",
+    "forced",
+    "get_collective_timeout",
+    "set_collective_timeout",
 ]
 
 
@@ -63,10 +68,47 @@ def _local(run, out: torch.Tensor, async_op: bool, garble: bool = True) -> Handl
     stream (a side stream, perhaps), and the handle orders whoever waits for it after that
     (`handle.local_copy`); `garble`: whether `out` may be garbled until then under `delayed()`
     (not when `run` reads it)."""
-    handle = Handle(local_copy(run, out.device, (out,), garble))
+    return _waited(Handle(local_copy(run, out.device, (out,), garble)), async_op)
+
+
+def _waited(handle: Handle, async_op: bool) -> Handle:
+    """`handle`, waited for now unless `async_op`."""
     if not async_op:
         handle.wait()
     return handle
+
+
+# Each issues one torch.distributed call through the door (`issue`), fp8 moved as bytes.
+
+
+def _issue_all_gather(desc: Op, out: torch.Tensor, inp: torch.Tensor, comm: Comm):
+    """Every rank's `inp` into `out`, in rank order."""
+    group = comm.group
+    return issue(desc, lambda: _all_gather_single(_movable(out), _movable(inp), group=group, async_op=True))
+
+
+def _issue_broadcast(desc: Op, tensor: torch.Tensor, src: int, comm: Comm):
+    """`src`: a rank of `comm`'s group."""
+    root, group = comm.global_rank(src), comm.group
+    return issue(desc, lambda: dist.broadcast(_movable(tensor), root, group=group, async_op=True))
+
+
+def _issue_all_to_all(
+    desc: Op,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    comm: Comm,
+    out_splits: Sequence[int] | None = None,
+    in_splits: Sequence[int] | None = None,
+):
+    """Equal pieces without splits; `out_splits[r]` and `in_splits[r]` elements from and to
+    rank r with them."""
+    out_sizes = None if out_splits is None else _scale(out_splits, out)
+    in_sizes = None if in_splits is None else _scale(in_splits, inp)
+    recv, send, group = _movable(out), _movable(inp), comm.group
+    return issue(
+        desc, lambda: dist.all_to_all_single(recv, send, out_sizes, in_sizes, group=group, async_op=True)
+    )
 
 
 def _gather_in_place(
@@ -82,21 +124,11 @@ def _gather_in_place(
     s = shard_size
     if comm.gloo:
         op = Op("all-gather", what, data, comm)
-        works = [
-            issue(op, lambda r=r: dist.broadcast(_movable(data[r * s : (r + 1) * s]), comm.global_rank(r),
-                                                 group=comm.group, async_op=True))
-            for r in range(comm.world_size)
-        ]  # fmt: skip
-        handle = Handle(works, op=op)
-    else:
-        local = data[comm.rank * s : (comm.rank + 1) * s]
-        op = Op("all-gather", what, data, comm)
-        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(local), group=comm.group,
-                                                    async_op=True))  # fmt: skip
-        handle = Handle(work, op=op)
-    if not async_op:
-        handle.wait()
-    return handle
+        works = [_issue_broadcast(op, data[r * s : (r + 1) * s], r, comm) for r in range(comm.world_size)]
+        return _waited(Handle(works, op=op), async_op)
+    local = data[comm.rank * s : (comm.rank + 1) * s]
+    op = Op("all-gather", what, data, comm)
+    return _waited(Handle(_issue_all_gather(op, data, local, comm), op=op), async_op)
 
 
 def all_gather_into_(
@@ -114,12 +146,7 @@ def all_gather_into_(
         return _gather_in_place(data, s, comm, async_op, what)
     if comm.active and not comm.gloo and shard.dtype == data.dtype:
         op = Op("all-gather", what, data, comm)
-        work = issue(op, lambda: _all_gather_single(_movable(data), _movable(shard), group=comm.group,
-                                                    async_op=True))  # fmt: skip
-        handle = Handle(work, op=op)
-        if not async_op:
-            handle.wait()
-        return handle
+        return _waited(Handle(_issue_all_gather(op, data, shard, comm), op=op), async_op)
     if not comm.active:
         return _local(lambda: local.copy_(shard), local, async_op)
     local.copy_(shard)
@@ -153,14 +180,12 @@ def reduce_scatter_into_(
     elif comm.active:
         direct = not accumulate and out.dtype == data.dtype
         src = out if direct else data.new_empty(s)
-        work = issue(desc, lambda: _reduce_scatter_single(src, data, op=reduce_op, group=comm.group,
-                                                          async_op=True))  # fmt: skip
+        work = issue(
+            desc, lambda: _reduce_scatter_single(src, data, op=reduce_op, group=comm.group, async_op=True)
+        )
         divisor = 1
         if direct:
-            handle = Handle(work, op=desc)
-            if not async_op:
-                handle.wait()
-            return handle
+            return _waited(Handle(work, op=desc), async_op)
     else:
         src, work, divisor = data, None, 1
 
@@ -172,10 +197,7 @@ def reduce_scatter_into_(
         else:
             out.copy_(src)
 
-    handle = Handle(work, finish, desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(work, finish, desc), async_op)
 
 
 def broadcast_(
@@ -185,12 +207,7 @@ def broadcast_(
     if not comm.active:
         return Handle()
     desc = Op(f"broadcast from rank {src}", what, tensor, comm)
-    work = issue(desc, lambda: dist.broadcast(_movable(tensor), comm.global_rank(src), group=comm.group,
-                                              async_op=True))  # fmt: skip
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(_issue_broadcast(desc, tensor, src, comm), op=desc), async_op)
 
 
 def all_reduce_(
@@ -201,42 +218,36 @@ def all_reduce_(
         return Handle()
     desc = Op(f"all-reduce ({op})", what, tensor, comm)
     work = issue(desc, lambda: dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True))
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(work, op=desc), async_op)
 
 
-def all_to_all_(out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False,
-                what: str | None = None) -> Handle:  # fmt: skip
+def all_to_all_(
+    out: torch.Tensor, inp: torch.Tensor, comm: Comm, async_op: bool = False, what: str | None = None
+) -> Handle:
     """Rank r's r-th equal piece of every rank's flat `inp`, in rank order, into its `out`
     (one `all_to_all_single` with equal splits; `out` may not alias `inp`)."""
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(_movable(out), _movable(inp), group=comm.group,
-                                                      async_op=True))  # fmt: skip
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    return _waited(Handle(_issue_all_to_all(desc, out, inp, comm), op=desc), async_op)
 
 
-def all_to_all_v_(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                  comm: Comm, async_op: bool = False, what: str | None = None) -> Handle:  # fmt: skip
+def all_to_all_v_(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    comm: Comm,
+    async_op: bool = False,
+    what: str | None = None,
+) -> Handle:
     """`in_splits[r]` elements of the flat `inp` (in rank order) to rank r, and `out_splits[r]` from
     rank r into the flat `out` (one `all_to_all_single` with uneven splits, which gloo takes too)."""
     if not comm.active:
         return _local(lambda: out.copy_(inp), out, async_op)
     desc = Op("all-to-all", what, inp, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(
-        _movable(out), _movable(inp), _scale(out_splits, out), _scale(in_splits, inp), group=comm.group,
-        async_op=True,
-    ))  # fmt: skip
-    handle = Handle(work, op=desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    work = _issue_all_to_all(desc, out, inp, comm, out_splits, in_splits)
+    return _waited(Handle(work, op=desc), async_op)
 
 
 def run_plan(
@@ -278,14 +289,8 @@ def run_plan(
                 pos += n
 
     desc = Op("all-to-all", what, send, comm)
-    work = issue(desc, lambda: dist.all_to_all_single(
-        _movable(recv), _movable(send), _scale(prog.recv_splits, recv), _scale(prog.send_splits, send),
-        group=comm.group, async_op=True,
-    ))  # fmt: skip
-    handle = Handle(work, finish, desc)
-    if not async_op:
-        handle.wait()
-    return handle
+    work = _issue_all_to_all(desc, recv, send, comm, prog.recv_splits, prog.send_splits)
+    return _waited(Handle(work, finish, desc), async_op)
 
 
 def full_tensor(
@@ -314,15 +319,12 @@ def full_tensor(
         return out, Handle()
     gather = Op("all-gather", "a ragged tensor", local, comm)
     if all(n == width for n in lengths):
-        work = issue(gather, lambda: _all_gather_single(_movable(out.view(-1)), _movable(local),
-                                                        group=comm.group, async_op=True))  # fmt: skip
-        handle = Handle(work, op=gather)
+        handle = Handle(_issue_all_gather(gather, out.view(-1), local, comm), op=gather)
     else:
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
         padded[: local.numel()].copy_(local)
         gathered = torch.empty(width * comm.world_size, dtype=local.dtype, device=local.device)
-        work = issue(gather, lambda: _all_gather_single(_movable(gathered), _movable(padded),
-                                                        group=comm.group, async_op=True))  # fmt: skip
+        work = _issue_all_gather(gather, gathered, padded, comm)
 
         def unpad() -> None:
             flat = out.view(-1)
@@ -330,9 +332,7 @@ def full_tensor(
                 flat[a:b].copy_(gathered[r * width : r * width + b - a])
 
         handle = Handle(work, unpad, gather)
-    if not async_op:
-        handle.wait()
-    return out, handle
+    return out, _waited(handle, async_op)
 
 
 def redistribute(
@@ -359,9 +359,7 @@ def all_gather_flat(local: torch.Tensor, comm: Comm) -> torch.Tensor:
         return local
     out = torch.empty(local.numel() * comm.world_size, dtype=local.dtype, device=local.device)
     desc = Op("all-gather", "equal pieces", local, comm)
-    work = issue(desc, lambda: _all_gather_single(_movable(out), _movable(local.reshape(-1)),
-                                                  group=comm.group, async_op=True))  # fmt: skip
-    Handle(work, op=desc).wait()
+    Handle(_issue_all_gather(desc, out, local.reshape(-1), comm), op=desc).wait()
     return out
 
 

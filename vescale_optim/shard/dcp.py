@@ -96,8 +96,9 @@ class DcpPiece(torch.Tensor):
     def _over(self, values: torch.Tensor) -> DcpPiece:
         """A piece of the same range (and box of the whole) over `values`."""
         shape, origin = self._box
-        return dcp_piece(shape, self._start, self._start + self._numel, values, origin=origin,
-                         whole=tuple(self.shape))  # fmt: skip
+        return dcp_piece(
+            shape, self._start, self._start + self._numel, values, origin=origin, whole=tuple(self.shape)
+        )
 
     def copy_into(self, out: torch.Tensor, *, non_blocking: bool = False) -> DcpPiece:
         """A piece of the same chunks over `out` (flat, this piece's dtype and number of

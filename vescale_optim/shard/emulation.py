@@ -97,8 +97,9 @@ def _freed(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size()
 
 
-def local_copy(run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (),
-               garble: bool = True) -> object:  # fmt: skip
+def local_copy(
+    run: Callable[[], None], device: torch.device, outputs: tuple[torch.Tensor, ...] = (), garble: bool = True
+) -> object:
     """Issue the local copy that replaces a collective on a group of one (`run()` writes
     `outputs`) on the current stream, which may be a side stream, and return its work: like
     a collective's, its results may be read only once it is waited for (`Handle(work)`),
@@ -110,8 +111,10 @@ def local_copy(run: Callable[[], None], device: torch.device, outputs: tuple[tor
 
     def call() -> _LocalCopy:
         if any(_freed(out) for out in outputs):
-            raise RuntimeError("the output of a collective's local copy was freed before the copy was "
-                               "waited for (it would write freed memory on a GPU)")  # fmt: skip
+            raise RuntimeError(
+                "the output of a collective's local copy was freed before the copy was "
+                "waited for (it would write freed memory on a GPU)"
+            )
         run()
         return _LocalCopy(device)
 

@@ -22,8 +22,15 @@ from .handle import Handle, Op, issue
 Flag = bool | torch.Tensor  # a host value, or a one-element tensor computed on the device
 
 
-def any_rank(flags: Sequence[bool], comm: Comm, device: torch.device | None = None, what: str | None = None,
-             *, tail: Sequence[Flag] = (), tail_over: Sequence[Comm] = ()) -> list[bool]:  # fmt: skip
+def any_rank(
+    flags: Sequence[bool],
+    comm: Comm,
+    device: torch.device | None = None,
+    what: str | None = None,
+    *,
+    tail: Sequence[Flag] = (),
+    tail_over: Sequence[Comm] = (),
+) -> list[bool]:
     """For each flag, whether some rank of `comm` has it set (one all-reduce), then for each
     flag of `tail`, whether some rank of `comm` and of every group of `tail_over` has it set
     (one all-reduce more per active group of `tail_over`, of the tail alone). One read of the
@@ -56,22 +63,7 @@ def any_rank_issued(
     carrier = comm if comm.active else over[0] if over else None
     if carrier is None:  # nothing to talk to: the flags as they are, those on the device read at once
         return _alone(flags, tail)
-    if carrier.gloo:
-        words = [0] * -(-len(flags) // 64)
-        for i, f in enumerate(flags):
-            if f:
-                words[i // 64] |= 1 << (i % 64)
-        head = [w - (1 << 64) if w >> 63 else w for w in words]
-        tensor = torch.tensor([*head, *(_host(t) for t in tail)], dtype=torch.int64)
-        reduce_op = dist.ReduceOp.BOR
-    else:
-        head = [bool(f) for f in flags]
-        tensor = host_to_device([*head, *(bool(_host(t)) for t in tail)], torch.uint8, carrier.device)
-        reduce_op = dist.ReduceOp.MAX
-    start = len(head)
-    for i, t in enumerate(tail):
-        if isinstance(t, torch.Tensor):  # computed on the device: copied in there, no read
-            tensor[start + i : start + i + 1].copy_(t.reshape(1))
+    tensor, reduce_op, start = _on_the_wire(flags, tail, carrier)
     handles: list[Handle] = []
     if comm.active:
         desc = Op("all-reduce (any)", what, tensor, comm)
@@ -100,6 +92,31 @@ def any_rank_issued(
         return answer + [bool(v) for v in values[start:]]
 
     return read
+
+
+def _on_the_wire(
+    flags: Sequence[bool], tail: Sequence[Flag], carrier: Comm
+) -> tuple[torch.Tensor, object, int]:
+    """The flags as they travel over `carrier`'s backend (bits of int64 words on gloo, a byte
+    each on the device otherwise), the tail's after them (a device flag copied in there, not
+    read); the reduction that ors them, and where the tail starts."""
+    if carrier.gloo:
+        words = [0] * -(-len(flags) // 64)
+        for i, f in enumerate(flags):
+            if f:
+                words[i // 64] |= 1 << (i % 64)
+        head = [w - (1 << 64) if w >> 63 else w for w in words]
+        tensor = torch.tensor([*head, *(_host(t) for t in tail)], dtype=torch.int64)
+        reduce_op = dist.ReduceOp.BOR
+    else:
+        head = [bool(f) for f in flags]
+        tensor = host_to_device([*head, *(bool(_host(t)) for t in tail)], torch.uint8, carrier.device)
+        reduce_op = dist.ReduceOp.MAX
+    start = len(head)
+    for i, t in enumerate(tail):
+        if isinstance(t, torch.Tensor):  # computed on the device: copied in there, no read
+            tensor[start + i : start + i + 1].copy_(t.reshape(1))
+    return tensor, reduce_op, start
 
 
 def _host(flag: Flag) -> int:

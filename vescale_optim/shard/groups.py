@@ -29,8 +29,9 @@ from torch.distributed import ProcessGroup
 from . import handle
 
 
-def split_groups(parent: ProcessGroup | None,
-                 groups: Sequence[Sequence[int]]) -> dict[tuple[int, ...], ProcessGroup]:  # fmt: skip
+def split_groups(
+    parent: ProcessGroup | None, groups: Sequence[Sequence[int]]
+) -> dict[tuple[int, ...], ProcessGroup]:
     """A process group for each of `groups` (ranks of `parent`, the default group when None;
     each ascending; groups may overlap), made from `parent` by every one of its ranks, all
     calling with the same `groups` in one order. Returns those this rank is in, by their ranks

@@ -53,11 +53,30 @@ from .emulation import (
 from .emulation import before_synchronous as _before_synchronous
 
 __all__ = [
-    "CollectiveError", "Delays", "Group", "Handle", "Op", "all_gather_object", "before_issue",
-    "before_synchronous", "default_group", "delayed", "duplicate_group", "get_collective_timeout",
-    "global_rank", "group_backend", "group_rank", "group_size", "initialized", "issue", "new_group",
-    "run_delayed", "set_collective_timeout", "local_copy", "traced",
-]  # fmt: skip
+    "CollectiveError",
+    "Delays",
+    "Group",
+    "Handle",
+    "Op",
+    "all_gather_object",
+    "before_issue",
+    "before_synchronous",
+    "default_group",
+    "delayed",
+    "duplicate_group",
+    "get_collective_timeout",
+    "global_rank",
+    "group_backend",
+    "group_rank",
+    "group_size",
+    "initialized",
+    "issue",
+    "new_group",
+    "run_delayed",
+    "set_collective_timeout",
+    "local_copy",
+    "traced",
+]
 
 _timeout: timedelta | None = None
 

@@ -164,8 +164,13 @@ def plan_redistribute(shape: Shape, src: RaggedShard, dst: RaggedShard) -> Plan:
     return plan_move(ragged_pieces(shape, src), ragged_pieces(shape, dst), src.world_size)
 
 
-def plan_gather_to_owner(pieces: Sequence[Piece], numels: Sequence[int], owners: Sequence[int],
-                         world_size: int, src_numel: Sequence[int] | None = None) -> Plan:
+def plan_gather_to_owner(
+    pieces: Sequence[Piece],
+    numels: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    src_numel: Sequence[int] | None = None,
+) -> Plan:
     """Many tensors at once: every owner receives its tensors whole, packed in tensor
     order into its destination buffer (see `owner_offsets`)."""
     offsets, totals = owner_offsets(numels, owners, world_size)
@@ -173,9 +178,13 @@ def plan_gather_to_owner(pieces: Sequence[Piece], numels: Sequence[int], owners:
     return plan_move(pieces, dst, world_size, src_numel, totals)
 
 
-def plan_scatter_from_owner(pieces: Sequence[Piece], numels: Sequence[int],
-                            owners: Sequence[int], world_size: int,
-                            dst_numel: Sequence[int] | None = None) -> Plan:
+def plan_scatter_from_owner(
+    pieces: Sequence[Piece],
+    numels: Sequence[int],
+    owners: Sequence[int],
+    world_size: int,
+    dst_numel: Sequence[int] | None = None,
+) -> Plan:
     """The reverse of `plan_gather_to_owner`: owners send each rank its pieces back."""
     offsets, totals = owner_offsets(numels, owners, world_size)
     src = [Piece(o, t, offsets[t], 0, numels[t]) for t, o in enumerate(owners)]

@@ -39,9 +39,7 @@ class RaggedShard:
         bad = [(r, u) for r, u in enumerate(units) if not isinstance(u, int) or u < 0]
         if bad:
             r, u = bad[0]
-            raise ValueError(
-                f"RaggedShard local_units must be non-negative integers; rank {r} has {u!r}"
-            )
+            raise ValueError(f"RaggedShard local_units must be non-negative integers; rank {r} has {u!r}")
         if not dims and sum(units) != 0 and sorted(units)[-2:] != ([0, 1] if len(units) > 1 else [1]):
             raise ValueError(
                 f"RaggedShard with dims=() keeps the whole tensor on one rank, so local_units "
@@ -72,16 +70,13 @@ class RaggedShard:
                 f"{world_size} ranks: {self.local_units}"
             )
         if len(self.dims) > len(shape):
-            raise ValueError(
-                f"RaggedShard dims={self.dims} flatten more dimensions than shape {shape} has"
-            )
+            raise ValueError(f"RaggedShard dims={self.dims} flatten more dimensions than shape {shape} has")
         rows, total = self._rows(shape), sum(self.local_units)
         if _numel(shape) == 0:
             return
         if total == 0:
             raise ValueError(
-                f"RaggedShard local_units {self.local_units} are all zero but shape {shape} "
-                f"has elements"
+                f"RaggedShard local_units {self.local_units} are all zero but shape {shape} has elements"
             )
         if rows % total:
             raise ValueError(

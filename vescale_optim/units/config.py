@@ -19,8 +19,8 @@ from ..kernels import wire
 class ShardingConfig:
     """How an optimizer shards its parameters, gradients and state over ranks.
 
-    `vo.AdamW`, `vo.Muon` and `vo.Shampoo` take every field as a keyword
-    (`vo.AdamW(params, lr=1e-3, shard_modules=[*model.layers, model])`):
+    Every optimizer of the library takes every field as a keyword
+    (`opt = Optimizer(params, lr=1e-3, shard_modules=[*model.layers, model])`):
 
     - `process_group`: the group to shard over (default: the world, or one process
       when `torch.distributed` is not initialised); or `mesh`: a 1-D `DeviceMesh`, or a
@@ -103,8 +103,10 @@ class ShardingConfig:
                 try:
                     wire.codec(bits)
                 except ValueError:
-                    raise ValueError(f"{name} must be None (full precision) or the bits of a wire codec: "
-                                     f"{wire.known()}; got {bits!r}") from None  # fmt: skip
+                    raise ValueError(
+                        f"{name} must be None (full precision) or the bits of a wire codec: "
+                        f"{wire.known()}; got {bits!r}"
+                    ) from None
         # the codecs in use say what a block may be (without one, the default "q8" does)
         used = {wire.codec(b) for b in (self.gather_bits, self.reduce_bits) if b is not None}
         for c in used or {wire.codec(8)}:

@@ -108,8 +108,9 @@ class Launch(NamedTuple):
     offset: int
 
 
-def plan(geometry: Geometry, n: int, base: int, chunk: int,
-         needed: Callable[[int, int], bool]) -> tuple[list[Launch], int]:  # fmt: skip
+def plan(
+    geometry: Geometry, n: int, base: int, chunk: int, needed: Callable[[int, int], bool]
+) -> tuple[list[Launch], int]:
     """The launches that draw the chunks of a fill of `n` elements for which `needed(start, stop)`
     holds, the whole fill taking the generator at offset `base`; and its offset after the whole
     fill. `chunk` is a multiple of the period that one launch indexes."""
@@ -134,8 +135,11 @@ def plan(geometry: Geometry, n: int, base: int, chunk: int,
     return launches, offset
 
 
-def run(launches: list[Launch], draw: Callable[[int, int], torch.Tensor],
-        keep: Callable[[torch.Tensor, int, int], None]) -> None:  # fmt: skip
+def run(
+    launches: list[Launch],
+    draw: Callable[[int, int], torch.Tensor],
+    keep: Callable[[torch.Tensor, int, int], None],
+) -> None:
     """Each launch drawn (`draw(length, offset)` fills and returns `length` elements at `offset`)
     and its part of the whole handed to `keep(part, start, stop)`."""
     for launch in launches:
@@ -167,8 +171,9 @@ class Fill(NamedTuple):
     def drawer(self, launches: list[Launch]) -> Callable[[int, int], torch.Tensor]:
         """`draw(length, offset)` for `run`: the fill of the first `length` elements of one
         scratch buffer (the longest launch's), the generator set to `offset` first."""
-        scratch = torch.empty(max((launch.length for launch in launches), default=0), dtype=self.dtype,
-                              device=self.device)  # fmt: skip
+        scratch = torch.empty(
+            max((launch.length for launch in launches), default=0), dtype=self.dtype, device=self.device
+        )
 
         def draw(length: int, offset: int) -> torch.Tensor:
             self.generator.set_offset(offset)
@@ -214,9 +219,17 @@ def _everything(start: int, stop: int) -> bool:
     return True
 
 
-def shard_sized(name: str, args: tuple, kwargs: dict, n: int, dtype: torch.dtype, device: torch.device,
-                needed: Callable[[int, int], bool], keep: Callable[[torch.Tensor, int, int], None],
-                chunk_bytes: int = CHUNK_BYTES) -> Bounds | None:  # fmt: skip
+def shard_sized(
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    needed: Callable[[int, int], bool],
+    keep: Callable[[torch.Tensor, int, int], None],
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Bounds | None:
     """The fill `name` of a tensor of `n` elements of `dtype` on the CUDA `device`, drawn chunk by
     chunk where `needed(start, stop)`, `keep(part, start, stop)` taking each; the generator left
     where the whole fill leaves it. Returns the whole's bounds (replayed when asked), or None,

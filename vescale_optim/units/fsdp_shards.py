@@ -5,7 +5,7 @@ rows, cut `torch.chunk`'s way; HSDP adds a `Replicate` dimension; with tensor pa
 placements of its 2-D mesh) and reduce-scatters the gradients itself, into `.grad` (a DTensor
 of the same placements). The optimizer is then the optimizer over those shards and nothing
 more: its units lay out each parameter's local tensor over this rank alone, its state lives
-beside them, element-wise math runs on them, and math that needs a whole matrix (Muon) brings
+beside them, element-wise math runs on them, and math that needs a whole matrix brings
 each matrix to one balanced owner in the world of the DTensors' mesh and sends every rank its
 piece back (`WholeMoves`). FSDP2 owns the parameters' memory (its all-gathers read it), so a
 unit never re-points it (`Unit(external=True)`): a large local shard gets a unit of its own whose
@@ -189,8 +189,9 @@ class WholeMoves:
         self.scatter_out = [[k for k in self.mine if self.boxes[k][r].numel] for r in range(world)]
         self.traffic = [0, 0]  # bytes sent to and received from other ranks
 
-    def _exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                  what: str) -> Handle:  # fmt: skip
+    def _exchange(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str
+    ) -> Handle:
         """The all-to-all, issued (the caller waits for the handle); its bytes counted."""
         me, size = self.comm.rank, inp.element_size()
         self.traffic[0] += size * (sum(in_splits) - in_splits[me])
@@ -201,8 +202,10 @@ class WholeMoves:
         """Elements per rank of `plan` (tensor indices per rank): of that rank's boxes (`theirs`)
         or of this rank's; none to this rank itself (its own pieces are copied, not sent)."""
         me = self.comm.rank
-        return [0 if r == me else sum(self.boxes[k][r if theirs else me].numel for k in ks)
-                for r, ks in enumerate(plan)]  # fmt: skip
+        return [
+            0 if r == me else sum(self.boxes[k][r if theirs else me].numel for k in ks)
+            for r, ks in enumerate(plan)
+        ]
 
     def _packed(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """`parts` (any strides) one after another in one flat tensor: each copied once."""
@@ -212,8 +215,9 @@ class WholeMoves:
             at += t.numel()
         return out
 
-    def gather(self, pieces: Sequence[torch.Tensor], what: str,
-               meanwhile: Callable[[], None] = lambda: None) -> dict[int, torch.Tensor]:  # fmt: skip
+    def gather(
+        self, pieces: Sequence[torch.Tensor], what: str, meanwhile: Callable[[], None] = lambda: None
+    ) -> dict[int, torch.Tensor]:
         """`pieces[k]`: this rank's piece of tensor k (its local shape). The whole tensors this rank
         owns, by k; `meanwhile()` runs while the other ranks' pieces travel (after this rank's own
         are in place)."""
@@ -235,8 +239,13 @@ class WholeMoves:
                 at += box.numel
         return wholes
 
-    def scatter(self, wholes: dict[int, torch.Tensor], like: torch.Tensor, what: str,
-                meanwhile: Callable[[list], None] = lambda pieces: None) -> list:  # fmt: skip
+    def scatter(
+        self,
+        wholes: dict[int, torch.Tensor],
+        like: torch.Tensor,
+        what: str,
+        meanwhile: Callable[[list], None] = lambda pieces: None,
+    ) -> list:
         """Each rank's piece of the whole tensors (`wholes`, by k, on their owners) back: per
         tensor k, this rank's piece in its local shape (None where it holds none; a view of
         `wholes[k]` where this rank owns k). `meanwhile(pieces)` runs while the other owners'
@@ -270,8 +279,11 @@ def own_unit(p: torch.Tensor) -> bool:
     average) that three passes over them (a copy in, a copy out, a copy of the gradient) cost
     more than a unit's own fixed work (a call per segment and step). Decided from the global
     shape and mesh, so that every rank plans the same units (FSDP2's uneven chunks differ)."""
-    return (is_dtensor(p) and p.dtype not in (torch.bfloat16, torch.float16)
-            and p.numel() >= OWN_UNIT_NUMEL * p.device_mesh.size())  # fmt: skip
+    return (
+        is_dtensor(p)
+        and p.dtype not in (torch.bfloat16, torch.float16)
+        and p.numel() >= OWN_UNIT_NUMEL * p.device_mesh.size()
+    )
 
 
 def flat_alias(t: torch.Tensor | None, dtype: torch.dtype, numel: int, device: torch.device):

@@ -214,9 +214,11 @@ class GradBuffers:
         # over ranks every trainable parameter of the unit gets its reduced gradient, so that
         # every rank holds the same `.grad`s (utilities that reduce over them pair up)
         together = u.comm.active or u.replicate.active
-        live = [i for i, p in enumerate(u.params)
-                if self.is_live(i) or (together and p.requires_grad and p.grad is None
-                                       and u.placement_problem(i) is None)]  # fmt: skip
+
+        def absent(i: int, p: torch.Tensor) -> bool:  # trainable, no gradient on this rank, placeable
+            return p.requires_grad and p.grad is None and u.placement_problem(i) is None
+
+        live = [i for i, p in enumerate(u.params) if self.is_live(i) or (together and absent(i, p))]
         buf, self.full = self.full, self._new_buffer()
         data = buf.data
         with torch.profiler.record_function(f"vescale::reduce_scatter[{u.name}]"):
@@ -226,8 +228,9 @@ class GradBuffers:
             self.scattering = data
             what = f"unit {u.name}'s gradients"
             # across replicas the wire is in reduce_dtype too: half the inter-node bytes in bf16
-            part = None if not u.replicate.active else torch.empty(self._shard.numel(), dtype=data.dtype,
-                                                                   device=data.device)  # fmt: skip
+            part = None
+            if u.replicate.active:
+                part = torch.empty(self._shard.numel(), dtype=data.dtype, device=data.device)
             if u.reduce_codec is not None:  # decoded, summed in fp32, then sent across in reduce_dtype
                 part = None if part is None else torch.empty_like(self._shard)
                 scatter = self._reduce_encoded(data, self.shard if part is None else part, part is None, what)
@@ -295,8 +298,9 @@ class GradBuffers:
         self.sent_bytes += ring(u.replicate.world_size, part.numel() * part.element_size(), 2)
         profiled = torch.profiler.record_function(f"vescale::all_reduce_replicas[{u.name}]")
         with profiled, u.streams.across_replicas():
-            handle = all_reduce_(part, u.replicate, "mean", async_op=True,
-                                 what=f"unit {u.name}'s gradients over replicas")  # fmt: skip
+            handle = all_reduce_(
+                part, u.replicate, "mean", async_op=True, what=f"unit {u.name}'s gradients over replicas"
+            )
 
         def add() -> None:
             if self.has_values:

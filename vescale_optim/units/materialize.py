@@ -76,8 +76,9 @@ def _reset(module: nn.Module) -> None:
     module.reset_parameters()
 
 
-def _take_replaced_parameters(module: nn.Module, held: dict[str, nn.Parameter], prefix: str,
-                              how: str) -> None:  # fmt: skip
+def _take_replaced_parameters(
+    module: nn.Module, held: dict[str, nn.Parameter], prefix: str, how: str
+) -> None:
     """Parameters the initialisation replaced (`self.weight = nn.Parameter(...)`) instead of
     writing into: the new values go into the parameter the optimizer holds (a view of its
     unit), which takes its place in the module again. One of another shape, or left on the
@@ -107,8 +108,9 @@ def _whole_stand_ins(module: nn.Module, device: torch.device) -> dict[str, nn.Pa
     return dtensors
 
 
-def _shard_stand_ins(module: nn.Module, fresh: set[int], attempt: Attempt,
-                     at: str) -> dict[str, nn.Parameter]:  # fmt: skip
+def _shard_stand_ins(
+    module: nn.Module, fresh: set[int], attempt: Attempt, at: str
+) -> dict[str, nn.Parameter]:
     """The module's DTensor parameters by name, each replaced in the module by a stand-in of
     its global shape on the meta device whose writes reach this rank's TP shard (`shard_init`);
     one initialised before (shared with an earlier module) only draws what it would."""
@@ -135,23 +137,59 @@ def _adopt_buffers(module: nn.Module, buffers: Sequence[str], device: torch.devi
     return found
 
 
-def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
-                init: Callable[[nn.Module], None] | None = None,
-                world: Comm | None = None) -> None:  # fmt: skip
+def materialize(
+    units: Sequence[Unit],
+    modules: Sequence[nn.Module],
+    init: Callable[[nn.Module], None] | None = None,
+    world: Comm | None = None,
+) -> None:
     """Initialise every parameter of `units` (the units of `modules`) and every buffer of
     `modules` that is on the meta device, by `init(module)` (default: `reset_parameters()`),
     from the random state of rank 0 of `world` (default: the units' world; every rank of a
     dp x tp root mesh under tensor parallelism, so that TP peers draw alike)."""
     custom = init is not None
     init = init or _reset
+    plan, remaining = _plan_visits(units, modules, custom)
+    if not plan:
+        return
+    device = units[0].device
+    states = _rank0_rng_states(world or units[0].dp, device)
+    names = {id(m): name for name, m in module_order(modules)}
+    done: set[int] = set()  # parameters initialised so far (by id)
+    how = "param_init_fn" if custom else "reset_parameters()"
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.set_rng_state(states[0])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(states[1], device)
+        for module, mine, buffers in plan:
+            for unit, _ in mine:
+                unit.open_empty()
+            fresh = {id(unit.params[i]) for unit, i in mine} - done
+            _visit(module, fresh, buffers, device, init, f"{names[id(module)]}.", how)
+            done |= fresh
+            for unit, _ in mine:
+                remaining[unit.index] -= 1
+                if remaining[unit.index] == 0:
+                    unit.adopt_full()
+    _refuse_left_on_meta(modules, custom)
+
+
+# a module to initialise: the (unit, index) of its parameters that wait for values, its meta buffers
+_Visit = tuple[nn.Module, list[tuple[Unit, int]], list[str]]
+
+
+def _plan_visits(
+    units: Sequence[Unit], modules: Sequence[nn.Module], custom: bool
+) -> tuple[list[_Visit], dict[int, int]]:
+    """The modules to initialise, in order, and how many of them each unit (by index) waits
+    for; a module that holds meta tensors but has nothing to initialise them is refused."""
     owner: dict[int, tuple[Unit, int]] = {}
     for unit in units:
         if unit.meta:
             for i, p in enumerate(unit.params):
                 owner[id(p)] = (unit, i)
-    plan: list[tuple[nn.Module, list[tuple[Unit, int]], list[str]]] = []
+    plan: list[_Visit] = []
     remaining: dict[int, int] = {}
-    names = {id(m): name for name, m in module_order(modules)}
     for name, module in module_order(modules):
         mine = [owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner]
         buffers = [b for b, t in module.named_buffers(recurse=False) if t.is_meta]
@@ -167,54 +205,62 @@ def materialize(units: Sequence[Unit], modules: Sequence[nn.Module],
         plan.append((module, mine, buffers))
         for unit, _ in mine:
             remaining[unit.index] = remaining.get(unit.index, 0) + 1
-    if not plan:
-        return
-    device = units[0].device
-    states = _rank0_rng_states(world or units[0].dp, device)
-    done: set[int] = set()  # parameters initialised so far (by id)
-    how = "param_init_fn" if custom else "reset_parameters()"
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        torch.set_rng_state(states[0])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(states[1], device)
-        for module, mine, buffers in plan:
-            for unit, _ in mine:
-                unit.open_empty()
-            fresh = {id(unit.params[i]) for unit, i in mine} - done
-            params = dict(module.named_parameters(recurse=False))
-            kept = [(p, p.detach().clone()) for p in params.values()
-                    if id(p) not in fresh and not is_dtensor(p)]  # fmt: skip
-            at = f"{names[id(module)]}."
-            attempt = Attempt(device) if any(is_dtensor(p) for p in params.values()) else None
-            try:
-                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, attempt)
-            except NeedsWhole:  # rewound, then the same initialisation on whole tensors
-                for p, value in kept:
-                    p.copy_(value)
-                attempt.rewind()
-                skipped = _initialise(module, params, fresh, buffers, device, init, at, how, None)
-            for p, value in kept:
-                p.copy_(value)
-            if skipped:
+    return plan, remaining
+
+
+def _visit(
+    module: nn.Module,
+    fresh: set[int],
+    buffers: Sequence[str],
+    device: torch.device,
+    init: Callable[[nn.Module], None],
+    at: str,
+    how: str,
+) -> None:
+    """`init(module)` for its `fresh` parameters (by id) and meta `buffers`: DTensor parameters
+    on shards' stand-ins, or once more on whole tensors when a shard cannot reproduce it; the
+    module's other parameters keep their values."""
+    params = dict(module.named_parameters(recurse=False))
+    kept = [(p, p.detach().clone()) for p in params.values() if id(p) not in fresh and not is_dtensor(p)]
+    attempt = Attempt(device) if any(is_dtensor(p) for p in params.values()) else None
+    try:
+        skipped = _initialise(module, params, fresh, buffers, device, init, at, how, attempt)
+    except NeedsWhole:  # rewound, then the same initialisation on whole tensors
+        for p, value in kept:
+            p.copy_(value)
+        attempt.rewind()
+        skipped = _initialise(module, params, fresh, buffers, device, init, at, how, None)
+    for p, value in kept:
+        p.copy_(value)
+    if skipped:
+        raise ValueError(
+            f"{at}{skipped[0]} was not initialised by {how}: nothing wrote it (a tensor still "
+            "holds NaN where its meta tensor got memory)"
+        )
+
+
+def _refuse_left_on_meta(modules: Sequence[nn.Module], custom: bool) -> None:
+    """A `ValueError` naming the first parameter or buffer of `modules` still on the meta device."""
+    for name, m in module_order(modules):
+        for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t.is_meta:
+                how = "param_init_fn" if custom else "every module's reset_parameters()"
                 raise ValueError(
-                    f"{at}{skipped[0]} was not initialised by {how}: nothing wrote it (a tensor still "
-                    "holds NaN where its meta tensor got memory)"
+                    f"{name}.{n} is still on the meta device after {how}: nothing initialised it"
                 )
-            done |= fresh
-            for unit, _ in mine:
-                remaining[unit.index] -= 1
-                if remaining[unit.index] == 0:
-                    unit.adopt_full()
-    left = [f"{name}.{n}" for name, m in module_order(modules)
-            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t.is_meta]
-    if left:  # fmt: skip
-        how = "param_init_fn" if custom else "every module's reset_parameters()"
-        raise ValueError(f"{left[0]} is still on the meta device after {how}: nothing initialised it")
 
 
-def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[int], buffers: Sequence[str],
-                device: torch.device, init: Callable[[nn.Module], None], at: str, how: str,
-                attempt: Attempt | None) -> list[str]:  # fmt: skip
+def _initialise(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    fresh: set[int],
+    buffers: Sequence[str],
+    device: torch.device,
+    init: Callable[[nn.Module], None],
+    at: str,
+    how: str,
+    attempt: Attempt | None,
+) -> list[str]:
     """Run `init(module)` once: its DTensor parameters stood in for by shards' stand-ins
     (`attempt`, which `NeedsWhole` ends) or by whole tensors (`attempt` None); the names of the
     parameters and buffers it left uninitialised."""
@@ -225,8 +271,11 @@ def _initialise(module: nn.Module, params: dict[str, nn.Parameter], fresh: set[i
     else:
         stand_ins = _shard_stand_ins(module, fresh, attempt, at)
     # what the initialisation must write starts as NaN: one it skips is found below
-    blank = [(n, getattr(module, n)) for n, p in params.items()
-             if id(p) in fresh and (attempt is None or n not in stand_ins)]  # fmt: skip
+    blank = [
+        (n, getattr(module, n))
+        for n, p in params.items()
+        if id(p) in fresh and (attempt is None or n not in stand_ins)
+    ]
     blank += [(b, getattr(module, b)) for b in buffers]
     for _, t in blank:
         if t.is_floating_point():

@@ -66,8 +66,9 @@ def sharded_model_state(units: Sequence[Unit], names: dict[int, str]) -> dict:
             start, stop = unit.full.tensor_range(i)
             lo, hi = unit.full.local_range(i)
             whole, origin = tp_box(p)  # a DTensor's local shard: placed in the whole tensor
-            out[names[id(p)]] = dcp_piece(local_shape(p), start, stop, unit.shard[lo:hi], origin=origin,
-                                          whole=whole)  # fmt: skip
+            out[names[id(p)]] = dcp_piece(
+                local_shape(p), start, stop, unit.shard[lo:hi], origin=origin, whole=whole
+            )
     return out
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..shard.collectives import full_tensor
 from ..shard.comm import Comm
+from .op_names import funcs, tensor_attrs
 from .tp_grads import TPPlace
 from .unreduced import (
     ShardedGradError,
@@ -57,61 +58,36 @@ from .unreduced import (
 if TYPE_CHECKING:
     from .unit_view import UnitView
 
-_METADATA = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.shape.__get__,
-    torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.grad_fn.__get__,
-    torch.Tensor.is_sparse.__get__, torch.Tensor.is_floating_point, torch.Tensor.untyped_storage,
-    torch.Tensor.data_ptr, torch.Tensor.element_size, torch.Tensor.requires_grad_,
-    torch.Tensor.is_leaf.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_meta.__get__,
-    torch.Tensor.is_complex, torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.is_contiguous,
-    torch.Tensor.storage_offset, torch.Tensor.get_device, torch.Tensor.is_quantized.__get__,
-    torch.Tensor.is_nested.__get__, torch.Tensor.is_mkldnn.__get__, torch.Tensor.itemsize.__get__,
-    torch.Tensor.nbytes.__get__,
-}  # fmt: skip
-_FACTORIES = {torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full,
-              torch.Tensor.new_tensor}  # fmt: skip
-_SELF = {torch.Tensor.detach, torch.Tensor.detach_}  # the same values: the tensor itself
-_CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
-          torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda}  # fmt: skip
-
-_ELEMENTWISE_NAMES = (
-    "abs", "neg", "negative", "sign", "sgn", "square", "sqrt", "rsqrt", "exp", "log", "reciprocal",
-    "nan_to_num", "isfinite", "isnan", "isinf", "isposinf", "isneginf", "logical_not", "signbit",
-    "add", "sub", "subtract", "mul", "multiply", "div", "divide", "true_divide", "pow", "clamp", "clip",
-    "clamp_min", "clamp_max", "maximum", "minimum", "where", "lerp", "addcmul", "addcdiv", "eq", "ne",
-    "gt", "ge", "lt", "le", "logical_and", "logical_or", "masked_fill", "clone",
-)  # fmt: skip
-_INPLACE_NAMES = (
-    "abs_", "neg_", "sign_", "sgn_", "square_", "sqrt_", "nan_to_num_", "add_", "sub_", "mul_", "div_",
-    "true_divide_", "pow_", "clamp_", "clip_", "clamp_min_", "clamp_max_", "lerp_", "addcmul_",
-    "addcdiv_", "masked_fill_", "zero_", "fill_", "copy_",
-)  # fmt: skip
-
-
-def _funcs(names: Sequence[str]) -> set:
-    found = set()
-    for name in names:
-        for owner in (torch.Tensor, torch):
-            f = getattr(owner, name, None)
-            if f is not None:
-                found.add(f)
-    return found
-
-
-_OPERATORS = ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "div", "rdiv", "pow",
-              "rpow", "neg", "abs", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "invert")  # fmt: skip
-_IOPERATORS = ("iadd", "isub", "imul", "itruediv", "idiv", "ipow")
-_ELEMENTWISE = _funcs(_ELEMENTWISE_NAMES) | _funcs([f"__{n}__" for n in _OPERATORS])
-_INPLACE = _funcs(_INPLACE_NAMES) | _funcs([f"__{n}__" for n in _IOPERATORS])
+_METADATA = tensor_attrs(
+    "size dim numel shape.__get__ ndim.__get__ dtype.__get__ device.__get__ layout.__get__"
+    " requires_grad.__get__ grad_fn.__get__ is_sparse.__get__ is_floating_point untyped_storage"
+    " data_ptr element_size requires_grad_ is_leaf.__get__ is_cuda.__get__ is_meta.__get__"
+    " is_complex nelement stride is_contiguous storage_offset get_device is_quantized.__get__"
+    " is_nested.__get__ is_mkldnn.__get__ itemsize.__get__ nbytes.__get__"
+)
+_FACTORIES = tensor_attrs("new_zeros new_ones new_empty new_full new_tensor")
+_SELF = tensor_attrs("detach detach_")  # the same values: the tensor itself
+_CASTS = tensor_attrs("to type float double half bfloat16 cpu cuda")
+_ELEMENTWISE = funcs(
+    "abs neg negative sign sgn square sqrt rsqrt exp log reciprocal nan_to_num isfinite isnan isinf"
+    " isposinf isneginf logical_not signbit add sub subtract mul multiply div divide true_divide pow"
+    " clamp clip clamp_min clamp_max maximum minimum where lerp addcmul addcdiv eq ne gt ge lt le"
+    " logical_and logical_or masked_fill clone"
+) | funcs(
+    "add radd sub rsub mul rmul truediv rtruediv div rdiv pow rpow neg abs eq ne lt le gt ge and or invert",
+    "__{}__",
+)
+_INPLACE = funcs(
+    "abs_ neg_ sign_ sgn_ square_ sqrt_ nan_to_num_ add_ sub_ mul_ div_ true_divide_ pow_ clamp_ clip_"
+    " clamp_min_ clamp_max_ lerp_ addcmul_ addcdiv_ masked_fill_ zero_ fill_ copy_"
+) | funcs("iadd isub imul itruediv idiv ipow", "__{}__")
 _NORMS = {torch.Tensor.norm, torch.norm, torch.linalg.vector_norm, torch.linalg.norm}
+_REDUCED_AS = {"amax": "max", "amin": "min"}  # the others reduce as their own name says
 _REDUCTIONS = {
-    torch.Tensor.sum: "sum", torch.sum: "sum", torch.Tensor.mean: "mean", torch.mean: "mean",
-    torch.Tensor.max: "max", torch.max: "max", torch.Tensor.amax: "max", torch.amax: "max",
-    torch.Tensor.min: "min", torch.min: "min", torch.Tensor.amin: "min", torch.amin: "min",
-    torch.Tensor.all: "all", torch.all: "all", torch.Tensor.any: "any", torch.any: "any",
-    torch.Tensor.count_nonzero: "count_nonzero", torch.count_nonzero: "count_nonzero",
-}  # fmt: skip
+    f: _REDUCED_AS.get(name, name)
+    for name in ("sum", "mean", "max", "amax", "min", "amin", "all", "any", "count_nonzero")
+    for f in (getattr(torch.Tensor, name), getattr(torch, name))
+}
 
 
 # --- sharded values -----------------------------------------------------------------------------
@@ -221,8 +197,9 @@ class ReducedGrad(Sharded):
         return ReducedGrad._of(self._unit, self._index, self._tp.local_shape, self.dtype, self.device)
 
     @staticmethod
-    def _of(unit: UnitView, i: int, shape, dtype, device,  # type: ignore[override]
-            tp: TPPlace | None = None) -> ReducedGrad:  # fmt: skip
+    def _of(  # type: ignore[override]
+        unit: UnitView, i: int, shape, dtype, device, tp: TPPlace | None = None
+    ) -> ReducedGrad:
         """Parameter `i`'s placeholder, of `shape` (a DTensor parameter's global shape with `tp`)."""
         out = _shell(ReducedGrad, shape, dtype, device)
         out._unit, out._index, out._tp = unit, i, tp
@@ -285,8 +262,11 @@ def _localize(value: Any, like: Sharded, func: Any) -> Any:
         try:
             full = value.expand(like.shape)
         except RuntimeError:
-            raise _refuse(func, f" with a tensor of shape {tuple(value.shape)}, which does not broadcast "
-                                f"to the gradient's {tuple(like.shape)}") from None  # fmt: skip
+            raise _refuse(
+                func,
+                f" with a tensor of shape {tuple(value.shape)}, which does not broadcast "
+                f"to the gradient's {tuple(like.shape)}",
+            ) from None
         if like._tp is not None:  # the whole tensor's elements of this rank's TP shard
             full = like._tp.slice(full)
         return full.reshape(-1)[lo:hi]
@@ -323,8 +303,9 @@ def _foreach(func, args, kwargs):
         ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
         dtype = kwargs.get("dtype")
         plain = torch.linalg.vector_norm
-        return [_norm(t, ord_, dtype) if isinstance(t, Sharded) else plain(t, ord_, dtype=dtype)
-                for t in first]  # fmt: skip
+        return [
+            _norm(t, ord_, dtype) if isinstance(t, Sharded) else plain(t, ord_, dtype=dtype) for t in first
+        ]
 
     def operand(x: Any, k: int) -> Any:
         like = first[k]
@@ -335,8 +316,9 @@ def _foreach(func, args, kwargs):
     def whole(a: Any) -> Any:
         return a.value() if isinstance(a, Unreduced) else a
 
-    mapped = [[operand(x, k) for k, x in enumerate(a)] if isinstance(a, (list, tuple)) else whole(a)
-              for a in args]  # fmt: skip
+    mapped = [
+        [operand(x, k) for k, x in enumerate(a)] if isinstance(a, (list, tuple)) else whole(a) for a in args
+    ]
     if name.endswith("_"):
         func(*mapped, **kwargs)
         return None

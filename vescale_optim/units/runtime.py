@@ -3,13 +3,15 @@ follows the units and not the math.
 
 `Runtime` plans the parameters into units (one per listed module with `shard_modules`,
 else size-capped buckets), each with one flat buffer per role laid out so that no rank
-boundary cuts a tensor's granule; it builds the segments through which the optimizer
-sees the shards, materialises meta-device models, installs the module hooks (the
+boundary cuts a tensor's granule (`unit_plan`); it builds the segments through which the
+optimizer sees the shards, materialises meta-device models, installs the module hooks (the
 schedule), the model's state-dict hooks and gradient tracking, and runs the gradient
 reduction, the agreement of which parameters step, clipping, memory accounting and the
 sharded model state dict. It knows nothing of any optimizer's math: the optimizer
-declares each parameter's granule, state tier and alignment (`Declaration`), and reads
-and writes the shards only through the segments.
+declares each parameter's granule, state tier and alignment (`Declaration`), reads and
+writes the shards only through the segments, and reads tensor parallelism only through the
+runtime's `TensorParallel` (`tensor_parallel`: each parameter's cut, the TP group, the dp x
+tp world; `tp_view`).
 """
 
 from __future__ import annotations
@@ -17,18 +19,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 from ..shard.collectives import Comm, all_reduce_
-from ..shard.layout import bucket_indices, plan_layout, whole_blocks
 from ..shard.mesh import resolve as resolve_mesh
-from .assign import assign_units, outermost
 from .config import ShardingConfig
-from .fsdp_shards import FsdpGrads, over_dtensors, own_unit, shard_groups, shards_problem
+from .fsdp_shards import FsdpGrads, over_dtensors, shard_groups, shards_problem
 from .gathered import gathered
 from .grad_buffers import ring
 from .hyper import hyper_digest, hyper_mismatch
@@ -36,40 +35,14 @@ from .materialize import materialize, needs_materializing
 from .model_state import ModelState, sharded_model_state
 from .ownership import claim, owned_elsewhere
 from .schedule import Schedule
-from .segment import Segment
 from .step_agreement import GradTracker
 from .streams import reduction_comm
-from .tensor_parallel import dtensor_problem, local_numel, tp_groups, tp_norm_parts
+from .tensor_parallel import dtensor_problem, tp_groups, tp_norm_parts
 from .tp_plan import tp_plan_problem
-from .unit import LOW_PRECISION, Unit
+from .tp_view import TensorParallel
+from .unit import LOW_PRECISION, Unit, UnitComms
+from .unit_plan import Declaration, UnitPlan, build_units, device_problem, plan_units
 from .wrappers import DDPGrads, first_step, unwatch, watch
-
-
-@dataclass(frozen=True)
-class Declaration:
-    """What the optimizer says of one parameter: rank boundaries inside it fall on multiples
-    of `granule` elements; its state lives in `tier` (segments are per param group and
-    tier; `FROZEN` for parameters without state); it starts at a multiple of `align`
-    (besides the config's own alignment: 8-bit state starts on a quantization block)."""
-
-    granule: int
-    tier: str
-    align: int = 1
-
-
-def device_problem(params: Sequence[torch.Tensor], comm, labels: dict[int, str]) -> str | None:
-    """A parameter on another kind of device than the group moves (CPU parameters over
-    NCCL), named, instead of a raw error from inside the first collective."""
-    if not comm.active:
-        return None
-    for p in params:
-        if not p.is_meta and p.device.type != comm.device.type:
-            return (
-                f"parameter {labels[id(p)]} is on {p.device}, but the process group ({comm.backend}) moves "
-                f"{comm.device.type} tensors; move the model to {comm.device} before building the optimizer "
-                "(model.to(device)), or build it on the meta device and pass device="
-            )
-    return None
 
 
 class Runtime:
@@ -104,63 +77,52 @@ class Runtime:
         groups = shard_groups() if over else resolve_mesh(config.mesh, config.process_group)
         self.comm, self.replicate, self.dp = groups.shard, groups.replicate, groups.dp
         self.topology, self.all_ranks = groups.topology, groups.all_ranks
-        # tensor parallelism: the groups a parameter is sharded over (norms sum over them)
-        self.tp = [] if over else [Comm(g) for g in tp_groups(params)]
+        # tensor parallelism, as the optimizers see it (`tp_view`): each parameter's cut, the group
+        # a parameter is sharded over (norms sum over it), the dp x tp world
+        tp_comms = [] if over else [Comm(g) for g in tp_groups(params)]
+        self.tensor_parallel = TensorParallel(params, self.dp, self.topology, tp_comms)
         problem = refused or device_problem(params, self.comm, labels) or owned_elsewhere(params, labels)
         try:
-            members, modules, names = self._plan(params, over)
+            plan = plan_units(params, param_groups, config, labels, over)
         except ValueError as e:  # raised on every rank, once they have agreed
-            problem, members, modules, names = problem or str(e), [], [], {}
-        structure = [(type(m).__name__ if m is not None else None, idx) for idx, m in zip(members, modules)]
+            problem, plan = problem or str(e), UnitPlan()
+        self.root, self._listed = plan.root, plan.listed
         if not over:  # every rank: see tp_plan
             problem = tp_plan_problem(params, self.all_ranks, labels) or problem
         if agree is not None:
-            agree(self.dp, problem, structure)
+            agree(self.dp, problem, plan.structure)
         elif problem is not None:
             raise ValueError(problem)
-        group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
-        index = {id(p): i for i, p in enumerate(params)}
-        self.units: list[Unit] = []
-        self.segments: list[Segment] = []
         reduce_comm = self.comm if over else reduction_comm(self.comm)  # on NCCL a communicator of its own
-        for k, (idx, module) in enumerate(zip(members, modules)):
-            ps = [params[i] for i in idx]
-            declared = [declare(p, group_of[id(p)]) for p in ps]
-            keys = [(group_of[id(p)], d.tier) for p, d in zip(ps, declared)]
-            block = config.quantized_block or 1  # wire codecs: no cut inside a block either
-            aligns = [math.lcm(config.align, d.align, block) for d in declared]
-            granules = [whole_blocks(d.granule, block, local_numel(p)) for p, d in zip(ps, declared)]
-            layout = plan_layout([local_numel(p) for p in ps], granules, self.comm.world_size,
-                                 math.lcm(config.align, block), aligns=aligns, segments=keys)  # fmt: skip
-            unit = Unit(
-                ps, [names[i] for i in idx], layout, self.comm, index=k, name=self._unit_name(k, module),
-                sharded=config.sharded, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-                device=config.device, sync_params=config.sync_params, replicate=self.replicate,
-                dp=self.dp, labels=[self._label(p, names[i]) for p, i in zip(ps, idx)],
-                gather_bits=config.gather_bits, reduce_bits=config.reduce_bits, comm_block=config.comm_block,
-                external=over, reduce_comm=reduce_comm,
-            )  # fmt: skip
-            self.units.append(unit)
-            for key in dict.fromkeys(keys):
-                mine = [j for j, kk in enumerate(keys) if kk == key]
-                group = param_groups[key[0]]
-                self.segments.append(Segment(unit, mine, [index[id(ps[j])] for j in mine], group, key[1]))
-        listed = [m for m in modules if m is not None]
+        comms = UnitComms(self.comm, self.replicate, self.dp, reduce_comm)
+        self.units, self.segments = build_units(
+            plan, params, param_groups, declare, comms, config, labels, over
+        )
+        listed = [m for m in plan.modules if m is not None]
         if needs_materializing(self.units, listed):
             materialize(self.units, listed, config.param_init_fn, self.all_ranks or self.dp)
+        self._install(plan.modules, params, over)
+
+    def _install(self, modules: list[nn.Module | None], params: list[torch.Tensor], over: bool) -> None:
+        """The schedule's hooks, gradient tracking, the model's state-dict hooks, and who averages
+        the gradients instead of us: DDP (`wrappers`) or FSDP2 (`fsdp_shards`)."""
+        config = self.config
         self.schedule = Schedule(
-            self.units, modules, reshard_after_forward=config.reshard_after_forward,
-            backward_prefetch=config.backward_prefetch, on_grad=self._on_grad, enclosing=self._listed,
-        )  # fmt: skip
-        self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, labels)
+            self.units,
+            modules,
+            reshard_after_forward=config.reshard_after_forward,
+            backward_prefetch=config.backward_prefetch,
+            on_grad=self._on_grad,
+            enclosing=self._listed,
+        )
+        self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, self.labels)
         self.model_state = ModelState(self.units, modules)
         self._reduced = False  # the gradients of this step are reduced (until step() or zero_grad)
         claim([p for u in self.units if u.sharded for p in u.params], self)
-        # who averages the gradients instead of us: DDP (`wrappers`) or FSDP2 (`fsdp_shards`)
         self.wrapper: DDPGrads | FsdpGrads | None = None
         if over:
             self.schedule.remove()
-            self.wrapper = FsdpGrads.of(self.units, self.tracker, params, self.dp, labels)
+            self.wrapper = FsdpGrads.of(self.units, self.tracker, params, self.dp, self.labels)
         watch(self)
 
     def under_ddp(self, ddp: nn.Module) -> None:
@@ -177,50 +139,6 @@ class Runtime:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.tracker.mark(p)
-
-    # --- planning ----------------------------------------------------------------------------
-
-    def _plan(self, params: list[torch.Tensor], over: bool):
-        """Which parameters (by index) form each unit, each unit's module (or None), and a
-        name for each parameter (`over` FSDP2's shards, a large one alone: `own_unit`)."""
-        shard_modules = self.config.shard_modules
-        if shard_modules is not None:
-            unit_of, listed, names = assign_units(params, shard_modules)
-            self._listed = listed
-            order = sorted(set(unit_of), key=unit_of.index)  # by first parameter: model order
-            self.root = outermost(listed)
-            members = [[i for i, u in enumerate(unit_of) if u == k] for k in order]
-            return members, [listed[k] for k in order], names
-        for p in params:
-            if p.is_meta:
-                raise ValueError(
-                    f"parameter {self.labels[id(p)]} is on the meta device; building a model there needs "
-                    "shard_modules, whose modules' reset_parameters() initialise it"
-                )
-        self.root, self._listed = None, []
-        # a bucket per param group too: groups keep different state (Muon's momentum, AdamW's two
-        # moments), and each bucket's layout gives every rank 1/W of its elements, so of its state
-        group = {id(p): gi for gi, g in enumerate(self._groups) for p in g["params"]}
-        keys = [i if over and own_unit(p) else (p.dtype, p.device, group[id(p)])
-                for i, p in enumerate(params)]  # fmt: skip
-        members = bucket_indices([local_numel(p) for p in params], keys, self.config.bucket_cap_numel)
-        return members, [None] * len(members), {i: self.labels[id(p)] for i, p in enumerate(params)}
-
-    def _label(self, p: torch.Tensor, name: str) -> str:
-        """How errors name `p`: its param group's name for it, else its name in the model."""
-        label = self.labels[id(p)]
-        if label.startswith("#") and self.config.shard_modules is not None:
-            return f"'{name}' (shape {tuple(p.shape)})"
-        return label
-
-    def _unit_name(self, k: int, module: nn.Module | None) -> str:
-        if module is None:
-            return f"bucket{k}"
-        if self.root is not None and module is not self.root:
-            for name, m in self.root.named_modules():
-                if m is module:
-                    return name
-        return f"{type(module).__name__}[{k}]"
 
     # --- gradients ------------------------------------------------------------------------
 
@@ -243,9 +161,13 @@ class Runtime:
             else:
                 self.schedule.finish()
                 self.tracker.reattach()
-            pending = self.tracker.agree(self._check(), hyper_digest(self._groups),
-                                         lambda: hyper_mismatch(self._groups, self.dp),
-                                         nonfinite=self.config.skip_nonfinite, tp=self.tp)  # fmt: skip
+            pending = self.tracker.agree(
+                self._check(),
+                hyper_digest(self._groups),
+                lambda: hyper_mismatch(self._groups, self.dp),
+                nonfinite=self.config.skip_nonfinite,
+                tp=self.tensor_parallel.groups,
+            )
             self.schedule.drain(pending)
         self._reduced = True
         return sum(u.grads.sent_bytes for u in self.units) - sent_before
@@ -266,7 +188,7 @@ class Runtime:
     def any_nonfinite(self) -> bool:
         """Whether the reduced gradients hold inf or NaN on some rank (under TP: on every TP
         rank alike); with `skip_nonfinite` the step's agreement carried it (no read of its own)."""
-        return self.tracker.any_nonfinite(self.tp)
+        return self.tracker.any_nonfinite(self.tensor_parallel.groups)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -286,23 +208,25 @@ class Runtime:
                 u.grads.keep_unsynced(False)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards (see
         the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [u.grads.shard for u in self.units if u.grads.shard_bytes and not u.grads.borrowed]
         inf, op = math.isinf(norm_type), "max" if math.isinf(norm_type) else "sum"
+        tp = self.tensor_parallel.group
         # summed in float64, so that how parameters are grouped into units does not round it;
         # under TP [replicated, TP-sharded] parts: the second summed over TP too, the first once
         if isinstance(self.wrapper, FsdpGrads):  # over the world, each element counted once
             all_reduce_(total := self.wrapper.norm_parts(norm_type, self.device), self.dp, op)
         else:
-            total = tp_norm_parts(self.units, norm_type, self.device, bool(self.tp))
+            total = tp_norm_parts(self.units, norm_type, self.device, tp is not None)
             all_reduce_(total, self.comm, op, what="clip_grad_norm_'s total norm")
-        if self.tp:
-            all_reduce_(total[1:], self.tp[0], op, what="clip_grad_norm_'s norm over tensor parallelism")
+        if tp is not None:
+            all_reduce_(total[1:], tp, op, what="clip_grad_norm_'s norm over tensor parallelism")
         total = total.max() if inf else total.sum()
         total = (total if inf else total ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
@@ -399,8 +323,9 @@ class Runtime:
         if root is None:
             raise ValueError("pass the model: without shard_modules the optimizer does not know it")
         if to_rank is not None and not (isinstance(to_rank, int) and 0 <= to_rank < self.comm.world_size):
-            raise ValueError(f"to_rank must be a rank of the shard group, 0..{self.comm.world_size - 1}; "
-                             f"got {to_rank!r}")  # fmt: skip
+            raise ValueError(
+                f"to_rank must be a rank of the shard group, 0..{self.comm.world_size - 1}; got {to_rank!r}"
+            )
         with self.model_state.to_rank(to_rank):
             return root.state_dict()
 

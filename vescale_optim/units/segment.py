@@ -35,7 +35,7 @@ FROZEN = "frozen"  # the tier of parameters frozen at construction: no state, no
 class StateSpec:
     """One element-wise state tensor an optimizer keeps per segment, under torch's name.
     `stored_as_sqrt`: a tier that quantizes keeps `sqrt(x)` instead of `x` (second moments:
-    the 8-bit AdamW kernel's form, finer near zero); decoded it is `x` again."""
+    the form the 8-bit update kernel keeps, finer near zero); decoded it is `x` again."""
 
     name: str
     stored_as_sqrt: bool = False
@@ -48,13 +48,15 @@ class StateCodec(Protocol):
 
     exact: bool
 
-    def allocate(self, specs: Sequence[StateSpec], n: int, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]: ...  # fmt: skip
+    def allocate(
+        self, specs: Sequence[StateSpec], n: int, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]: ...
 
     def decode(self, state: dict[str, torch.Tensor], spec: StateSpec) -> torch.Tensor: ...
 
-    def decode_range(self, state: dict[str, torch.Tensor], spec: StateSpec, start: int,
-                     stop: int) -> torch.Tensor: ...  # fmt: skip
+    def decode_range(
+        self, state: dict[str, torch.Tensor], spec: StateSpec, start: int, stop: int
+    ) -> torch.Tensor: ...
 
     def encode_(self, state: dict[str, torch.Tensor], spec: StateSpec, x: torch.Tensor) -> None: ...
 

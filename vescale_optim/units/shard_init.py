@@ -46,6 +46,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import cuda_draw
+from .op_names import names
 from .tensor_parallel import is_dtensor
 
 #: The CPU draw's chunk, in elements (a multiple of 16): its scratch buffer holds at most twice this.
@@ -54,30 +55,31 @@ CHUNK = 1 << 16
 # torch.nn.init functions that hand a tensor argument's class the call itself: they run as they
 # are, and the writes in their bodies reach the stand-in's own methods.
 _INIT_ENTRIES = {f"torch.nn.init.{n}" for n in ("uniform_", "normal_", "constant_", "kaiming_uniform_")}
-_METADATA = {
-    "dim", "ndimension", "size", "numel", "nelement", "stride", "is_contiguous", "is_floating_point",
-    "is_complex", "element_size", "__hash__", "__len__", *(f"{n}.__get__" for n in (
-        "shape", "ndim", "dtype", "layout", "requires_grad", "grad_fn", "grad", "is_leaf")),
-}  # fmt: skip
-_VIEWS = {
-    "__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "select",
-    "narrow", "transpose", "t", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "unbind",
-    "split", "chunk", "T.__get__", "mT.__get__",
-}  # fmt: skip
+_METADATA = names(
+    "dim ndimension size numel nelement stride is_contiguous is_floating_point is_complex element_size"
+    " __hash__ __len__ shape.__get__ ndim.__get__ dtype.__get__ layout.__get__ requires_grad.__get__"
+    " grad_fn.__get__ grad.__get__ is_leaf.__get__"
+)
+_VIEWS = names(
+    "__getitem__ view view_as reshape reshape_as flatten unflatten select narrow transpose t permute"
+    " unsqueeze squeeze expand expand_as unbind split chunk T.__get__ mT.__get__"
+)
 _ALIASES = {"data.__get__", "detach"}  # the whole tensor itself: writable as the stand-in
 _RANDOM = {"uniform_", "normal_"}
 _DEFINING = {"fill_", "zero_", "copy_"}
-_ELEMENTWISE = {
-    "mul_", "div_", "add_", "sub_", "clamp_", "clamp_min_", "clamp_max_", "clip_", "neg_", "abs_",
-    "sqrt_", "erfinv_", "floor_", "ceil_", "trunc_", "round_", "masked_fill_",
-}  # fmt: skip
+_ELEMENTWISE = names(
+    "mul_ div_ add_ sub_ clamp_ clamp_min_ clamp_max_ clip_ neg_ abs_ sqrt_ erfinv_ floor_ ceil_ trunc_"
+    " round_ masked_fill_"
+)
 _WRITES = _RANDOM | _DEFINING | _ELEMENTWISE
 _OPERATORS = {"__imul__": "mul_", "__iadd__": "add_", "__isub__": "sub_", "__itruediv__": "div_"}  # w *= s
 # comparisons with a number, answered from the whole's (minimum, maximum): which one, and how
 _COMPARE = {
-    **{n: (0, torch.lt) for n in ("__lt__", "lt")}, **{n: (0, torch.le) for n in ("__le__", "le")},
-    **{n: (1, torch.gt) for n in ("__gt__", "gt")}, **{n: (1, torch.ge) for n in ("__ge__", "ge")},
-}  # fmt: skip
+    **dict.fromkeys(("__lt__", "lt"), (0, torch.lt)),
+    **dict.fromkeys(("__le__", "le"), (0, torch.le)),
+    **dict.fromkeys(("__gt__", "gt"), (1, torch.gt)),
+    **dict.fromkeys(("__ge__", "ge"), (1, torch.ge)),
+}
 
 
 class NeedsWhole(Exception):
@@ -135,9 +137,17 @@ class ShardTarget:
     tensor of `shape`; `shard` None draws what the whole tensor would and keeps nothing (a
     parameter initialised before, by a module sharing it)."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, origin: tuple[int, ...],
-                 shard: torch.Tensor | None, attempt: Attempt, chunk: int | None = CHUNK,
-                 cuda_chunk_bytes: int | None = cuda_draw.CHUNK_BYTES):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        origin: tuple[int, ...],
+        shard: torch.Tensor | None,
+        attempt: Attempt,
+        chunk: int | None = CHUNK,
+        cuda_chunk_bytes: int | None = cuda_draw.CHUNK_BYTES,
+    ):
         self.name, self.shape, self.dtype, self.origin = name, tuple(shape), dtype, tuple(origin)
         self.shard, self.attempt = shard, attempt
         self.device = attempt.device
@@ -178,8 +188,9 @@ class ShardTarget:
         if n == 0:
             return
         if self.cuda_chunk_bytes is not None:  # only the shard's chunks, where proven (`cuda_draw`)
-            bounds = cuda_draw.shard_sized(name, args, kwargs, n, self.dtype, self.device, self.meets,
-                                           self.keep, self.cuda_chunk_bytes)  # fmt: skip
+            bounds = cuda_draw.shard_sized(
+                name, args, kwargs, n, self.dtype, self.device, self.meets, self.keep, self.cuda_chunk_bytes
+            )
             if bounds is not None:
                 self.bounds = bounds
                 return
@@ -230,8 +241,14 @@ def flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> Iterator[tuple[
             yield (end_full, *o), (1, *s)
 
 
-def keep(part: torch.Tensor, start: int, stop: int, shape: tuple[int, ...], origin: tuple[int, ...],
-         shard: torch.Tensor) -> None:  # fmt: skip
+def keep(
+    part: torch.Tensor,
+    start: int,
+    stop: int,
+    shape: tuple[int, ...],
+    origin: tuple[int, ...],
+    shard: torch.Tensor,
+) -> None:
     """Copy the elements of `part` (the whole tensor's flat `[start, stop)`) that fall in the box
     at `origin` of `shard`'s shape into `shard`."""
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]

@@ -41,25 +41,23 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.overrides import resolve_name
 
+from .op_names import tensor_attrs
+
 _T = torch.Tensor
-_METADATA = {
-    _T.size, _T.dim, _T.numel, _T.nelement, _T.shape.__get__, _T.ndim.__get__, _T.dtype.__get__,
-    _T.device.__get__, _T.layout.__get__, _T.requires_grad.__get__, _T.requires_grad.__set__,
-    _T.requires_grad_, _T.grad.__get__, _T.grad.__set__, _T.grad.__delete__, _T.grad_fn.__get__,
-    _T.is_leaf.__get__, _T.is_sparse.__get__, _T.is_floating_point, _T.is_complex, _T.data_ptr,
-    _T.element_size, _T.stride, _T.is_contiguous, _T.storage_offset, _T.get_device,
-    _T.is_cuda.__get__, _T.is_cpu.__get__, _T.is_meta.__get__, _T.is_quantized.__get__,
-    _T.is_nested.__get__, _T.is_mkldnn.__get__, _T.itemsize.__get__, _T.nbytes.__get__,
-    _T.data.__set__, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.untyped_storage,
-    _T._version.__get__, _T.output_nr.__get__, _T.is_inference,
-}  # fmt: skip
+_METADATA = tensor_attrs(
+    "size dim numel nelement shape.__get__ ndim.__get__ dtype.__get__ device.__get__ layout.__get__"
+    " requires_grad.__get__ requires_grad.__set__ requires_grad_ grad.__get__ grad.__set__"
+    " grad.__delete__ grad_fn.__get__ is_leaf.__get__ is_sparse.__get__ is_floating_point is_complex"
+    " data_ptr element_size stride is_contiguous storage_offset get_device is_cuda.__get__"
+    " is_cpu.__get__ is_meta.__get__ is_quantized.__get__ is_nested.__get__ is_mkldnn.__get__"
+    " itemsize.__get__ nbytes.__get__ data.__set__ register_hook register_post_accumulate_grad_hook"
+    " untyped_storage _version.__get__ output_nr.__get__ is_inference"
+)
 # torch's own checks, by name (not private attributes of ours to import): `nn.Module._apply`'s
 _METADATA_NAMES = {"_has_compatible_shallow_copy_type"}
 # a new tensor shaped like the parameter (an EMA's zeros, a gradient set by hand): no value read
-_LIKE = {
-    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
-    torch.randint_like, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
-}  # fmt: skip
+_LIKE = {getattr(torch, f"{k}_like") for k in ("empty", "zeros", "ones", "full", "rand", "randn", "randint")}
+_LIKE |= tensor_attrs("new_empty new_zeros new_ones new_full")
 _CASTS = {_T.to, _T.type, _T.float, _T.double, _T.half, _T.bfloat16, _T.cpu, _T.cuda}
 _DESCRIBE = {_T.__repr__, _T.__format__}
 
@@ -180,8 +178,11 @@ def _refusing(name: str):
 
 # DTensor methods that reach the local tensor without a torch function: `to_local()` gives a
 # stand-in, the collectives over the values are refused (a DTensor is known by its attributes)
-_DTENSOR = {"to_local": _local_stand_in, "full_tensor": _refusing("full_tensor"),
-            "redistribute": _refusing("redistribute")}  # fmt: skip
+_DTENSOR = {
+    "to_local": _local_stand_in,
+    "full_tensor": _refusing("full_tensor"),
+    "redistribute": _refusing("redistribute"),
+}
 
 _CLASSES: dict[type, type] = {}
 

@@ -35,8 +35,14 @@ class GradTracker:
     """Marks, the per-step agreement and gradient zeroing over `units` and their `segments`;
     `labels` names each parameter (by id) in errors; agreement runs over `world`."""
 
-    def __init__(self, units: Sequence[Unit], segments: Sequence[Segment], schedule: Schedule,
-                 world: Comm, labels: dict[int, str]):  # fmt: skip
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        segments: Sequence[Segment],
+        schedule: Schedule,
+        world: Comm,
+        labels: dict[int, str],
+    ):
         self.units, self.segments, self.schedule = list(units), list(segments), schedule
         self.world, self.labels = world, labels
         self.where = {id(p): (s, i) for s in self.segments for i, p in enumerate(s.params)}
@@ -83,8 +89,14 @@ class GradTracker:
         return None
 
     @torch.no_grad()
-    def agree(self, problem: str | None, digest: int = 0, explain: Callable[[], str] | None = None,
-              nonfinite: bool = False, tp: Sequence[Comm] = ()) -> list[Unit]:  # fmt: skip
+    def agree(
+        self,
+        problem: str | None,
+        digest: int = 0,
+        explain: Callable[[], str] | None = None,
+        nonfinite: bool = False,
+        tp: Sequence[Comm] = (),
+    ) -> list[Unit]:
         """One all-reduce over every rank's marks, unreduced units, a problem flag (this
         rank's, or `problem`, the optimizer's) and the bits of `digest` (a 32-bit hash of what
         must be equal on every rank: the hyperparameters): a parameter steps iff some rank has

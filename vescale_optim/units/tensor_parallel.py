@@ -141,19 +141,6 @@ def dtensor_problem(params: Sequence[torch.Tensor], config, labels: dict[int, st
     return None
 
 
-def refuse_for(owner: str, params: Sequence[torch.Tensor], takes_dtensors: bool) -> None:
-    """An optimizer whose math is not element-wise (`takes_dtensors=False`) refuses DTensor
-    parameters by name: it would need each whole matrix or tile across the TP shards, and
-    orthogonalizing the local shards alone would depend on the TP size."""
-    if takes_dtensors or not any(is_dtensor(p) for p in params):
-        return
-    raise NotImplementedError(
-        f"{owner} does not support DTensor (tensor-parallel) parameters yet: its math needs whole "
-        "matrices or tiles across the TP shards; use vo.AdamW for them, or give this optimizer "
-        "plain (non-DTensor) parameters only"
-    )
-
-
 def tp_groups(params: Sequence[torch.Tensor]) -> list:
     """The process groups over which some parameter of `params` is sharded (one per distinct
     mesh dimension holding a `Shard` placement), for norms summed over tensor parallelism."""

@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import increment_version
 
-from ..kernels import wire
 from ..shard.buffer import FlatBuffer
-from ..shard.collectives import Comm, Handle, all_gather_into_, broadcast_
+from ..shard.collectives import Comm, Handle
 from ..shard.layout import Layout
 from . import stand_in
+from .config import ShardingConfig
 from .fsdp_shards import copy_in, copy_out
-from .grad_buffers import GradBuffers, ring
+from .grad_buffers import GradBuffers
 from .streams import streams_for
 from .tensor_parallel import is_dtensor, local, local_shape, set_data
+from .unit_values import gather_into_full, take_changed, take_initial_values
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -57,69 +59,65 @@ def _device(device: torch.device | str) -> torch.device:
     return device
 
 
-class Unit:
-    """Parameters `params` of one module (or one bucket), planned by `layout`.
+@dataclass(frozen=True)
+class UnitComms:
+    """The groups a unit talks over: `shard`, its layout's ranks (gathers, reduce-scatters);
+    `replicate`, the same shard in other replicas (gradients are averaged over it; None: alone);
+    `dp`, every rank of the mesh (parameters start from its rank 0's; None: `shard`); `reduce`,
+    the group over `shard`'s ranks the gradient reductions run on (`streams.reduction_comm`;
+    None: `shard`)."""
 
-    `sharded=False` keeps the unsharded parameters (ZeRO-2-like): `gather_after_step()`
-    refreshes them, and nothing is freed. `param_dtype` is the dtype of the unsharded
-    parameters (compute and all-gather); `reduce_dtype` that of the reduce-scatter.
-    `labels` name the parameters in errors. `external`: FSDP2 owns the parameters' memory (`fsdp_shards`).
-    `reduce_comm`: the group over `comm`'s ranks the gradient reductions run on (`streams.reduction_comm`)."""
+    shard: Comm
+    replicate: Comm | None = None
+    dp: Comm | None = None
+    reduce: Comm | None = None
+
+
+class Unit:
+    """Parameters `params` of one module (or one bucket), planned by `layout`, over `comms`.
+
+    `config` is the runtime's `ShardingConfig`: not sharded (no `shard_modules`) keeps the
+    unsharded parameters (ZeRO-2-like), `gather_after_step()` refreshes them and nothing is freed;
+    `param_dtype` is the dtype of the unsharded parameters (compute and all-gather), `reduce_dtype`
+    that of the reduce-scatter; `gather_bits` / `reduce_bits` the wire codecs. What is the unit's
+    own: its `index` and `name`, `labels` naming its parameters in errors, and `external`: FSDP2
+    owns the parameters' memory (`fsdp_shards`)."""
 
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
         layout: Layout,
-        comm: Comm,
+        comms: UnitComms,
+        config: ShardingConfig,
         *,
         index: int = 0,
         name: str = "",
-        sharded: bool = True,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-        sync_params: bool = True,
-        replicate: Comm | None = None,
-        dp: Comm | None = None,
         labels: Sequence[str] | None = None,
-        gather_bits: int | None = None,
-        reduce_bits: int | None = None,
-        comm_block: int = 256,
         external: bool = False,
-        reduce_comm: Comm | None = None,
     ):
         if not params:
             raise ValueError(f"unit {name or index} has no parameters")
-        self.params, self.names, self.layout, self.comm = list(params), list(names), layout, comm
+        self.params, self.names, self.layout, self.config = list(params), list(names), layout, config
         self.labels = list(labels or (f"'{n}' (shape {tuple(p.shape)})" for n, p in zip(names, params)))
-        self.replicate = replicate or Comm.alone()  # the same shard in other replicas: gradients are averaged
-        self.reduce_comm = reduce_comm or comm  # `comm`'s ranks: the reductions' own communicator (`streams`)
-        self.dp = dp or comm  # every rank of the mesh: parameters start from its rank 0's
-        self.index, self.name, self.sharded, self.external = index, name, sharded, external
-        self.gather_bits, self.reduce_bits, self.comm_block = gather_bits, reduce_bits, comm_block
+        self.comm = comms.shard
+        self.replicate = comms.replicate or Comm.alone()  # the same shard in other replicas: averaged
+        self.reduce_comm = comms.reduce or comms.shard  # the reductions' own communicator (`streams`)
+        self.dp = comms.dp or comms.shard  # every rank of the mesh: parameters start from its rank 0's
+        self.index, self.name, self.sharded, self.external = index, name, config.sharded, external
         # the wire codecs of the all-gathers and the gradient reductions (None: full precision)
-        self.gather_codec = None if gather_bits is None else wire.codec(gather_bits, comm_block)
-        self.reduce_codec = None if reduce_bits is None else wire.codec(reduce_bits, comm_block)
+        self.gather_codec = config.wire_codec(config.gather_bits)
+        self.reduce_codec = config.wire_codec(config.reduce_bits)
         self.gathered_bytes = 0  # sent by this unit's parameter all-gathers so far (as many received)
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            detail = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params))
-            raise ValueError(
-                f"unit {name or index} mixes parameter dtypes ({detail}); a unit gathers one dtype "
-                "(give it param_dtype, or put the parameters in different units)"
-            )
-        self.orig_dtype = params[0].dtype
-        self._meta = any(p.is_meta for p in params)
-        if device is None:
-            device = comm.device if self._meta else params[0].device
-        self.device = _device(device)
-        self.streams = streams_for(self.device)
-        self.compute_dtype = param_dtype or self.orig_dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
-        self.shard_dtype = shard_dtype_for(self.orig_dtype)
-        self.full = FlatBuffer(layout, [local_shape(p) for p in params], comm.rank, self.compute_dtype,
-                               self.device, allocate=not external)  # fmt: skip
+        self._take_dtypes()
+        self.full = FlatBuffer(
+            layout,
+            [local_shape(p) for p in params],
+            self.comm.rank,
+            self.compute_dtype,
+            self.device,
+            allocate=not external,
+        )
         size = 0 if external else layout.shard_size  # external: FSDP2's local tensor, or a copy (`copy_in`)
         self.shard = torch.zeros(size, dtype=self.shard_dtype, device=self.device)
         self.grads, self.state, self.borrowed = GradBuffers(self), State.GATHERED, False
@@ -127,17 +125,47 @@ class Unit:
         if external:  # `.grad` stays FSDP2's, so no placeholders
             return copy_in(self)
         if not self._meta:
-            self._take_initial_values(sync_params)
-        if not sharded and self.shard_dtype == self.compute_dtype and self.gather_codec is None:
+            take_initial_values(self, config.sync_params)
+        if not self.sharded and self.shard_dtype == self.compute_dtype and self.gather_codec is None:
             self.shard = self.full.local  # the update writes the kept parameters in place
         self._gather: Handle | None = None
         self._held = 0  # `hold()`: kept gathered (inside `opt.gathered()`) until `release()`
+        self._adopt_params()
+        if self.sharded:
+            self.reshard()
+
+    def _take_dtypes(self) -> None:
+        """The dtypes (one for all parameters: refused otherwise, naming them) and the device."""
+        params, dtypes = self.params, {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            detail = ", ".join(f"{n}: {p.dtype}" for n, p in zip(self.names, params))
+            raise ValueError(
+                f"unit {self.name or self.index} mixes parameter dtypes ({detail}); a unit gathers one dtype "
+                "(give it param_dtype, or put the parameters in different units)"
+            )
+        self.orig_dtype = params[0].dtype
+        self._meta = any(p.is_meta for p in params)
+        device = self.config.device
+        if device is None:
+            device = self.comm.device if self._meta else params[0].device
+        self.device = _device(device)
+        self.streams = streams_for(self.device)
+        self.compute_dtype = self.config.param_dtype or self.orig_dtype
+        self.reduce_dtype = self.config.reduce_dtype or self.compute_dtype
+        self.shard_dtype = shard_dtype_for(self.orig_dtype)
+
+    def _adopt_params(self) -> None:
+        """Every parameter's values become a view of `full` (its `.grad` taken into the gradient
+        buffer first), its `.grad` the unit's placeholder once reduced; a sharded unit's become
+        stand-ins between uses (`stand_in`)."""
         with torch.no_grad():
-            for i, p in enumerate(params):
+            for i, p in enumerate(self.params):
                 grad = local(p.grad)
                 if p.is_meta and not is_dtensor(p):  # a real parameter in its place (the same object)
-                    real = torch.nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
-                                              requires_grad=p.requires_grad)  # fmt: skip
+                    real = torch.nn.Parameter(
+                        torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                        requires_grad=p.requires_grad,
+                    )
                     real.data = self.full.view(i)  # its own version counter, as for `.data` below
                     torch.utils.swap_tensors(p, real)
                 else:
@@ -146,46 +174,20 @@ class Unit:
                 if grad is not None:
                     self.grads.take(i, grad)
         self.grads.make_placeholders()
-        self.views = [self.full.view(i) for i in range(len(params))]  # each `.data` while gathered
+        self.views = [self.full.view(i) for i in range(len(self.params))]  # each `.data` while gathered
         # a DTensor's local tensor stays a view of `full` for good: `free()` and `allocate()` keep
         # the storage object, so it is the gathered buffer whenever the unit is gathered
-        if sharded:
-            for p, label in zip(params, self.labels):
+        if self.sharded:
+            for p, label in zip(self.params, self.labels):
                 stand_in.register(p, label)
         # each `.data` between uses: a scalar of its own, never read (see `stand_in`)
         scalar = lambda: torch.full((), float("nan"), dtype=self.compute_dtype, device=self.device)  # noqa: E731
-        self.stand_ins = [scalar().expand(local_shape(p)) for p in params]
-        if sharded:
-            self.reshard()
+        self.stand_ins = [scalar().expand(local_shape(p)) for p in self.params]
 
     @property
     def meta(self) -> bool:
         """Whether the parameters still wait to be initialised (built on the meta device)."""
         return self._meta
-
-    def _take_initial_values(self, sync_params: bool) -> None:
-        """The shard from the parameters' current values (rank 0's with `sync_params`), and
-        the whole parameters of an unsharded unit."""
-        s, rank = self.layout.shard_size, self.comm.rank
-        if sync_params and self.dp.active:
-            staged = torch.zeros(self.layout.numel, dtype=self.shard_dtype, device=self.device)
-            for i, p in enumerate(self.params):
-                start = self.layout.offsets[i]
-                value = local(p).detach()
-                staged[start : start + value.numel()].copy_(value.reshape(-1))
-            broadcast_(staged, 0, self.dp, what=f"unit {self.name}'s initial parameters")
-            self.shard.copy_(staged[rank * s : (rank + 1) * s])
-            # a finished broadcast's work can outlive wait() and keep `staged` (seen on gloo): free it now
-            staged.untyped_storage().resize_(0)
-        else:
-            for i, p in enumerate(self.params):
-                self.write_piece(i, local(p).detach())
-        if not self.sharded:  # keep whole parameters: rank 0's (gathered) or this rank's own
-            if sync_params or self.gather_codec is not None:
-                self._gather_into_full(async_op=False)
-            else:
-                for i, p in enumerate(self.params):
-                    self.full.view(i).copy_(local(p).detach())
 
     # --- parameters ------------------------------------------------------------------
 
@@ -196,7 +198,7 @@ class Unit:
             return
         with torch.profiler.record_function(f"vescale::unshard[{self.name}]"):
             self.full.allocate()
-            self._gather = self._gather_into_full(async_op=True)
+            self._gather = gather_into_full(self, async_op=True)
             self.state = State.GATHERING
         if not async_op:
             self.wait_unshard()
@@ -235,7 +237,7 @@ class Unit:
         if self.state is State.RESHARDED:
             return
         self.wait_unshard()
-        self._gather_into_full(async_op=False)
+        gather_into_full(self, async_op=False)
 
     def adopt_full(self) -> None:
         """`full` holds the parameters' values (written by their modules' initialisation): keep
@@ -310,36 +312,7 @@ class Unit:
         if self.external:
             return copy_out(self)
         with torch.profiler.record_function(f"vescale::gather_params[{self.name}]"):
-            return self._gather_into_full(async_op)
-
-    def _gather_into_full(self, async_op: bool) -> Handle:
-        """Every rank's shard into `full`: in the compute dtype, or through the gather codec
-        (`gather_bits`: packed on the compute stream, one all-gather of the bytes, then
-        decoded into `full` when waited for; see `kernels.wire`)."""
-        world, s, what = self.comm.world_size, self.layout.shard_size, f"unit {self.name}'s parameters"
-        codec = self.gather_codec
-        if codec is None:
-            self.gathered_bytes += ring(world, s * self.full.data.element_size())
-            with self.streams.gathering():  # issued there; a blocking wait belongs to the compute stream
-                handle = all_gather_into_(self.full.data, self.shard, self.comm, async_op=True, what=what)
-            if not async_op:
-                handle.wait()
-            return handle
-        rank = self.comm.rank
-        rows = torch.empty(world, codec.packed_width(s), dtype=torch.uint8, device=self.device)
-        codec.pack(self.shard, 1, out=rows[rank])
-        self.gathered_bytes += ring(world, rows.shape[1])
-        with self.streams.gathering():
-            gathered = all_gather_into_(rows.view(-1), rows[rank], self.comm, async_op=True, what=what)
-
-        def decode() -> None:
-            codec.unpack(rows, self.compute_dtype, out=self.full.data)  # straight in
-            rows.untyped_storage().resize_(0)
-
-        handle = gathered.then(decode)
-        if not async_op:
-            handle.wait()
-        return handle
+            return gather_into_full(self, async_op)
 
     def write_piece(self, i: int, value: torch.Tensor) -> None:
         """Write this rank's piece of `value` (parameter `i`'s full tensor) into the shard."""
@@ -374,7 +347,7 @@ class Unit:
                 view.copy_(local(p).detach())
                 set_data(p, view)
         if self.shard.data_ptr() != self.full.local.data_ptr():
-            self._take_changed()
+            take_changed(self)
 
     def bump_versions(self) -> None:
         """The parameters' values changed outside autograd (a step, a write-back): a graph
@@ -392,18 +365,7 @@ class Unit:
             return copy_in(self)
         if self.sharded or self.shard.data_ptr() == self.full.local.data_ptr():
             return
-        self._take_changed()
-
-    def _take_changed(self) -> None:
-        """Where this rank's slice of `full` differs from the shard as gathered, take it."""
-        local = self.full.local
-        codec = self.gather_codec
-        if codec is not None:  # the kept parameters are the shard through the gather codec
-            kept = codec.unpack(codec.pack(self.shard), local.dtype)
-        else:
-            kept = self.shard.to(local.dtype)
-        stale = kept != local
-        torch.where(stale, local.to(self.shard.dtype), self.shard, out=self.shard)
+        take_changed(self)
 
     # --- accounting ------------------------------------------------------------------
 

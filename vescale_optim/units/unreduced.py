@@ -105,8 +105,9 @@ class Unreduced(torch.Tensor):
     _items: list[_Term | torch.Tensor]
 
     @staticmethod
-    def _of(items: list[_Term | torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
-            device: torch.device) -> Unreduced:  # fmt: skip
+    def _of(
+        items: list[_Term | torch.Tensor], shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> Unreduced:
         out = _shell(Unreduced, shape, dtype, device)
         out._items = items
         return out
@@ -189,8 +190,9 @@ def _partial_cast(self: Unreduced, func, args, kwargs) -> Unreduced:
 
 def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> Unreduced | None:
     """`torch.stack` of 0-dim values some of which are partial, kept partial (else None)."""
-    if dim != 0 or not tensors or any(t.dim() != 0 or type(t) not in (Unreduced, torch.Tensor)
-                                      for t in tensors):  # fmt: skip
+    if dim != 0 or not tensors:
+        return None
+    if any(t.dim() != 0 or type(t) not in (Unreduced, torch.Tensor) for t in tensors):
         return None
     first = tensors[0]
     items: list[_Term | torch.Tensor] = []
@@ -231,8 +233,11 @@ def _norm(self: Pieces, ord_: Any = 2, dtype: torch.dtype | None = None) -> Unre
             return r.to(out_dtype)
     else:
         op = "sum"
-        local = (torch.linalg.vector_norm(x, p, dtype=acc).to(torch.float64) ** p if x.numel()
-                 else torch.zeros((), dtype=torch.float64, device=x.device))  # fmt: skip
+        local = (
+            torch.linalg.vector_norm(x, p, dtype=acc).to(torch.float64) ** p
+            if x.numel()
+            else torch.zeros((), dtype=torch.float64, device=x.device)
+        )
 
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.pow(1.0 / p).to(out_dtype)
@@ -266,16 +271,22 @@ def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Unreduced:
     elif kind in ("max", "min"):
         out_dtype = self.dtype
         fill = -math.inf if kind == "max" else math.inf
-        local = (x.amax() if kind == "max" else x.amin()).to(f64) if not empty else torch.full(
-            (), fill, dtype=f64, device=x.device)  # fmt: skip
+        local = (
+            (x.amax() if kind == "max" else x.amin()).to(f64)
+            if not empty
+            else torch.full((), fill, dtype=f64, device=x.device)
+        )
         op = kind
 
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.to(out_dtype)
     elif kind in ("all", "any"):
         out_dtype = torch.bool
-        local = (x.all() if kind == "all" else x.any()).to(f64) if not empty else torch.full(
-            (), 1.0 if kind == "all" else 0.0, dtype=f64, device=x.device)  # fmt: skip
+        local = (
+            (x.all() if kind == "all" else x.any()).to(f64)
+            if not empty
+            else torch.full((), 1.0 if kind == "all" else 0.0, dtype=f64, device=x.device)
+        )
         op = "min" if kind == "all" else "max"
 
         def finish(r: torch.Tensor) -> torch.Tensor:
@@ -287,8 +298,9 @@ def _reduction(self: Pieces, kind: str, func, args, kwargs) -> Unreduced:
         def finish(r: torch.Tensor) -> torch.Tensor:
             return r.to(out_dtype)
 
-    return Unreduced._of([_Term(local.reshape(()), op, self._comm, finish, self._across)], shape, out_dtype,
-                       self.device)  # fmt: skip
+    return Unreduced._of(
+        [_Term(local.reshape(()), op, self._comm, finish, self._across)], shape, out_dtype, self.device
+    )
 
 
 def _norm_call(func, args, kwargs) -> Unreduced:

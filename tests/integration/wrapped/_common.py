@@ -1,5 +1,6 @@
-"""What the wrapped-framework launch scripts share: the tiny model and its data, the optimizers
-compared (the library's and torch's, built the same way), and rank 0's result file."""
+"""What the wrapped-framework launch scripts share (and test_frameworks.py, which imports this as
+`wrapped._common`): the tiny model and its data, the optimizers compared (the library's and torch's,
+built the same way), and rank 0's result file."""
 
 from __future__ import annotations
 
@@ -30,6 +31,54 @@ def net() -> nn.Module:
 
 def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out - y).square().mean() * 50  # large: clipping at 0.5 acts
+
+
+class TrainerModel(nn.Module):
+    """`net()` as HF `Trainer` expects a model: keyword inputs, a dict with the loss (test_frameworks.py
+    trains it in one process, hf_trainer.py on two ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return {"loss": loss(out, labels), "logits": out}
+
+
+def lightning_module(opt: str):
+    """`net()` as a Lightning module: `loss` its training step, `optimizers(opt, module)` its
+    optimizer (test_frameworks.py trains it in one process, lightning_ddp.py on two ranks). Lightning
+    is imported here, when asked for: the other scripts run without it."""
+    import lightning as L
+
+    class NetModule(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            (optimizer,) = optimizers(opt, self)
+            return optimizer
+
+    return NetModule()
+
+
+class Rows(torch.utils.data.Dataset):
+    """The rows of inputs `x` and targets `y` as Trainer reads them: `{"x": ..., "labels": ...}`."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i]}
 
 
 def optimizers(kind: str, model: nn.Module) -> list[torch.optim.Optimizer]:

@@ -13,31 +13,7 @@ import tempfile
 
 import torch
 import transformers
-from _common import BATCH, STEPS, data, leave, loss, net, optimizers, parser, save
-from torch import nn
-
-
-class Model(nn.Module):
-    """What Trainer expects of a model: keyword inputs, a dict with the loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = net()
-
-    def forward(self, x, labels=None):
-        out = self.net(x)
-        return {"loss": loss(out, labels), "logits": out}
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self):
-        self.x, self.y = data()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"x": self.x[i], "labels": self.y[i]}
+from _common import BATCH, STEPS, Rows, TrainerModel, data, leave, optimizers, parser, save
 
 
 def main() -> None:
@@ -48,17 +24,28 @@ def main() -> None:
 
     def arguments() -> transformers.TrainingArguments:  # under torchrun this creates the process group
         return transformers.TrainingArguments(
-            output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=BATCH, max_grad_norm=0.5,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-            seed=0, data_seed=0, disable_tqdm=True,
-        )  # fmt: skip
+            output_dir=out_dir,
+            max_steps=STEPS,
+            per_device_train_batch_size=BATCH,
+            max_grad_norm=0.5,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+            data_seed=0,
+            disable_tqdm=True,
+        )
 
     args = arguments() if a.built == "after" else None
-    model = Model()
+    model = TrainerModel()
     (opt,) = optimizers(a.opt, model)
     args = args or arguments()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(opt, sched))
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(*data()), optimizers=(opt, sched)
+    )
     assert trainer.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED
     trainer.train()
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]

@@ -10,23 +10,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from _common import BATCH, STEPS, data, leave, loss, net, optimizers, parser, save
+from _common import BATCH, STEPS, data, leave, lightning_module, parser, save
 from lightning.pytorch.strategies import DDPStrategy
-
-
-class Module(L.LightningModule):
-    def __init__(self, opt: str):
-        super().__init__()
-        self.opt = opt
-        self.net = net()
-
-    def training_step(self, batch, i):
-        x, y = batch
-        return loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        (opt,) = optimizers(self.opt, self)
-        return opt
 
 
 def main() -> None:
@@ -35,11 +20,19 @@ def main() -> None:
     a = p.parse_args()
     strategy = DDPStrategy(gradient_as_bucket_view=True) if a.wrap == "bucket_view" else "ddp"
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data()), batch_size=BATCH)
-    module = Module(a.opt)  # Lightning gives each rank its own rows: a DistributedSampler, unshuffled
+    # Lightning gives each rank its own rows: a DistributedSampler, unshuffled
+    module = lightning_module(a.opt)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, gradient_clip_val=0.5, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader)
     assert trainer.world_size == 2 and trainer.global_step == STEPS, (trainer.world_size, trainer.global_step)
     save(a.out, [q.detach() for q in module.parameters()], opt=trainer.optimizers[0])
