@@ -65,7 +65,7 @@ def _dcp_save(path, steps, manager=False):
         vo.CheckpointManager(path, model, opt).save(steps)
     else:
         dcp.save(
-            {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()},
+            {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)},
             checkpoint_id=path,
         )
     dist.barrier()
@@ -77,10 +77,10 @@ def _dcp_resume(path, steps, manager=False):
     if manager:
         assert vo.CheckpointManager(path, model, opt).load().step == steps.start
     else:
-        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict()}
+        pieces = {"model": opt.sharded_model_state_dict(model), "optim": opt.sharded_state_dict(model)}
         dcp.load(pieces, checkpoint_id=path)
         opt.load_sharded_model_state_dict(pieces["model"])
-        opt.load_sharded_state_dict(pieces["optim"])
+        opt.load_sharded_state_dict(pieces["optim"], model)
     loaded = opt.state_dict()
     train(model, opt, steps)
     return _values(model), loaded
