@@ -217,3 +217,16 @@ def test_parameters_without_a_gradient_take_no_step(world, world_size):
             torch.testing.assert_close(a, b.detach(), **TOL)
         for pos, i in enumerate(order(MIXED)):
             assert float(sd["state"][pos]["step"]) == ref.state[params[i]]["step"], i
+
+
+def test_torchs_get_and_set_optimizer_state_dict_round_trip():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model, opt = build()
+    train(model, opt, range(3))
+    before = opt.state_dict()
+    saved = get_optimizer_state_dict(model, opt)  # keyed by parameter name: the lists ride along
+    assert set(saved["state"]["blocks.0.w"]) >= {"GG", "Q", "exp_avg", "exp_avg_sq", "step"}
+    fresh_model, fresh = build()
+    set_optimizer_state_dict(fresh_model, fresh, saved)
+    assert_same_state(before, fresh.state_dict())

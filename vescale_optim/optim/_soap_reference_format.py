@@ -11,8 +11,6 @@ either layout into ours (a pre hook of `SOAP.load_state_dict`), so state dicts m
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ._soap_math import Plan, shampoo_beta
@@ -21,16 +19,20 @@ LISTS = ("GG", "Q")
 FROM_GROUP = ("precondition_frequency", "shampoo_beta")
 
 
-def _groups_by_index(state_dict: dict) -> dict[Any, dict]:
-    return {index: g for g in state_dict.get("param_groups", ()) for index in g.get("params", ())}
+def _by_key(state_dict: dict) -> tuple[dict, dict]:
+    """Each state key's position among the parameters (the order the saved param groups list them:
+    indices in ours, names in torch's flattened dicts) and its param group."""
+    groups = state_dict.get("param_groups", ())
+    order = [key for g in groups for key in g.get("params", ())]
+    return {key: i for i, key in enumerate(order)}, {key: g for g in groups for key in g.get("params", ())}
 
 
 def to_reference(state_dict: dict, plans: dict[int, Plan]) -> None:
-    """In place: every entry of `state_dict["state"]` (ours, keyed by parameter index) in the reference's
-    layout."""
-    groups = _groups_by_index(state_dict)
-    for index, entry in state_dict["state"].items():
-        plan, group = plans[index], groups[index]
+    """In place: every entry of `state_dict["state"]` (ours) in the reference's layout; `plans` by the
+    parameter's position in the param groups."""
+    position, groups = _by_key(state_dict)
+    for key, entry in state_dict["state"].items():
+        plan, group = plans[position[key]], groups[key]
         for name in LISTS:
             entry[name] = [
                 entry.pop(f"{name}_{k}") if d is not None else [] for k, d in enumerate(plan.sides)
@@ -48,11 +50,12 @@ def from_reference(state_dict: dict, plans: dict[int, Plan]) -> dict:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         return state_dict  # not a state dict: the load refuses it by name
     state, changed = {}, False
+    position, _ = _by_key(state_dict)
     for index, entry in state_dict["state"].items():
         if not (isinstance(entry, dict) and all(isinstance(entry.get(n), (list, tuple)) for n in LISTS)):
             state[index] = entry
             continue
-        plan, changed = plans.get(index), True
+        plan, changed = plans.get(position.get(index)), True
         out = {k: v for k, v in entry.items() if k not in LISTS + FROM_GROUP}
         for name in LISTS:
             found = entry[name]
