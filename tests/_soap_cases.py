@@ -88,7 +88,7 @@ def groups(params, spec=MIXED, **extra) -> list[dict]:
 
 def build(spec=MIXED, shapes=SHAPES, layout: str = "zero2", **options):
     """The model and `vo.SOAP` over it: `layout` "zero2", "zero3" (each block a unit) or "hsdp" (a
-    2 x W/2 replicate x shard mesh, each block a unit)."""
+    replicate x shard mesh, 2 x W/2 or W x 1, each block a unit)."""
     model = Linear(shapes)
     sharding = {}
     if layout in ("zero3", "hsdp"):
@@ -97,7 +97,9 @@ def build(spec=MIXED, shapes=SHAPES, layout: str = "zero2", **options):
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
-        sharding["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        replicas = 2 if world % 2 == 0 else world  # 2 x W/2, or W replicas of one rank
+        shape = (replicas, world // replicas)
+        sharding["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     params = [b.w for b in model.blocks]
     return model, vo.SOAP(groups(params, spec), **options, **sharding)
 

@@ -187,7 +187,10 @@ def test_any_shapes_and_options_give_the_same_bits_on_three_ranks(world, case):
         assert_same_state(one["state"], res["state"])
 
 
-@pytest.mark.parametrize("layout, world_size", [("zero3", 3), ("hsdp", 4)])
+@pytest.mark.parametrize(
+    "layout, world_size",
+    [("zero3", 2), ("zero3", 3), ("zero3", 5), ("hsdp", 2), ("hsdp", 3), ("hsdp", 4), ("hsdp", 5)],
+)
 def test_zero3_and_hsdp_equal_one_process_bit_for_bit(world, layout, world_size):
     one = world(1).run(run)[0]
     for res in world(world_size).run(run, layout=layout):
