@@ -7,7 +7,7 @@ vo.AdamW, vo.Muon or vo.Shampoo per stage, checkpoints that resume at another pi
 
 The ranks form a (pp, dp) device mesh. Each pipeline stage is built the torchtitan way: the
 whole model with the modules other stages own deleted, so its parameter names stay the whole
-model's (`layers.3.attn.weight` on every layout). Torch's `PipelineStage` and `ScheduleGPipe` or
+model's (`layers.3.qkv.weight` on every layout). Torch's `PipelineStage` and `ScheduleGPipe` or
 `Schedule1F1B` run each step's `--microbatches` micro-batches through the stages; with `--pp 1`
 there is no pipelining and the model runs the micro-batches one by one. Each stage has its own
 optimizer over its data-parallel ranks, `mesh=world["dp"]`, fully sharded (ZeRO-3: a unit per
@@ -182,9 +182,12 @@ def forward_backward(part: Model, schedule, pp_rank: int, pp: int, m: int, x, y)
     if pp_rank == 0:
         schedule.step(x)
         return None
+    if pp_rank < pp - 1:
+        schedule.step()
+        return None
     losses: list[torch.Tensor] = []
-    schedule.step(target=y, losses=losses) if pp_rank == pp - 1 else schedule.step()
-    return torch.stack(losses).mean().detach() if losses else None
+    schedule.step(target=y, losses=losses)  # each micro-batch's loss
+    return torch.stack(losses).mean().detach()
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
