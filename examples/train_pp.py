@@ -245,6 +245,8 @@ def check_layout(args, world_size: int) -> int:
         raise SystemExit(
             f"--batch-size {args.batch_size} does not split into dp {dp} x {args.microbatches} micro-batches"
         )
+    if args.pp > 1 and args.schedule == "1f1b" and args.microbatches < args.pp:
+        raise SystemExit(f"1F1B needs at least --pp {args.pp} micro-batches (or --schedule gpipe)")
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
     return dp
