@@ -3,6 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 WORLD_SIZE ?= 4
 ZERO ?= 3
+OPTIMIZERS ?=
 
 .PHONY: setup test test-fast lint demo bench aot gpu-check clean
 
@@ -28,7 +29,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" tests
 
 demo: setup
-	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE) --zero $(ZERO)
+	$(PY) -m vescale_optim.demo --world-size $(WORLD_SIZE) --zero $(ZERO) $(if $(OPTIMIZERS),--optimizers $(OPTIMIZERS))
 
 bench: setup
 	$(PY) benchmarks/padding.py

@@ -3,18 +3,11 @@ section's here, the others' in `benchmarks._fsdp_sections`."""
 
 from __future__ import annotations
 
-from benchmarks._fsdp_sections import (
-    LOSS_TOL,
-    print_compile,
-    print_hsdp,
-    print_peers,
-    shown,
-    time_note,
-    tolerance,
-)
+from benchmarks._fsdp_sections import print_compile, print_hsdp, print_peers, shown, time_note
 from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import environment, host_line, save_json, table
+from benchmarks._verdict import LOSS_TOL, loss_check
 
 TIME = "config|train ms|train x|step ms|step x|update ms|update x|update % step|fwd ms|bwd ms|zero_grad ms"
 TIME = [*TIME.split("|"), "stand-in ms", "stand-in % fwd", "exposed comm ms", "MB sent", "copies"]
@@ -138,22 +131,6 @@ def report(sections: dict[str, dict], run: dict) -> dict:
             print(f"\n## Peak live bytes per parameter, wide model, by W; load average {load_average()}\n")
             print(table(section["scaling"], SCALING, floatfmt=".4g"))
     return verdict(run, goals, sections)
-
-
-def loss_check(rows: list[dict], tol: float | None = None) -> tuple[bool, list[str]]:
-    """Whether every row lowered its loss and ended within `tol` (relative; default `LOSS_TOL` of
-    its optimizer, the config's last word) of its peer's (`|Δ loss|`), and a note for each that
-    did not."""
-    ok, notes = True, []
-    for r in rows:
-        delta = r.get("|Δ loss|", 0.0)
-        lowered = r["loss after"] < r["loss first"]
-        close = delta <= (tol or tolerance(r["config"])) * max(1.0, abs(r["loss after"]))
-        ok &= lowered and close
-        if not (lowered and close):
-            label = f"{r['model']} {r['config']}" if "model" in r else r["config"]
-            notes.append(f"{label}: lowered {lowered}, |Δ loss| {delta:.2e}")
-    return ok, notes
 
 
 def verdict(run: dict, goals: dict[str, bool], sections: dict[str, dict]) -> dict:

@@ -1,6 +1,6 @@
 """The `peers`, `hsdp` and `compile` sections' tables and goals of `benchmarks/fsdp.py` (see its
-docstring), and what every section's report shares: the columns measured on the device (`shown`),
-the note beside a time table (`time_note`) and the loss tolerances."""
+docstring), and what every section's report shares: the columns measured on the device (`shown`)
+and the note beside a time table (`time_note`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,7 @@ import math
 from benchmarks._fsdp_run import VARIANTS
 from benchmarks._measure import load_average
 from benchmarks._report import FSDP2_ON_CPU, table
-
-# Relative. Muon: Newton-Schulz runs in bf16, and FSDP2's runs on DTensor shards (sums in another
-# order), so the updates differ by bf16 rounding; compiled: inductor fuses and reorders fp32 arithmetic.
-LOSS_TOL = {"AdamW": 1e-4, "Muon": 1e-2, "compiled": 1e-3}
-
-
-def tolerance(config: str) -> float:
-    """The relative `LOSS_TOL` of a configuration: its optimizer's, or a compiled one's."""
-    return LOSS_TOL["compiled" if "compiled" in config.split() else config.split()[-1]]
+from benchmarks._verdict import LOSS_TOL
 
 
 def shown(columns: list[str], rows: list[dict], run: dict) -> list[str]:

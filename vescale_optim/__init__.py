@@ -6,7 +6,7 @@ building blocks (`RaggedShard`, `plan_layout`, `Layout`) are public in `vescale_
 
 from .checkpoint import CheckpointError, CheckpointManager
 from .distributed import init_distributed
-from .optim import AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
+from .optim import SOAP, AdamW, Muon, Shampoo, ShardedOptimizer, muon_param_groups
 from .optim._muon_plan import CostModel, MuonPlan, muon_plan
 from .shard import (
     CollectiveError,
@@ -23,6 +23,7 @@ from .units import (
 from .version import __version__
 
 __all__ = [
+    "SOAP",
     "AdamW",
     "CheckpointError",
     "CheckpointManager",

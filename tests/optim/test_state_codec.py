@@ -100,8 +100,9 @@ def test_each_optimizer_counts_its_own_step_stats_and_all_report_the_same_keys()
     assert vo.AdamW.step_stat_names == ()
     assert vo.Muon.step_stat_names == ("ns_matrices", "ns_flops")
     assert vo.Shampoo.step_stat_names == ("roots",)
-    keys = ["ns_matrices", "ns_flops", "roots", *_step_stats.COMMON]
-    for cls in (vo.AdamW, vo.Muon, vo.Shampoo):
+    assert vo.SOAP.step_stat_names == ("bases", "kept_bases")
+    keys = ["ns_matrices", "ns_flops", "roots", "bases", "kept_bases", *_step_stats.COMMON]
+    for cls in (vo.AdamW, vo.Muon, vo.Shampoo, vo.SOAP):
         assert list(cls([torch.nn.Parameter(torch.randn(8, 8))]).step_stats) == keys
     assert _step_stats.COMMON == ("bytes_sent", "bytes_received", "gather_bytes", "reduce_bytes")
 

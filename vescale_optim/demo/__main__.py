@@ -39,6 +39,7 @@ def _what_runs(add: Callable, d: TrainConfig) -> None:
     add("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     add(
         "--optimizer",
+        "--optimizers",
         metavar="NAME[,NAME...]",
         default=d.optimizer,
         help=f"one of {', '.join(OPTIMIZERS)}, several separated by commas, or 'all'; each trains from the "
@@ -89,7 +90,7 @@ def _training(add: Callable, d: TrainConfig) -> None:
         type=float,
         default=d.lr,
         help="peak LR (default %(default)s: each optimizer's own (adamw 3e-3; muon 0.02 for matrices, 3e-3 "
-        "for the rest; shampoo 3e-3))",
+        "for the rest; shampoo 3e-3; soap 1e-2))",
     )
     add("--warmup", type=int, default=d.warmup, help="linear warmup steps before the cosine")
     add("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip")

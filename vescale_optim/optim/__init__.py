@@ -5,5 +5,6 @@ from .base import ShardedOptimizer
 from .muon import Muon
 from .muon_groups import muon_param_groups
 from .shampoo import Shampoo
+from .soap import SOAP
 
-__all__ = ["AdamW", "Muon", "ShardedOptimizer", "Shampoo", "muon_param_groups"]
+__all__ = ["SOAP", "AdamW", "Muon", "ShardedOptimizer", "Shampoo", "muon_param_groups"]

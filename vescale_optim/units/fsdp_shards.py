@@ -5,7 +5,7 @@ rows, cut `torch.chunk`'s way; HSDP adds a `Replicate` dimension; with tensor pa
 placements of its 2-D mesh) and reduce-scatters the gradients itself, into `.grad` (a DTensor
 of the same placements). The optimizer is then the optimizer over those shards and nothing
 more: its units lay out each parameter's local tensor over this rank alone, its state lives
-beside them, element-wise math runs on them, and math that needs a whole matrix (Muon) brings
+beside them, element-wise math runs on them, and math that needs a whole matrix brings
 each matrix to one balanced owner in the world of the DTensors' mesh and sends every rank its
 piece back (`WholeMoves`). FSDP2 owns the parameters' memory (its all-gathers read it), so a
 unit never re-points it (`Unit(external=True)`): a large local shard gets a unit of its own whose

@@ -22,7 +22,7 @@ def owned_elsewhere(params: Sequence[torch.Tensor], labels: dict[int, str]) -> s
                 f"parameter {labels[id(p)]} is already sharded by another vescale_optim optimizer "
                 "(shard_modules): its unit holds the parameter's values and its hooks stay on the model, "
                 "so a second one would shard a stand-in; give each parameter to one optimizer (param "
-                "groups may differ in lr, weight_decay, use_muon, ...; edit opt.param_groups to change "
+                "groups may differ in their hyperparameters; edit opt.param_groups to change "
                 "them), and to start over build the model anew and load a checkpoint into it"
             )
     return None

@@ -35,7 +35,7 @@ FROZEN = "frozen"  # the tier of parameters frozen at construction: no state, no
 class StateSpec:
     """One element-wise state tensor an optimizer keeps per segment, under torch's name.
     `stored_as_sqrt`: a tier that quantizes keeps `sqrt(x)` instead of `x` (second moments:
-    the 8-bit AdamW kernel's form, finer near zero); decoded it is `x` again."""
+    the form the 8-bit update kernel keeps, finer near zero); decoded it is `x` again."""
 
     name: str
     stored_as_sqrt: bool = False
