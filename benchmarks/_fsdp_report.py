@@ -3,7 +3,7 @@ section's here, the others' in `benchmarks._fsdp_sections`."""
 
 from __future__ import annotations
 
-from benchmarks._fsdp_sections import print_compile, print_hsdp, print_peers, shown, time_note
+from benchmarks._fsdp_sections import print_compile, print_hsdp, print_peers, print_tp, shown, time_note
 from benchmarks._main import print_goals
 from benchmarks._measure import load_average
 from benchmarks._report import environment, host_line, save_json, table
@@ -28,7 +28,10 @@ PEAK_GOAL = {"wide": 0.9, "gpt": 1.0}
 
 
 def shape_words(shape: dict) -> str:
-    """A benchmark GPT's shape and its tokens per rank and step, in words."""
+    """A benchmark model's shape and its tokens per rank and step, in words."""
+    if "tp" in shape:
+        blocks = f"{shape['layers']} blocks of width {shape['dim']}, tp {shape['tp']}"
+        return f"({blocks}), {shape['batch']}x{shape['seq']} per dp rank"
     model = f"vocab {shape['vocab']}, d {shape['d_model']}, {shape['n_layers']} layers"
     return f"({model}), {shape['batch']}x{shape['seq']} tokens/rank/step"
 
@@ -108,6 +111,7 @@ def _print_zero3(mine: list[dict], run: dict) -> dict[str, bool]:
 
 
 PRINT = {"zero3": _print_zero3, "peers": print_peers, "hsdp": print_hsdp, "compile": print_compile}
+PRINT["tp"] = print_tp
 
 
 def report(sections: dict[str, dict], run: dict) -> dict:
@@ -119,7 +123,7 @@ def report(sections: dict[str, dict], run: dict) -> dict:
     for name, section in sections.items():
         for model in dict.fromkeys(r["model"] for r in section["rows"]):
             mine, shape = [r for r in section["rows"] if r["model"] == model], run["shapes"][model]
-            w = run["hsdp_world"] if name == "hsdp" else run["world"]
+            w = run["worlds"][name]
             params = f"{mine[0]['params'] / 1e6:.1f} M params {shape_words(shape)}"
             label = name if model == name else f"{name}, {model}"
             print(f"\n## {label}: {params}, W={w} ({backend});")

@@ -24,10 +24,16 @@ NOT_ON_CUDA += [
 NOT_ON_CUDA += [f"{k} win ms" for k in WINDOWS]
 
 
+# the TP section's: Muon against the full_tensor integration; the TP-alone floor against nothing
+TP_PEER = {"ours Muon": "FSDP2 full_tensor Muon", "TP alone AdamW": None}
+
+
 def peer(config: str, world: int = 4) -> str | None:
     """The configuration a configuration is compared with: FSDP2's HSDP (2 x W/2) for one on a mesh,
     torch's optimizer under the same wrapper for ours inside one (`reference`), else FSDP2 with the
     same optimizer; none for a Muon variant (another algorithm)."""
+    if config in TP_PEER:
+        return TP_PEER[config]
     if set(config.split()) & set(VARIANTS):
         return None
     if config.startswith("ours") and {"DDP", "FSDP2"} & set(config.split()):  # inside a wrapper
@@ -37,7 +43,13 @@ def peer(config: str, world: int = 4) -> str | None:
 
 
 def hidden_flops(shape: dict) -> list[int]:
-    """Newton–Schulz FLOPs of one step of each Muon matrix of the GPT (a stack's slices one each)."""
+    """Newton–Schulz FLOPs of one step of each Muon matrix of the GPT (a stack's slices one each), or
+    of the TP model's blocks (four d x d, three d x 4d)."""
+    if "tp" in shape:
+        d = shape["dim"]
+        return [ns_flops(d, d, MUON["ns_steps"])] * 4 * shape["layers"] + [
+            ns_flops(d, 4 * d, MUON["ns_steps"])
+        ] * 3 * shape["layers"]
     hidden = [matrix_view(tuple(p.shape)) for p in muon_groups(shaped_gpt(shape, device="meta"))[0]["params"]]
     return [ns_flops(rows, cols, MUON["ns_steps"]) for n, rows, cols in hidden for _ in range(n)]
 
@@ -109,6 +121,7 @@ def _newton_schulz(row: dict, res: list[dict], flops: list[int], world: int) -> 
         measured = row.get("NS GF per rank (stats)")
         row["NS from"] = "stats"
     if measured:
+        row["NS GF max"] = max(measured)
         row["NS max rank / total"] = max(measured) * 1e9 / total
         row["NS sum / total"] = sum(measured) * 1e9 / total
         row["NS max/mean"] = max(measured) / statistics.mean(measured) if sum(measured) else 1.0
@@ -158,6 +171,8 @@ def _same_parameters(rows: dict, timed: dict[str, list[dict]], shape: dict) -> N
     `reference`'s: `max|Δ| 1st` and `max|Δ|`, the latter over the most training moved one of the
     reference's (`Δ/moved`); Muon's, the first over the largest change the reference's first step
     made to a matrix (`Δ/update`: bf16 Newton–Schulz rounds apart)."""
+    if not any(res[0].get("first") for res in timed.values()):
+        return
     model = shaped_gpt(shape)
     init, names = dict(model.named_parameters()), muon_names(model)
     most = lambda a, b, keys: max((a[k] - b[k]).abs().max().item() for k in keys)  # noqa: E731
@@ -172,6 +187,18 @@ def _same_parameters(rows: dict, timed: dict[str, list[dict]], shape: dict) -> N
         row["Δ/moved"] = row["max|Δ|"] / most(ref["last"], init, init)
         if config.endswith("Muon"):
             row["Δ/update"] = most(mine["first"], ref["first"], names) / most(ref["first"], init, names)
+
+
+def _data_parallel_part(rows: dict) -> dict:
+    """What data parallelism adds to the TP model's AdamW train step, ours and FSDP2's: the median
+    over steps of the slowest rank's train time less the TP-alone floor's in the same step (forward,
+    backward and the TP all-reduces, which both issue alike), and their ratio."""
+    floor = rows["TP alone AdamW"]["_train"]
+    ours, fsdp2 = (
+        statistics.median(1e3 * (a - f) for a, f in zip(rows[c]["_train"], floor))
+        for c in ("ours AdamW", "FSDP2 AdamW")
+    )
+    return {"floor ms": ms(floor), "ours ms": ours, "FSDP2 ms": fsdp2, "x": ours / fsdp2}
 
 
 def summarize(model: str, shape: dict, timed: dict, memory: dict, world: int) -> list[dict]:
@@ -192,5 +219,7 @@ def summarize(model: str, shape: dict, timed: dict, memory: dict, world: int) ->
                 row[f"{k.rsplit(' ', 1)[0]} x"] = row[k] / base[k]
         if base is not None and base.get("opt state MB"):
             row["opt state x mean"] = row["opt state MB mean"] / base["opt state MB"]
+    if "TP alone AdamW" in rows:
+        rows["TP alone AdamW"]["data-parallel part"] = _data_parallel_part(rows)
     keys = ["train", "step", "update"] if all("_update" in r for r in rows.values()) else ["train", "step"]
     return against_peers(rows, mine, keys)

@@ -6,6 +6,7 @@ A configuration is `WHO [HOW ...] FAMILY`: `WHO` ours (`vo.AdamW` / `vo.Muon`) o
 `benchmarks._optim.peer` (FSDP2, ZeRO, DDP); `HOW` `Z3` (a unit per block and the root), `Z2` (no
 units), `no-bwd-prefetch`, a mesh `RxS` (replicate x shard), `reshard=False` (FSDP2's), a Muon
 variant (`polar_express`, `normuon`), `compiled` (`block.compile()` per block, the run's backend).
+A run whose shape has `tp` trains `TPBlock`s under torch's TP plan instead (`_tp_optimizer`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+import vescale_optim as vo
 from benchmarks import _train
 from benchmarks._comm import CommMeter
 from benchmarks._copies import copies_by_path
@@ -29,7 +35,16 @@ from benchmarks._gpt import shaped_gpt
 from benchmarks._live import live_steps
 from benchmarks._measure import live_malloc, matmul_flops, reset_peak, status_kb, window_seconds
 from benchmarks._muon_plan import assignment, default_buckets
-from benchmarks._optim import MUON, FullTensorMuon, fully_shard_gpt, muon_groups, ours, peer, state_bytes
+from benchmarks._optim import (
+    MUON,
+    FullTensorMuon,
+    Steps,
+    fully_shard_gpt,
+    muon_groups,
+    ours,
+    peer,
+    state_bytes,
+)
 from benchmarks._train import PHASES, batches, device, interleave
 
 VARIANTS = {"polar_express": {"ns_coefficients": "polar_express"}, "normuon": {"normuon": True}}
@@ -47,6 +62,30 @@ COLLECTIVE_CODE = ("vescale::", "vescale_optim.sync_grads", "vescale_optim.gathe
 COLLECTIVE_CODE += ("vescale_optim/shard/collectives.py", "vescale_optim/units/", "torch/distributed/fsdp/")
 COLLECTIVE_CODE += tuple(f"torch/distributed/{m}" for m in ("tensor/_redistribute", "tensor/placement_types"))
 COLLECTIVE_CODE += ("torch/distributed/tensor/_collective_utils", "torch/distributed/_functional_collectives")
+TP_PLAN = {**{n: ColwiseParallel() for n in ("wq", "wk", "wv", "w1", "w3")}, "wo": RowwiseParallel()}
+TP_PLAN["w2"] = RowwiseParallel()
+TP_ADAMW, TP_MUON = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1), dict(lr=0.02, weight_decay=0.1)
+
+
+class TPBlock(nn.Module):
+    """A Llama-like block: attention wq/wk/wv/wo, RMSNorms and a SwiGLU MLP w1/w2/w3."""
+
+    def __init__(self, dim: int, head: int):
+        super().__init__()
+        self.head = head
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.w2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (w(h).view(b, t, -1, self.head).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        x = x + self.wo(attention)
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
 def mesh_of(config: str) -> str | None:
@@ -66,6 +105,7 @@ class Trainer(_train.Trainer):
 
     def __init__(self, config: str, shape: dict, meter=None, meshes=None, keep_first=False, backend=None):
         self.meshes, self.keep_first, self.first, self.backend = meshes or {}, keep_first, None, backend
+        self.tp = "tp" in shape
         self.stats: list[dict] = []
         mesh = self.meshes.get(mesh_of(config))
         self.replica_of = (
@@ -73,8 +113,22 @@ class Trainer(_train.Trainer):
         )
         super().__init__(config, shape, meter)
 
+    def build(self, shape: dict) -> torch.nn.Module:
+        """A GPT, or a TP model: `layers` `TPBlock`s under torch's TP plan on the dp x tp mesh's tp and
+        a final norm (which gives the root unit parameters of its own, as a GPT's head does)."""
+        if not self.tp:
+            return super().build(shape)
+        torch.manual_seed(0)
+        self.blocks = [TPBlock(shape["dim"], shape["head"]) for _ in range(shape["layers"])]
+        for block in self.blocks:
+            parallelize_module(block, self.meshes["dp x tp"]["tp"], TP_PLAN)
+        return nn.Sequential(*self.blocks, nn.RMSNorm(shape["dim"]))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.model(x), y) if self.tp else super().loss(x, y)
+
     def optimizer(self, model: torch.nn.Module):
-        opt = self._optimizer(model)
+        opt = self._tp_optimizer(model) if self.tp else self._optimizer(model)
         if "compiled" in self.config.split():  # once ours' units or FSDP2 hold the blocks: their hooks
             for block in model.blocks:  # run eagerly between the graphs (FSDP2's are dynamo-disabled)
                 block.compile(backend=self.backend)
@@ -102,6 +156,24 @@ class Trainer(_train.Trainer):
         if "no-bwd-prefetch" in words:
             kw["backward_prefetch"] = False
         return ours(model, family, **kw)
+
+    def _tp_optimizer(self, model: nn.Module):
+        units, dp = [*self.blocks, model], self.meshes["dp x tp"]["dp"]
+        cut = [p for p in model.parameters() if isinstance(p, DTensor)]
+        norms = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        if self.config == "TP alone AdamW":  # each dp rank steps its own gradient: no data parallelism;
+            # torch's foreach AdamW takes DTensors and plain tensors in separate optimizers
+            return Steps(*(torch.optim.AdamW(ps, foreach=True, **TP_ADAMW) for ps in (cut, norms)))
+        if self.config == "ours AdamW":
+            return vo.AdamW(model.parameters(), mesh=dp, shard_modules=units, **TP_ADAMW)
+        if self.config == "ours Muon":
+            groups = [{"params": cut}, {"params": norms, "use_muon": False, **TP_ADAMW}]
+            return vo.Muon(groups, mesh=dp, shard_modules=units, **TP_MUON)
+        fully_shard_gpt(model, dp, blocks=self.blocks)  # FSDP2 2-D
+        if self.config == "FSDP2 AdamW":
+            return torch.optim.AdamW(model.parameters(), foreach=True, **TP_ADAMW)
+        cut, norms = ([p for p in model.parameters() if (p.ndim == 2) == matrix] for matrix in (True, False))
+        return FullTensorMuon(hidden=cut, rest=norms, muon=TP_MUON, adamw=TP_ADAMW)
 
     def step(self, x, y, record: bool = True, around=None) -> None:
         if self.meter is not None:
@@ -182,13 +254,26 @@ def _construction(shape: dict, world: int) -> dict[str, bool]:
     }
 
 
-def _meshes(world: int, configs: list[str]) -> dict:
+def _meshes(world: int, configs: list[str], shapes: list[dict]) -> dict:
+    """The meshes the configurations name (`RxS`: replicate x shard), and a dp x tp one for a TP model."""
     names = {m for m in map(mesh_of, configs) if m}
-    shapes = {m: tuple(map(int, m.split("x"))) for m in names}
-    return {
-        m: init_device_mesh(device().type, s, mesh_dim_names=("replicate", "shard"))
-        for m, s in shapes.items()
+    made = {m: tuple(map(int, m.split("x"))) for m in names}
+    made = {
+        m: init_device_mesh(device().type, s, mesh_dim_names=("replicate", "shard")) for m, s in made.items()
     }
+    tp = next((shape["tp"] for shape in shapes if "tp" in shape), None)
+    if tp:
+        made["dp x tp"] = init_device_mesh(device().type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return made
+
+
+def pool_of(shape: dict, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of a run: a GPT's (`_train.batches`), or a TP model's, the same on a dp rank's tp ranks."""
+    if "tp" not in shape:
+        return batches(shape, rank, world)
+    g = torch.Generator().manual_seed(1 + rank // shape["tp"])
+    size = (shape["batch"], shape["seq"], shape["dim"])
+    return [(torch.randn(size, generator=g), torch.randn(size, generator=g)) for _ in range(2)]
 
 
 def _first(run: dict, config: str) -> bool:
@@ -201,10 +286,10 @@ def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -
     """Per run (`name`, `shape`, `configs`, `copies`, `first`): every configuration in this world,
     interleaved step by step, then a profiled step each (and with `copies` one counting them)."""
     meter = CommMeter().install()
-    meshes = _meshes(world, [c for run in runs for c in run["configs"]])
+    meshes = _meshes(world, [c for run in runs for c in run["configs"]], [run["shape"] for run in runs])
     out = {}
     for run in runs:
-        shape, pool, backend = run["shape"], batches(run["shape"], rank, world), run.get("backend")
+        shape, pool, backend = run["shape"], pool_of(run["shape"], rank, world), run.get("backend")
         if backend:
             fresh_compiler(run.get("cache"))
         trainers = [Trainer(c, shape, meter, meshes, _first(run, c), backend) for c in run["configs"]]
@@ -212,7 +297,7 @@ def time_all(rank: int, world: int, runs: list[dict], warmup: int, steps: int) -
         with torch.compiler.set_stance("fail_on_recompile") if backend else contextlib.nullcontext():
             interleave(trainers, pool, 0, steps)
         muon = [c for c in run["configs"] if c.startswith("ours") and c.endswith("Muon")]
-        built = _construction(shape, world) if muon else None
+        built = _construction(shape, world) if muon and "tp" not in shape else None
         out[run["name"]] = {}
         for tr in trainers:
             more = _profiled(tr, *pool[0])
@@ -268,7 +353,7 @@ def memory(rank: int, world: int, jobs: list[tuple], steps: int, live: bool) -> 
     """Each (run, shape, config, compiled) in turn: with `compiled` (its `backend`, `steps`)
     first `_first_steps`; then live tensor bytes over `steps` profiled steps (+1), and peak RSS over
     one more without the profiler; on CUDA the allocator's peak (`_cuda_memory`)."""
-    meshes = _meshes(world, [job[2] for job in jobs])
+    meshes = _meshes(world, [job[2] for job in jobs], [job[1] for job in jobs])
     if device().type == "cuda":
         return [_cuda_memory(rank, world, job, steps, meshes) for job in jobs]
     tuned = live_malloc() if live else False
@@ -277,7 +362,7 @@ def memory(rank: int, world: int, jobs: list[tuple], steps: int, live: bool) -> 
         first = _first_steps(rank, world, shape, config, **compiled, meshes=meshes) if compiled else {}
         gc.collect()
         base_kb = status_kb("VmRSS")
-        pool, backend = batches(shape, rank, world), (compiled or {}).get("backend")
+        pool, backend = pool_of(shape, rank, world), (compiled or {}).get("backend")
         build = lambda: Trainer(config, shape, meshes=meshes, backend=backend)  # noqa: B023, E731
         tr, trace = live_steps(build, pool, steps)
         stats = tr.opt.memory_stats() if hasattr(tr.opt, "memory_stats") else None
@@ -301,7 +386,7 @@ def _cuda_memory(rank: int, world: int, job: tuple, steps: int, meshes: dict) ->
     run, shape, config, compiled = job
     gc.collect()
     torch.cuda.empty_cache()
-    pool = batches(shape, rank, world)
+    pool = pool_of(shape, rank, world)
     base = torch.cuda.memory_allocated()
     tr = Trainer(config, shape, meshes=meshes, backend=(compiled or {}).get("backend"))
     tr.step(*pool[0])

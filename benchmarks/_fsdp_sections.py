@@ -1,4 +1,4 @@
-"""The `peers`, `hsdp` and `compile` sections' tables and goals of `benchmarks/fsdp.py` (see its
+"""The `peers`, `hsdp`, `compile` and `tp` sections' tables and goals of `benchmarks/fsdp.py` (see its
 docstring), and what every section's report shares: the columns measured on the device (`shown`)
 and the note beside a time table (`time_note`)."""
 
@@ -58,6 +58,9 @@ HSDP_NS = [*HSDP_NS.split("|"), "NS matrices per rank"]
 LOSS = ["config", "loss first", "loss after", "|Δ loss|"]
 COMPILE = "config|train ms|train x|x eager|fwd ms|bwd ms|step ms|peak live MB|peak live x|first step s"
 COMPILE = [*COMPILE.split("|"), "compile s", "compile x", "loss after", "|Δ loss|"]
+TP = "config|train ms|train x|step ms|step x|exposed comm ms|peak live MB|peak live x|peak at|MB sent"
+TP = [*TP.split("|"), "stats MB", "NS GF max", "loss after", "|Δ loss|"]
+TP_GOALS = {"train x": ("ours AdamW", 0.8), "step x": ("ours Muon", 0.3)}
 BALANCE = 1.1  # the busiest rank's Newton–Schulz FLOPs within 10 % of an even split
 
 
@@ -249,4 +252,25 @@ def print_compile(rows: list[dict], run: dict) -> dict[str, bool]:
         goals[f"ours compiled: train step faster than ours eager ({mine['x eager']:.3f}x)"] = (
             mine["x eager"] < 1
         )
+    return goals
+
+
+def print_tp(rows: list[dict], run: dict) -> dict[str, bool]:
+    by = {r["config"]: r for r in rows}
+    print("\nx = vs FSDP2 2-D with the same optimizer (Muon: + full_tensor() + torch.optim.Muon)\n")
+    print(table(rows, shown(TP, rows, run), floatfmt=".3g"))
+    time_note(run, "exposed comm", "fsdp.py")
+    goals = {}
+    for k, (config, most) in TP_GOALS.items():
+        if k in by.get(config, {}):
+            x = by[config][k]
+            goals[f"{config}: {k} <= {most} against FSDP2 2-D ({x:.3f})"] = x <= most
+    peaks = [by[c]["peak live x"] for c in ("ours AdamW", "ours Muon") if "peak live x" in by.get(c, {})]
+    if peaks:
+        goals[f"peak live bytes <= 1.0x FSDP2 2-D (AdamW and Muon: {max(peaks):.3f})"] = max(peaks) <= 1.0
+    part = by.get("TP alone AdamW", {}).get("data-parallel part")
+    if part:
+        floor = f"train minus TP alone's {part['floor ms']:.0f} ms"
+        print(f"\nthe data-parallel part of the AdamW train step ({floor}):")
+        print(f"ours {part['ours ms']:.0f} ms, FSDP2 {part['FSDP2 ms']:.0f} ms, {part['x']:.3f}x")
     return goals

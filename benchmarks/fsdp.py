@@ -1,5 +1,5 @@
-"""Sharded training against FSDP2 and torch's other set-ups on gloo, in four sections: step time,
-exposed communication, bytes moved, copies, peak memory, Newton–Schulz work per rank, compiling.
+"""Sharded training against FSDP2 and torch's other set-ups on gloo, in five sections: step time,
+exposed communication, bytes moved, copies, peak memory, Newton–Schulz work per rank, compiling, TP.
 
 Each configuration trains its own copy of the same seeded GPT on the same per-rank batches; a
 configuration is `WHO [HOW] FAMILY` (`benchmarks._fsdp_run`): ours (`vo.AdamW` / `vo.Muon(
@@ -37,6 +37,14 @@ median of per-step ratios to FSDP2 with the same optimizer (on a mesh: FSDP2's H
   configuration's memory world first trains it from an empty inductor cache (after a world that
   compiled a small function once, so reading the compiler from disk lands on none of them):
   `first step s` the slowest rank's first train step, `compile s` that less its median later step.
+- `tp`: data parallelism over torch's TP plan, dp2 x tp2 on 4 ranks: `TPBlock`s (attention, SwiGLU,
+  RMSNorm; ColwiseParallel wq/wk/wv/w1/w3, RowwiseParallel wo/w2) and a final norm, the same batches
+  per dp rank. `ours AdamW` / `ours Muon` (`mesh=world["dp"]`, a unit per block; Muon orthogonalizes
+  each full matrix once in the world) against `FSDP2 AdamW` (FSDP2 2-D) and `FSDP2 full_tensor Muon`
+  (FSDP2 2-D, `full_tensor()` of each matrix gradient, `torch.optim.Muon` on full copies on every
+  rank). `TP alone AdamW` (each dp rank steps its own gradient) is the floor both AdamW ones stand
+  on: forward, backward and the TP all-reduces; what data parallelism adds is the train time above
+  it (`the data-parallel part`, printed after the table). `NS GF max`: the busiest rank's.
 
 Time: every configuration of a section in one world, one step each in turn (the order rotating):
 `fwd`, `bwd`, `step`, `zero_grad` after a barrier, `train` their sum; the median over steps of the
@@ -58,7 +66,7 @@ communication code, DTensor's redistribution), `grad accum`, `c10d` (gloo's stag
 (ours on gloo: the shard copied into its slice) and `compute`; `copies` = the first two. `Δ/update`
 (Muon): `max|Δ| 1st` of the Muon group over the largest change DDP's first step made.
 
-Memory (`zero3`, `peers`, `compile`), each configuration alone in a fresh world: `peak live` the most tensor
+Memory (all but `hsdp`), each configuration alone in a fresh world: `peak live` the most tensor
 bytes alive on a rank in a step after the first (`benchmarks._live`), `at step start` what a rank
 holds between steps, `peak at` where; then the peak RSS over one more step (`--malloc live`: glibc
 returns large blocks at once) and less the bare process's; `opt state MB` the optimizer state a rank
@@ -108,7 +116,8 @@ PEERS += ["FSDP2 reshard=False AdamW", "ours Z2 polar_express Muon", "ours Z2 no
 PEERS += ["ours DDP AdamW", "ours DDP Muon", "ours FSDP2 Muon", "FSDP2 full_tensor Muon"]
 HSDP = [f"{who} {family}" for family in ("AdamW", "Muon") for who in ("ours 2x2", "ours 1x4", "FSDP2 2x2")]
 COMPILE = ["ours Z3 AdamW", "ours Z3 compiled AdamW", "FSDP2 AdamW", "FSDP2 compiled AdamW"]
-CONFIGS = list(dict.fromkeys(ZERO3 + PEERS + HSDP + COMPILE))
+TP = ["ours AdamW", "FSDP2 AdamW", "ours Muon", "FSDP2 full_tensor Muon", "TP alone AdamW"]
+CONFIGS = list(dict.fromkeys(ZERO3 + PEERS + HSDP + COMPILE + TP))
 SCALING = ["ours Z3 AdamW", "FSDP2 AdamW"]
 MODELS = {  # zero3's (gpt: compile's too; benchmarks/qcomm.py trains both)
     "gpt": dict(vocab=8192, d_model=256, n_layers=6, n_heads=8, seq_len=128, batch=2, seq=128),
@@ -125,20 +134,23 @@ SHAPES = {
     "peers": dict(vocab=50304, d_model=192, n_layers=6, n_heads=6, seq_len=128, batch=2, seq=64),
 }
 SHAPES["compile"] = MODELS["gpt"]
+SHAPES["tp"] = dict(dim=256, layers=4, head=32, batch=4, seq=64, tp=2)
 SHAPES["hsdp"] = dict(vocab=4096, d_model=256, n_layers=6, n_heads=8, seq_len=64, batch=2, seq=64)
 QUICK_SHAPES = {
     **QUICK,
     "peers": dict(vocab=2048, d_model=64, n_layers=2, n_heads=4, seq_len=32, batch=2, seq=32),
 }
 QUICK_SHAPES["compile"] = QUICK["gpt"]
+QUICK_SHAPES["tp"] = dict(dim=32, layers=2, head=8, batch=2, seq=8, tp=2)
 QUICK_SHAPES["hsdp"] = dict(vocab=320, d_model=64, n_layers=2, n_heads=4, seq_len=16, batch=1, seq=16)
 SECTIONS = {  # models (--quick: the last only), configurations, copies counted, first step held to DDP's
     "zero3": dict(models=["gpt", "wide"], configs=ZERO3, copies=True, first=False),
     "peers": dict(models=["peers"], configs=PEERS, copies=False, first=True),
     "hsdp": dict(models=["hsdp"], configs=HSDP, copies=False, first=False),
     "compile": dict(models=["compile"], configs=COMPILE, copies=False, first=False),
+    "tp": dict(models=["tp"], configs=TP, copies=False, first=False),
 }
-HSDP_WORLD = 4
+FIXED_WORLD = {"hsdp": 4, "tp": 4}  # 2x2 and 1x4; dp2 x tp2
 PRELOAD = ["benchmarks.fsdp", "benchmarks._fsdp_run"]  # besides benchmarks._gpt.PEERS
 
 
@@ -214,9 +226,10 @@ def _measure(args, runs, world: int, ranks, steps: tuple[int, int, int], log) ->
         status = _compile_runs(args, runs[world], measure)
     timed = {w: ranks(time_all, w, rs, *steps[:2], preload=PRELOAD) for w, rs in runs.items()}
     log("timing")
-    held = [r for r in runs.get(world, []) if r["section"] != "hsdp"] if steps[2] else []
-    jobs = [measure.job(r, c) for r in held for c in r["configs"] if (r["name"], c) not in measure.mem]
-    measure.mem.update(zip([(j[0], j[2]) for j in jobs], measure(world, jobs)))
+    for w, rs in runs.items():
+        held = [r for r in rs if r["section"] != "hsdp"] if steps[2] else []
+        jobs = [measure.job(r, c) for r in held for c in r["configs"] if (r["name"], c) not in measure.mem]
+        measure.mem.update(zip([(j[0], j[2]) for j in jobs], measure(w, jobs)))
     return timed, measure, status
 
 
@@ -254,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     sections = args.sections or list(SECTIONS)
     # under torchrun this process is one rank; the world is torchrun's, and cannot be rebuilt per run
     world, ranks, where = _torchrun.ranks(args.torchrun, args.world_size, 2 if args.quick else 4)
-    worlds = {s: world if args.torchrun or s != "hsdp" else HSDP_WORLD for s in SECTIONS}
+    worlds = {s: world if args.torchrun else FIXED_WORLD.get(s, world) for s in SECTIONS}
     if "hsdp" in sections and worlds["hsdp"] % 2:
         args.error(f"hsdp: 2 replicas need an even number of ranks, not {worlds['hsdp']}")
     args.no_scaling |= args.torchrun
@@ -288,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["zero3"]["scaling"] = _scaling(args, runs, world, measure)
     name = "fsdp" if sections == list(SECTIONS) else "_".join(["fsdp", *sections])
     malloc = args.malloc if where.get("device", "cpu") == "cpu" else None
-    run = dict(name=name, world=world, hsdp_world=worlds["hsdp"], steps=steps, warmup=warmup, **status)
+    run = dict(name=name, world=world, worlds=worlds, hsdp_world=worlds["hsdp"], steps=steps, warmup=warmup)
+    run.update(status)
     run.update(memory_steps=memory_steps, malloc=malloc, quick=args.quick)
     run["shapes"] = {r["name"]: r["shape"] for rs in runs.values() for r in rs}
     run.update(threads=next(iter(timed.values())).threads, wall_s=time.perf_counter() - t0, **where)

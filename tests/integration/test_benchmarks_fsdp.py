@@ -1,8 +1,8 @@
-"""`benchmarks/fsdp.py --quick` end to end (tiny models; `zero3` and `peers` on 2 gloo ranks, `hsdp`
-on 4 as 2x2 and 1x4): every configuration trains to its FSDP2 peer's loss, the measurements see
+"""`benchmarks/fsdp.py --quick` end to end (tiny models; `zero3`, `peers` and `compile` on 2 gloo
+ranks, `hsdp` on 4 as 2x2 and 1x4): every configuration trains to its FSDP2 peer's loss, the measurements see
 what each configuration holds and moves, the peers' profiler windows and Muon's Newton–Schulz work
 per rank are measured, bytes are placed inside or across shard groups, and compiled blocks are
-measured against FSDP2 in the same mode (the aot_eager backend)."""
+measured against FSDP2 in the same mode (the aot_eager backend); the `tp` section on 4 (dp2 x tp2)."""
 
 import math
 
@@ -181,6 +181,27 @@ def test_compiled_blocks_are_measured_against_fsdp2_in_the_same_mode(result, cap
     ]
 
 
+def test_data_parallelism_over_tensor_parallelism(result, capsys):
+    """The TP section (dp2 x tp2): each pair trains the same model to the same loss, the full_tensor
+    integration orthogonalizes every matrix on every rank and ours each once in the world, the goals
+    and the data-parallel part are stated."""
+    tp = {r["config"]: r for r in result["tp"]["rows"]}
+    for ours, peer in (("ours AdamW", "FSDP2 AdamW"), ("ours Muon", "FSDP2 full_tensor Muon")):
+        for c in ("train x", "step x", "peak live x"):
+            assert math.isfinite(tp[ours][c]) and tp[ours][c] > 0, (ours, c)
+        assert tp[ours]["loss after"] == pytest.approx(tp[peer]["loss after"], rel=1e-4)
+    assert 0 < tp["ours Muon"]["NS GF max"] < tp["FSDP2 full_tensor Muon"]["NS GF max"]
+    assert tp["ours Muon"]["stats MB"] > 0 and result["worlds"]["tp"] == 4
+    assert set(tp["TP alone AdamW"]["data-parallel part"]) == {"floor ms", "ours ms", "FSDP2 ms", "x"}
+    assert (
+        sum(
+            k.startswith(("ours AdamW:", "ours Muon:", "peak live bytes <= 1.0x FSDP2 2-D"))
+            for k in result["goals"]
+        )
+        == 3
+    )
+
+
 def _mem(ts, addr, nbytes, tid=1):
     args = {"Addr": addr, "Bytes": nbytes, "Device Type": 0}
     return {"name": "[memory]", "tid": tid, "ts": ts, "args": args}
@@ -258,7 +279,9 @@ def test_a_cuda_run_reports_only_what_cuda_measures(tmp_path, capsys):
     rows = summarize(
         "wide", fsdp.QUICK["wide"], timings, {c: memory(c, m) for c, (_, m) in configs.items()}, 2
     )
-    run = dict(name="fsdp_zero3", world=2, hsdp_world=2, steps=2, warmup=1, memory_steps=2, malloc=None)
+    run = dict(
+        name="fsdp_zero3", world=2, worlds={"zero3": 2}, steps=2, warmup=1, memory_steps=2, malloc=None
+    )
     run.update(shapes={"wide": fsdp.QUICK["wide"]}, quick=True, threads=[1, 1], wall_s=1.0, torchrun=True)
     with results_in(tmp_path):
         out = report({"zero3": {"rows": rows, "scaling": []}}, {**run, "device": "cuda", "backend": "nccl"})

@@ -161,28 +161,3 @@ def test_costs_sync(tmp_path):
     assert [r["check"] for r in rows] == list(costs.MODES)
     _finite(rows, ["median ms", "x as shipped", "backward ms (no_sync)", "backward ms (reducing)"])
     _host(out, threads=2)
-
-
-@pytest.mark.timeout(240)
-def test_tp(tmp_path, capsys):
-    from benchmarks import tp
-
-    with results_in(tmp_path):
-        out = tp.main(["--quick"])
-    rows = {r["config"]: r for r in out["rows"]}
-    assert list(rows) == tp.CONFIGS
-    _finite(out["rows"], ["train ms", "step ms", "peak live MB", "MB sent", "NS GFLOP", "last loss"])
-    for ours, peer in tp.PEER.items():
-        _finite([rows[ours]], ["train x", "step x", "peak live x"])
-        # the same math, the same batches: the peer trains the same model to the same loss
-        assert rows[ours]["last loss"] == pytest.approx(rows[peer]["last loss"], rel=1e-4)
-    # the full_tensor integration orthogonalizes every matrix on every rank; ours each once in the world
-    assert 0 < rows["ours Muon"]["NS GFLOP"] < rows["FSDP2 full_tensor Muon"]["NS GFLOP"]
-    assert rows["ours Muon"]["stats MB"] > 0
-    assert set(out["goals"]) == set(tp.GOALS)
-    assert all(isinstance(g["met"], bool) for g in out["goals"].values())
-    assert set(out["data_parallel_part"]) == {"floor ms", "ours ms", "FSDP2 ms", "x"}
-    printed = capsys.readouterr().out
-    assert "| config" in printed and "synchronously" in printed and "load average" in printed
-    assert "the data-parallel part of the AdamW train step" in printed
-    _host(out, threads=4)
