@@ -124,6 +124,7 @@ class Rank:
     part: Model
     opt: vo.ShardedOptimizer
     schedule: object | None
+    world: object = None  # the (pp, dp) DeviceMesh
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.schedule is None:  # no pipelining: the plain model, micro-batch by micro-batch
@@ -157,7 +158,7 @@ def build(kind: str, layout: Layout, zero: int, seed: int = 0) -> Rank:
     if layout.pp > 1:
         stage = PipelineStage(part, pp_rank, layout.pp, torch.device("cpu"), group=world["pp"].get_group())
         schedule = ScheduleGPipe(stage, layout.microbatches, loss_fn=loss_fn)
-    return Rank(layout, pp_rank, dp_rank, part, opt, schedule)
+    return Rank(layout, pp_rank, dp_rank, part, opt, schedule, world)
 
 
 def full_state(rank: Rank) -> dict:
@@ -188,11 +189,13 @@ class Reference:
 
     def train(self, steps, layout: Layout) -> None:
         for step in steps:
-            mean_grad_reference(
-                self.model.parameters(), layout.dp, lambda r, s=step: self._backward(s, r, layout)
-            )
+            self.backward_mean(step, layout)
             for opt in self.opts:
                 opt.step()
+
+    def backward_mean(self, step: int, layout: Layout) -> None:
+        """`.grad`: `step`'s gradient, the mean over the dp ranks of each rank's."""
+        mean_grad_reference(self.model.parameters(), layout.dp, lambda r: self._backward(step, r, layout))
 
     def _backward(self, step: int, dp_rank: int, layout: Layout) -> None:
         """Dp rank `dp_rank`'s gradient of `step`, as that rank makes it."""

@@ -209,10 +209,16 @@ class Runtime:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        across: Comm | None = None,
     ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards (see
-        the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
+        the optimizers' `clip_grad_norm_`); returns the total norm before clipping. `across`:
+        a group of ranks that hold other parts of the model (pipeline stages), whose norms
+        combine with this one's into the whole model's."""
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [u.grads.shard for u in self.units if u.grads.shard_bytes and not u.grads.borrowed]
@@ -228,6 +234,9 @@ class Runtime:
         if tp is not None:
             all_reduce_(total[1:], tp, op, what="clip_grad_norm_'s norm over tensor parallelism")
         total = total.max() if inf else total.sum()
+        if across is not None:  # the other stages' parts: disjoint parameters, combined once
+            all_reduce_(total := total.reshape(1), across, op, what="clip_grad_norm_'s norm over the stages")
+            total = total[0]
         total = (total if inf else total ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
