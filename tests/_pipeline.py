@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from _reference import mean_grad_reference
+from _shampoo_reference import ReferenceShampoo
 from torch import nn
 
 import vescale_optim as vo
@@ -34,6 +35,7 @@ DIM, LAYERS, VOCAB, SEQ, BATCH = 8, 4, 13, 4, 8
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1)
 AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)  # Muon's AdamW group
+SHAMPOO = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=2, root_dtype=torch.float64)
 
 
 class Layer(nn.Module):
@@ -101,6 +103,8 @@ def optimizer(kind: str, part: nn.Module, mesh, zero: int) -> vo.ShardedOptimize
     units = [*part.layers.values(), part] if zero == 3 else None
     if kind == "adamw":
         return vo.AdamW(part.parameters(), **ADAMW, mesh=mesh, shard_modules=units)
+    if kind == "shampoo":
+        return vo.Shampoo(part.parameters(), **SHAMPOO, mesh=mesh, shard_modules=units)
     return vo.Muon(muon_groups(part), **MUON, mesh=mesh, shard_modules=units)
 
 
@@ -145,20 +149,22 @@ class Rank:
             self.opt.zero_grad()
 
 
-def build(kind: str, layout: Layout, zero: int, seed: int = 0) -> Rank:
-    """This rank's part of a `layout` run (collective: the mesh, the optimizer)."""
+def build(kind: str, layout: Layout, zero: int, seed: int = 0, schedule: str = "gpipe") -> Rank:
+    """This rank's part of a `layout` run (collective: the mesh, the optimizer); `schedule`:
+    torch's `ScheduleGPipe` or `Schedule1F1B`."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     world = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     part = stage_of(model(seed), layout.pp, pp_rank)
     opt = optimizer(kind, part, world["dp"], zero)
-    schedule = None
+    runner = None
     if layout.pp > 1:
         stage = PipelineStage(part, pp_rank, layout.pp, torch.device("cpu"), group=world["pp"].get_group())
-        schedule = ScheduleGPipe(stage, layout.microbatches, loss_fn=loss_fn)
-    return Rank(layout, pp_rank, dp_rank, part, opt, schedule, world)
+        kind_of = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        runner = kind_of(stage, layout.microbatches, loss_fn=loss_fn)
+    return Rank(layout, pp_rank, dp_rank, part, opt, runner, world)
 
 
 def full_state(rank: Rank) -> dict:
@@ -183,6 +189,8 @@ class Reference:
         self.model = model(seed)
         if kind == "adamw":
             self.opts = [torch.optim.AdamW(self.model.parameters(), **ADAMW)]
+        elif kind == "shampoo":
+            self.opts = [ReferenceShampoo(list(self.model.parameters()), **SHAMPOO)]
         else:
             mats, rest = muon_groups(self.model)
             self.opts = [torch.optim.Muon(mats["params"], **MUON), torch.optim.AdamW(rest["params"], **AUX)]

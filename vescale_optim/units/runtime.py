@@ -38,7 +38,7 @@ from .schedule import Schedule
 from .step_agreement import GradTracker
 from .streams import reduction_comm
 from .tensor_parallel import dtensor_problem, tp_groups, tp_norm_parts
-from .tp_plan import tp_plan_problem
+from .tp_plan import checks_world, tp_plan_problem
 from .tp_view import TensorParallel
 from .unit import LOW_PRECISION, Unit, UnitComms
 from .unit_plan import Declaration, UnitPlan, build_units, device_problem, plan_units
@@ -87,8 +87,10 @@ class Runtime:
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, plan = problem or str(e), UnitPlan()
         self.root, self._listed = plan.root, plan.listed
+        # the ranks building this optimizer: beyond the dp mesh only with tensor parallelism
+        self.world = None if over else checks_world(self.tensor_parallel, self.dp, self.all_ranks)
         if not over:  # every rank: see tp_plan
-            problem = tp_plan_problem(params, self.all_ranks, labels) or problem
+            problem = tp_plan_problem(params, self.world, labels) or problem
         if agree is not None:
             agree(self.dp, problem, plan.structure)
         elif problem is not None:
@@ -100,7 +102,7 @@ class Runtime:
         )
         listed = [m for m in plan.modules if m is not None]
         if needs_materializing(self.units, listed):
-            materialize(self.units, listed, config.param_init_fn, self.all_ranks or self.dp)
+            materialize(self.units, listed, config.param_init_fn, self.world or self.dp)
         self._install(plan.modules, params, over)
 
     def _install(self, modules: list[nn.Module | None], params: list[torch.Tensor], over: bool) -> None:
