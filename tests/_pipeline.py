@@ -99,13 +99,13 @@ def muon_groups(part: nn.Module) -> list[dict]:
         return vo.muon_param_groups(part, exclude=exclude, **aux)
 
 
-def optimizer(kind: str, part: nn.Module, mesh, zero: int) -> vo.ShardedOptimizer:
-    units = [*part.layers.values(), part] if zero == 3 else None
+def optimizer(kind: str, part: nn.Module, mesh, zero: int, **sharding) -> vo.ShardedOptimizer:
+    sharding.update(mesh=mesh, shard_modules=[*part.layers.values(), part] if zero == 3 else None)
     if kind == "adamw":
-        return vo.AdamW(part.parameters(), **ADAMW, mesh=mesh, shard_modules=units)
+        return vo.AdamW(part.parameters(), **ADAMW, **sharding)
     if kind == "shampoo":
-        return vo.Shampoo(part.parameters(), **SHAMPOO, mesh=mesh, shard_modules=units)
-    return vo.Muon(muon_groups(part), **MUON, mesh=mesh, shard_modules=units)
+        return vo.Shampoo(part.parameters(), **SHAMPOO, **sharding)
+    return vo.Muon(muon_groups(part), **MUON, **sharding)
 
 
 @dataclass(frozen=True)
@@ -149,16 +149,16 @@ class Rank:
             self.opt.zero_grad()
 
 
-def build(kind: str, layout: Layout, zero: int, seed: int = 0, schedule: str = "gpipe") -> Rank:
-    """This rank's part of a `layout` run (collective: the mesh, the optimizer); `schedule`:
-    torch's `ScheduleGPipe` or `Schedule1F1B`."""
+def build(kind: str, layout: Layout, zero: int, seed: int = 0, schedule: str = "gpipe", **sharding) -> Rank:
+    """This rank's part of a `layout` run (collective: the mesh, the optimizer, built with
+    `sharding`); `schedule`: torch's `ScheduleGPipe` or `Schedule1F1B`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     world = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     part = stage_of(model(seed), layout.pp, pp_rank)
-    opt = optimizer(kind, part, world["dp"], zero)
+    opt = optimizer(kind, part, world["dp"], zero, **sharding)
     runner = None
     if layout.pp > 1:
         stage = PipelineStage(part, pp_rank, layout.pp, torch.device("cpu"), group=world["pp"].get_group())

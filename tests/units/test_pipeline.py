@@ -6,7 +6,7 @@ is the mean over the dp ranks of the mean-over-micro-batches gradient (`_pipelin
 import pytest
 import torch
 import torch.distributed as dist
-from _pipeline import LAYERS, Layout, Reference, build, model, muon_groups
+from _pipeline import LAYERS, Layout, Reference, batch, build, model, muon_groups
 
 import vescale_optim as vo
 
@@ -15,8 +15,8 @@ STEPS = 3
 TOL = {"adamw": 1e-5, "muon": 1e-5, "shampoo": 1e-5}  # measured: 1.2e-7, 6e-8, 3e-7 after 3 steps
 
 
-def _train(kind: str, zero: int, schedule: str):
-    rank = build(kind, LAYOUT, zero, schedule=schedule)
+def _train(kind: str, zero: int, schedule: str, microbatches: int = LAYOUT.microbatches):
+    rank = build(kind, LAYOUT, zero, schedule=schedule, microbatches=microbatches)
     rank.train(range(STEPS))
     params = {k: v.clone() for k, v in rank.opt.full_model_state_dict(rank.part).items()}
     if kind == "muon":
@@ -36,12 +36,15 @@ def _whole_model_work(kind: str) -> float:
     return sum(vo.Shampoo(whole.parameters(), lr=1e-2, max_preconditioner_dim=8).root_work)
 
 
-CASES = [(k, z, "gpipe") for k in ("adamw", "muon", "shampoo") for z in (2, 3)] + [("adamw", 3, "1f1b")]
+CASES = [(k, z, "gpipe", 2) for k in ("adamw", "muon", "shampoo") for z in (2, 3)]
+CASES += [("adamw", 3, "1f1b", 2), ("adamw", 3, "gpipe", 1), ("muon", 2, "1f1b", 1), ("adamw", 2, "gpipe", 3)]
 
 
-@pytest.mark.parametrize("kind, zero, schedule", CASES)
-def test_pp2_dp2_trains_like_one_process_torch(world, kind, zero, schedule):
-    runs = world(4).run(_train, kind, zero, schedule, timeout=180)
+@pytest.mark.parametrize("kind, zero, schedule, microbatches", CASES)
+def test_pp2_dp2_trains_like_one_process_torch(world, kind, zero, schedule, microbatches):
+    """`microbatches` as the schedule's (2: one reduction per step), 1 (one per micro-batch) or
+    more than it runs (3: the step reduces what is left)."""
+    runs = world(4).run(_train, kind, zero, schedule, microbatches, timeout=180)
     ref = Reference(kind)
     ref.train(range(STEPS), LAYOUT)
     want = ref.params()
@@ -91,3 +94,26 @@ def test_two_stages_build_different_optimizers_and_a_mismatch_raises_in_its_stag
 
 def test_the_layers_split_evenly():
     assert LAYERS % LAYOUT.pp == 0
+
+
+def _reductions(zero: int, microbatches: int):
+    """The collectives of one step's forwards and backwards (the second step's), by kind."""
+    from vescale_optim.shard.handle import traced
+
+    rank = build("adamw", LAYOUT, zero, microbatches=microbatches)
+    rank.train(range(1))
+    with traced() as issued:
+        rank.forward_backward(*batch(1, rank.dp_rank, LAYOUT.dp))
+    rank.opt.step()
+    peak = rank.opt.memory_stats()
+    kinds = [c.split(":")[0] for c in issued]
+    return kinds.count("reduce-scatter"), len(rank.opt.units), rank.opt.step_stats["bytes_sent"], peak
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_declared_microbatches_reduce_once_per_step(world, zero):
+    once = world(4).run(_reductions, zero, LAYOUT.microbatches, timeout=60)
+    each = world(4).run(_reductions, zero, 1, timeout=60)
+    for (n_once, units, _, _), (n_each, _, _, _) in zip(once, each):
+        assert n_once == units  # each unit reduced once in the step's backwards
+        assert n_each == LAYOUT.microbatches * units  # once per micro-batch

@@ -116,6 +116,7 @@ class Runtime:
             backward_prefetch=config.backward_prefetch,
             on_grad=self._on_grad,
             enclosing=self._listed,
+            microbatches=config.microbatches,
         )
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, self.labels)
         self.model_state = ModelState(self.units, modules)
