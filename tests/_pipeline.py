@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from _reference import mean_grad_reference
+from _shampoo_reference import ReferenceShampoo
 from torch import nn
 
 import vescale_optim as vo
@@ -34,6 +35,7 @@ DIM, LAYERS, VOCAB, SEQ, BATCH = 8, 4, 13, 4, 8
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MUON = dict(lr=0.02, weight_decay=0.1)
 AUX = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)  # Muon's AdamW group
+SHAMPOO = dict(lr=1e-2, max_preconditioner_dim=8, precondition_frequency=2, root_dtype=torch.float64)
 
 
 class Layer(nn.Module):
@@ -97,11 +99,13 @@ def muon_groups(part: nn.Module) -> list[dict]:
         return vo.muon_param_groups(part, exclude=exclude, **aux)
 
 
-def optimizer(kind: str, part: nn.Module, mesh, zero: int) -> vo.ShardedOptimizer:
-    units = [*part.layers.values(), part] if zero == 3 else None
+def optimizer(kind: str, part: nn.Module, mesh, zero: int, **sharding) -> vo.ShardedOptimizer:
+    sharding.update(mesh=mesh, shard_modules=[*part.layers.values(), part] if zero == 3 else None)
     if kind == "adamw":
-        return vo.AdamW(part.parameters(), **ADAMW, mesh=mesh, shard_modules=units)
-    return vo.Muon(muon_groups(part), **MUON, mesh=mesh, shard_modules=units)
+        return vo.AdamW(part.parameters(), **ADAMW, **sharding)
+    if kind == "shampoo":
+        return vo.Shampoo(part.parameters(), **SHAMPOO, **sharding)
+    return vo.Muon(muon_groups(part), **MUON, **sharding)
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class Rank:
     part: Model
     opt: vo.ShardedOptimizer
     schedule: object | None
+    world: object = None  # the (pp, dp) DeviceMesh
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.schedule is None:  # no pipelining: the plain model, micro-batch by micro-batch
@@ -144,20 +149,22 @@ class Rank:
             self.opt.zero_grad()
 
 
-def build(kind: str, layout: Layout, zero: int, seed: int = 0) -> Rank:
-    """This rank's part of a `layout` run (collective: the mesh, the optimizer)."""
+def build(kind: str, layout: Layout, zero: int, seed: int = 0, schedule: str = "gpipe", **sharding) -> Rank:
+    """This rank's part of a `layout` run (collective: the mesh, the optimizer, built with
+    `sharding`); `schedule`: torch's `ScheduleGPipe` or `Schedule1F1B`."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     world = init_device_mesh("cpu", (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
     part = stage_of(model(seed), layout.pp, pp_rank)
-    opt = optimizer(kind, part, world["dp"], zero)
-    schedule = None
+    opt = optimizer(kind, part, world["dp"], zero, **sharding)
+    runner = None
     if layout.pp > 1:
         stage = PipelineStage(part, pp_rank, layout.pp, torch.device("cpu"), group=world["pp"].get_group())
-        schedule = ScheduleGPipe(stage, layout.microbatches, loss_fn=loss_fn)
-    return Rank(layout, pp_rank, dp_rank, part, opt, schedule)
+        kind_of = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        runner = kind_of(stage, layout.microbatches, loss_fn=loss_fn)
+    return Rank(layout, pp_rank, dp_rank, part, opt, runner, world)
 
 
 def full_state(rank: Rank) -> dict:
@@ -182,17 +189,21 @@ class Reference:
         self.model = model(seed)
         if kind == "adamw":
             self.opts = [torch.optim.AdamW(self.model.parameters(), **ADAMW)]
+        elif kind == "shampoo":
+            self.opts = [ReferenceShampoo(list(self.model.parameters()), **SHAMPOO)]
         else:
             mats, rest = muon_groups(self.model)
             self.opts = [torch.optim.Muon(mats["params"], **MUON), torch.optim.AdamW(rest["params"], **AUX)]
 
     def train(self, steps, layout: Layout) -> None:
         for step in steps:
-            mean_grad_reference(
-                self.model.parameters(), layout.dp, lambda r, s=step: self._backward(s, r, layout)
-            )
+            self.backward_mean(step, layout)
             for opt in self.opts:
                 opt.step()
+
+    def backward_mean(self, step: int, layout: Layout) -> None:
+        """`.grad`: `step`'s gradient, the mean over the dp ranks of each rank's."""
+        mean_grad_reference(self.model.parameters(), layout.dp, lambda r: self._backward(step, r, layout))
 
     def _backward(self, step: int, dp_rank: int, layout: Layout) -> None:
         """Dp rank `dp_rank`'s gradient of `step`, as that rank makes it."""

@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from ..owners.moves import run_moves
+from ..shard.comm import Comm
 from ..units.config import ShardingConfig
 from ..units.runtime import Declaration, Runtime
 from ..units.segment import FROZEN, Segment
@@ -290,15 +293,29 @@ class ShardedOptimizer(Declarations, ShardedStateDict, MemoryAccounting, torch.o
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        pp_mesh: DeviceMesh | ProcessGroup | None = None,
     ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards.
 
         Returns the total norm before clipping (the same on every rank, and what
         `torch.nn.utils.clip_grad_norm_` gives on one process with the mean gradient).
-        Finishes the gradient reduction here; `step()` does not repeat it."""
+        Finishes the gradient reduction here; `step()` does not repeat it.
+
+        `pp_mesh` (a 1-D `DeviceMesh`, e.g. `world["pp"]`, or its process group): the
+        pipeline stages this optimizer's model part is one of, each with an optimizer over its
+        own part; the norm is then the whole model's (every stage's rank of the mesh calls
+        this, as torchtitan's `clip_grad_norm_` with its `pp_mesh`). One optimizer per rank:
+        a rank holding several stages (interleaved schedules) clips through torch's
+        `clip_grad_norm_` instead (docs/guide.md, "Pipeline parallelism")."""
         self.reduce_gradients()
-        return self.runtime.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        across = None
+        if pp_mesh is not None:
+            across = Comm(pp_mesh.get_group() if isinstance(pp_mesh, DeviceMesh) else pp_mesh)
+        return self.runtime.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, across)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "runtime", None) is not None:

@@ -50,6 +50,12 @@ class ShardingConfig:
       stay full precision. The bits name a wire codec (`kernels.wire`: 8 is "q8"); a format
       registered there is taken by its bits, its block rules checked on `comm_block`.
     - `align`: every tensor starts at a multiple of this many elements in its buffer.
+    - `microbatches`: backward passes per optimizer step (a pipeline schedule's micro-batches,
+      or gradient accumulation): the first `microbatches - 1` keep their gradients unreduced
+      and the last reduces them once, overlapped with its backward; one reduction per step
+      instead of one per micro-batch, for a full-size gradient per unit held in between. 1
+      (default) reduces in every backward: only shards are held, when memory asks for it.
+      Any number of backward passes stays correct: `step()` reduces what is left.
     """
 
     process_group: Any = None
@@ -68,6 +74,7 @@ class ShardingConfig:
     reduce_bits: int | None = None
     comm_block: int = 256
     align: int = 16
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.shard_modules, nn.Module):
@@ -113,7 +120,7 @@ class ShardingConfig:
             problem = c.block_problem(self.comm_block)
             if problem is not None:
                 raise ValueError(f"comm_block must be {problem}; got {self.comm_block!r}")
-        for name in ("bucket_cap_numel", "align"):
+        for name in ("bucket_cap_numel", "align", "microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")

@@ -40,13 +40,21 @@ class NoSyncMismatchError(RuntimeError):
 class ReductionPipeline:
     """Reductions of `units`: which reduced in this round, and the one in flight."""
 
-    def __init__(self, units: Sequence[Unit]):
+    def __init__(self, units: Sequence[Unit], microbatches: int = 1):
         self.units = list(units)
         self.sync_grads = True  # False under `no_sync()`: backward keeps full gradients
+        self.microbatches = microbatches  # rounds per step; the last one reduces
+        self.rounds = 1  # the rounds opened since the step, this one included
         self.reduced: set[int] = set()  # indices of the units reduced in this round
         self._in_flight: Unit | None = None  # the unit whose reduce-scatter is not waited for
         self._agreement: tuple[Callable[[], list[bool]], Comm] | None = None  # issued, not read
         self._issued = False  # this round's agreement on no_sync() was issued
+
+    @property
+    def reduces(self) -> bool:
+        """Whether this round reduces: outside `no_sync()`, and its step's last micro-batch (or
+        a later one)."""
+        return self.sync_grads and self.rounds >= self.microbatches
 
     def issue(self, unit: Unit) -> None:
         """Reduce-scatter `unit`'s gradients (the caller has advanced the one in flight and
@@ -63,7 +71,7 @@ class ReductionPipeline:
         self._issued = True
         size = world.world_size
         flags = [False] * (2 * size)
-        flags[world.rank if self.sync_grads else size + world.rank] = True
+        flags[world.rank if self.reduces else size + world.rank] = True
         self._agreement = (any_rank_issued(flags, world, what="the agreement on no_sync()"), world)
 
     def settle(self, world: Comm) -> None:
@@ -119,3 +127,4 @@ class ReductionPipeline:
         self.verify()
         self.reduced.clear()
         self._issued = False
+        self.rounds += 1

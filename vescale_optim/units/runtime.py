@@ -38,7 +38,7 @@ from .schedule import Schedule
 from .step_agreement import GradTracker
 from .streams import reduction_comm
 from .tensor_parallel import dtensor_problem, tp_groups, tp_norm_parts
-from .tp_plan import tp_plan_problem
+from .tp_plan import checks_world, tp_plan_problem
 from .tp_view import TensorParallel
 from .unit import LOW_PRECISION, Unit, UnitComms
 from .unit_plan import Declaration, UnitPlan, build_units, device_problem, plan_units
@@ -87,8 +87,10 @@ class Runtime:
         except ValueError as e:  # raised on every rank, once they have agreed
             problem, plan = problem or str(e), UnitPlan()
         self.root, self._listed = plan.root, plan.listed
+        # the ranks building this optimizer: beyond the dp mesh only with tensor parallelism
+        self.world = None if over else checks_world(self.tensor_parallel, self.dp, self.all_ranks)
         if not over:  # every rank: see tp_plan
-            problem = tp_plan_problem(params, self.all_ranks, labels) or problem
+            problem = tp_plan_problem(params, self.world, labels) or problem
         if agree is not None:
             agree(self.dp, problem, plan.structure)
         elif problem is not None:
@@ -100,7 +102,7 @@ class Runtime:
         )
         listed = [m for m in plan.modules if m is not None]
         if needs_materializing(self.units, listed):
-            materialize(self.units, listed, config.param_init_fn, self.all_ranks or self.dp)
+            materialize(self.units, listed, config.param_init_fn, self.world or self.dp)
         self._install(plan.modules, params, over)
 
     def _install(self, modules: list[nn.Module | None], params: list[torch.Tensor], over: bool) -> None:
@@ -114,6 +116,7 @@ class Runtime:
             backward_prefetch=config.backward_prefetch,
             on_grad=self._on_grad,
             enclosing=self._listed,
+            microbatches=config.microbatches,
         )
         self.tracker = GradTracker(self.units, self.segments, self.schedule, self.dp, self.labels)
         self.model_state = ModelState(self.units, modules)
@@ -209,10 +212,16 @@ class Runtime:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        across: Comm | None = None,
     ) -> torch.Tensor:
         """Clip the averaged gradient to `max_norm` in `norm_type` norm over all shards (see
-        the optimizers' `clip_grad_norm_`); returns the total norm before clipping."""
+        the optimizers' `clip_grad_norm_`); returns the total norm before clipping. `across`:
+        a group of ranks that hold other parts of the model (pipeline stages), whose norms
+        combine with this one's into the whole model's."""
         self.reduce_gradients()
         norm_type = float(norm_type)
         grads = [u.grads.shard for u in self.units if u.grads.shard_bytes and not u.grads.borrowed]
@@ -228,6 +237,9 @@ class Runtime:
         if tp is not None:
             all_reduce_(total[1:], tp, op, what="clip_grad_norm_'s norm over tensor parallelism")
         total = total.max() if inf else total.sum()
+        if across is not None:  # the other stages' parts: disjoint parameters, combined once
+            all_reduce_(total := total.reshape(1), across, op, what="clip_grad_norm_'s norm over the stages")
+            total = total[0]
         total = (total if inf else total ** (1.0 / norm_type)).float()
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

@@ -84,13 +84,14 @@ class Schedule:
         backward_prefetch: bool = True,
         on_grad: Callable[[torch.nn.Parameter], None] | None = None,
         enclosing: Sequence[nn.Module] = (),
+        microbatches: int = 1,
     ):
         self.units = list(units)
         self.reshard_after_forward = reshard_after_forward
         self.on_grad = on_grad
         self.round = Round.IDLE
         self.prefetch = Prefetcher(backward_prefetch)
-        self.reductions = ReductionPipeline(self.units)
+        self.reductions = ReductionPipeline(self.units, microbatches)
         self._handles: list = []
         inner = {id(m): {id(c) for c in m.modules() if c is not m} for m in modules if m is not None}
         # a unit is outermost (kept gathered from forward to backward) only if no listed module
@@ -236,7 +237,7 @@ class Schedule:
         self.reductions.reduced.add(unit.index)
         rec = self._rec(unit)
         rec.complete = False
-        if self.reductions.sync_grads and rec.trainable:
+        if self.reductions.reduces and rec.trainable:
             self._prefetch()  # a deferred prefetch first: any other collective of backward issues it
             self.reductions.advance()  # the one in flight is waited for (its buffer freed) first
             self.reductions.issue(unit)
@@ -281,6 +282,7 @@ class Schedule:
         self.round = Round.ENDED
         self._open()
         self.round = Round.IDLE
+        self.reductions.rounds = 1  # the step's first micro-batch comes next
 
     def unfinished_forward(self) -> str | None:
         """The names of the units whose forward started and has not finished, if any."""

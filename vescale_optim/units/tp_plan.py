@@ -2,8 +2,9 @@
 
 Each rank describes its parameters (`tp_description`: global shape, placements, TP mesh shape;
 None for a plain tensor) and names its tensor-parallel peers (the ranks of its DTensor parameters'
-meshes; none without DTensors). Every rank of the root world joins the exchange, whether or not it
-holds DTensors, so a rank left out of the plan (a plain model on one rank, DTensors on its peers)
+meshes; none without DTensors). Every rank that builds the optimizer (`checks_world`: the root world,
+or a pipeline stage's dp x tp ranks) joins the exchange, whether or not it holds DTensors, so a
+rank left out of the plan (a plain model on one rank, DTensors on its peers)
 raises with them instead of leaving them waiting in an exchange over their TP group it never joins.
 A rank sends a digest of its descriptions and its peers, one small exchange; only when some rank's
 digest differs from one of its peers' do the ranks exchange the descriptions themselves, to name
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard.collectives import Comm, all_gather_object
+from ..shard.collectives import Comm, all_gather_object, all_reduce_
 from .tensor_parallel import is_dtensor, tp_description
+from .tp_view import TensorParallel
 
 
 def _peers(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -28,13 +30,34 @@ def _peers(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
+def checks_world(tensor_parallel: TensorParallel, dp: Comm, all_ranks: Comm | None) -> Comm | None:
+    """The ranks that build this optimizer over one model part, for the checks and random states
+    that must be alike beyond the data-parallel mesh `dp` (collective over `dp`, at construction).
+
+    None when nothing beyond `dp` takes part: `dp` is every rank (`all_ranks` None), or no rank
+    of `dp` holds tensor-parallel parameters, while the root mesh holds more ranks (pipeline
+    stages, each building an optimizer of its own). `all_ranks` when the root mesh is `dp` x TP
+    (every rank builds this optimizer: a rank left out of the TP plan is found there). Else the
+    stage's dp x tp world, made by its members alone."""
+    if all_ranks is None:
+        return None
+    size = torch.tensor([tensor_parallel.size], device=dp.device)
+    all_reduce_(size, dp, "max", what="the tensor-parallel size over the data-parallel mesh")
+    tp = int(size.item())  # at construction: one read
+    if dp.world_size * tp == all_ranks.world_size:
+        return all_ranks
+    if tp == 1 or tensor_parallel.group is None:  # a rank without a TP group: the dp check finds it
+        return None
+    return tensor_parallel.world().comm
+
+
 def tp_plan_problem(
     params: Sequence[torch.Tensor], everyone: Comm | None, labels: dict[int, str]
 ) -> str | None:
     """Why this rank and its tensor-parallel peers hold different TP plans, if some do anywhere in
-    the world (the same answer on every rank; collective over `everyone`, the root world that every
-    rank joins: `Groups.all_ranks`). None (and no exchange) without one: the data-parallel mesh
-    spans every rank, so a DTensor's mesh meets it in more than one rank, which `dtensor_problem`
+    the world (the same answer on every rank; collective over `everyone`, the ranks that build
+    this optimizer: `checks_world`). None (and no exchange) without one: the data-parallel mesh
+    spans them all, so a DTensor's mesh meets it in more than one rank, which `dtensor_problem`
     refuses first, or holds this rank alone."""
     if everyone is None or not everyone.active:
         return None
