@@ -120,6 +120,7 @@ class Trainer:
         self.part = Stage(shaped_gpt(shape, seed=0), pp_rank, PP)
         self.model_ns = stage_ns_flops(self.part)  # before FSDP2 makes the shapes DTensors'
         self.sent, self.reduced, self.losses, self.ns = [], [], [], 0
+        self.microbatches = shape["microbatches"]  # ours reduce once per step, as FSDP2 under PP
         self.opt = self.optimizer(world["dp"])
         stage = PipelineStage(self.part, pp_rank, PP, torch.device("cpu"), group=world["pp"].get_group())
         self.schedule = Schedule1F1B(stage, shape["microbatches"], loss_fn=loss_fn)
@@ -128,12 +129,13 @@ class Trainer:
     def optimizer(self, dp):
         hidden, rest = hidden_and_rest(self.part)
         units = [*self.part.blocks.values(), self.part]
+        sharded = dict(mesh=dp, shard_modules=units, microbatches=self.microbatches)
         aux = {k: MUON_ADAMW[k] for k in ("lr", "betas", "weight_decay")}
         if self.config == "ours AdamW":
-            return vo.AdamW(self.part.parameters(), **ADAMW, mesh=dp, shard_modules=units)
+            return vo.AdamW(self.part.parameters(), **ADAMW, **sharded)
         if self.config == "ours Muon":
             groups = [{"params": hidden, **MUON}, {"params": rest, "use_muon": False, **aux}]
-            return vo.Muon(groups, mesh=dp, shard_modules=units)
+            return vo.Muon(groups, **sharded)
         fully_shard_gpt(self.part, dp, blocks=list(self.part.blocks.values()))  # params now DTensors
         if self.config == "FSDP2 AdamW":
             return torch.optim.AdamW(self.part.parameters(), foreach=True, **ADAMW)

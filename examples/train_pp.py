@@ -106,23 +106,20 @@ def stage_of(model: Model, pp: int, stage: int) -> Model:
     return model
 
 
-def build_optimizer(part: Model, name: str, mesh, lr: float) -> vo.ShardedOptimizer:
+def build_optimizer(part: Model, name: str, mesh, lr: float, microbatches: int) -> vo.ShardedOptimizer:
     """`name`'s optimizer over one stage, sharded over `mesh` (the stage's data-parallel
-    ranks), a unit per block and one for the rest of the stage (ZeRO-3). Muon takes the
-    blocks' matrices; the embedding, head, norms and biases take AdamW."""
-    units = [*part.layers.values(), part]
+    ranks), a unit per block and one for the rest of the stage (ZeRO-3), its gradients reduced
+    once per step, in the last micro-batch's backward. Muon takes the blocks' matrices; the
+    embedding, head, norms and biases take AdamW."""
+    units = dict(mesh=mesh, shard_modules=[*part.layers.values(), part], microbatches=microbatches)
     if name == "adamw":
-        return vo.AdamW(
-            part.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, mesh=mesh, shard_modules=units
-        )
+        return vo.AdamW(part.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **units)
     if name == "shampoo":
-        return vo.Shampoo(
-            part.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, mesh=mesh, shard_modules=units
-        )
+        return vo.Shampoo(part.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, **units)
     hidden = [p for p in part.layers.parameters() if p.ndim == 2]
     rest = [p for p in part.parameters() if all(p is not h for h in hidden)]
     groups = [{"params": hidden}, {"params": rest, "use_muon": False, "lr": lr, "weight_decay": 0.0}]
-    return vo.Muon(groups, lr=0.02, weight_decay=0.1, mesh=mesh, shard_modules=units)
+    return vo.Muon(groups, lr=0.02, weight_decay=0.1, **units)
 
 
 def batch(step: int, dp_rank: int, dp: int, args, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +215,12 @@ def parse() -> argparse.Namespace:
         default=3e-3,
         help="AdamW's and Shampoo's peak learning rate (default: %(default)s)",
     )
+    p.add_argument(
+        "--max-norm",
+        type=float,
+        default=1.0,
+        help="clip the whole model's gradient norm (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="initial weights and data (default: %(default)s)")
     p.add_argument("--log-every", type=int, default=10, help="steps between lines (default: %(default)s)")
     p.add_argument("--checkpoint-dir", type=Path, help="save step-N folders here")
@@ -261,7 +264,7 @@ def train(args, device: torch.device) -> None:
     # (torchtitan builds it on the meta device and initialises each stage's part)
     torch.manual_seed(args.seed)
     part = stage_of(Model(args.dim, args.layers).to(device), args.pp, pp_rank)
-    opt = build_optimizer(part, args.optimizer, world["dp"], args.lr)
+    opt = build_optimizer(part, args.optimizer, world["dp"], args.lr, args.microbatches)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     schedule = None
     if args.pp > 1:
@@ -286,6 +289,7 @@ def train(args, device: torch.device) -> None:
     for step in range(start, args.steps):
         x, y = batch(step, dp_rank, dp, args, device)
         loss = forward_backward(part, schedule, pp_rank, args.pp, args.microbatches, x, y)
+        opt.clip_grad_norm_(args.max_norm, pp_mesh=world["pp"])  # the whole model's norm, every stage
         opt.step()  # the stage's gradients, averaged over its dp ranks, update its shards
         opt.zero_grad()
         sched.step()
