@@ -117,3 +117,40 @@ def test_declared_microbatches_reduce_once_per_step(world, zero):
     for (n_once, units, _, _), (n_each, _, _, _) in zip(once, each):
         assert n_once == units  # each unit reduced once in the step's backwards
         assert n_each == LAYOUT.microbatches * units  # once per micro-batch
+
+
+def _interleaved(zero: int):
+    """Two stages per rank (stages r and r + 2 of 4), each with its own optimizer, under torch's
+    `ScheduleInterleaved1F1B`."""
+    from _pipeline import loss_fn, optimizer, stage_of
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = world["pp"].get_local_rank(), world["dp"].get_local_rank()
+    group, ids = world["pp"].get_group(), (pp_rank, pp_rank + 2)
+    parts = [stage_of(model(), 4, s) for s in ids]
+    opts = [optimizer("adamw", p, world["dp"], zero, microbatches=LAYOUT.microbatches) for p in parts]
+    stages = [PipelineStage(p, s, 4, torch.device("cpu"), group=group) for p, s in zip(parts, ids)]
+    schedule = ScheduleInterleaved1F1B(stages, LAYOUT.microbatches, loss_fn=loss_fn)
+    for step in range(STEPS):
+        x, y = batch(step, dp_rank, LAYOUT.dp)
+        schedule.step(x, target=y) if pp_rank == 0 else schedule.step(target=y)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out = {}
+    for opt, part in zip(opts, parts):
+        out.update({k: v.clone() for k, v in opt.full_model_state_dict(part).items()})
+    return out
+
+
+def test_interleaved_1f1b_with_two_stages_per_rank_trains_like_one_process_torch(world):
+    runs = world(4).run(_interleaved, 3, timeout=180)
+    ref = Reference("adamw")
+    ref.train(range(STEPS), LAYOUT)
+    want = ref.params()
+    assert set().union(*runs) == set(want) and all(len(params) < len(want) for params in runs)
+    for params in runs:
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=TOL["adamw"], msg=name)
