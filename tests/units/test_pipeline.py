@@ -154,3 +154,48 @@ def test_interleaved_1f1b_with_two_stages_per_rank_trains_like_one_process_torch
     for params in runs:
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=TOL["adamw"], msg=name)
+
+
+def _pp_tp(steps: int):
+    """pp2 x dp1 x tp2: each stage's blocks cut by torch's ColwiseParallel / RowwiseParallel over
+    world["tp"], its `vo.AdamW` over world["dp"] (one rank: the TP shards are its own)."""
+    from _pipeline import loss_fn, optimizer, stage_of
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank = world["pp"].get_local_rank()
+    part = stage_of(model(), 2, pp_rank)
+    for layer in part.layers.values():
+        parallelize_module(layer, world["tp"], {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    opt = optimizer("adamw", part, world["dp"], zero=3, microbatches=LAYOUT.microbatches)
+    stage = PipelineStage(part, pp_rank, 2, torch.device("cpu"), group=world["pp"].get_group())
+    schedule = ScheduleGPipe(stage, LAYOUT.microbatches, loss_fn=loss_fn)
+    for step in range(steps):
+        x, y = batch(step, 0, 1)
+        schedule.step(x) if pp_rank == 0 else schedule.step(target=y)
+        opt.clip_grad_norm_(0.05, pp_mesh=world["pp"])
+        opt.step()
+        opt.zero_grad()
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in opt.full_model_state_dict(part).items()
+    }
+
+
+def test_pp2_dp1_tp2_trains_like_one_process_torch(world):
+    runs = world(4).run(_pp_tp, STEPS, timeout=180)
+    ref = Reference("adamw")
+    one = Layout(pp=2, dp=1, microbatches=LAYOUT.microbatches)
+    for step in range(STEPS):
+        ref.backward_mean(step, one)
+        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.05)
+        for opt in ref.opts:
+            opt.step()
+        ref.model.zero_grad()
+    want = ref.params()
+    assert set().union(*runs) == set(want)
+    for params in runs:
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=TOL["adamw"], msg=name)
